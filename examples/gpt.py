@@ -1,0 +1,91 @@
+"""GPT-2 style decoder-only language model.
+
+Token + learned position embeddings, pre-LayerNorm transformer blocks with a
+fused QKV projection and causal scaled-dot-product attention, a 4x GELU MLP,
+a final LayerNorm and an output head tied to the token embedding.
+
+Default size: 2 layers, hidden 64, 4 heads, vocab 256, sequence 32, batch 4
+(~0.12M parameters). Optimizer: AdamW with two parameter groups (weight decay
+on >=2-D weights only, none on biases and norms).
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class CausalSelfAttention(nn.Module):
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.heads = heads
+        self.qkv = nn.Linear(hidden, 3 * hidden)
+        self.proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        q, k, v = self.qkv(x).split(h, dim=-1)
+        q, k, v = (z.view(b, t, self.heads, h // self.heads).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(b, t, h))
+
+
+class Block(nn.Module):
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(hidden)
+        self.attn = CausalSelfAttention(hidden, heads)
+        self.ln2 = nn.LayerNorm(hidden)
+        self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.mlp(self.ln2(x))
+
+
+class GPT(nn.Module):
+    def __init__(self, vocab, seq, hidden, heads, layers):
+        super().__init__()
+        self.tok = nn.Embedding(vocab, hidden)
+        self.pos = nn.Embedding(seq, hidden)
+        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.ln_f = nn.LayerNorm(hidden)
+        self.head = nn.Linear(hidden, vocab, bias=False)
+        self.head.weight = self.tok.weight  # weight tying
+        self.apply(self._init_weights)
+
+    @staticmethod
+    def _init_weights(module):
+        if isinstance(module, (nn.Linear, nn.Embedding)):
+            nn.init.normal_(module.weight, std=0.02)
+        if isinstance(module, nn.Linear) and module.bias is not None:
+            nn.init.zeros_(module.bias)
+
+    def forward(self, idx):
+        pos = torch.arange(idx.shape[1], device=idx.device)
+        x = self.tok(idx) + self.pos(pos)
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(x))
+
+
+def loss_fn(model, x, y):
+    return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+
+
+def workload(layers=2, hidden=64, heads=4, seq=32, batch=4, vocab=256, lr=3e-4, device="cpu"):
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = GPT(vocab, seq, hidden, heads, layers)
+
+    decay = [p for p in model.parameters() if p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.dim() < 2]
+    optimizer = torch.optim.AdamW(
+        [{"params": decay, "weight_decay": 0.1}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=lr, betas=(0.9, 0.95),
+    )
+
+    if device == "meta":
+        tokens = torch.empty(batch, seq + 1, dtype=torch.long, device="meta")
+    else:
+        g = torch.Generator().manual_seed(0)
+        tokens = torch.randint(vocab, (batch, seq + 1), generator=g).to(device)
+    return model, optimizer, loss_fn, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())

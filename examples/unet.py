@@ -1,0 +1,67 @@
+"""Small U-Net for per-pixel segmentation.
+
+Two-level encoder (conv + GroupNorm + SiLU, max-pool downsampling), a
+bottleneck containing a grouped conv (``groups=2``), a decoder that upsamples
+with ``ConvTranspose2d`` and concatenates the encoder skip connections
+(``torch.cat``), and a 1x1 conv producing per-pixel class logits. The loss is
+per-pixel cross entropy.
+
+Default size: base width 16, 4 classes, 3x32x32 images, batch 4
+(~0.10M parameters). Optimizer: Adam with (L2) weight decay.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class ConvBlock(nn.Sequential):
+    """Two 3x3 conv -> GroupNorm -> SiLU stages."""
+
+    def __init__(self, cin, cout, groups=1):
+        super().__init__(
+            nn.Conv2d(cin, cout, 3, padding=1), nn.GroupNorm(4, cout), nn.SiLU(),
+            nn.Conv2d(cout, cout, 3, padding=1, groups=groups), nn.GroupNorm(4, cout), nn.SiLU(),
+        )
+
+
+class UNet(nn.Module):
+    def __init__(self, in_ch=3, classes=4, width=16):
+        super().__init__()
+        w1, w2, w3 = width, 2 * width, 4 * width
+        self.enc1 = ConvBlock(in_ch, w1)
+        self.enc2 = ConvBlock(w1, w2)
+        self.pool = nn.MaxPool2d(2)
+        self.bottleneck = ConvBlock(w2, w3, groups=2)
+        self.up2 = nn.ConvTranspose2d(w3, w2, kernel_size=2, stride=2)
+        self.dec2 = ConvBlock(2 * w2, w2)
+        self.up1 = nn.ConvTranspose2d(w2, w1, kernel_size=2, stride=2)
+        self.dec1 = ConvBlock(2 * w1, w1)
+        self.out = nn.Conv2d(w1, classes, kernel_size=1)
+
+    def forward(self, x):
+        s1 = self.enc1(x)                      # [B, w1, H, W]
+        s2 = self.enc2(self.pool(s1))          # [B, w2, H/2, W/2]
+        x = self.bottleneck(self.pool(s2))     # [B, w3, H/4, W/4]
+        x = self.dec2(torch.cat([self.up2(x), s2], dim=1))
+        x = self.dec1(torch.cat([self.up1(x), s1], dim=1))
+        return self.out(x)                     # [B, classes, H, W]
+
+
+def loss_fn(model, images, masks):
+    return F.cross_entropy(model(images), masks)
+
+
+def workload(width=16, classes=4, image=32, batch=4, lr=1e-3, device="cpu"):
+    torch.manual_seed(0)
+    with torch.device(device):
+        model = UNet(3, classes, width)
+    optimizer = torch.optim.Adam(model.parameters(), lr=lr, weight_decay=1e-4)
+
+    if device == "meta":
+        images = torch.empty(batch, 3, image, image, device="meta")
+        masks = torch.empty(batch, image, image, dtype=torch.long, device="meta")
+    else:
+        g = torch.Generator().manual_seed(0)
+        images = torch.randn(batch, 3, image, image, generator=g).to(device)
+        masks = torch.randint(classes, (batch, image, image), generator=g).to(device)
+    return model, optimizer, loss_fn, (images, masks)

@@ -1,0 +1,5 @@
+"""Capture: a PyTorch training step -> one IR graph."""
+from .trace import CaptureError, Captured, capture
+from .workload import Workload, WorkloadError, load_workload
+
+__all__ = ["CaptureError", "Captured", "capture", "Workload", "WorkloadError", "load_workload"]

@@ -1,0 +1,97 @@
+"""Convert a traced aten-level ``torch.fx`` graph into the IR."""
+from __future__ import annotations
+
+import operator
+
+import torch
+import torch.fx
+
+from ..ir.graph import Graph, GraphOutput, Node, Ref, Role
+from ..ir.registry import lookup
+from ..ir.types import Device, DType, Layout, MemoryFormat, TensorType
+
+__all__ = ["fx_to_ir", "ir_dtype", "torch_dtype"]
+
+_DTYPES = {getattr(torch, d.value): d for d in DType}
+
+
+def ir_dtype(dt: torch.dtype) -> DType:
+    try:
+        return _DTYPES[dt]
+    except KeyError:
+        raise ValueError(f"dtype {dt} is not supported by the IR") from None
+
+
+def torch_dtype(dt: DType) -> torch.dtype:
+    return getattr(torch, dt.value)
+
+
+def _ttype(val) -> TensorType:
+    return TensorType(tuple(int(s) for s in val.shape), ir_dtype(val.dtype))
+
+
+def fx_to_ir(gm: torch.fx.GraphModule, in_roles: list[tuple[str, Role]],
+             out_roles: list[tuple[str, Role]]) -> tuple[Graph, list[str]]:
+    """Build the IR graph; returns it with the names of opaque (unregistered) ops."""
+    g = Graph()
+    env: dict[torch.fx.Node, object] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    if len(placeholders) != len(in_roles):
+        raise AssertionError(f"{len(placeholders)} placeholders for {len(in_roles)} inputs")
+    for node, (name, role) in zip(placeholders, in_roles):
+        env[node] = Ref(g.add_input(name, role, _ttype(node.meta["val"])))
+    opaque: list[str] = []
+    counter = 0
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            value = getattr(gm, node.target)
+            vid = g.new_value(_ttype(value))
+            g.constants[vid] = value.detach().cpu().reshape(-1).tolist()
+            env[node] = Ref(vid)
+        elif node.op == "call_function" and node.target is operator.getitem:
+            env[node] = env[node.args[0]][node.args[1]]
+        elif node.op == "call_function":
+            if not isinstance(node.target, torch._ops.OpOverload):
+                raise AssertionError(f"unexpected non-aten call {node.target} in the traced graph")
+            op = str(node.target)
+            val = node.meta.get("val")
+            multi = isinstance(val, (tuple, list))
+            vals = list(val) if multi else [val]
+            outs = [g.new_value(_ttype(v)) if isinstance(v, torch.Tensor) else None for v in vals]
+            counter += 1
+            g.nodes.append(Node(f"n{counter}_{node.name}", op, _arg(node.args, env), _arg(dict(node.kwargs), env),
+                                outs, multi))
+            if lookup(op) is None:
+                opaque.append(op)
+            env[node] = [Ref(v) if v is not None else None for v in outs] if multi else Ref(outs[0])
+        elif node.op == "output":
+            results = node.args[0]
+            if len(results) != len(out_roles):
+                raise AssertionError(f"{len(results)} outputs for {len(out_roles)} roles")
+            for res, (name, role) in zip(results, out_roles):
+                g.outputs.append(GraphOutput(name, role, env[res].id))
+    return g, opaque
+
+
+def _arg(a, env):
+    if isinstance(a, torch.fx.Node):
+        ref = env[a]
+        if isinstance(ref, list):
+            raise AssertionError(f"multi-output node {a} used directly")
+        return ref
+    if isinstance(a, (list, tuple)):
+        items = [_arg(x, env) for x in a]
+        return items if isinstance(a, list) else tuple(items)
+    if isinstance(a, dict):
+        return {k: _arg(v, env) for k, v in a.items()}
+    if isinstance(a, torch.dtype):
+        return ir_dtype(a)
+    if isinstance(a, torch.device):
+        return Device(a.type)
+    if isinstance(a, torch.layout):
+        return Layout(str(a).removeprefix("torch."))
+    if isinstance(a, torch.memory_format):
+        return MemoryFormat(str(a).removeprefix("torch."))
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return a
+    raise ValueError(f"unsupported op argument {a!r} of type {type(a).__name__}")

@@ -1,0 +1,256 @@
+"""Capture a whole training step (forward, backward, optimizer update) as an IR graph.
+
+The step is traced with ``make_fx`` on fake tensors (meta tensors become fake
+CPU tensors, so nothing is allocated): ``torch.func.functional_call`` runs the
+model with parameters, buffers and batch as inputs, ``torch.autograd.grad``
+gives the gradients (the same aten backward ops eager autograd runs), and the
+functional optimizer of ``optim.py`` computes the new state. If the trace has
+in-place ops (BatchNorm running statistics, ``relu_``, ...), a second trace
+through ``torch.func.functionalize`` replaces them by pure ops.
+"""
+from __future__ import annotations
+
+import time
+import traceback
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                           FakeTensorMode)
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+from ..ir.graph import Graph, Role
+from ..ir.verify import verify
+from .optim import ParamUpdate, apply_update, initial_state, plan_updates, state_name
+from .to_ir import fx_to_ir
+from .workload import Workload, WorkloadError
+
+__all__ = ["Captured", "capture", "CaptureError"]
+
+_DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode)
+
+
+class CaptureError(WorkloadError):
+    """The training step cannot be captured; the message says why and where."""
+
+
+@dataclass
+class Captured:
+    """A captured training step and how its inputs map to the workload's tensors."""
+
+    graph: Graph
+    workload: Workload
+    updates: list[ParamUpdate]
+    param_names: list[str]                 # trainable, in graph-input order
+    frozen_names: list[str]
+    buffer_names: list[str]
+    opaque_ops: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def initial_state(self) -> dict[str, torch.Tensor]:
+        """Current values of every state input, by graph-input name (copies)."""
+        model, opt = self.workload.model, self.workload.optimizer
+        params = dict(model.named_parameters())
+        buffers = dict(model.named_buffers())
+        state = {n: params[n].detach().clone() for n in self.param_names + self.frozen_names}
+        state.update({n: buffers[n].detach().clone() for n in self.buffer_names})
+        state.update(initial_state(opt, self.updates, params))
+        return state
+
+
+class _LossModule(torch.nn.Module):
+    """Holds the model so ``functional_call`` can swap its tensors; forward is the user's loss."""
+
+    def __init__(self, model: torch.nn.Module, loss_fn) -> None:
+        super().__init__()
+        self.model = model
+        self.loss_fn = loss_fn
+
+    def forward(self, *batch):
+        return self.loss_fn(self.model, *batch)
+
+
+def capture(workload: Workload, verify_graph: bool = True) -> Captured:
+    """Trace ``workload``'s training step into one pure IR graph."""
+    start = time.perf_counter()
+    model, optimizer = workload.model, workload.optimizer
+    names = {id(p): n for n, p in model.named_parameters()}
+    updates = plan_updates(optimizer, names)
+    trained = {u.name for u in updates}
+    param_names = [u.name for u in updates]
+    frozen_names = [n for n, _ in model.named_parameters() if n not in trained]
+    buffer_names = [n for n, _ in model.named_buffers()]
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    opt_state = initial_state_meta(optimizer, updates, params)
+    opt_names = list(opt_state)
+
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = _Faker(fake_mode)
+    flat = ([fake(params[n], grad=True) for n in param_names] + [fake(params[n]) for n in frozen_names] +
+            [fake(buffers[n]) for n in buffer_names] + [fake(opt_state[n]) for n in opt_names] +
+            [fake(b) for b in workload.batch])
+    counts = (len(param_names), len(frozen_names), len(buffer_names), len(opt_names))
+    wrapper = _LossModule(model, workload.loss_fn)
+    step = _make_step(wrapper, workload, updates, param_names, frozen_names, buffer_names, opt_names, counts)
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        gm = _trace(step, flat, workload)
+        gm = _functionalize(gm, flat)
+    _simplify(gm)
+    roles = ([(n, Role.PARAM) for n in param_names] + [(n, Role.FROZEN) for n in frozen_names] +
+             [(n, Role.BUFFER) for n in buffer_names] + [(n, Role.OPT_STATE) for n in opt_names] +
+             [(f"batch/{i}", Role.BATCH) for i in range(len(workload.batch))])
+    out_roles = ([("loss", Role.LOSS)] + [(n, Role.PARAM) for n in param_names] +
+                 [(n, Role.FROZEN) for n in frozen_names] + [(n, Role.BUFFER) for n in buffer_names] +
+                 [(n, Role.OPT_STATE) for n in opt_names])
+    graph, opaque = fx_to_ir(gm, roles, out_roles)
+    graph.meta.update(workload=workload.spec, model=type(model).__name__,
+                      optimizer=type(optimizer).__name__)
+    if verify_graph:
+        verify(graph)
+    if opaque:
+        warnings.warn(f"{len(opaque)} op(s) unknown to the registry run as opaque ops (never sharded): "
+                      f"{', '.join(sorted(set(opaque)))}", stacklevel=2)
+    return Captured(graph, workload, updates, param_names, frozen_names, buffer_names, sorted(set(opaque)),
+                    time.perf_counter() - start)
+
+
+def initial_state_meta(optimizer, updates, params) -> dict[str, torch.Tensor]:
+    """Initial optimizer state; for meta parameters, meta tensors (no memory)."""
+    if any(p.device.type == "meta" for p in params.values()):
+        out = {}
+        for u in updates:
+            p = params[u.name]
+            for key in u.state_keys:
+                scalar = key in ("step", "started")
+                out[state_name(u.name, key)] = torch.empty((), dtype=torch.float32, device="meta") if scalar \
+                    else torch.empty_like(p, device="meta")
+        return out
+    return initial_state(optimizer, updates, params)
+
+
+class _Faker:
+    """Real tensors -> fake tensors; meta tensors -> fake CPU tensors of the same shape."""
+
+    def __init__(self, mode: FakeTensorMode) -> None:
+        self.mode = mode
+
+    def __call__(self, t: torch.Tensor, grad: bool = False) -> torch.Tensor:
+        if t.device.type == "meta":
+            with self.mode:
+                out = torch.empty(t.shape, dtype=t.dtype, device="cpu")
+        else:
+            out = self.mode.from_tensor(t.detach())
+        return out.requires_grad_(True) if grad else out
+
+
+def _make_step(wrapper, workload, updates, param_names, frozen_names, buffer_names, opt_names, counts):
+    n_p, n_f, n_b, n_o = counts
+    prefixed = lambda names: ["model." + n for n in names]  # noqa: E731
+    all_names = prefixed(param_names) + prefixed(frozen_names) + prefixed(buffer_names)
+
+    def step(*flat):
+        tensors = dict(zip(all_names, flat[:n_p + n_f + n_b]))
+        opt = dict(zip(opt_names, flat[n_p + n_f + n_b:n_p + n_f + n_b + n_o]))
+        batch = flat[n_p + n_f + n_b + n_o:]
+        loss = torch.func.functional_call(wrapper, tensors, tuple(batch), tie_weights=True, strict=False)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise CaptureError(f"{workload.spec}: loss_fn must return a scalar floating-point tensor, got {got}")
+        params = list(flat[:n_p])
+        grads = torch.autograd.grad(loss, params, allow_unused=True) if params else []
+        new_params, new_opt = [], dict(opt)
+        for u, p, g in zip(updates, params, grads):
+            if g is None:  # unused parameter: torch skips it (no step, no state change)
+                new_params.append(p.detach())
+                continue
+            st = {k: opt[state_name(u.name, k)] for k in u.state_keys}
+            new_p, new_st = apply_update(u, p.detach(), g, st)
+            new_params.append(new_p)
+            new_opt.update({state_name(u.name, k): v for k, v in new_st.items()})
+        frozen = [t.detach() for t in flat[n_p:n_p + n_f]]
+        buffers = [tensors[n] for n in prefixed(buffer_names)]
+        return [loss.detach().reshape(())] + new_params + frozen + buffers + [new_opt[n] for n in opt_names]
+
+    return step
+
+
+def _trace(step, flat, workload: Workload) -> torch.fx.GraphModule:
+    try:
+        return make_fx(step, tracing_mode="fake")(*flat)
+    except _DATA_DEPENDENT as exc:
+        raise CaptureError(f"tracing stopped at {_user_frame(exc, workload)}: Python control flow or a "
+                           f"shape depends on a tensor's value (.item(), bool(tensor), boolean indexing), "
+                           f"which a training-step graph cannot hold; use tensor ops such as torch.where "
+                           f"instead") from None
+    except CaptureError:
+        raise
+    except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CaptureError(f"tracing the training step failed at {_user_frame(exc, workload)}: {first}. "
+                           f"Check that the batch fits the model (shapes, dtypes) and that loss_fn(model, "
+                           f"*batch) runs in plain PyTorch") from None
+
+
+def _user_frame(exc: BaseException, workload: Workload) -> str:
+    """The innermost traceback frame outside torch and rhino: where user code was running."""
+    frames = traceback.extract_tb(exc.__traceback__)
+    torch_dir = str(Path(torch.__file__).parent)
+    rhino_dir = str(Path(__file__).parents[1])
+    user = [f for f in frames if not f.filename.startswith((torch_dir, rhino_dir))]
+    if not user:
+        return workload.spec
+    f = user[-1]
+    code = f" ({f.line.strip()})" if f.line else ""
+    return f"{f.filename}:{f.lineno}{code}"
+
+
+# aten ops that mutate arguments their schema does not mark as mutated.
+def _fix_legacy_mutators(gm: torch.fx.GraphModule) -> None:
+    for node in gm.graph.nodes:
+        if (node.op == "call_function" and node.target is torch.ops.aten.native_batch_norm.default
+                and node.args[5] and node.args[3] is not None):
+            node.target = torch.ops.aten._native_batch_norm_legit.default
+    gm.recompile()
+
+
+def _is_mutating(node: torch.fx.Node) -> bool:
+    schema = getattr(node.target, "_schema", None)
+    return node.op == "call_function" and schema is not None and schema.is_mutable
+
+
+def _functionalize(gm: torch.fx.GraphModule, flat: list) -> torch.fx.GraphModule:
+    _fix_legacy_mutators(gm)
+    if not any(_is_mutating(n) for n in gm.graph.nodes):
+        return gm
+    with torch.no_grad():
+        inputs = [t.detach() for t in flat]
+        gm2 = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*inputs)
+    # functionalize writes mutated inputs back with copy_; the new values are outputs already.
+    for node in reversed(list(gm2.graph.nodes)):
+        if node.op == "call_function" and node.target is torch.ops.aten.copy_.default \
+                and node.args[0].op == "placeholder" and not node.users:
+            gm2.graph.erase_node(node)
+    left = [str(n.target) for n in gm2.graph.nodes if _is_mutating(n)]
+    if left:
+        raise CaptureError(f"in-place ops remain after functionalization: {', '.join(sorted(set(left)))}")
+    gm2.recompile()
+    return gm2
+
+
+_ALIASES = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.ops.aten.lift_fresh.default}
+
+
+def _simplify(gm: torch.fx.GraphModule) -> None:
+    """Drop no-op aliases (detach) and dead code."""
+    for node in list(gm.graph.nodes):
+        if node.op == "call_function" and node.target in _ALIASES:
+            node.replace_all_uses_with(node.args[0])
+            gm.graph.erase_node(node)
+    gm.graph.eliminate_dead_code()
+    gm.recompile()

@@ -1,0 +1,104 @@
+"""Loading workload files: ``FILE[:FUNC]`` -> (model, optimizer, loss_fn, batch)."""
+from __future__ import annotations
+
+import importlib.util
+import sys
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+__all__ = ["Workload", "WorkloadError", "load_workload", "parse_spec"]
+
+
+class WorkloadError(ValueError):
+    """A user mistake in a workload file; the message says what to change."""
+
+
+@dataclass
+class Workload:
+    model: torch.nn.Module
+    optimizer: torch.optim.Optimizer
+    loss_fn: Callable
+    batch: tuple
+    path: str
+    func: str
+
+    @property
+    def spec(self) -> str:
+        return f"{self.path}:{self.func}"
+
+    @property
+    def on_meta(self) -> bool:
+        tensors = list(self.model.parameters()) + list(self.model.buffers()) + \
+            [b for b in self.batch if isinstance(b, torch.Tensor)]
+        return any(t.device.type == "meta" for t in tensors)
+
+
+def parse_spec(spec: str) -> tuple[Path, str]:
+    path, sep, func = spec.rpartition(":")
+    if not sep or not func.isidentifier() or not path:
+        path, func = spec, "workload"
+    return Path(path), func
+
+
+def load_workload(spec: str) -> Workload:
+    """Import ``FILE`` and call ``FUNC`` (default ``workload``); validate what it returns."""
+    path, func = parse_spec(spec)
+    if not path.is_file():
+        raise WorkloadError(f"workload file {str(path)!r} does not exist; pass FILE[:FUNC] with an existing .py file")
+    module_name = f"rhino_workload_{abs(hash(str(path.resolve())))}"
+    loader = importlib.util.spec_from_file_location(module_name, path)
+    if loader is None or loader.loader is None:
+        raise WorkloadError(f"cannot import {str(path)!r}: it is not a Python file")
+    module = importlib.util.module_from_spec(loader)
+    sys.modules[module_name] = module
+    try:
+        loader.loader.exec_module(module)
+    except SyntaxError as exc:
+        raise WorkloadError(f"{path}:{exc.lineno}: syntax error: {exc.msg}") from None
+    except Exception as exc:  # noqa: BLE001 -- user code: report where it failed, then stop
+        raise WorkloadError(f"importing {path} failed: {_where(exc, path)}") from None
+    fn = getattr(module, func, None)
+    if not callable(fn):
+        raise WorkloadError(f"{path} has no function {func!r}; define it or pass FILE:FUNC")
+    try:
+        result = fn()
+    except Exception as exc:  # noqa: BLE001 -- user code: report where it failed, then stop
+        raise WorkloadError(f"{path}:{func}() failed: {_where(exc, path)}") from None
+    return _validate(result, path, func)
+
+
+def _where(exc: BaseException, path: Path) -> str:
+    frames = [f for f in traceback.extract_tb(exc.__traceback__) if Path(f.filename).resolve() == path.resolve()]
+    loc = f" (at {path}:{frames[-1].lineno})" if frames else ""
+    return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{loc}"
+
+
+def _validate(result, path: Path, func: str) -> Workload:
+    where = f"{path}:{func}()"
+    if not isinstance(result, (tuple, list)) or len(result) != 4:
+        got = f"a {type(result).__name__}" + (f" of length {len(result)}" if isinstance(result, (tuple, list)) else "")
+        raise WorkloadError(f"{where} must return (model, optimizer, loss_fn, batch), got {got}")
+    model, optimizer, loss_fn, batch = result
+    if not isinstance(model, torch.nn.Module):
+        raise WorkloadError(f"{where} returned a {type(model).__name__} as model; it must be a torch.nn.Module")
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise WorkloadError(f"{where} returned a {type(optimizer).__name__} as optimizer; it must be a "
+                            f"torch.optim optimizer over the model's parameters")
+    if not callable(loss_fn):
+        raise WorkloadError(f"{where} returned a {type(loss_fn).__name__} as loss_fn; it must be callable as "
+                            f"loss_fn(model, *batch)")
+    if isinstance(batch, torch.Tensor):
+        batch = (batch,)
+    if not isinstance(batch, (tuple, list)) or not all(isinstance(b, torch.Tensor) for b in batch):
+        raise WorkloadError(f"{where} must return the batch as a tuple of tensors")
+    model_params = {id(p) for p in model.parameters()}
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in model_params:
+                raise WorkloadError(f"{where}: the optimizer holds a tensor of shape {list(p.shape)} that is not a "
+                                    f"parameter of the model; build the optimizer over model.parameters()")
+    return Workload(model, optimizer, loss_fn, tuple(batch), str(path), func)

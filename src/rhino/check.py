@@ -1,0 +1,76 @@
+"""``rhino check``: a captured step against plain PyTorch, step by step."""
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+
+import torch
+
+from .capture import Captured
+from .capture.optim import state_name
+from .lower import StepProgram
+
+__all__ = ["CheckResult", "check_captured", "eager_steps"]
+
+# torch.testing.assert_close's float32 defaults.
+RTOL, ATOL = 1.3e-6, 1e-5
+
+
+@dataclass
+class CheckResult:
+    ok: bool
+    steps: int
+    max_abs_diff: float
+    losses: list[float] = field(default_factory=list)
+    eager_losses: list[float] = field(default_factory=list)
+    first_mismatch: str | None = None
+    compared: int = 0
+
+
+def eager_steps(model, optimizer, loss_fn, batch, steps: int) -> list[torch.Tensor]:
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_fn(model, *batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.detach().clone())
+    return losses
+
+
+def check_captured(cap: Captured, steps: int = 2, seed: int = 0, rtol: float = RTOL, atol: float = ATOL) -> CheckResult:
+    """Run ``steps`` steps through Rhino and through eager PyTorch (on a deep copy); compare everything."""
+    w = cap.workload
+    model, optimizer = copy.deepcopy((w.model, w.optimizer))
+    state = cap.initial_state()
+    program = StepProgram(cap.graph)
+    torch.manual_seed(seed)
+    ours = [program.step(state, w.batch).detach().clone() for _ in range(steps)]
+    torch.manual_seed(seed)
+    theirs = eager_steps(model, optimizer, w.loss_fn, w.batch, steps)
+
+    pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
+    pairs += [(f"loss[step {i + 1}]", a, b) for i, (a, b) in enumerate(zip(ours, theirs))]
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    pairs += [(n, state[n], params[n].detach()) for n in cap.param_names + cap.frozen_names]
+    pairs += [(n, state[n], buffers[n]) for n in cap.buffer_names]
+    for u in cap.updates:
+        torch_state = optimizer.state.get(params[u.name], {})
+        for key in u.torch_keys:
+            if key in torch_state and torch_state[key] is not None:
+                pairs.append((state_name(u.name, key), state[state_name(u.name, key)], torch_state[key]))
+    result = CheckResult(True, steps, 0.0, [float(x) for x in ours], [float(x) for x in theirs],
+                         compared=len(pairs))
+    for name, a, b in pairs:
+        a = a.reshape(b.shape) if a.numel() == b.numel() else a
+        if a.shape != b.shape or a.dtype != b.dtype and a.is_floating_point() != b.is_floating_point():
+            result.ok, result.first_mismatch = False, f"{name}: shape {list(a.shape)} vs {list(b.shape)}"
+            break
+        a64, b64 = a.double(), b.to(a.device).double()
+        diff = float((a64 - b64).abs().max()) if a.numel() else 0.0
+        result.max_abs_diff = max(result.max_abs_diff, diff)
+        if result.ok and not torch.allclose(a64, b64, rtol=rtol, atol=atol, equal_nan=True):
+            result.ok = False
+            result.first_mismatch = f"{name} differs (max abs diff {diff:.3g})"
+    return result

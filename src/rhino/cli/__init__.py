@@ -1,0 +1,1 @@
+"""The ``rhino`` command line."""

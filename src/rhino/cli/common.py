@@ -1,0 +1,52 @@
+"""Helpers shared by subcommands."""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import tempfile
+import warnings
+from pathlib import Path
+
+__all__ = ["emit_json", "write_atomic", "status", "quiet_warnings"]
+
+
+def emit_json(obj: dict) -> None:
+    print(json.dumps(obj, indent=None, sort_keys=False))
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` via a temporary file and rename: never half-written."""
+    path = Path(path)
+    if path.parent and not path.parent.exists():
+        raise FileNotFoundError(f"directory {str(path.parent)!r} does not exist; create it or choose another --out")
+    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def status(message: str, enabled: bool = True) -> None:
+    """Progress line on stderr (kept off stdout so --json stays parseable)."""
+    if enabled:
+        print(message, file=sys.stderr, flush=True)
+
+
+class quiet_warnings(warnings.catch_warnings):
+    """Collect warnings instead of printing them; ``.messages`` has their text."""
+
+    def __enter__(self):
+        self.log = super().__enter__()  # type: ignore[assignment]
+        warnings.simplefilter("always")
+        return self
+
+    @property
+    def messages(self) -> list[str]:
+        return [str(w.message) for w in (self.log or [])]
+
+    def __init__(self) -> None:
+        super().__init__(record=True)

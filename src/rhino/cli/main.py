@@ -1,0 +1,38 @@
+"""``rhino``: the command line. Each subcommand lives in its own module."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..capture.workload import WorkloadError
+from ..ir.verify import VerifyError
+
+__all__ = ["main"]
+
+
+def _parser() -> argparse.ArgumentParser:
+    from . import cmd_capture, cmd_check, cmd_demo
+    p = argparse.ArgumentParser(prog="rhino", description="Automatic parallelization and memory planning "
+                                "for PyTorch training steps.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    for mod in (cmd_demo, cmd_check, cmd_capture):
+        mod.add_parser(sub)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        return int(args.run(args) or 0)
+    except (WorkloadError, VerifyError, ValueError, FileNotFoundError) as exc:
+        message = str(exc).strip() or type(exc).__name__
+        if getattr(args, "json", False):
+            print(json.dumps({"ok": False, "error": message}))
+        else:
+            print(f"rhino {args.command}: error: {message}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

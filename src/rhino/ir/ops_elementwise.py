@@ -1,0 +1,90 @@
+"""Elementwise ops and reductions (registered on import)."""
+from __future__ import annotations
+
+from .annotation import Annotation
+from .registry import OpCall, OpKind, register
+from .rules import elementwise, norm_dim, reduce_dims
+
+E = OpKind.ELEMENTWISE
+
+# Unary and binary arithmetic with broadcasting. FLOPs: one per output element
+# unless given (transcendentals count as one too: a roofline op is bandwidth bound).
+register("""
+aten.add.Tensor aten.add.Scalar aten.sub.Tensor aten.sub.Scalar aten.rsub.Scalar aten.rsub.Tensor
+aten.mul.Tensor aten.mul.Scalar aten.div.Tensor aten.div.Scalar aten.div.Tensor_mode aten.div.Scalar_mode
+aten.pow.Tensor_Scalar aten.pow.Tensor_Tensor aten.pow.Scalar aten.neg.default aten.abs.default
+aten.exp.default aten.exp2.default aten.expm1.default aten.log.default aten.log1p.default aten.log2.default
+aten.sqrt.default aten.rsqrt.default aten.reciprocal.default aten.sin.default aten.cos.default
+aten.tanh.default aten.sigmoid.default aten.erf.default aten.sign.default aten.floor.default
+aten.ceil.default aten.round.default aten.trunc.default aten.relu.default aten.gelu.default
+aten.silu.default aten.mish.default aten.elu.default aten.leaky_relu.default aten.hardtanh.default
+aten.hardswish.default aten.hardsigmoid.default aten.softplus.default aten.clamp.default aten.clamp.Tensor
+aten.clamp_min.default aten.clamp_max.default aten.maximum.default aten.minimum.default
+aten.remainder.Scalar aten.remainder.Tensor aten.fmod.Scalar aten.fmod.Tensor aten.floor_divide.default
+aten.eq.Scalar aten.eq.Tensor aten.ne.Scalar aten.ne.Tensor aten.lt.Scalar aten.lt.Tensor
+aten.le.Scalar aten.le.Tensor aten.gt.Scalar aten.gt.Tensor aten.ge.Scalar aten.ge.Tensor
+aten.logical_not.default aten.logical_and.default aten.logical_or.default aten.logical_xor.default
+aten.bitwise_not.default aten.bitwise_and.Tensor aten.bitwise_or.Tensor aten.bitwise_xor.Tensor
+aten.bitwise_and.Scalar aten.bitwise_or.Scalar
+aten.isnan.default aten.isinf.default aten.nan_to_num.default aten.where.self aten.where.ScalarSelf
+aten.where.ScalarOther aten.masked_fill.Scalar aten.masked_fill.Tensor aten.lerp.Scalar aten.lerp.Tensor
+aten.addcmul.default aten.addcdiv.default
+aten.threshold_backward.default aten.gelu_backward.default aten.silu_backward.default
+aten.sigmoid_backward.default aten.tanh_backward.default aten.elu_backward.default
+aten.leaky_relu_backward.default aten.hardtanh_backward.default aten.hardswish_backward.default
+aten.hardsigmoid_backward.default aten.softplus_backward.default aten.mish_backward.default
+aten.native_dropout.default aten.native_dropout_backward.default
+aten.ones_like.default aten.zeros_like.default aten.full_like.default aten.empty_like.default
+aten.rand_like.default aten.randn_like.default aten.bernoulli.p aten.bernoulli.default
+aten.fill.Scalar aten.fill.Tensor aten.copy.default aten.clone.default aten._to_copy.default
+aten.lift_fresh_copy.default aten.alias.default aten.detach.default
+""".split(), E, elementwise)
+
+
+def _dims_keep(dims_index: int, keep_index: int, kind: str = "sum", splittable: bool = True,
+               n_outputs: int = 1):
+    def rule(call: OpCall) -> Annotation:
+        dims = call.arg(dims_index, "dim")
+        if isinstance(dims, int):
+            dims = [dims]
+        return reduce_dims(call, dims, bool(call.arg(keep_index, "keepdim", False)), kind, splittable, n_outputs)
+    return rule
+
+
+def _all(kind: str = "sum", splittable: bool = True):
+    return lambda call: reduce_dims(call, None, False, kind, splittable)
+
+
+R = OpKind.REDUCTION
+register("aten.sum.default", R, _all())
+register("aten.sum.dim_IntList", R, _dims_keep(1, 2))
+register("aten.mean.default", R, _all("avg"))
+register("aten.mean.dim", R, _dims_keep(1, 2, "avg"))
+register("aten.amax.default", R, _dims_keep(1, 2, "max"))
+register("aten.amin.default", R, _dims_keep(1, 2, "min"))
+register("aten.max.default", R, _all("max"))
+register("aten.min.default", R, _all("min"))
+register("aten.any.default aten.all.default aten.prod.default", R, _all(splittable=False))
+register("aten.any.dim aten.all.dim aten.argmax.default aten.argmin.default aten.logsumexp.default "
+         "aten.any.dims", R, _dims_keep(1, 2, splittable=False))
+register("aten.max.dim aten.min.dim", R, _dims_keep(1, 2, splittable=False, n_outputs=2))
+register("aten.var.correction aten.std.correction", R, _dims_keep(1, 3, splittable=False))
+register("aten.var_mean.correction", R, _dims_keep(1, 3, splittable=False, n_outputs=2))
+register("aten.linalg_vector_norm.default", R, _dims_keep(2, 3, splittable=False))
+
+
+def _along_dim(dim_index: int, default: int | None = None):
+    """Ops that scan or normalise along one dim: that dim is fixed, the rest pass through."""
+    def rule(call: OpCall) -> Annotation:
+        ann = elementwise(call)
+        rank = len(ann.outputs[0]) if ann.outputs and ann.outputs[0] is not None else call.in_types[0].rank
+        d = norm_dim(call.arg(dim_index, "dim", default), rank)
+        return Annotation(ann.inputs, ann.outputs, fixed=frozenset({f"e{d}"}), sizes=ann.sizes)
+    return rule
+
+
+register("aten._softmax.default aten._log_softmax.default aten.cumsum.default aten.cumprod.default "
+         "aten.logcumsumexp.default", OpKind.NORM, _along_dim(1), flops=5)
+register("aten._softmax_backward_data.default aten._log_softmax_backward_data.default",
+         OpKind.NORM, _along_dim(2), flops=5)
+register("aten.sort.default aten.sort.stable", OpKind.INDEX, _along_dim(1, -1))

@@ -1,0 +1,428 @@
+"""Neural-network ops: matmuls, convolutions, attention, norms, losses, embeddings, pooling."""
+from __future__ import annotations
+
+from math import prod
+from typing import Mapping
+
+from .annotation import Annotation, Dim, parse
+from .graph import Ref
+from .registry import OpCall, OpKind, register
+from .rules import NewLetters, elementwise, letters, norm_dim
+
+M = OpKind.MATMUL
+register("aten.mm.default", M, "m k+, k+ n -> m n")
+register("aten.bmm.default", M, "b m k+, b k+ n -> b m n")
+register("aten.dot.default", M, "k+, k+ -> ")
+register("aten.mv.default", M, "m k+, k+ -> m")
+
+
+def _addmm(batched: bool):
+    def rule(call: OpCall) -> Annotation:
+        mm = parse("b m k+, b k+ n -> b m n" if batched else "m k+, k+ n -> m n", call.ranks[1:])
+        out = mm.outputs[0]
+        bias = call.in_types[0].shape
+        new = NewLetters("bias")
+        spec = tuple(out[len(out) - len(bias) + i] if n != 1 or out_is_one(call, len(out) - len(bias) + i)
+                     else (new(1),) for i, n in enumerate(bias))
+        return Annotation((spec,) + mm.inputs, mm.outputs, reduced=mm.reduced, sizes=new.sizes)
+    return rule
+
+
+def out_is_one(call: OpCall, i: int) -> bool:
+    return call.out_types[0].shape[i] == 1
+
+
+def _addmm_flops(call: OpCall, ann: Annotation, sizes: Mapping[str, int]) -> int:
+    return 2 * prod(sizes[x] for x in ann.letters() if not x.startswith("bias")) + call.out_types[0].numel
+
+
+register("aten.addmm.default", M, _addmm(False), flops=_addmm_flops)
+register("aten.baddbmm.default", M, _addmm(True), flops=_addmm_flops)
+
+
+# -- convolution -------------------------------------------------------------
+def _conv_out(size: int, k: int, s: int, p: int, d: int, transposed: bool, op: int) -> int:
+    if transposed:
+        return (size - 1) * s - 2 * p + d * (k - 1) + op + 1
+    return (size + 2 * p - d * (k - 1) - 1) // s + 1
+
+
+def _expand(v, n: int) -> list[int]:
+    v = list(v) if isinstance(v, (list, tuple)) else [v]
+    return v * n if len(v) == 1 else v
+
+
+def _conv_sizes(x: tuple, w: tuple, stride, padding, dilation, transposed, out_pad, groups):
+    n_sp = len(x) - 2
+    k = w[2:]
+    st, pa, di = _expand(stride, n_sp), _expand(padding, n_sp), _expand(dilation, n_sp)
+    op = _expand(out_pad, n_sp) if transposed else [0] * n_sp
+    spatial = [_conv_out(x[2 + i], k[i], st[i], pa[i], di[i], transposed, op[i]) for i in range(n_sp)]
+    out_ch = w[1] * groups if transposed else w[0]
+    return out_ch, spatial
+
+
+def conv_rule(call: OpCall) -> Annotation:
+    """convolution(input, weight, bias?, stride, padding, dilation, transposed, output_padding, groups).
+
+    Spatial dims are fixed (no halo exchange); with groups > 1 channels are fixed too.
+    Weight layout: [O, C/g, k...] (transposed: [C, O/g, k...]).
+    """
+    x, w = call.shape_of(0), call.shape_of(1)
+    has_bias = isinstance(call.args[2], Ref)
+    transposed, groups = bool(call.args[6]), call.args[8]
+    out_ch, spatial = _conv_sizes(x, w, *call.args[3:6], transposed, call.args[7], groups)
+    n_sp = len(x) - 2
+    sp_in, ks, sp_out = letters("h", n_sp), letters("kk", n_sp), letters("ho", n_sp)
+    sizes = dict(zip(sp_out, spatial))
+    if groups == 1:
+        c, o = "c", "o"
+        wspec = [(c,), (o,)] if transposed else [(o,), (c,)]
+        fixed = set(sp_in + ks + sp_out)
+    else:  # grouped: channels fixed, weight's channel dims sized separately
+        c, o = "c", "o"
+        wspec = [("wc",), ("wo",)] if transposed else [("wo",), ("wc",)]
+        fixed = set(sp_in + ks + sp_out + ["c", "o", "wc", "wo"])
+        sizes["o"] = out_ch
+    ins = [((("n",), (c,)) + tuple((s,) for s in sp_in)), tuple(wspec) + tuple((k,) for k in ks)]
+    if has_bias:
+        ins.append(((o,),))
+    out = (("n",), (o,)) + tuple((s,) for s in sp_out)
+    return Annotation(tuple(ins), (out,), reduced=frozenset({c} if groups == 1 else set()),
+                      fixed=frozenset(fixed), sizes=sizes)
+
+
+def _conv_flops(call: OpCall, ann: Annotation, sizes: Mapping[str, int]) -> int:
+    w = call.shape_of(1)
+    out = call.out_types[0].shape
+    transposed = bool(call.args[6])
+    per_out = prod(w[1:]) if not transposed else w[0] // call.args[8] * prod(w[2:])
+    if transposed:  # FLOPs of the equivalent direct conv on the input side
+        x = call.shape_of(0)
+        return 2 * x[0] * prod(x[2:]) * x[1] * prod(w[1:])
+    return 2 * out[0] * out[1] * prod(out[2:]) * per_out
+
+
+def conv_backward_rule(call: OpCall) -> Annotation:
+    """convolution_backward(grad_out, input, weight, bias_sizes, stride, padding, dilation,
+    transposed, output_padding, groups, output_mask) -> (grad_input, grad_weight, grad_bias)."""
+    go, x, w = call.shape_of(0), call.shape_of(1), call.shape_of(2)
+    groups, transposed = call.args[9], bool(call.args[7])
+    n_sp = len(x) - 2
+    sp_in, ks, sp_out = letters("h", n_sp), letters("kk", n_sp), letters("ho", n_sp)
+    fixed = set(sp_in + ks + sp_out)
+    if groups == 1:
+        wspec = (("c",), ("o",)) if transposed else (("o",), ("c",))
+        reduced = {"n", "o", "c"}
+    else:
+        wspec = (("wc",), ("wo",)) if transposed else (("wo",), ("wc",))
+        fixed |= {"c", "o", "wc", "wo"}
+        reduced = {"n"}
+    wspec = wspec + tuple((k,) for k in ks)
+    go_spec = (("n",), ("o",)) + tuple((s,) for s in sp_out)
+    x_spec = (("n",), ("c",)) + tuple((s,) for s in sp_in)
+    outs = [x_spec, wspec, (("o",),)]
+    outs = tuple(o if t is not None else None for o, t in zip(outs, call.out_types))
+    return Annotation((go_spec, x_spec, wspec), outs, reduced=frozenset(reduced), fixed=frozenset(fixed))
+
+
+def _conv_backward_flops(call: OpCall, ann: Annotation, sizes: Mapping[str, int]) -> int:
+    go, w = call.shape_of(0), call.shape_of(2)
+    transposed = bool(call.args[7])
+    fwd = 2 * go[0] * go[1] * prod(go[2:]) * prod(w[1:]) if not transposed else \
+        2 * call.shape_of(1)[0] * prod(call.shape_of(1)[2:]) * call.shape_of(1)[1] * prod(w[1:])
+    return fwd * sum(1 for t in call.out_types[:2] if t is not None)
+
+
+register("aten.convolution.default", OpKind.CONV, conv_rule, flops=_conv_flops)
+register("aten.convolution_backward.default", OpKind.CONV, conv_backward_rule, flops=_conv_backward_flops)
+
+
+# -- attention -----------------------------------------------------------------
+def _mask_spec(call: OpCall, new: NewLetters) -> tuple[Dim, ...] | None:
+    mask = call.kwargs.get("attn_mask")
+    if not isinstance(mask, Ref):
+        return None
+    shape = call._types[mask.id].shape
+    full = ["b", "h", "s", "t"][4 - len(shape):]
+    return tuple((x,) if n != 1 else (new(1),) for x, n in zip(full, shape))
+
+
+def sdpa_rule(call: OpCall) -> Annotation:
+    """Fused attention (b h s d query, b h t d key, b h t e value) -> (b h s e out, b h s logsumexp).
+
+    Sequence and head dims are fixed: softmax needs whole rows, causal masks need offsets.
+    """
+    new = NewLetters("m")
+    q = (("b",), ("h",), ("s",), ("d",))
+    k = (("b",), ("hk",), ("t",), ("d",))
+    v = (("b",), ("hk",), ("t",), ("e",))
+    ins = [q, k, v]
+    mask = _mask_spec(call, new)
+    if mask is not None:
+        ins.append(mask)
+    outs = []
+    for t in call.out_types:
+        if t is None:
+            outs.append(None)
+        elif t.rank == 4:
+            outs.append((("b",), ("h",), ("s",), ("e",)))
+        elif t.rank == 3:
+            outs.append((("b",), ("h",), ("s",)))
+        else:
+            outs.append(tuple((new(n),) for n in t.shape))
+    return Annotation(tuple(ins), tuple(outs), fixed=frozenset({"s", "t", "d", "hk"} | set(new.sizes)),
+                      sizes=new.sizes)
+
+
+def sdpa_backward_rule(call: OpCall) -> Annotation:
+    """(grad_out, q, k, v, out, logsumexp, ...) -> (grad_q, grad_k, grad_v)."""
+    new = NewLetters("m")
+    q = (("b",), ("h",), ("s",), ("d",))
+    k = (("b",), ("hk",), ("t",), ("d",))
+    v = (("b",), ("hk",), ("t",), ("e",))
+    o = (("b",), ("h",), ("s",), ("e",))
+    lse = (("b",), ("h",), ("s",))
+    ins = [o, q, k, v, o, lse]
+    mask = _mask_spec(call, new)
+    if mask is not None:
+        ins.append(mask)
+    return Annotation(tuple(ins), (q, k, v), fixed=frozenset({"s", "t", "d", "hk"} | set(new.sizes)),
+                      sizes=new.sizes)
+
+
+def _attn_flops(factor: int):
+    def flops(call: OpCall, ann: Annotation, sizes: Mapping[str, int]) -> int:
+        b, h, s, d = call.shape_of(0 if factor == 4 else 1)
+        t = call.shape_of(1 if factor == 4 else 2)[2]
+        return factor * b * h * s * t * d
+    return flops
+
+
+A = OpKind.ATTENTION
+register("aten._scaled_dot_product_flash_attention_for_cpu.default "
+         "aten._scaled_dot_product_flash_attention.default "
+         "aten._scaled_dot_product_efficient_attention.default", A, sdpa_rule, flops=_attn_flops(4))
+# Backward: recompute scores + 4 matmuls (dV, dP, dQ, dK) = 5 matmuls of 2*b*h*s*t*d.
+register("aten._scaled_dot_product_flash_attention_for_cpu_backward.default", A, sdpa_backward_rule,
+         flops=_attn_flops(10))
+
+
+# -- normalization ---------------------------------------------------------------
+N = OpKind.NORM
+
+
+def layer_norm_rule(call: OpCall) -> Annotation:
+    """native_layer_norm(x, normalized_shape, weight?, bias?, eps) -> (y, mean, rstd)."""
+    rank, k = call.in_types[0].rank, len(call.args[1])
+    lead, norm = letters("l", rank - k), letters("nd", k)
+    x = tuple((a,) for a in lead + norm)
+    stat = tuple((a,) for a in lead) + tuple((f"one{i}",) for i in range(k))
+    ins = [x] + [tuple((a,) for a in norm) for a in call.args[2:4] if isinstance(a, Ref)]
+    return Annotation(tuple(ins), (x, stat, stat), fixed=frozenset(norm), sizes={f"one{i}": 1 for i in range(k)})
+
+
+def layer_norm_backward_rule(call: OpCall) -> Annotation:
+    """native_layer_norm_backward(dy, x, normalized_shape, mean, rstd, weight?, bias?, mask)."""
+    rank, k = call.in_types[0].rank, len(call.args[2])
+    lead, norm = letters("l", rank - k), letters("nd", k)
+    x = tuple((a,) for a in lead + norm)
+    stat = tuple((a,) for a in lead) + tuple((f"one{i}",) for i in range(k))
+    w = tuple((a,) for a in norm)
+    ins = [x, x, stat, stat] + [w for a in call.args[5:7] if isinstance(a, Ref)]
+    outs = tuple(s if t is not None else None for s, t in zip((x, w, w), call.out_types))
+    return Annotation(tuple(ins), outs, reduced=frozenset(lead), fixed=frozenset(norm),
+                      sizes={f"one{i}": 1 for i in range(k)})
+
+
+def batch_norm_rule(call: OpCall) -> Annotation:
+    """Batch norm forward variants: input [n c *]; per-channel tensors [c]; statistics over n and *."""
+    rank = call.in_types[0].rank
+    sp = letters("h", rank - 2)
+    x = (("n",), ("c",)) + tuple((a,) for a in sp)
+    ins = [x] + [(("c",),)] * (len(call.in_types) - 1)
+    outs = tuple(None if t is None else x if t.rank == rank else (("c",),) if t.shape == (call.in_types[0].shape[1],)
+                 else tuple((f"z{i}",) for i in range(t.rank)) for t in call.out_types)
+    sizes = {f"z{i}": n for t in call.out_types if t is not None and t.rank != rank
+             and t.shape != (call.in_types[0].shape[1],) for i, n in enumerate(t.shape)}
+    return Annotation(tuple(ins), outs, fixed=frozenset({"n", *sp, *sizes}), sizes=sizes)
+
+
+def batch_norm_backward_rule(call: OpCall) -> Annotation:
+    """native_batch_norm_backward(dy, x, weight?, running_mean?, running_var?, save_mean?, save_invstd?, ...)."""
+    rank = call.in_types[0].rank
+    sp = letters("h", rank - 2)
+    x = (("n",), ("c",)) + tuple((a,) for a in sp)
+    chan = call.in_types[0].shape[1]
+    new = NewLetters("z")
+    ins = [x, x] + [(("c",),) if t.shape == (chan,) else tuple((new(n),) for n in t.shape) for t in call.in_types[2:]]
+    outs = tuple(s if t is not None else None for s, t in zip((x, (("c",),), (("c",),)), call.out_types))
+    return Annotation(tuple(ins), outs, reduced=frozenset(), fixed=frozenset({"n", *sp, *new.sizes}),
+                      sizes=new.sizes)
+
+
+def group_norm_rule(call: OpCall) -> Annotation:
+    """native_group_norm(x, weight?, bias?, N, C, HxW, group, eps) -> (y, mean [N,G], rstd [N,G])."""
+    rank = call.in_types[0].rank
+    sp = letters("h", rank - 2)
+    x = (("n",), ("c",)) + tuple((a,) for a in sp)
+    ins = [x] + [(("c",),)] * (len(call.in_types) - 1)
+    stat = (("n",), ("g",))
+    return Annotation(tuple(ins), (x, stat, stat), fixed=frozenset({"c", "g", *sp}), sizes={"g": call.args[6]})
+
+
+def group_norm_backward_rule(call: OpCall) -> Annotation:
+    """native_group_norm_backward(dy, x, mean, rstd, weight?, N, C, HxW, group, mask)."""
+    rank = call.in_types[0].rank
+    sp = letters("h", rank - 2)
+    x = (("n",), ("c",)) + tuple((a,) for a in sp)
+    stat = (("n",), ("g",))
+    ins = [x, x, stat, stat] + ([(("c",),)] if len(call.in_types) > 4 else [])
+    outs = tuple(s if t is not None else None for s, t in zip((x, (("c",),), (("c",),)), call.out_types))
+    return Annotation(tuple(ins), outs, reduced=frozenset({"n"}), fixed=frozenset({"c", "g", *sp}))
+
+
+register("aten.native_layer_norm.default", N, layer_norm_rule, flops=8)
+register("aten.native_layer_norm_backward.default", N, layer_norm_backward_rule, flops=10)
+register("aten._native_batch_norm_legit_functional.default aten._native_batch_norm_legit.default "
+         "aten._native_batch_norm_legit_no_training.default aten._native_batch_norm_legit.no_stats "
+         "aten.native_batch_norm.default", N, batch_norm_rule, flops=8)
+register("aten.native_batch_norm_backward.default", N, batch_norm_backward_rule, flops=10)
+register("aten.native_group_norm.default", N, group_norm_rule, flops=8)
+register("aten.native_group_norm_backward.default", N, group_norm_backward_rule, flops=10)
+
+
+# -- embeddings and losses ---------------------------------------------------------
+I = OpKind.INDEX
+register("aten.embedding.default", I, "v^ d, * -> * d")
+
+
+def embedding_backward_rule(call: OpCall) -> Annotation:
+    """embedding_dense_backward(grad [*, d], indices [*], num_weights, padding_idx, scale)."""
+    return parse("*+ d, *+ -> v d", call.ranks, sizes={"v": call.args[2]})
+
+
+register("aten.embedding_dense_backward.default", I, embedding_backward_rule)
+
+
+def nll_rule(call: OpCall) -> Annotation:
+    """nll_loss_forward / nll_loss2d_forward(x [N,C,*], target [N,*], weight?, reduction, ignore_index)."""
+    x = call.in_types[0].shape
+    rank = len(x)
+    if rank == 1:
+        xs, ts = (("c",),), ()
+    else:
+        sp = tuple((a,) for a in letters("h", rank - 2))
+        xs, ts = (("n",), ("c",)) + sp, (("n",),) + sp
+    ins = [xs, ts] + ([(("c",),)] if len(call.in_types) > 2 else [])
+    reduction = call.args[3]
+    out = ts if reduction == 0 else ()
+    return Annotation(tuple(ins), (out, ()), fixed=frozenset({"c", "n", *(a[0] for a in xs[2:])}))
+
+
+def nll_backward_rule(call: OpCall) -> Annotation:
+    """nll_loss_backward(grad, x, target, weight?, reduction, ignore_index, total_weight) -> grad_x."""
+    x = call.in_types[1].shape
+    rank = len(x)
+    if rank == 1:
+        xs, ts = (("c",),), ()
+    else:
+        sp = tuple((a,) for a in letters("h", rank - 2))
+        xs, ts = (("n",), ("c",)) + sp, (("n",),) + sp
+    red = call.args[4]
+    ins = [ts if red == 0 else (), xs, ts] + ([(("c",),)] if len(call.in_types) > 4 else []) + [()]
+    return Annotation(tuple(ins), (xs,), fixed=frozenset({"c", "n", *(a[0] for a in xs[2:])}))
+
+
+L = OpKind.LOSS
+register("aten.nll_loss_forward.default aten.nll_loss2d_forward.default", L, nll_rule)
+register("aten.nll_loss_backward.default aten.nll_loss2d_backward.default", L, nll_backward_rule)
+
+
+def mse_rule(call: OpCall) -> Annotation:
+    ann = elementwise(call)
+    if call.arg(2, "reduction", 1) == 0:
+        return ann
+    return Annotation(ann.inputs, ((),), reduced=frozenset(x for d in ann.outputs[0] for x in d)
+                      if ann.outputs[0] else frozenset(), sizes=ann.sizes)
+
+
+register("aten.mse_loss.default", L, mse_rule, flops=3)
+register("aten.mse_loss_backward.default", L, lambda call: _like_input(call, 1), flops=3)
+
+
+def _like_input(call: OpCall, index: int) -> Annotation:
+    """Output shaped like tensor input ``index``; other inputs broadcast to it or are scalars."""
+    ref = call.in_types[index]
+    names = letters("e", ref.rank)
+    new = NewLetters("b")
+    ins = []
+    for t in call.in_types:
+        ins.append(tuple((names[ref.rank - t.rank + i],) if n == ref.shape[ref.rank - t.rank + i] else (new(n),)
+                         for i, n in enumerate(t.shape)) if t.rank <= ref.rank else tuple((new(n),) for n in t.shape))
+    return Annotation(tuple(ins), (tuple((x,) for x in names),), sizes=new.sizes)
+
+
+# -- pooling ---------------------------------------------------------------------------
+P = OpKind.REDUCTION
+
+
+def _pool_out(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int:
+    num = size + 2 * p - d * (k - 1) - 1
+    out = (-(-num // s) if ceil_mode else num // s) + 1
+    if ceil_mode and (out - 1) * s >= size + p:
+        out -= 1
+    return out
+
+
+def pool_rule(call: OpCall) -> Annotation:
+    """max_pool*_with_indices / avg_pool*(x [n c *sp], kernel, stride, padding[, dilation], ceil_mode...)."""
+    x = call.in_types[0].shape
+    n_sp = len(call.args[1]) if isinstance(call.args[1], (list, tuple)) else len(x) - 2
+    lead = letters("l", len(x) - n_sp)
+    kernel = _expand(call.args[1], n_sp)
+    stride = _expand(call.arg(2, "stride") or kernel, n_sp)
+    padding = _expand(call.arg(3, "padding", 0), n_sp)
+    is_max = "max_pool" in call.op
+    dilation = _expand(call.arg(4, "dilation", 1), n_sp) if is_max else [1] * n_sp
+    ceil_mode = bool(call.arg(5 if is_max else 4, "ceil_mode", False))
+    sp_in, sp_out = letters("h", n_sp), letters("ho", n_sp)
+    sizes = {o: _pool_out(x[len(lead) + i], kernel[i], stride[i], padding[i], dilation[i], ceil_mode)
+             for i, o in enumerate(sp_out)}
+    xs = tuple((a,) for a in lead + sp_in)
+    out = tuple((a,) for a in lead + sp_out)
+    return Annotation((xs,), tuple(out for _ in call.out_types), fixed=frozenset(sp_in + sp_out), sizes=sizes)
+
+
+def adaptive_pool_rule(call: OpCall) -> Annotation:
+    x = call.in_types[0].shape
+    size = list(call.args[1])
+    lead = letters("l", len(x) - len(size))
+    sp_in, sp_out = letters("h", len(size)), letters("ho", len(size))
+    xs = tuple((a,) for a in lead + sp_in)
+    out = tuple((a,) for a in lead + sp_out)
+    return Annotation((xs,), tuple(out for _ in call.out_types), fixed=frozenset(sp_in + sp_out),
+                      sizes=dict(zip(sp_out, size)))
+
+
+def pool_backward_rule(call: OpCall) -> Annotation:
+    """Pooling backward (grad_out, x, ...[, indices]) -> grad_x shaped like x."""
+    x = call.in_types[1].shape
+    go = call.in_types[0].shape
+    n_sp = sum(1 for a, b in zip(x, go) if a != b) or 2
+    lead = letters("l", len(x) - n_sp)
+    sp_in, sp_out = letters("h", n_sp), letters("ho", n_sp)
+    xs = tuple((a,) for a in lead + sp_in)
+    gs = tuple((a,) for a in lead + sp_out)
+    ins = [gs, xs] + [gs] * (len(call.in_types) - 2)
+    return Annotation(tuple(ins), (xs,), fixed=frozenset(sp_in + sp_out))
+
+
+register("aten.max_pool2d_with_indices.default aten.max_pool3d_with_indices.default "
+         "aten.avg_pool2d.default aten.avg_pool3d.default aten.max_pool1d.default", P, pool_rule)
+register("aten._adaptive_avg_pool2d.default aten._adaptive_avg_pool3d.default "
+         "aten.adaptive_max_pool2d.default", P, adaptive_pool_rule)
+register("aten.max_pool2d_with_indices_backward.default aten.max_pool3d_with_indices_backward.default "
+         "aten.avg_pool2d_backward.default aten.avg_pool3d_backward.default "
+         "aten._adaptive_avg_pool2d_backward.default aten._adaptive_avg_pool3d_backward.default "
+         "aten.adaptive_max_pool2d_backward.default", P, pool_backward_rule)

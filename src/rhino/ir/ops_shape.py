@@ -1,0 +1,315 @@
+"""Views, data movement, creation and indexing ops (registered on import)."""
+from __future__ import annotations
+
+from math import ceil, prod
+
+from .annotation import Annotation, Dim
+from .registry import OpCall, OpKind, register
+from .rules import NewLetters, fixed_from_types, letters, norm_dim
+
+V = OpKind.VIEW
+
+
+def _spec(names: list[str]) -> tuple[Dim, ...]:
+    return tuple((x,) for x in names)
+
+
+def _resolve_size(size: list[int], numel: int) -> list[int]:
+    size = list(size)
+    if -1 in size:
+        known = prod(s for s in size if s != -1)
+        size[size.index(-1)] = numel // known if known else 0
+    return size
+
+
+def view_rule(call: OpCall) -> Annotation:
+    """Reshape: group dims whose products match; a 1-to-many group is a merged dim."""
+    src = list(call.in_types[0].shape)
+    dst = _resolve_size(call.arg(1, "size"), call.in_types[0].numel)
+    new = NewLetters("v")
+    ins: list[Dim] = []
+    outs: list[Dim] = []
+    fixed: set[str] = set()
+    i = j = 0
+    while i < len(src) or j < len(dst):
+        if i < len(src) and src[i] == 1:
+            ins.append((new(1),)); i += 1; continue
+        if j < len(dst) and dst[j] == 1:
+            outs.append((new(1),)); j += 1; continue
+        if i == len(src) or j == len(dst):
+            raise ValueError(f"cannot view {src} as {dst}")
+        ii, jj, pi, pj = i + 1, j + 1, src[i], dst[j]
+        while pi != pj:
+            if pi < pj:
+                pi *= src[ii]; ii += 1
+            else:
+                pj *= dst[jj]; jj += 1
+        gin, gout = src[i:ii], dst[j:jj]
+        if len(gin) == 1:
+            parts = [new(n) for n in gout]
+            ins.append(tuple(parts)) if len(parts) > 1 else ins.append((parts[0],))
+            outs.extend((p,) for p in parts)
+        elif len(gout) == 1:
+            parts = [new(n) for n in gin]
+            ins.extend((p,) for p in parts)
+            outs.append(tuple(parts))
+        else:  # many-to-many: no clean correspondence; keep these dims whole
+            a = [new(n) for n in gin]
+            b = [new(n) for n in gout]
+            ins.extend((x,) for x in a)
+            outs.extend((x,) for x in b)
+            fixed.update(a + b)
+        i, j = ii, jj
+    return Annotation((tuple(ins),), (tuple(outs),), fixed=frozenset(fixed), sizes=new.sizes)
+
+
+register("aten.view.default aten._unsafe_view.default aten.reshape.default", V, view_rule)
+
+
+def permute_rule(call: OpCall) -> Annotation:
+    rank = call.in_types[0].rank
+    names = letters("p", rank)
+    order = [norm_dim(d, rank) for d in call.arg(1, "dims")]
+    return Annotation((_spec(names),), (_spec([names[d] for d in order]),))
+
+
+def transpose_rule(call: OpCall) -> Annotation:
+    rank = call.in_types[0].rank
+    names = letters("p", rank)
+    if call.op == "aten.t.default":
+        a, b = (0, 1) if rank == 2 else (0, 0)
+    else:
+        a, b = norm_dim(call.arg(1), rank), norm_dim(call.arg(2), rank)
+    out = list(names)
+    out[a], out[b] = out[b], out[a]
+    return Annotation((_spec(names),), (_spec(out),))
+
+
+def expand_rule(call: OpCall) -> Annotation:
+    shape = call.in_types[0].shape
+    size = list(call.arg(1, "size"))
+    new = NewLetters("x")
+    lead = len(size) - len(shape)
+    ins, outs = [], []
+    for k, n in enumerate(size):
+        if k < lead:
+            outs.append((new(n),))
+            continue
+        m = shape[k - lead]
+        if n in (-1, m):
+            x = new(m)
+            ins.append((x,)); outs.append((x,))
+        else:  # broadcast of a size-1 dim
+            ins.append((new(1),)); outs.append((new(n),))
+    return Annotation((tuple(ins),), (tuple(outs),), sizes=new.sizes)
+
+
+def unsqueeze_rule(call: OpCall) -> Annotation:
+    rank = call.in_types[0].rank
+    names = letters("u", rank)
+    d = norm_dim(call.arg(1, "dim"), rank + 1)
+    return Annotation((_spec(names),), (_spec(names[:d] + ["one"] + names[d:]),), sizes={"one": 1})
+
+
+def squeeze_rule(call: OpCall) -> Annotation:
+    shape = call.in_types[0].shape
+    rank = len(shape)
+    dims = call.arg(1, "dim")
+    if dims is None:
+        drop = {i for i, n in enumerate(shape) if n == 1}
+    else:
+        dims = [dims] if isinstance(dims, int) else dims
+        drop = {norm_dim(d, rank) for d in dims if shape[norm_dim(d, rank)] == 1} if rank else set()
+    names = letters("s", rank)
+    return Annotation((_spec(names),), (_spec([x for i, x in enumerate(names) if i not in drop]),))
+
+
+register("aten.permute.default", V, permute_rule)
+register("aten.transpose.int aten.t.default", V, transpose_rule)
+register("aten.expand.default", V, expand_rule)
+register("aten.unsqueeze.default", V, unsqueeze_rule)
+register("aten.squeeze.dim aten.squeeze.dims aten.squeeze.default", V, squeeze_rule)
+
+
+def _one_dim_changes(call: OpCall, dim: int, out_sizes: list[int]) -> Annotation:
+    """The first input keeps all dims but ``dim``, which becomes a fixed dim of each output size."""
+    rank = call.in_types[0].rank
+    names = letters("c", rank)
+    outs = []
+    sizes = {}
+    for k, n in enumerate(out_sizes):
+        o = list(names)
+        o[dim] = f"out{k}"
+        sizes[f"out{k}"] = n
+        outs.append(_spec(o))
+    return Annotation((_spec(names),), tuple(outs), fixed=frozenset({names[dim], *sizes}), sizes=sizes)
+
+
+def slice_rule(call: OpCall) -> Annotation:
+    shape = call.in_types[0].shape
+    dim = norm_dim(call.arg(1, "dim", 0), len(shape))
+    n = shape[dim]
+    start, end, step = call.arg(2, "start"), call.arg(3, "end"), call.arg(4, "step", 1) or 1
+    start = 0 if start is None else (start + n if start < 0 else start)
+    end = n if end is None else (end + n if end < 0 else end)
+    start, end = min(max(start, 0), n), min(max(end, 0), n)
+    return _one_dim_changes(call, dim, [max(0, ceil((end - start) / step))])
+
+
+def select_rule(call: OpCall) -> Annotation:
+    rank = call.in_types[0].rank
+    dim = norm_dim(call.arg(1, "dim"), rank)
+    names = letters("c", rank)
+    return Annotation((_spec(names),), (_spec(names[:dim] + names[dim + 1:]),), fixed=frozenset({names[dim]}))
+
+
+def split_rule(call: OpCall) -> Annotation:
+    shape = call.in_types[0].shape
+    dim = norm_dim(call.arg(2, "dim", 0), len(shape))
+    arg = call.arg(1)
+    if isinstance(arg, int):
+        n = shape[dim]
+        sizes = [min(arg, n - k) for k in range(0, n, arg)] if arg else [n]
+    else:
+        sizes = list(arg)
+    return _one_dim_changes(call, dim, sizes)
+
+
+def unbind_rule(call: OpCall) -> Annotation:
+    rank = call.in_types[0].rank
+    dim = norm_dim(call.arg(1, "dim", 0), rank)
+    names = letters("c", rank)
+    out = _spec(names[:dim] + names[dim + 1:])
+    return Annotation((_spec(names),), tuple(out for _ in range(call.in_types[0].shape[dim])),
+                      fixed=frozenset({names[dim]}))
+
+
+def cat_rule(call: OpCall) -> Annotation:
+    shapes = [t.shape for t in call.in_types]
+    rank = max(len(s) for s in shapes)
+    dim = norm_dim(call.arg(1, "dim", 0), rank)
+    names = letters("c", rank)
+    ins, sizes = [], {}
+    for k, s in enumerate(shapes):
+        if len(s) != rank:  # legacy: 1-D empty tensors are skipped by cat
+            ins.append(_spec([f"empty{k}"])); sizes[f"empty{k}"] = s[0] if s else 0
+            continue
+        o = list(names)
+        o[dim] = f"in{k}"
+        ins.append(_spec(o))
+    sizes["cat"] = sum(s[dim] for s in shapes if len(s) == rank)
+    out = list(names)
+    out[dim] = "cat"
+    fixed = {"cat", *(f"in{k}" for k in range(len(shapes))), *(x for x in sizes if x.startswith("empty"))}
+    return Annotation(tuple(ins), (_spec(out),), fixed=frozenset(fixed), sizes=sizes)
+
+
+def stack_rule(call: OpCall) -> Annotation:
+    rank = call.in_types[0].rank
+    dim = norm_dim(call.arg(1, "dim", 0), rank + 1)
+    names = letters("c", rank)
+    out = names[:dim] + ["stack"] + names[dim:]
+    return Annotation(tuple(_spec(names) for _ in call.in_types), (_spec(out),),
+                      fixed=frozenset({"stack"}), sizes={"stack": len(call.in_types)})
+
+
+D = OpKind.DATA_MOVEMENT
+register("aten.slice.Tensor", V, slice_rule)
+register("aten.select.int", V, select_rule)
+register("aten.split.Tensor aten.split_with_sizes.default", V, split_rule)
+register("aten.unbind.int", V, unbind_rule)
+register("aten.cat.default", D, cat_rule)
+register("aten.stack.default", D, stack_rule)
+
+
+def tril_rule(call: OpCall) -> Annotation:
+    rank = call.in_types[0].rank
+    names = letters("t", rank)
+    return Annotation((_spec(names),), (_spec(names),), fixed=frozenset(names[-2:]))
+
+
+register("aten.tril.default aten.triu.default", OpKind.ELEMENTWISE, tril_rule)
+
+
+def _creation_shape(call: OpCall) -> tuple[int, ...]:
+    op = call.op
+    if op.startswith("aten.arange"):
+        a = [x for x in call.args]
+        start, end, step = (0, a[0], 1) if op == "aten.arange.default" else (a[0], a[1], a[2] if len(a) > 2 else call.kwargs.get("step", 1))
+        return (max(0, ceil((end - start) / step)),)
+    if op == "aten.scalar_tensor.default":
+        return ()
+    size = call.arg(1 if op.startswith("aten.new_") else 0, "size")
+    return tuple(size)
+
+
+def sized_creation_rule(call: OpCall) -> Annotation:
+    new = NewLetters("n")
+    shape = _creation_shape(call)
+    ins = tuple(tuple((new(n),) for n in t.shape) for t in call.in_types)
+    return Annotation(ins, (tuple((new(n),) for n in shape),), sizes=new.sizes)
+
+
+C = OpKind.CREATION
+register("aten.full.default aten.zeros.default aten.ones.default aten.empty.memory_format "
+         "aten.empty.default aten.rand.default aten.randn.default aten.arange.default aten.arange.start "
+         "aten.arange.start_step aten.scalar_tensor.default aten.new_zeros.default aten.new_ones.default "
+         "aten.new_empty.default aten.new_full.default", C, sized_creation_rule)
+
+# Indexing: shapes depend on index values or on structure the notation cannot
+# say; their dims are fixed (replicated) until a custom sharding rule exists.
+I = OpKind.INDEX
+
+
+def gather_rule(call: OpCall) -> Annotation:
+    rank = call.in_types[0].rank
+    dim = norm_dim(call.arg(1, "dim"), rank)
+    x, idx = call.in_types[0].shape, call.in_types[1].shape
+    if len(idx) != rank or any(idx[k] != x[k] for k in range(rank) if k != dim):
+        return fixed_from_types(call)
+    names = letters("g", rank)
+    i = list(names)
+    i[dim] = "idx"
+    return Annotation((_spec(names), _spec(i)), (_spec(i),), fixed=frozenset({names[dim], "idx"}))
+
+
+def scatter_rule(call: OpCall) -> Annotation:
+    """scatter/scatter_add/scatter_reduce(self, dim, index, src|value): output like self."""
+    rank = call.in_types[0].rank
+    dim = norm_dim(call.arg(1, "dim"), rank)
+    shapes = [t.shape for t in call.in_types]
+    if any(len(s) != rank or any(s[k] != shapes[0][k] for k in range(rank) if k != dim) for s in shapes[1:]):
+        return fixed_from_types(call)
+    names = letters("g", rank)
+    i = list(names)
+    i[dim] = "idx"
+    return Annotation((_spec(names),) + tuple(_spec(i) for _ in shapes[1:]), (_spec(names),),
+                      fixed=frozenset({names[dim], "idx"}))
+
+
+def topk_rule(call: OpCall) -> Annotation:
+    rank = call.in_types[0].rank
+    dim = norm_dim(call.arg(2, "dim", -1), rank)
+    return _one_dim_changes(call, dim, [call.arg(1, "k")] * 2)
+
+
+def index_select_rule(call: OpCall) -> Annotation:
+    rank = call.in_types[0].rank
+    dim = norm_dim(call.arg(1, "dim"), rank)
+    names = letters("g", rank)
+    out = list(names)
+    out[dim] = "idx"
+    return Annotation((_spec(names), (("idx",),)), (_spec(out),), fixed=frozenset({names[dim], "idx"}))
+
+
+register("aten.gather.default", I, gather_rule)
+register("aten.scatter.src aten.scatter.value aten.scatter_add.default aten.scatter_reduce.two",
+         I, scatter_rule)
+register("aten.topk.default", I, topk_rule)
+register("aten.index_select.default", I, index_select_rule)
+register("aten.index.Tensor aten.index_put.default aten._unsafe_index.Tensor aten._unsafe_index_put.default "
+         "aten.index_add.default aten.masked_scatter.default aten.one_hot.default aten.repeat.default "
+         "aten.roll.default aten.flip.default aten.constant_pad_nd.default aten.diagonal.default "
+         "aten.as_strided.default aten.unfold.default aten.slice_scatter.default "
+         "aten.select_scatter.default aten.select_backward.default aten.slice_backward.default",
+         I, fixed_from_types)

@@ -1,0 +1,77 @@
+"""IR -> ``torch.fx.GraphModule``: one call per IR node, state passed in and out."""
+from __future__ import annotations
+
+import operator
+import re
+
+import torch
+import torch.fx
+
+from ..ir.graph import Graph, Ref
+from ..ir.types import Device, DType, Layout, MemoryFormat
+
+__all__ = ["lower", "resolve_op"]
+
+
+def resolve_op(op: str) -> torch._ops.OpOverload:
+    """``"aten.mm.default"`` -> ``torch.ops.aten.mm.default``."""
+    ns, name, overload = op.split(".")
+    try:
+        return getattr(getattr(getattr(torch.ops, ns), name), overload)
+    except AttributeError:
+        raise ValueError(f"op {op} does not exist in this PyTorch build") from None
+
+
+def _py_name(name: str) -> str:
+    safe = re.sub(r"\W", "_", name)
+    return safe if not safe[:1].isdigit() else "_" + safe
+
+
+def lower(graph: Graph, device: torch.device | str = "cpu") -> torch.fx.GraphModule:
+    """A GraphModule taking the graph inputs in order and returning the outputs in order.
+
+    Device arguments recorded at capture are replaced by ``device``.
+    """
+    device = torch.device(device)
+    root = torch.nn.Module()
+    fg = torch.fx.Graph()
+    env: dict[int, torch.fx.Node] = {}
+    for inp in graph.inputs:
+        env[inp.value] = fg.placeholder(_py_name(inp.name))
+    for vid, data in graph.constants.items():
+        t = graph.types[vid]
+        name = f"_const{vid}"
+        root.register_buffer(name, torch.tensor(data, dtype=getattr(torch, t.dtype.value), device=device)
+                             .reshape(t.shape))
+        env[vid] = fg.get_attr(name)
+
+    def conv(a):
+        if isinstance(a, Ref):
+            return env[a.id]
+        if isinstance(a, list):
+            return [conv(x) for x in a]
+        if isinstance(a, tuple):
+            return tuple(conv(x) for x in a)
+        if isinstance(a, dict):
+            return {k: conv(v) for k, v in a.items()}
+        if isinstance(a, DType):
+            return getattr(torch, a.value)
+        if isinstance(a, Device):
+            return device
+        if isinstance(a, Layout):
+            return getattr(torch, a.name)
+        if isinstance(a, MemoryFormat):
+            return getattr(torch, a.name)
+        return a
+
+    for node in graph.nodes:
+        call = fg.call_function(resolve_op(node.op), tuple(conv(node.args)), conv(node.kwargs))
+        call.name = _py_name(node.name)
+        if node.multi:
+            for i, vid in enumerate(node.outputs):
+                if vid is not None:
+                    env[vid] = fg.call_function(operator.getitem, (call, i))
+        else:
+            env[node.outputs[0]] = call
+    fg.output([env[o.value] for o in graph.outputs])
+    return torch.fx.GraphModule(root, fg)
