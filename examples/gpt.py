@@ -89,3 +89,8 @@ def workload(layers=2, hidden=64, heads=4, seq=32, batch=4, vocab=256, lr=3e-4, 
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(vocab, (batch, seq + 1), generator=g).to(device)
     return model, optimizer, loss_fn, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def gpt2_xl(device="meta", batch=1):
+    """GPT-2 XL shape (48 layers, hidden 1600, 25 heads, seq 1024, vocab 50257) on the meta device."""
+    return workload(layers=48, hidden=1600, heads=25, seq=1024, batch=batch, vocab=50257, device=device)

@@ -10,6 +10,8 @@ through ``torch.func.functionalize`` replaces them by pure ops.
 """
 from __future__ import annotations
 
+import contextlib
+import logging
 import time
 import traceback
 import warnings
@@ -97,7 +99,7 @@ def capture(workload: Workload, verify_graph: bool = True) -> Captured:
     wrapper = _LossModule(model, workload.loss_fn)
     step = _make_step(wrapper, workload, updates, param_names, frozen_names, buffer_names, opt_names, counts)
 
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), _quiet_logger("torch._subclasses.fake_tensor"):
         warnings.simplefilter("ignore")
         gm = _trace(step, flat, workload)
         gm = _functionalize(gm, flat)
@@ -180,6 +182,18 @@ def _make_step(wrapper, workload, updates, param_names, frozen_names, buffer_nam
     return step
 
 
+@contextlib.contextmanager
+def _quiet_logger(name: str):
+    """Fake tensors log a traceback before raising; the error we raise says it in one sentence."""
+    logger = logging.getLogger(name)
+    old = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(old)
+
+
 def _trace(step, flat, workload: Workload) -> torch.fx.GraphModule:
     try:
         return make_fx(step, tracing_mode="fake")(*flat)
@@ -191,7 +205,7 @@ def _trace(step, flat, workload: Workload) -> torch.fx.GraphModule:
     except CaptureError:
         raise
     except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else type(exc).__name__
         raise CaptureError(f"tracing the training step failed at {_user_frame(exc, workload)}: {first}. "
                            f"Check that the batch fits the model (shapes, dtypes) and that loss_fn(model, "
                            f"*batch) runs in plain PyTorch") from None

@@ -146,15 +146,22 @@ def letter_sizes(ann: Annotation, shapes: Sequence[Sequence[int]]) -> dict[str, 
                 _bind(sizes, dim[0], size)
             else:
                 pending.append((dim, size))
-    for dim, size in pending:
-        unknown = [x for x in dim if x not in sizes]
-        known = prod(sizes[x] for x in dim if x in sizes)
-        if len(unknown) == 1 and known and size % known == 0:
-            sizes[unknown[0]] = size // known
-        elif unknown:
-            raise ShapeError(f"cannot size the parts of merged dim {dim}")
-        elif known != size:
-            raise ShapeError(f"merged dim {dim} has size {size}, parts give {known}")
+    while pending:  # a part sized by one merged dim may size another: repeat until no progress
+        rest: list[tuple[Dim, int]] = []
+        for dim, size in pending:
+            unknown = [x for x in dim if x not in sizes]
+            known = prod(sizes[x] for x in dim if x in sizes)
+            if len(unknown) == 1 and known and size % known == 0:
+                sizes[unknown[0]] = size // known
+            elif len(unknown) > 1:
+                rest.append((dim, size))
+            elif unknown:
+                raise ShapeError(f"cannot size the parts of merged dim {dim}")
+            elif known != size:
+                raise ShapeError(f"merged dim {dim} has size {size}, parts give {known}")
+        if len(rest) == len(pending):
+            raise ShapeError(f"cannot size the parts of merged dim {rest[0][0]}")
+        pending = rest
     return sizes
 
 

@@ -180,14 +180,14 @@ def _enc(obj: Any) -> Any:
     """Encode op arguments as JSON: tagged objects for non-JSON constants."""
     if isinstance(obj, Ref):
         return {"ref": obj.id}
+    if isinstance(obj, DType):  # before str: DType is a str enum
+        return {"dtype": obj.value}
     if isinstance(obj, bool) or obj is None or isinstance(obj, (int, str)):
         return obj
     if isinstance(obj, float):
         if obj != obj or obj in (float("inf"), float("-inf")):
             return {"float": "nan" if obj != obj else ("inf" if obj > 0 else "-inf")}
         return obj
-    if isinstance(obj, DType):
-        return {"dtype": obj.value}
     if isinstance(obj, Device):
         return {"device": obj.name}
     if isinstance(obj, Layout):

@@ -42,12 +42,13 @@ aten.lift_fresh_copy.default aten.alias.default aten.detach.default
 
 
 def _dims_keep(dims_index: int, keep_index: int, kind: str = "sum", splittable: bool = True,
-               n_outputs: int = 1):
+               n_outputs: int = 1, empty_is_all: bool = True):
     def rule(call: OpCall) -> Annotation:
         dims = call.arg(dims_index, "dim")
         if isinstance(dims, int):
             dims = [dims]
-        return reduce_dims(call, dims, bool(call.arg(keep_index, "keepdim", False)), kind, splittable, n_outputs)
+        return reduce_dims(call, dims, bool(call.arg(keep_index, "keepdim", False)), kind, splittable, n_outputs,
+                           empty_is_all)
     return rule
 
 
@@ -65,8 +66,9 @@ register("aten.amin.default", R, _dims_keep(1, 2, "min"))
 register("aten.max.default", R, _all("max"))
 register("aten.min.default", R, _all("min"))
 register("aten.any.default aten.all.default aten.prod.default", R, _all(splittable=False))
-register("aten.any.dim aten.all.dim aten.argmax.default aten.argmin.default aten.logsumexp.default "
-         "aten.any.dims", R, _dims_keep(1, 2, splittable=False))
+register("aten.any.dim aten.all.dim aten.argmax.default aten.argmin.default aten.logsumexp.default",
+         R, _dims_keep(1, 2, splittable=False))
+register("aten.any.dims", R, _dims_keep(1, 2, splittable=False, empty_is_all=False))  # dim=[] reduces nothing
 register("aten.max.dim aten.min.dim", R, _dims_keep(1, 2, splittable=False, n_outputs=2))
 register("aten.var.correction aten.std.correction", R, _dims_keep(1, 3, splittable=False))
 register("aten.var_mean.correction", R, _dims_keep(1, 3, splittable=False, n_outputs=2))

@@ -87,10 +87,14 @@ def identity(call: OpCall) -> Annotation:
 
 
 def reduce_dims(call: OpCall, dims: Sequence[int] | None, keepdim: bool, kind: str = "sum",
-                splittable: bool = True, n_outputs: int = 1) -> Annotation:
-    """Reduction of the first tensor input over ``dims`` (None or [] = all dims)."""
+                splittable: bool = True, n_outputs: int = 1, empty_is_all: bool = True) -> Annotation:
+    """Reduction of the first tensor input over ``dims`` (None = all dims; so is [] unless
+    ``empty_is_all`` is false, as for ``any.dims``, where [] reduces nothing)."""
     rank = call.in_types[0].rank
-    red = {norm_dim(d, rank) for d in dims} if dims else set(range(rank))
+    if dims:
+        red = {norm_dim(d, rank) for d in dims} & set(range(rank))  # a 0-d tensor's dim 0 names no dim
+    else:
+        red = set(range(rank)) if dims is None or empty_is_all else set()
     names = letters("r", rank)
     new = NewLetters("k")
     out: list[Dim] = []

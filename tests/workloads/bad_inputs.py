@@ -1,0 +1,62 @@
+"""Workloads that are wrong on purpose: each function is one user mistake."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))
+
+
+def wrong_arity():
+    m = _mlp()
+    return m, torch.optim.SGD(m.parameters(), lr=0.1), None
+
+
+def not_a_module():
+    m = _mlp()
+    return "model", torch.optim.SGD(m.parameters(), lr=0.1), lambda m, x: m(x).sum(), (torch.randn(2, 8),)
+
+
+def batch_does_not_fit():
+    m = _mlp()
+    return m, torch.optim.SGD(m.parameters(), lr=0.1), lambda m, x: m(x).sum(), (torch.randn(2, 5),)
+
+
+class DataDependent(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 4)
+
+    def forward(self, x):
+        y = self.lin(x)
+        if y.sum() > 0:  # depends on a value: cannot be captured
+            y = y * 2
+        return y
+
+
+def data_dependent():
+    torch.manual_seed(0)
+    m = DataDependent()
+    return m, torch.optim.SGD(m.parameters(), lr=0.1), lambda m, x: m(x).sum(), (torch.randn(2, 8),)
+
+
+def non_scalar_loss():
+    m = _mlp()
+    return m, torch.optim.SGD(m.parameters(), lr=0.1), lambda m, x: m(x), (torch.randn(2, 8),)
+
+
+def raises():
+    raise RuntimeError("cannot build the model")
+
+
+def foreign_optimizer():
+    m = _mlp()
+    other = nn.Linear(3, 3)
+    return m, torch.optim.SGD(other.parameters(), lr=0.1), lambda m, x: m(x).sum(), (torch.randn(2, 8),)
+
+
+def unsupported_optimizer():
+    m = _mlp()
+    return m, torch.optim.Adagrad(m.parameters(), lr=0.1), lambda m, x: m(x).sum(), (torch.randn(2, 8),)

@@ -1,0 +1,162 @@
+"""Small workloads that exercise capture corners: optimizers, state, and op families."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 16)
+        self.b = nn.Linear(16, 4)
+        self.unused = nn.Linear(3, 3)         # in the optimizer, never gets a gradient
+        self.frozen = nn.Linear(16, 16)       # requires_grad=False
+        self.frozen.requires_grad_(False)
+        self.scale = nn.Parameter(torch.ones(16))  # not in the optimizer
+
+    def forward(self, x):
+        h = torch.relu_(self.a(x))            # an in-place op in user code
+        h = self.frozen(h) * self.scale
+        return self.b(h)
+
+
+def _data():
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
+
+
+def _net_groups(net):
+    return [{"params": [net.a.weight, net.b.weight], "weight_decay": 0.05},
+            {"params": [net.a.bias, net.b.bias, *net.unused.parameters()], "lr": 0.02, "weight_decay": 0.0}]
+
+
+def _loss(m, x, y):
+    return F.cross_entropy(m(x), y)
+
+
+def sgd_dampening():
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD(_net_groups(net), lr=0.05, momentum=0.9, dampening=0.3, maximize=False)
+    return net, opt, _loss, _data()
+
+
+def sgd_nesterov_maximize():
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD(_net_groups(net), lr=0.05, momentum=0.8, nesterov=True, maximize=True)
+    return net, opt, lambda m, x, y: -_loss(m, x, y), _data()
+
+
+def sgd_plain():
+    torch.manual_seed(0)
+    net = Net()
+    return net, torch.optim.SGD(_net_groups(net), lr=0.1), _loss, _data()
+
+
+def adam_amsgrad():
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.Adam(_net_groups(net), lr=1e-2, betas=(0.8, 0.99), eps=1e-6, amsgrad=True)
+    return net, opt, _loss, _data()
+
+
+def adamw_stepped():
+    """The optimizer has state already (one eager step before capture)."""
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.AdamW(_net_groups(net), lr=1e-2, weight_decay=0.1)
+    x, y = _data()
+    _loss(net, x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    return net, opt, _loss, (x, y)
+
+
+def sgd_stepped():
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.SGD(_net_groups(net), lr=0.05, momentum=0.9, dampening=0.5)
+    x, y = _data()
+    _loss(net, x, y).backward()
+    opt.step()
+    opt.zero_grad()
+    return net, opt, _loss, (x, y)
+
+
+class Convs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.c1 = nn.Conv2d(4, 8, 3, padding=1, stride=2)
+        self.dw = nn.Conv2d(8, 8, 3, padding=2, dilation=2, groups=8)
+        self.g = nn.Conv2d(8, 8, 1, groups=2, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.gn = nn.GroupNorm(2, 8)
+        self.up = nn.ConvTranspose2d(8, 4, 2, stride=2, output_padding=0)
+        self.inorm = nn.InstanceNorm2d(4, affine=True)
+        self.c1d = nn.Conv1d(4, 4, 3, padding=1)
+        self.head = nn.Linear(4, 3)
+
+    def forward(self, x):
+        h = F.relu(self.bn(self.c1(x)))
+        h = self.gn(self.g(self.dw(h)))
+        h = F.max_pool2d(h, 3, stride=1, padding=1, ceil_mode=True) + F.avg_pool2d(h, 3, 1, 1)
+        h = self.inorm(self.up(h))
+        h = self.c1d(h.flatten(2)).mean(-1)
+        return self.head(F.adaptive_avg_pool2d(h[:, :, None, None], 1).flatten(1))
+
+
+def convs():
+    torch.manual_seed(0)
+    m = Convs()
+    g = torch.Generator().manual_seed(2)
+    batch = (torch.randn(4, 4, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g))
+    return m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3), _loss, batch
+
+
+class Routing(nn.Module):
+    """MultiheadAttention, top-k, scatter, gather, index_select, boolean masks, dropout, erfinv (opaque)."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(20, 16, padding_idx=0)
+        self.mha = nn.MultiheadAttention(16, 4, batch_first=True, dropout=0.1)
+        self.router = nn.Linear(16, 4)
+        self.experts = nn.Parameter(torch.randn(4, 16, 16) * 0.1)
+        self.out = nn.Linear(16, 20)
+        self.drop = nn.Dropout(0.2)
+
+    def forward(self, tokens, pad):
+        x = self.emb(tokens)
+        a, _ = self.mha(x, x, x, key_padding_mask=pad)
+        x = self.drop(x + a)
+        w = self.router(x).softmax(-1)
+        top, idx = w.topk(2, dim=-1)
+        dense = torch.zeros_like(w).scatter(-1, idx, top / top.sum(-1, keepdim=True))
+        y = torch.einsum("bse,eij,bsj->bsi", dense, self.experts, x)
+        y = y + torch.gather(x, 1, idx[..., :1].expand(-1, -1, 16) % x.shape[1])
+        y = y.masked_fill(pad[..., None], 0.0)
+        y = y + torch.special.erfinv(torch.tanh(y) * 0.5)
+        y = y.index_select(-1, torch.arange(15, -1, -1))
+        return self.out(y)
+
+
+def routing():
+    torch.manual_seed(0)
+    m = Routing()
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(1, 20, (3, 7), generator=g)
+    pad = torch.zeros(3, 7, dtype=torch.bool)
+    pad[0, 5:] = True
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    return m, opt, lambda m, t, p: F.cross_entropy(m(t, p).flatten(0, 1), t.flatten()), (tokens, pad)
+
+
+def huge_meta():
+    """~43 GB of parameters (more than this machine's RAM) on the meta device: capture must not allocate them."""
+    with torch.device("meta"):
+        m = nn.Sequential(nn.Linear(60000, 60000), nn.GELU(), nn.Linear(60000, 60000),
+                          nn.LayerNorm(60000), nn.Linear(60000, 8))
+    x = torch.empty(16, 60000, device="meta")
+    y = torch.empty(16, dtype=torch.long, device="meta")
+    return m, torch.optim.Adam(m.parameters()), _loss, (x, y)
