@@ -1,0 +1,92 @@
+"""The command line: outputs, --json, and one clear sentence for each user mistake."""
+import json
+
+import pytest
+
+from conftest import ROOT
+from rhino.cli.main import main
+
+BAD = ROOT / "tests" / "workloads" / "bad_inputs.py"
+
+
+def run(capsys, *argv):
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_check_prints_the_contract_line(capsys):
+    code, out, _ = run(capsys, "check", str(ROOT / "examples" / "mlp.py"))
+    assert code == 0
+    assert out.startswith("check OK: steps=2 nodes=") and " opaque=0 max_abs_diff=" in out
+
+
+def test_check_json(capsys):
+    code, out, _ = run(capsys, "check", str(ROOT / "examples" / "mlp.py"), "--steps", "3", "--json")
+    d = json.loads(out)
+    assert code == 0 and d["ok"] is True and d["steps"] == 3
+    assert {"ok", "max_abs_diff", "nodes", "opaque_ops"} <= d.keys()
+    assert d["losses"] == d["eager_losses"] or max(abs(a - b) for a, b in zip(d["losses"], d["eager_losses"])) < 1e-5
+
+
+def test_capture_writes_graph_atomically(capsys, tmp_path):
+    out_file = tmp_path / "g.json"
+    code, out, _ = run(capsys, "capture", str(ROOT / "examples" / "gpt.py"), "--out", str(out_file), "--json")
+    d = json.loads(out)
+    assert code == 0 and d["nodes"] > 100 and d["params"] > 0 and d["seconds"] > 0
+    from rhino.ir import Graph, verify
+    g = Graph.from_json(out_file.read_text())
+    verify(g)
+    assert len(g.nodes) == d["nodes"]
+    assert [p.name for p in tmp_path.iterdir()] == ["g.json"]  # no temporary file left behind
+
+
+def test_capture_on_meta(capsys):
+    code, out, _ = run(capsys, "capture", str(ROOT / "tests" / "workloads" / "variants.py:huge_meta"), "--json")
+    assert code == 0 and json.loads(out)["params"] > 6e9
+
+
+def test_capture_into_missing_directory_fails_cleanly(capsys, tmp_path):
+    code, _, err = run(capsys, "capture", str(ROOT / "examples" / "mlp.py"), "--out", str(tmp_path / "no" / "g.json"))
+    assert code == 2 and "does not exist" in err
+
+
+@pytest.mark.parametrize("func, phrase", [
+    ("wrong_arity", "must return (model, optimizer, loss_fn, batch)"),
+    ("not_a_module", "must be a torch.nn.Module"),
+    ("batch_does_not_fit", "Check that the batch fits the model"),
+    ("data_dependent", "bad_inputs.py:34"),
+    ("non_scalar_loss", "loss_fn must return a scalar"),
+    ("raises", "cannot build the model"),
+    ("foreign_optimizer", "not a parameter of the model"),
+    ("unsupported_optimizer", "is not supported"),
+    ("no_such_function", "has no function 'no_such_function'"),
+])
+def test_bad_input_is_one_clear_sentence(capsys, func, phrase):
+    code, out, err = run(capsys, "check", f"{BAD}:{func}")
+    assert code == 2
+    assert phrase in err
+    errors = [line for line in err.splitlines() if "error:" in line]
+    assert "Traceback" not in err and len(errors) == 1 and err.strip().splitlines()[-1] == errors[0]
+
+
+def test_missing_file(capsys):
+    code, _, err = run(capsys, "capture", "does/not/exist.py")
+    assert code == 2 and "does not exist" in err
+
+
+def test_bad_input_json(capsys):
+    code, out, _ = run(capsys, "check", f"{BAD}:wrong_arity", "--json")
+    d = json.loads(out)
+    assert code == 2 and d["ok"] is False and "must return" in d["error"]
+
+
+def test_check_refuses_meta_workload(capsys):
+    code, _, err = run(capsys, "check", str(ROOT / "tests" / "workloads" / "variants.py:huge_meta"))
+    assert code == 2 and "meta device" in err
+
+
+def test_demo(capsys):
+    code, out, _ = run(capsys, "demo")
+    assert code == 0
+    assert "check OK: steps=2" in out and "FLOPs" in out and "params" in out
