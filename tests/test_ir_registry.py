@@ -76,8 +76,11 @@ def record(op: str, *args, **kwargs):
     return g, node, vals
 
 
-def check(op: str, *args, **kwargs):
-    """The oracle: inferred output shapes == PyTorch's output shapes; the verifier agrees."""
+def check(op: str, *args, unused=(), **kwargs):
+    """The oracle: inferred output shapes == PyTorch's output shapes; the verifier agrees.
+
+    ``unused``: outputs whose value the op leaves unspecified (masked out); the
+    annotation must leave them out (None)."""
     g, node, vals = record(op, *args, **kwargs)
     call = call_of(g, node)
     ann = annotate(call)
@@ -85,7 +88,9 @@ def check(op: str, *args, **kwargs):
     inferred = infer_shapes(ann, [t.shape for t in call.in_types])
     assert len(inferred) == len(vals), f"{op}: annotation has {len(inferred)} outputs, torch gave {len(vals)}"
     for k, (shape, v) in enumerate(zip(inferred, vals)):
-        if isinstance(v, torch.Tensor):
+        if k in unused:
+            assert shape is None, f"{op} output {k} is unused but annotated {shape}"
+        elif isinstance(v, torch.Tensor):
             assert shape == tuple(v.shape), f"{op} output {k}: inferred {shape}, torch gave {tuple(v.shape)}"
     # every letter the annotation marks exists in it
     assert ann.reduced <= set(ann.letters()) | set(ann.sizes)
@@ -154,9 +159,10 @@ UNARY = ["aten.exp.default", "aten.relu.default", "aten.gelu.default", "aten.sig
 BINARY = ["aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.div.Tensor", "aten.maximum.default",
           "aten.minimum.default", "aten.pow.Tensor_Tensor", "aten.eq.Tensor", "aten.lt.Tensor",
           "aten.ge.Tensor", "aten.remainder.Tensor", "aten.rsub.Tensor", "aten.logical_and.default",
-          "aten.gelu_backward.default", "aten.silu_backward.default", "aten.sigmoid_backward.default",
-          "aten.tanh_backward.default", "aten.atan2.default"]
-BINARY = [op for op in BINARY if lookup(op) is not None]
+          "aten.bitwise_xor.Tensor", "aten.fmod.Tensor", "aten.floor_divide.default"]
+BACKWARD = ["aten.gelu_backward.default", "aten.silu_backward.default", "aten.sigmoid_backward.default",
+            "aten.tanh_backward.default", "aten.hardswish_backward.default", "aten.mish_backward.default",
+            "aten.hardsigmoid_backward.default"]
 
 
 @FAST
@@ -171,7 +177,14 @@ def test_binary_broadcast(op, out, data):
     a, b = data.draw(broadcast_to(out)), data.draw(broadcast_to(out))
     if data.draw(st.booleans()):  # at least one of them has the full shape
         a = out
-    check(op, rand(a), rand(b))
+    dtype = torch.int64 if "bitwise" in op else torch.float32
+    check(op, rand(a, dtype), rand(b, dtype))
+
+
+@FAST
+@given(op=st.sampled_from(BACKWARD), shape=shapes())
+def test_activation_backward(op, shape):
+    check(op, rand(shape), rand(shape))
 
 
 @FAST
@@ -607,7 +620,8 @@ def test_convolution_backward_mask(a, mask):
     x, w = rand(a["x"]), rand(a["w"])
     conv = (a["stride"], a["padding"], a["dilation"], a["transposed"], a["output_padding"], a["groups"])
     out = aten.convolution.default(x, w, None, *conv)
-    call, _ = check("aten.convolution_backward.default", rand(out.shape), x, w, [a["out_ch"]], *conv, mask)
+    call, _ = check("aten.convolution_backward.default", rand(out.shape), x, w, [a["out_ch"]], *conv, mask,
+                    unused=[k for k in range(3) if not mask[k]])
     fwd = _conv_closed_form_flops(a["x"], a["w"], out.shape, a["transposed"], a["groups"])
     assert flops_of(call) == fwd * (mask[0] + mask[1])
 
@@ -620,7 +634,7 @@ def pool_args(draw, n_sp=2, dilation=True):
     p = [draw(st.integers(0, ki // 2)) for ki in k]
     d = [draw(st.integers(1, 2)) if dilation else 1 for _ in range(n_sp)]
     sizes = [max(1, di * (ki - 1) + 1 - 2 * pi) + draw(st.integers(0, 4)) for ki, pi, di in zip(k, p, d)]
-    lead = draw(st.sampled_from([(), (2,), (1, 3), (2, 2)]))
+    lead = draw(st.sampled_from([(2,), (1, 3), (2, 2)]))  # unbatched [c, *sp] or [n, c, *sp]
 
     def maybe_one(v):
         return v[:1] if len(set(v)) == 1 and draw(st.booleans()) else v

@@ -57,6 +57,6 @@ def foreign_optimizer():
     return m, torch.optim.SGD(other.parameters(), lr=0.1), lambda m, x: m(x).sum(), (torch.randn(2, 8),)
 
 
-def unsupported_optimizer():
+def unsupported_optimizer():  # LBFGS needs a closure: no single step to capture
     m = _mlp()
-    return m, torch.optim.Adagrad(m.parameters(), lr=0.1), lambda m, x: m(x).sum(), (torch.randn(2, 8),)
+    return m, torch.optim.LBFGS(m.parameters(), lr=0.1), lambda m, x: m(x).sum(), (torch.randn(2, 8),)

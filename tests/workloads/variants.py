@@ -160,3 +160,23 @@ def huge_meta():
     x = torch.empty(16, 60000, device="meta")
     y = torch.empty(16, dtype=torch.long, device="meta")
     return m, torch.optim.Adam(m.parameters()), _loss, (x, y)
+
+
+def rmsprop_centered():
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.RMSprop(_net_groups(net), lr=1e-2, alpha=0.9, momentum=0.5, centered=True)
+    return net, opt, _loss, _data()
+
+
+def rmsprop_plain():
+    torch.manual_seed(0)
+    net = Net()
+    return net, torch.optim.RMSprop(_net_groups(net), lr=1e-2, weight_decay=0.01), _loss, _data()
+
+
+def adagrad():
+    torch.manual_seed(0)
+    net = Net()
+    opt = torch.optim.Adagrad(_net_groups(net), lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1)
+    return net, opt, _loss, _data()

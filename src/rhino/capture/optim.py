@@ -23,7 +23,7 @@ class ParamUpdate:
     """How one parameter is updated: the algorithm, its hyper-parameters, its state keys."""
 
     name: str
-    kind: str                      # "sgd" | "adam"
+    kind: str                      # "sgd" | "adam" | "rmsprop" | "adagrad"
     hp: dict[str, Any]
     state_keys: list[str] = field(default_factory=list)
     torch_keys: list[str] = field(default_factory=list)  # keys torch keeps in optimizer.state
@@ -51,6 +51,17 @@ def plan_updates(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> lis
                     keys, tkeys = ["momentum_buffer"], ["momentum_buffer"]
                     if hp["dampening"] != 0:  # torch's first step copies the gradient: track it
                         keys.append("started")
+            elif kind == "rmsprop":
+                hp = {k: _scalar(group[k]) for k in ("lr", "alpha", "eps", "weight_decay", "momentum")}
+                hp.update(centered=bool(group["centered"]), maximize=bool(group.get("maximize", False)))
+                keys = ["step", "square_avg"] + (["momentum_buffer"] if hp["momentum"] > 0 else []) + \
+                    (["grad_avg"] if hp["centered"] else [])
+                tkeys = list(keys)
+            elif kind == "adagrad":
+                hp = {k: _scalar(group[k]) for k in ("lr", "lr_decay", "weight_decay", "eps",
+                                                      "initial_accumulator_value")}
+                hp.update(maximize=bool(group.get("maximize", False)))
+                keys, tkeys = ["step", "sum"], ["step", "sum"]
             else:
                 beta1, beta2 = (_scalar(b) for b in group["betas"])
                 hp = {"lr": _scalar(group["lr"]), "beta1": beta1, "beta2": beta2, "eps": _scalar(group["eps"]),
@@ -68,8 +79,12 @@ def _kind(optimizer: torch.optim.Optimizer) -> str:
         return "adam"
     if type(optimizer) is torch.optim.SGD:
         return "sgd"
-    raise WorkloadError(f"optimizer {type(optimizer).__name__} is not supported yet; use torch.optim.SGD, Adam "
-                        f"or AdamW")
+    if type(optimizer) is torch.optim.RMSprop:
+        return "rmsprop"
+    if type(optimizer) is torch.optim.Adagrad:
+        return "adagrad"
+    raise WorkloadError(f"optimizer {type(optimizer).__name__} is not supported yet; use torch.optim.SGD, Adam, "
+                        f"AdamW, RMSprop or Adagrad")
 
 
 def initial_state(optimizer: torch.optim.Optimizer, plans: list[ParamUpdate],
@@ -87,6 +102,8 @@ def initial_state(optimizer: torch.optim.Optimizer, plans: list[ParamUpdate],
                 value = existing.detach().clone().float() if isinstance(existing, torch.Tensor) else \
                     torch.tensor(float(existing or 0.0), dtype=torch.float32, device=p.device)
                 value = value.to(p.device)
+            elif existing is None and key == "sum":
+                value = torch.full_like(p, plan.hp["initial_accumulator_value"], memory_format=torch.preserve_format)
             elif existing is None:
                 value = torch.zeros_like(p, memory_format=torch.preserve_format)
             else:
@@ -102,9 +119,8 @@ def state_name(param: str, key: str) -> str:
 def apply_update(plan: ParamUpdate, param: torch.Tensor, grad: torch.Tensor,
                  state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """New parameter and state (out of place) from one optimizer step."""
-    if plan.kind == "sgd":
-        return _sgd(plan.hp, param, grad, state)
-    return _adam(plan.hp, param, grad, state)
+    update = {"sgd": _sgd, "adam": _adam, "rmsprop": _rmsprop, "adagrad": _adagrad}[plan.kind]
+    return update(plan.hp, param, grad, state)
 
 
 def _sgd(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]:
@@ -147,3 +163,39 @@ def _adam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict) -> tup
     # torch: param.addcdiv_(exp_avg, denom, value=-step_size), i.e. param + (value * exp_avg) / denom
     new_param = param.add(((-step_size).to(param.dtype) * exp_avg) / denom)
     return new_param, new_state
+
+
+def _rmsprop(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]:
+    grad = -grad if hp["maximize"] else grad
+    new_state = {"step": state["step"] + 1}
+    if hp["weight_decay"] != 0:
+        grad = grad.add(param, alpha=hp["weight_decay"])
+    alpha = hp["alpha"]
+    square_avg = state["square_avg"].mul(alpha).addcmul(grad, grad, value=1 - alpha)
+    new_state["square_avg"] = square_avg
+    if hp["centered"]:
+        grad_avg = state["grad_avg"].lerp(grad, 1 - alpha)
+        new_state["grad_avg"] = grad_avg
+        avg = square_avg.addcmul(grad_avg, grad_avg, value=-1).sqrt()
+    else:
+        avg = square_avg.sqrt()
+    avg = avg.add(hp["eps"])
+    if hp["momentum"] > 0:
+        buf = state["momentum_buffer"].mul(hp["momentum"]).addcdiv(grad, avg)
+        new_state["momentum_buffer"] = buf
+        return param.add(buf, alpha=-hp["lr"]), new_state
+    # torch: param.addcdiv_(grad, avg, value=-lr)
+    return param.add(grad.mul(-hp["lr"]) / avg), new_state
+
+
+def _adagrad(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]:
+    step = state["step"] + 1
+    grad = -grad if hp["maximize"] else grad
+    if hp["weight_decay"] != 0:
+        grad = grad.add(param, alpha=hp["weight_decay"])
+    clr = hp["lr"] / (1 + (step.to(torch.float64) - 1) * hp["lr_decay"])
+    state_sum = state["sum"].addcmul(grad, grad, value=1)
+    std = state_sum.sqrt().add(hp["eps"])
+    # torch: param.addcdiv_(grad, std, value=-clr)
+    new_param = param.add(((-clr).to(param.dtype) * grad) / std)
+    return new_param, {"step": step, "sum": state_sum}

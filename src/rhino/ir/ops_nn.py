@@ -122,7 +122,8 @@ def conv_backward_rule(call: OpCall) -> Annotation:
     go_spec = (("n",), ("o",)) + tuple((s,) for s in sp_out)
     x_spec = (("n",), ("c",)) + tuple((s,) for s in sp_in)
     outs = [x_spec, wspec, (("o",),)]
-    outs = tuple(o if t is not None else None for o, t in zip(outs, call.out_types))
+    # an output the mask leaves out is unspecified (CPU may return a stray tensor for it)
+    outs = tuple(o if t is not None and m else None for o, t, m in zip(outs, call.out_types, call.args[10]))
     return Annotation((go_spec, x_spec, wspec), outs, reduced=frozenset(reduced), fixed=frozenset(fixed))
 
 
@@ -131,7 +132,7 @@ def _conv_backward_flops(call: OpCall, ann: Annotation, sizes: Mapping[str, int]
     transposed = bool(call.args[7])
     fwd = 2 * go[0] * go[1] * prod(go[2:]) * prod(w[1:]) if not transposed else \
         2 * call.shape_of(1)[0] * prod(call.shape_of(1)[2:]) * call.shape_of(1)[1] * prod(w[1:])
-    return fwd * sum(1 for t in call.out_types[:2] if t is not None)
+    return fwd * sum(1 for t, m in zip(call.out_types[:2], call.args[10]) if t is not None and m)
 
 
 register("aten.convolution.default", OpKind.CONV, conv_rule, flops=_conv_flops)
@@ -375,10 +376,16 @@ def _pool_out(size: int, k: int, s: int, p: int, d: int, ceil_mode: bool) -> int
     return out
 
 
+def _pool_spatial(op: str) -> int:
+    """Spatial dims pooled by ``op``, from its name (``max_pool2d...`` -> 2). Not from the kernel
+    argument: aten accepts one value for all spatial dims."""
+    return int(op.split("pool")[1][0])
+
+
 def pool_rule(call: OpCall) -> Annotation:
     """max_pool*_with_indices / avg_pool*(x [n c *sp], kernel, stride, padding[, dilation], ceil_mode...)."""
     x = call.in_types[0].shape
-    n_sp = len(call.args[1]) if isinstance(call.args[1], (list, tuple)) else len(x) - 2
+    n_sp = _pool_spatial(call.op)
     lead = letters("l", len(x) - n_sp)
     kernel = _expand(call.args[1], n_sp)
     stride = _expand(call.arg(2, "stride") or kernel, n_sp)
@@ -408,8 +415,7 @@ def adaptive_pool_rule(call: OpCall) -> Annotation:
 def pool_backward_rule(call: OpCall) -> Annotation:
     """Pooling backward (grad_out, x, ...[, indices]) -> grad_x shaped like x."""
     x = call.in_types[1].shape
-    go = call.in_types[0].shape
-    n_sp = sum(1 for a, b in zip(x, go) if a != b) or 2
+    n_sp = _pool_spatial(call.op)
     lead = letters("l", len(x) - n_sp)
     sp_in, sp_out = letters("h", n_sp), letters("ho", n_sp)
     xs = tuple((a,) for a in lead + sp_in)

@@ -81,7 +81,8 @@ def transpose_rule(call: OpCall) -> Annotation:
     else:
         a, b = norm_dim(call.arg(1), rank), norm_dim(call.arg(2), rank)
     out = list(names)
-    out[a], out[b] = out[b], out[a]
+    if rank:  # a 0-d tensor transposes to itself
+        out[a], out[b] = out[b], out[a]
     return Annotation((_spec(names),), (_spec(out),))
 
 
@@ -283,8 +284,10 @@ def scatter_rule(call: OpCall) -> Annotation:
     names = letters("g", rank)
     i = list(names)
     i[dim] = "idx"
-    return Annotation((_spec(names),) + tuple(_spec(i) for _ in shapes[1:]), (_spec(names),),
-                      fixed=frozenset({names[dim], "idx"}))
+    src = list(names)  # src may be longer than index along dim (only its first entries are used)
+    src[dim] = "src"
+    ins = (_spec(names), _spec(i)) + ((_spec(src),) if len(shapes) > 2 else ())
+    return Annotation(ins, (_spec(names),), fixed=frozenset({names[dim], "idx", "src"}))
 
 
 def topk_rule(call: OpCall) -> Annotation:
