@@ -8,10 +8,8 @@ shapes PyTorch returned; the verifier must accept the graph too.
 """
 from __future__ import annotations
 
-import operator
 import sys
-from functools import reduce
-from math import ceil, prod
+from math import prod
 
 import pytest
 import torch
@@ -23,7 +21,7 @@ from rhino.ir.annotation import infer_shapes
 from rhino.ir.graph import Graph, GraphOutput, Node, Ref, Role
 from rhino.ir.registry import OpKind, annotate, bytes_of, call_of, flops_of, lookup
 from rhino.ir.types import Device, DType, Layout, MemoryFormat, TensorType
-from rhino.ir.verify import verify
+from rhino.ir.verify import VerifyError, is_inplace_op, verify
 
 FAST = settings(max_examples=30, deadline=None)
 aten = torch.ops.aten
@@ -32,7 +30,10 @@ MAXINT = sys.maxsize  # what a traced ``x[a:]`` passes as ``end``
 
 # -- harness ------------------------------------------------------------------------
 def _ttype(t: torch.Tensor) -> TensorType:
-    return TensorType(tuple(t.shape), ir_dtype(t.dtype))
+    # The IR has no unsigned 64-bit type; CUDA attention returns its philox seed/offset as
+    # uint64 (seen here through meta tensors). Only shapes matter to these tests.
+    dtype = DType.int64 if t.dtype is torch.uint64 else ir_dtype(t.dtype)
+    return TensorType(tuple(t.shape), dtype)
 
 
 def _to_ir(a, g: Graph):
@@ -94,7 +95,11 @@ def check(op: str, *args, unused=(), **kwargs):
             assert shape == tuple(v.shape), f"{op} output {k}: inferred {shape}, torch gave {tuple(v.shape)}"
     # every letter the annotation marks exists in it
     assert ann.reduced <= set(ann.letters()) | set(ann.sizes)
-    verify(g)
+    if is_inplace_op(op):  # a mutating op is registered for its shapes, but no graph may hold it
+        with pytest.raises(VerifyError, match="in-place"):
+            verify(g)
+    else:
+        verify(g)
     return call, ann
 
 
@@ -140,11 +145,13 @@ def _prime_factors(n):
 def factorization(draw, numel):
     """A target shape for view/reshape: the prime factors of numel spread over slots, 1s
     inserted, maybe one -1."""
-    factors = _prime_factors(numel)
+    factors = _prime_factors(numel) if numel else [0]
     n_slots = draw(st.integers(1 if factors else 0, 5))
     slots = [1] * n_slots
     for f in factors:
         slots[draw(st.integers(0, n_slots - 1))] *= f
+    if numel == 0:  # other slots may be anything; -1 would be ambiguous
+        return [n if n == 0 else draw(st.integers(1, 3)) for n in slots]
     if slots and draw(st.booleans()):
         slots[draw(st.integers(0, len(slots) - 1))] = -1
     return slots
@@ -155,50 +162,74 @@ UNARY = ["aten.exp.default", "aten.relu.default", "aten.gelu.default", "aten.sig
          "aten.tanh.default", "aten.neg.default", "aten.abs.default", "aten.rsqrt.default",
          "aten.clone.default", "aten.silu.default", "aten.sign.default", "aten.logical_not.default",
          "aten.isnan.default", "aten.zeros_like.default", "aten.ones_like.default", "aten.detach.default",
-         "aten.alias.default", "aten.lift_fresh_copy.default", "aten.randn_like.default"]
+         "aten.alias.default", "aten.lift_fresh_copy.default", "aten.randn_like.default", "aten.ceil.default",
+         "aten.cos.default", "aten.sin.default", "aten.erf.default", "aten.exp2.default", "aten.expm1.default",
+         "aten.floor.default", "aten.round.default", "aten.trunc.default", "aten.hardsigmoid.default",
+         "aten.hardswish.default", "aten.isinf.default", "aten.log.default", "aten.log1p.default",
+         "aten.log2.default", "aten.sqrt.default", "aten.reciprocal.default", "aten.mish.default",
+         "aten.softplus.default", "aten.elu.default", "aten.nan_to_num.default", "aten.empty_like.default",
+         "aten.rand_like.default", "aten.bernoulli.default", "aten.bitwise_not.default"]
+INTEGER_OPS = {"aten.bitwise_not.default", "aten.bitwise_and.Tensor", "aten.bitwise_or.Tensor",
+               "aten.bitwise_xor.Tensor", "aten.bitwise_and.Scalar", "aten.bitwise_or.Scalar"}
 BINARY = ["aten.add.Tensor", "aten.sub.Tensor", "aten.mul.Tensor", "aten.div.Tensor", "aten.maximum.default",
           "aten.minimum.default", "aten.pow.Tensor_Tensor", "aten.eq.Tensor", "aten.lt.Tensor",
           "aten.ge.Tensor", "aten.remainder.Tensor", "aten.rsub.Tensor", "aten.logical_and.default",
-          "aten.bitwise_xor.Tensor", "aten.fmod.Tensor", "aten.floor_divide.default"]
+          "aten.bitwise_xor.Tensor", "aten.fmod.Tensor", "aten.floor_divide.default", "aten.gt.Tensor",
+          "aten.le.Tensor", "aten.ne.Tensor", "aten.logical_or.default", "aten.logical_xor.default",
+          "aten.bitwise_and.Tensor", "aten.bitwise_or.Tensor"]
 BACKWARD = ["aten.gelu_backward.default", "aten.silu_backward.default", "aten.sigmoid_backward.default",
             "aten.tanh_backward.default", "aten.hardswish_backward.default", "aten.mish_backward.default",
             "aten.hardsigmoid_backward.default"]
 
 
 @FAST
-@given(op=st.sampled_from(UNARY), shape=shapes())
+@given(op=st.sampled_from(UNARY), shape=shapes(lo=0))
 def test_unary(op, shape):
-    check(op, rand(shape))
+    x = rand(shape, torch.int64 if op in INTEGER_OPS else torch.float32)
+    check(op, torch.rand(shape) if op == "aten.bernoulli.default" else x)  # bernoulli: probabilities
 
 
 @FAST
-@given(op=st.sampled_from(BINARY), out=shapes(), data=st.data())
+@given(op=st.sampled_from(BINARY), out=shapes(lo=0), data=st.data())
 def test_binary_broadcast(op, out, data):
     a, b = data.draw(broadcast_to(out)), data.draw(broadcast_to(out))
     if data.draw(st.booleans()):  # at least one of them has the full shape
         a = out
-    dtype = torch.int64 if "bitwise" in op else torch.float32
+    dtype = torch.int64 if op in INTEGER_OPS else torch.float32
     check(op, rand(a, dtype), rand(b, dtype))
+    if op == "aten.div.Tensor":
+        check("aten.div.Tensor_mode", rand(a), rand(b), rounding_mode="floor")
 
 
 @FAST
 @given(op=st.sampled_from(BACKWARD), shape=shapes())
 def test_activation_backward(op, shape):
     check(op, rand(shape), rand(shape))
+    x = rand(shape)
+    check("aten.elu_backward.default", rand(shape), 1.0, 1.0, 1.0, False, x)
+    check("aten.hardtanh_backward.default", rand(shape), x, -1.0, 1.0)
+    check("aten.leaky_relu_backward.default", rand(shape), x, 0.01, False)
+    check("aten.softplus_backward.default", rand(shape), x, 1.0, 20.0)
 
 
 @FAST
 @given(op=st.sampled_from(["aten.add.Scalar", "aten.mul.Scalar", "aten.div.Scalar", "aten.pow.Tensor_Scalar",
                            "aten.rsub.Scalar", "aten.eq.Scalar", "aten.gt.Scalar", "aten.fmod.Scalar",
                            "aten.clamp_min.default", "aten.clamp_max.default", "aten.leaky_relu.default",
-                           "aten.fill.Scalar", "aten.full_like.default"]),
+                           "aten.fill.Scalar", "aten.full_like.default", "aten.sub.Scalar", "aten.ge.Scalar",
+                           "aten.le.Scalar", "aten.lt.Scalar", "aten.ne.Scalar", "aten.remainder.Scalar",
+                           "aten.bitwise_and.Scalar", "aten.bitwise_or.Scalar"]),
        shape=shapes())
 def test_tensor_scalar(op, shape):
-    check(op, rand(shape), 2.0)
+    if op in INTEGER_OPS:
+        check(op, rand(shape, torch.int64), 6)
+    else:
+        check(op, rand(shape), 2.0)
+    check("aten.div.Scalar_mode", rand(shape), 2.0, rounding_mode="trunc")
 
 
 @FAST
-@given(out=shapes(), data=st.data())
+@given(out=shapes(lo=0), data=st.data())
 def test_ternary_broadcast(out, data):
     s = [data.draw(broadcast_to(out)) for _ in range(3)]
     s[data.draw(st.integers(0, 2))] = out
@@ -208,6 +239,8 @@ def test_ternary_broadcast(out, data):
     check("aten.clamp.Tensor", rand(s[0]), rand(s[1]), rand(s[2]))
     check("aten.lerp.Tensor", rand(s[0]), rand(s[1]), rand(s[2]))
     check("aten.where.ScalarSelf", rand(s[0], torch.bool), 1.0, rand(s[2]))
+    check("aten.where.ScalarOther", rand(s[0], torch.bool), rand(s[1]), 0.0)
+    check("aten.lerp.Scalar", rand(s[0]), rand(s[1]), 0.5)
 
 
 @FAST
@@ -287,11 +320,11 @@ def test_reductions_over_one_dim(shape, keep, data):
 
 
 @FAST
-@given(shape=shapes(), data=st.data())
+@given(shape=shapes(lo=0), data=st.data())
 def test_along_one_dim(shape, data):
     d = data.draw(dim_of(len(shape)))
     x = rand(shape)
-    y = check("aten._softmax.default", x, d, False)
+    check("aten._softmax.default", x, d, False)
     check("aten._log_softmax.default", x, d, False)
     check("aten._softmax_backward_data.default", rand(shape), torch.softmax(x, d), d, torch.float32)
     check("aten._log_softmax_backward_data.default", rand(shape), torch.log_softmax(x, d), d, torch.float32)
@@ -301,7 +334,6 @@ def test_along_one_dim(shape, data):
     check("aten.sort.default", x, d, data.draw(st.booleans()))
     check("aten.sort.stable", x, stable=True, dim=d)
     check("aten.sort.stable", x, stable=None)
-    assert y is not None
 
 
 @pytest.mark.parametrize("op, args", [
@@ -321,7 +353,7 @@ def test_reduction_marks(op, args):
 
 # -- views and data movement -----------------------------------------------------------------
 @FAST
-@given(shape=shapes(max_rank=5), data=st.data())
+@given(shape=shapes(max_rank=5, lo=0), data=st.data())
 def test_view_reshape(shape, data):
     target = data.draw(factorization(prod(shape)))
     x = rand(shape)
@@ -332,13 +364,14 @@ def test_view_reshape(shape, data):
 @pytest.mark.parametrize("src, dst", [
     ((6,), [2, 3]), ((2, 3), [6]), ((2, 3), [3, 2]), ((4, 6), [2, 12]), ((2, 1, 3), [6]), ((6,), [2, 1, 3]),
     ((), [1, 1]), ((1, 1), []), ((2, 3, 4), [-1]), ((2, 3, 4), [6, -1]), ((1,), [-1]), ((12, 1), [1, 3, 4]),
+    ((0, 3), [3, 0]), ((0, 0), [0]), ((2, 0), [-1]), ((0,), [0, 5, 1]), ((4, 0, 2), [4, 0]),
 ])
 def test_view_cases(src, dst):
     check("aten.view.default", rand(src), dst)
 
 
 @FAST
-@given(shape=shapes(max_rank=5), data=st.data())
+@given(shape=shapes(max_rank=5, lo=0), data=st.data())
 def test_permute(shape, data):
     rank = len(shape)
     perm = data.draw(st.permutations(range(rank)))
@@ -347,7 +380,7 @@ def test_permute(shape, data):
 
 
 @FAST
-@given(shape=shapes(), data=st.data())
+@given(shape=shapes(lo=0), data=st.data())
 def test_transpose(shape, data):
     a, b = data.draw(dim_of(len(shape))), data.draw(dim_of(len(shape)))
     check("aten.transpose.int", rand(shape), a, b)
@@ -359,7 +392,7 @@ def test_t(shape):
 
 
 @FAST
-@given(shape=shapes(), data=st.data())
+@given(shape=shapes(lo=0), data=st.data())
 def test_expand(shape, data):
     lead = data.draw(shapes(max_rank=2))
     size = list(lead) + [data.draw(st.sampled_from([-1, n])) if n != 1 else data.draw(st.sampled_from([-1, 1, 3]))
@@ -385,7 +418,7 @@ def slice_bound(draw, n):
 
 
 @FAST
-@given(shape=shapes(min_rank=1, hi=6), data=st.data())
+@given(shape=shapes(min_rank=1, lo=0, hi=6), data=st.data())
 def test_slice(shape, data):
     d = data.draw(dim_of(len(shape)))
     n = shape[d]
@@ -401,27 +434,30 @@ def test_slice_defaults(args):
 
 
 @FAST
-@given(shape=shapes(min_rank=1), data=st.data())
+@given(shape=shapes(min_rank=1, lo=0), data=st.data())
 def test_select_unbind(shape, data):
     d = data.draw(dim_of(len(shape)))
-    i = data.draw(st.integers(-shape[d], shape[d] - 1))
-    check("aten.select.int", rand(shape), d, i)
+    if shape[d]:
+        i = data.draw(st.integers(-shape[d], shape[d] - 1))
+        check("aten.select.int", rand(shape), d, i)
     check("aten.unbind.int", rand(shape), d)
 
 
 @FAST
-@given(shape=shapes(min_rank=1, hi=7), data=st.data())
+@given(shape=shapes(min_rank=1, lo=0, hi=7), data=st.data())
 def test_split(shape, data):
     d = data.draw(dim_of(len(shape)))
     n = shape[d]
     check("aten.split.Tensor", rand(shape), data.draw(st.integers(1, n + 2)), d)
+    if n == 0:
+        check("aten.split.Tensor", rand(shape), 0, d)
     cuts = sorted(data.draw(st.lists(st.integers(0, n), max_size=3)))
     sizes = [b - a for a, b in zip([0] + cuts, cuts + [n])]
     check("aten.split_with_sizes.default", rand(shape), sizes, d)
 
 
 @FAST
-@given(shape=shapes(min_rank=1), n=st.integers(1, 4), data=st.data())
+@given(shape=shapes(min_rank=1, lo=0), n=st.integers(1, 4), data=st.data())
 def test_cat_stack(shape, n, data):
     d = data.draw(dim_of(len(shape)))
     parts = []
@@ -430,7 +466,8 @@ def test_cat_stack(shape, n, data):
         s[d] = data.draw(st.integers(0, 3))
         parts.append(rand(tuple(s)))
     check("aten.cat.default", parts, d)
-    check("aten.cat.default", parts) if d in (0, -len(shape)) else None
+    if d in (0, -len(shape)):
+        check("aten.cat.default", parts)
     check("aten.stack.default", [rand(shape) for _ in range(n)], data.draw(dim_of(len(shape), extra=1)))
 
 
@@ -465,17 +502,16 @@ def test_sized_creation(size, data):
 
 
 @FAST
-@given(start=st.integers(-6, 6), end=st.integers(-6, 6), step=st.integers(1, 3), neg=st.booleans(),
-       fl=st.booleans())
-def test_arange(start, end, step, neg, fl):
+@given(a=st.integers(-6, 6), b=st.integers(-6, 6), step=st.integers(1, 3), neg=st.booleans(), fl=st.booleans())
+def test_arange(a, b, step, neg, fl):
+    start, end = sorted((a, b))
     if neg:
         start, end, step = end, start, -step
     if fl:
-        start, end, step = start / 2, end * 1.3, step * 0.7
-    assume((end - start) / step >= 0)
+        start, end, step = start * 0.5, end * 0.5, step * 0.7  # signs kept: a valid range
     check("aten.arange.start_step", start, end, step)
-    check("aten.arange.start", start, end)  if end >= start else None
-    check("aten.arange.default", end) if end >= 0 else None
+    check("aten.arange.start", min(start, end), max(start, end))
+    check("aten.arange.default", abs(end))
 
 
 # -- indexing -----------------------------------------------------------------------------
@@ -511,8 +547,36 @@ def test_topk_index_select(shape, data):
           data.draw(st.booleans()), data.draw(st.booleans()))
     check("aten.topk.default", rand(shape), 1)
     check("aten.index_select.default", rand(shape), d, torch.randint(0, n, (data.draw(st.integers(0, 5)),)))
+    check("aten.index_select.default", rand(shape), d, torch.tensor(n - 1))
     idx = torch.randint(0, shape[0], data.draw(shapes(max_rank=2)))
     check("aten.index.Tensor", rand(shape), [idx])
+
+
+@FAST
+@given(shape=shapes(min_rank=2, max_rank=3, lo=2), data=st.data())
+def test_ops_without_dim_correspondence(shape, data):
+    """Ops annotated from their recorded types only (every dim fixed): the rule must still fit."""
+    x, n = rand(shape), shape[0]
+    idx = torch.randint(0, n, data.draw(shapes(max_rank=2)))
+    check("aten.index.Tensor", x, [None, torch.randint(0, shape[1], (3,))])
+    check("aten._unsafe_index.Tensor", x, [idx])
+    flat = torch.randint(0, n, (3,))
+    check("aten.index_put.default", x, [flat], rand((3,) + shape[1:]), True)
+    check("aten._unsafe_index_put.default", x, [flat], rand(shape[1:]))
+    check("aten.index_add.default", x, 0, flat, rand((3,) + shape[1:]))
+    check("aten.masked_scatter.default", x, rand(shape[1:], torch.bool), rand(shape))
+    check("aten.one_hot.default", idx, n)
+    check("aten.repeat.default", x, [2] * len(shape) + [1])
+    check("aten.roll.default", x, [1, -1], [0, -1])
+    check("aten.flip.default", x, [0, -1])
+    check("aten.constant_pad_nd.default", x, [1, 0, 0, 2], 0.0)
+    check("aten.diagonal.default", x, data.draw(st.integers(-1, 1)), 0, 1)
+    check("aten.as_strided.default", x, [2, 2], [1, 2])
+    check("aten.unfold.default", x, -1, 2, 1)
+    check("aten.slice_scatter.default", x, rand((1,) + shape[1:]), 0, 0, 1, 1)
+    check("aten.select_scatter.default", x, rand(shape[1:]), 0, -1)
+    check("aten.select_backward.default", rand(shape[1:]), list(shape), 0, 1)
+    check("aten.slice_backward.default", rand((1,) + shape[1:]), list(shape), 0, 1, 2, 1)
 
 
 @FAST
@@ -659,17 +723,26 @@ def test_avg_pool2d(a, count_include_pad):
     shape, k, s, p, _, ceil_mode = a
     x = rand(shape)
     check("aten.avg_pool2d.default", x, k, s, p, ceil_mode, count_include_pad)
-    check("aten.avg_pool2d.default", x, k)
+    if all(n >= kk for n, kk in zip(shape[-2:], k * 2 if len(k) == 1 else k)):
+        check("aten.avg_pool2d.default", x, k)
     out = aten.avg_pool2d.default(x, k, s, p, ceil_mode, count_include_pad)
     check("aten.avg_pool2d_backward.default", rand(out.shape), x, k, s, p, ceil_mode, count_include_pad, None)
 
 
 @FAST
 @given(a=pool_args(n_sp=3))
-def test_max_pool3d(a):
+def test_pool3d(a):
     shape, k, s, p, d, ceil_mode = a
     x = rand(shape)
     check("aten.max_pool3d_with_indices.default", x, k, s, p, d, ceil_mode)
+    out, idx = aten.max_pool3d_with_indices.default(x, k, s, p, d, ceil_mode)
+    check("aten.max_pool3d_with_indices_backward.default", rand(out.shape), x, k, s or k, p, d, ceil_mode, idx)
+    if all(n >= kk for n, kk in zip(shape[-3:], k * 3 if len(k) == 1 else k)):
+        check("aten.avg_pool3d.default", x, k, s, p, ceil_mode)
+        out = aten.avg_pool3d.default(x, k, s, p, ceil_mode)
+        check("aten.avg_pool3d_backward.default", rand(out.shape), x, k, s or k, p, ceil_mode, True, None)
+    check("aten._adaptive_avg_pool3d.default", x, [1, 2, 1])
+    check("aten._adaptive_avg_pool3d_backward.default", rand(shape[:-3] + (1, 2, 1)), x)
 
 
 @FAST
@@ -721,8 +794,10 @@ def test_layer_norm(shape, data):
     _, ann = check("aten.native_layer_norm.default", x, ns, w, b, 1e-5)
     assert ann.fixed == {f"nd{i}" for i in range(k)}
     y, mean, rstd = aten.native_layer_norm.default(x, ns, w, b, 1e-5)
-    mask = data.draw(st.lists(st.booleans(), min_size=3, max_size=3))
-    check("aten.native_layer_norm_backward.default", rand(shape), x, ns, mean, rstd, w, b, mask)
+    mask = [data.draw(st.booleans()), w is not None and data.draw(st.booleans()),
+            b is not None and data.draw(st.booleans())]
+    check("aten.native_layer_norm_backward.default", rand(shape), x, ns, mean, rstd, w, b, mask,
+          unused=[k for k in range(3) if not mask[k]])
 
 
 @st.composite
@@ -755,13 +830,15 @@ def test_batch_norm(shape, affine, training):
 @given(n=st.integers(1, 3), g=st.integers(1, 3), cg=st.integers(1, 2), sp=shapes(max_rank=2),
        affine=st.booleans(), mask=st.lists(st.booleans(), min_size=3, max_size=3))
 def test_group_norm(n, g, cg, sp, affine, mask):
+    mask = [mask[0], mask[1] and affine, mask[2] and affine]
     c = g * cg
     x = rand((n, c, *sp))
     w, b = (rand((c,)), rand((c,))) if affine else (None, None)
     hw = prod(sp)
     check("aten.native_group_norm.default", x, w, b, n, c, hw, g, 1e-5)
     y, mean, rstd = aten.native_group_norm.default(x, w, b, n, c, hw, g, 1e-5)
-    check("aten.native_group_norm_backward.default", rand(x.shape), x, mean, rstd, w, n, c, hw, g, mask)
+    check("aten.native_group_norm_backward.default", rand(x.shape), x, mean, rstd, w, n, c, hw, g, mask,
+          unused=[k for k in range(3) if not mask[k]])
 
 
 # -- losses -------------------------------------------------------------------------------
@@ -800,17 +877,17 @@ def test_mse_loss(shape, reduction):
 
 # -- attention ----------------------------------------------------------------------------
 @st.composite
-def attn_shapes(draw):
+def attn_shapes(draw, mask_ranks=(2, 3, 4)):
     b, h, s, t, d = (draw(st.integers(1, 3)) for _ in range(5))
     mask = None
     if draw(st.booleans()):
         full = (b, h, s, t)
-        mask = tuple(1 if draw(st.booleans()) else n for n in full[4 - draw(st.integers(2, 4)):])
+        mask = tuple(1 if draw(st.booleans()) else n for n in full[4 - draw(st.sampled_from(mask_ranks)):])
     return (b, h, s, d), (b, h, t, d), (b, h, t, d), mask
 
 
 @FAST
-@given(a=attn_shapes(), causal=st.booleans(), scale=st.sampled_from([None, 0.5]))
+@given(a=attn_shapes(mask_ranks=(2, 4)), causal=st.booleans(), scale=st.sampled_from([None, 0.5]))
 def test_sdpa_cpu(a, causal, scale):
     qs, ks, vs, ms = a
     q, k, v = rand(qs), rand(ks), rand(vs)

@@ -130,8 +130,10 @@ class Graph:
         return next(o for o in self.outputs if o.role is Role.LOSS)
 
     def fingerprint(self) -> str:
-        """A hash of the program (structure, types, constants), not of names' order in memory."""
-        return hashlib.sha256(self.to_json().encode()).hexdigest()[:16]
+        """A hash of the program (structure, types, constants); independent of ``meta`` and key order."""
+        d = self.to_dict()
+        d.pop("meta")
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:16]
 
     # -- JSON ---------------------------------------------------------------
     def to_dict(self) -> dict:

@@ -141,7 +141,8 @@ register("aten.convolution_backward.default", OpKind.CONV, conv_backward_rule, f
 
 # -- attention -----------------------------------------------------------------
 def _mask_spec(call: OpCall, new: NewLetters) -> tuple[Dim, ...] | None:
-    mask = call.kwargs.get("attn_mask")
+    # the efficient (CUDA) kernel takes its mask positionally, as attn_bias
+    mask = call.arg(3, "attn_bias") if "efficient" in call.op else call.kwargs.get("attn_mask")
     if not isinstance(mask, Ref):
         return None
     shape = call._types[mask.id].shape
@@ -168,6 +169,9 @@ def sdpa_rule(call: OpCall) -> Annotation:
             outs.append(None)
         elif t.rank == 4:
             outs.append((("b",), ("h",), ("s",), ("e",)))
+        elif t.rank == 3 and "efficient" in call.op:  # logsumexp rows padded to 32, or none at all
+            s = call.shape_of(0)[2]
+            outs.append((("b",), ("h",), (new(-(-s // 32) * 32 if call.arg(4, "compute_log_sumexp") else 0),)))
         elif t.rank == 3:
             outs.append((("b",), ("h",), ("s",)))
         else:

@@ -27,6 +27,9 @@ def view_rule(call: OpCall) -> Annotation:
     src = list(call.in_types[0].shape)
     dst = _resolve_size(call.arg(1, "size"), call.in_types[0].numel)
     new = NewLetters("v")
+    if 0 in src or 0 in dst:  # empty: products do not tell which dims correspond; keep all whole
+        a, b = [new(n) for n in src], [new(n) for n in dst]
+        return Annotation((_spec(a),), (_spec(b),), fixed=frozenset(a + b), sizes=new.sizes)
     ins: list[Dim] = []
     outs: list[Dim] = []
     fixed: set[str] = set()
@@ -170,7 +173,7 @@ def split_rule(call: OpCall) -> Annotation:
     arg = call.arg(1)
     if isinstance(arg, int):
         n = shape[dim]
-        sizes = [min(arg, n - k) for k in range(0, n, arg)] if arg else [n]
+        sizes = [min(arg, n - k) for k in range(0, n, arg)] if arg and n else [n]  # empty dim: one empty chunk
     else:
         sizes = list(arg)
     return _one_dim_changes(call, dim, sizes)
@@ -253,7 +256,7 @@ def sized_creation_rule(call: OpCall) -> Annotation:
 
 C = OpKind.CREATION
 register("aten.full.default aten.zeros.default aten.ones.default aten.empty.memory_format "
-         "aten.empty.default aten.rand.default aten.randn.default aten.arange.default aten.arange.start "
+         "aten.rand.default aten.randn.default aten.arange.default aten.arange.start "
          "aten.arange.start_step aten.scalar_tensor.default aten.new_zeros.default aten.new_ones.default "
          "aten.new_empty.default aten.new_full.default", C, sized_creation_rule)
 
@@ -302,7 +305,9 @@ def index_select_rule(call: OpCall) -> Annotation:
     names = letters("g", rank)
     out = list(names)
     out[dim] = "idx"
-    return Annotation((_spec(names), (("idx",),)), (_spec(out),), fixed=frozenset({names[dim], "idx"}))
+    scalar = call.in_types[1].rank == 0  # a 0-d index selects one entry
+    return Annotation((_spec(names), () if scalar else (("idx",),)), (_spec(out),),
+                      fixed=frozenset({names[dim], "idx"}), sizes={"idx": 1} if scalar else {})
 
 
 register("aten.gather.default", I, gather_rule)

@@ -18,15 +18,24 @@ class VerifyError(ValueError):
     """The graph breaks an IR invariant."""
 
 
+# Ops whose schema marks a mutated argument although their names do not say so.
+_MUTATING = {"aten._native_batch_norm_legit.default"}
+# Overload names of out-variants (they write into an argument).
+_OUT_OVERLOADS = {"out", "output", "grad_input", "values", "indices", "dim_max", "dim_min"}
+
+
 def is_inplace_op(op: str) -> bool:
-    """aten naming: ``add_`` mutates its first argument, ``.out`` overloads write an argument."""
+    """aten naming: ``add_`` mutates its first argument; out-variant overloads write an argument."""
     parts = op.split(".")
     if len(parts) < 3:
         return False
+    if op in _MUTATING:
+        return True
     name, overload = parts[1], parts[2]
     if name.endswith("__"):
         return name.startswith("__i")
-    return name.endswith("_") or overload == "out" or overload.endswith("_out")
+    return (name.endswith("_") or overload in _OUT_OVERLOADS or overload.startswith("out")
+            or overload.endswith("_out"))
 
 
 def verify(graph: Graph, check_shapes: bool = True) -> None:
@@ -93,12 +102,14 @@ def _check_signature(graph: Graph, defined: set[int], problems: list[str]) -> No
     losses = [o for o in graph.outputs if o.role is Role.LOSS]
     if len(losses) != 1:
         problems.append(f"graph has {len(losses)} loss outputs, expected 1")
+    elif losses[0].value not in graph.types:
+        problems.append(f"loss refers to undefined value {losses[0].value}")
     elif graph.types[losses[0].value].numel != 1:
         problems.append(f"loss has shape {list(graph.types[losses[0].value].shape)}, expected a scalar")
     state_in = {i.name: i for i in graph.inputs if i.role in STATE_ROLES}
     seen: set[str] = set()
     for out in graph.outputs:
-        if out.value not in defined:
+        if out.value not in defined or out.value not in graph.types:
             problems.append(f"output {out.name} refers to undefined value {out.value}")
             continue
         if out.role is Role.LOSS:
@@ -106,7 +117,7 @@ def _check_signature(graph: Graph, defined: set[int], problems: list[str]) -> No
         inp = state_in.get(out.name)
         if inp is None:
             problems.append(f"state output {out.name} has no matching state input")
-        elif graph.types[inp.value] != graph.types[out.value]:
+        elif inp.value in graph.types and graph.types[inp.value] != graph.types[out.value]:
             problems.append(f"state {out.name} changes type from {graph.types[inp.value]} to "
                             f"{graph.types[out.value]}")
         if out.name in seen:
