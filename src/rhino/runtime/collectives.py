@@ -1,0 +1,218 @@
+"""Redistribution steps (``sharding.steps``) executed with ``torch.distributed``.
+
+Layout (``placement.Shard``): a dim sharded with ``blocks`` b over an axis of size n is viewed as
+``[b, n, m]``; the rank at coordinate c holds ``[:, c, :]`` flattened back. Gathering is the inverse:
+the global dim is the concatenation over blocks of the concatenation over ranks of each rank's
+piece of that block.
+
+Collectives, per step (``n`` = axis size; an axis of size 1 needs no communication):
+- ``AllReduce``: ``all_reduce`` (sum/max/min; avg = sum, then divided by n).
+- ``AllGather``: ``all_gather_single`` into one buffer (emulated: list ``all_gather``), then the
+  pieces are interleaved block by block.
+- ``ReduceScatter``: the local tensor is cut into its n pieces (each piece = its slices of all blocks),
+  stacked, and ``reduce_scatter_single`` leaves piece c on coordinate c (emulated: ``all_reduce``
+  then a local slice).
+- ``AllToAll`` with different source and destination dims: ``all_to_all_single`` sends rank j its
+  destination piece, and the received source pieces are interleaved (emulated, and always when the
+  two dims are the same: all-gather along the source dim, then a local slice along the destination).
+- ``LocalSlice``, ``LocalScale``, ``ZeroUnlessFirst``: local, no communication.
+
+"Native" collectives are used on the backends in ``NATIVE_BACKENDS``: NCCL, and gloo, whose
+``reduce_scatter_single``/``all_to_all_single``/``all_gather_single`` were verified on the pinned
+torch 2.13. Any other backend gets the emulations, built from ``all_reduce`` and ``all_gather`` only.
+``apply_step(..., native=False)`` forces the emulations (tests run both paths).
+
+Results never alias the input tensor.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..sharding.mesh import Mesh
+from ..sharding.placement import Partial, ReduceOp, Replicate, Shard, Sharding, local_shape
+from ..sharding.steps import (AllGather, AllReduce, AllToAll, LocalScale, LocalSlice, ReduceScatter,
+                              Step, ZeroUnlessFirst)
+from .groups import MeshGroups
+
+__all__ = ["NATIVE_BACKENDS", "apply_step", "shard_tensor", "gather_tensor", "slice_piece", "join_pieces"]
+
+NATIVE_BACKENDS = frozenset({"nccl", "gloo"})
+
+_TORCH_OP = {ReduceOp.SUM: dist.ReduceOp.SUM, ReduceOp.AVG: dist.ReduceOp.SUM,
+             ReduceOp.MAX: dist.ReduceOp.MAX, ReduceOp.MIN: dist.ReduceOp.MIN}
+# torch 2.13 renamed the tensor-buffer collectives; keep the older names as a fallback.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+# ----------------------------------------------------------------------------- local layout
+
+def _piece_len(t: torch.Tensor, dim: int, blocks: int, n: int, what: str) -> int:
+    if not 0 <= dim < t.dim():
+        raise ValueError(f"{what}: dim {dim} is out of range for a tensor of shape {tuple(t.shape)}")
+    if blocks < 1 or t.shape[dim] % (blocks * n):
+        raise ValueError(f"{what}: dim {dim} of size {t.shape[dim]} does not split into {blocks} "
+                         f"block(s) x {n} pieces")
+    return t.shape[dim] // (blocks * n)
+
+
+def slice_piece(t: torch.Tensor, dim: int, blocks: int, n: int, c: int) -> torch.Tensor:
+    """Piece ``c`` of ``n`` of every one of ``blocks`` blocks of ``dim``, concatenated (a copy)."""
+    m = _piece_len(t, dim, blocks, n, "slice")
+    piece = t.unflatten(dim, (blocks, n, m)).select(dim + 1, c).flatten(dim, dim + 1)
+    return piece.clone(memory_format=torch.contiguous_format)
+
+
+def _stack_pieces(t: torch.Tensor, dim: int, blocks: int, n: int, what: str) -> torch.Tensor:
+    """``[n, *piece]``, a fresh contiguous copy: entry j is ``slice_piece(t, dim, blocks, n, j)``."""
+    m = _piece_len(t, dim, blocks, n, what)
+    stacked = t.unflatten(dim, (blocks, n, m)).movedim(dim + 1, 0).flatten(dim + 1, dim + 2)
+    return stacked.clone(memory_format=torch.contiguous_format)
+
+
+def join_pieces(stacked: torch.Tensor, dim: int, blocks: int) -> torch.Tensor:
+    """Inverse of slicing: ``stacked[j]`` is rank j's piece; interleave them block by block."""
+    length = stacked.shape[dim + 1]
+    if length % blocks:
+        raise ValueError(f"gather: dim {dim} of local size {length} does not split into {blocks} block(s)")
+    x = stacked.unflatten(dim + 1, (blocks, length // blocks)).movedim(0, dim + 1)
+    return x.flatten(dim, dim + 2).contiguous()
+
+
+# ----------------------------------------------------------------------------- collectives
+
+def _all_gather(t: torch.Tensor, group, n: int, native: bool) -> torch.Tensor:
+    """``[n, *t.shape]``: every member's tensor, in coordinate order."""
+    t = t.contiguous()
+    if native:
+        out = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)
+        _all_gather_single(out, t.reshape(-1), group=group)
+        return out.view(n, *t.shape)
+    parts = [torch.empty_like(t) for _ in range(n)]
+    dist.all_gather(parts, t, group=group)
+    return torch.stack(parts)
+
+
+def _average(t: torch.Tensor, n: int) -> torch.Tensor:
+    if not (t.is_floating_point() or t.is_complex()):
+        raise ValueError(f"a Partial(avg) tensor must be floating point, got {t.dtype}")
+    return t.div_(n)
+
+
+def _all_reduce(t: torch.Tensor, op: ReduceOp, group, n: int) -> torch.Tensor:
+    out = t.clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=_TORCH_OP[op], group=group)
+    return _average(out, n) if op is ReduceOp.AVG else out
+
+
+def _reduce_scatter(t: torch.Tensor, step: ReduceScatter, group, n: int, c: int, native: bool) -> torch.Tensor:
+    stacked = _stack_pieces(t, step.dim, step.blocks, n, "reduce-scatter")
+    if native:
+        out = torch.empty(stacked[0].numel(), dtype=t.dtype, device=t.device)
+        _reduce_scatter_single(out, stacked.view(-1), op=_TORCH_OP[step.op], group=group)
+        out = out.view(stacked.shape[1:])
+    else:
+        dist.all_reduce(stacked, op=_TORCH_OP[step.op], group=group)
+        out = stacked[c].clone()
+    return _average(out, n) if step.op is ReduceOp.AVG else out
+
+
+def _all_to_all(t: torch.Tensor, step: AllToAll, group, n: int, c: int, native: bool) -> torch.Tensor:
+    what = "all-to-all"
+    _piece_len(t, step.src_dim, step.src_blocks, 1, what)
+    if native and step.src_dim != step.dst_dim:
+        send = _stack_pieces(t, step.dst_dim, step.dst_blocks, n, what)   # send[j] goes to rank j
+        recv = torch.empty_like(send)                                      # recv[i] came from rank i
+        dist.all_to_all_single(recv, send, group=group)
+        return join_pieces(recv, step.src_dim, step.src_blocks)
+    full = join_pieces(_all_gather(t, group, n, native), step.src_dim, step.src_blocks)
+    return slice_piece(full, step.dst_dim, step.dst_blocks, n, c)
+
+
+def apply_step(tensor: torch.Tensor, step: Step, mesh: Mesh, rank: int, groups: MeshGroups,
+               *, native: bool | None = None) -> torch.Tensor:
+    """This rank's local tensor after ``step`` (collective for communication steps: every rank of the
+    step's axis group must call it). ``native=None`` picks by backend (see module docstring)."""
+    if not 0 <= step.axis < mesh.ndim:
+        raise ValueError(f"step {step} names axis {step.axis} but mesh {mesh} has {mesh.ndim} axes")
+    if groups.mesh != mesh or groups.rank != rank:
+        raise ValueError(f"groups were built for mesh {groups.mesh} on rank {groups.rank}, "
+                         f"not mesh {mesh} on rank {rank}")
+    n, c = mesh.sizes[step.axis], mesh.coords(rank)[step.axis]
+    if isinstance(step, LocalScale):
+        return tensor * step.factor
+    if isinstance(step, ZeroUnlessFirst):
+        return tensor.clone() if c == 0 else torch.zeros_like(tensor)
+    if isinstance(step, LocalSlice):
+        return slice_piece(tensor, step.dim, step.blocks, n, c)
+    if not isinstance(step, (AllReduce, AllGather, ReduceScatter, AllToAll)):
+        raise ValueError(f"unknown redistribution step {step!r}")
+    if n == 1:                                  # a one-rank axis: every step is the identity
+        return _single_rank(tensor, step)
+    group = groups.group(rank, step.axis)
+    if native is None:
+        native = dist.get_backend(group) in NATIVE_BACKENDS
+    if isinstance(step, AllReduce):
+        return _all_reduce(tensor, step.op, group, n)
+    if isinstance(step, AllGather):
+        _piece_len(tensor, step.dim, step.blocks, 1, "all-gather")
+        return join_pieces(_all_gather(tensor, group, n, native), step.dim, step.blocks)
+    if isinstance(step, ReduceScatter):
+        return _reduce_scatter(tensor, step, group, n, c, native)
+    return _all_to_all(tensor, step, group, n, c, native)
+
+
+def _single_rank(tensor: torch.Tensor, step: Step) -> torch.Tensor:
+    """A communication step on an axis of size 1 (still checking that its dims are valid)."""
+    if isinstance(step, AllGather):
+        _piece_len(tensor, step.dim, step.blocks, 1, "all-gather")
+    elif isinstance(step, ReduceScatter):
+        _piece_len(tensor, step.dim, step.blocks, 1, "reduce-scatter")
+    elif isinstance(step, AllToAll):
+        _piece_len(tensor, step.src_dim, step.src_blocks, 1, "all-to-all")
+        _piece_len(tensor, step.dst_dim, step.dst_blocks, 1, "all-to-all")
+    return tensor.clone()
+
+
+# ----------------------------------------------------------------------------- whole tensors
+
+def _check_sharding(shape: tuple[int, ...], sharding: Sharding, mesh: Mesh) -> None:
+    if len(sharding) != mesh.ndim:
+        raise ValueError(f"sharding has {len(sharding)} placements but mesh {mesh} has {mesh.ndim} axes")
+    for p in sharding:
+        if not isinstance(p, (Replicate, Shard, Partial)):
+            raise ValueError(f"unknown placement {p!r}")
+    local_shape(shape, sharding, mesh)          # raises ValueError when a dim does not divide
+
+
+def shard_tensor(global_tensor: torch.Tensor, sharding: Sharding, mesh: Mesh, rank: int) -> torch.Tensor:
+    """The local tensor of ``rank`` (no communication). Partial(sum): coordinate 0 holds the value and
+    the others zeros; Partial(avg|max|min): every coordinate holds the value."""
+    _check_sharding(tuple(global_tensor.shape), sharding, mesh)
+    coords = mesh.coords(rank)
+    t = global_tensor
+    for axis, p in enumerate(sharding):
+        if isinstance(p, Shard):
+            t = slice_piece(t, p.dim, p.blocks, mesh.sizes[axis], coords[axis])
+        elif isinstance(p, Partial) and p.op is ReduceOp.SUM and coords[axis] != 0:
+            t = torch.zeros_like(t)
+    return t.clone() if t is global_tensor else t
+
+
+def gather_tensor(local: torch.Tensor, sharding: Sharding, mesh: Mesh, rank: int, groups: MeshGroups,
+                  *, native: bool | None = None) -> torch.Tensor:
+    """The full global tensor on every rank (collective): undo the axes last to first, all-gathering
+    shards and all-reducing partials."""
+    if len(sharding) != mesh.ndim:
+        raise ValueError(f"sharding has {len(sharding)} placements but mesh {mesh} has {mesh.ndim} axes")
+    t = local
+    for axis in reversed(range(mesh.ndim)):
+        p = sharding[axis]
+        if isinstance(p, Shard):
+            t = apply_step(t, AllGather(axis, p.dim, p.blocks), mesh, rank, groups, native=native)
+        elif isinstance(p, Partial):
+            t = apply_step(t, AllReduce(axis, p.op), mesh, rank, groups, native=native)
+        elif not isinstance(p, Replicate):
+            raise ValueError(f"unknown placement {p!r}")
+    return t.clone() if t is local else t
