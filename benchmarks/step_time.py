@@ -7,7 +7,9 @@ order alternates from round to round), so that load on a shared machine hits
 both alike. Reported: the median milliseconds per step of each runner over the
 rounds, and rhino/eager of those medians; also rhino/eager of the fastest
 blocks (``min``), which is less hurt by bursts of load from other processes
-(``--json`` adds every block and the median of the per-round ratios). Torch's
+(``--json`` adds every block and the median of the per-round ratios). "spread"
+is the slowest block over the fastest, per runner: far above 1 means other load
+disturbed the run. Torch's
 default thread count is left as it is unless ``--threads`` is given.
 
     .venv/bin/python benchmarks/step_time.py [--rounds 7] [--steps N] [--json]
@@ -36,6 +38,7 @@ from rhino.lower import StepProgram
 ROOT = Path(__file__).resolve().parents[1]
 GPT = ROOT / "examples" / "gpt.py"
 TARGET = 1.25
+NOISY = 1.5  # slowest block / fastest block of one runner above this: the run was disturbed
 
 CONFIGS: dict[str, dict] = {
     "default": {},  # workload() defaults: layers=2, hidden=64, heads=4, seq=32, batch=4, vocab=256
@@ -65,6 +68,16 @@ def _block(fn, n: int) -> float:
     return (time.perf_counter() - t0) / n
 
 
+def _fastest(fn, budget_s: float = 1.0, at_least: int = 3) -> float:
+    """The fastest single step over ``budget_s`` seconds (and ``at_least`` steps)."""
+    times, start = [], time.perf_counter()
+    while len(times) < at_least or time.perf_counter() - start < budget_s:
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
 def bench(name: str, kwargs: dict, rounds: int, steps: int | None, block_s: float) -> dict:
     mod = _gpt_module()
     w = _workload(mod, kwargs)
@@ -73,10 +86,11 @@ def bench(name: str, kwargs: dict, rounds: int, steps: int | None, block_s: floa
     prog = StepProgram(cap.graph)
     model, opt = copy.deepcopy((w.model, w.optimizer))
     batch = w.batch
-    last = {}
+    last, count = {}, {"eager": 0, "rhino": 0}
 
     def rhino_step():
         last["rhino"] = prog.step(state, batch)
+        count["rhino"] += 1
 
     def eager_step():
         opt.zero_grad(set_to_none=True)
@@ -84,13 +98,17 @@ def bench(name: str, kwargs: dict, rounds: int, steps: int | None, block_s: floa
         loss.backward()
         opt.step()
         last["eager"] = loss
+        count["eager"] += 1
 
     # Warm-up (allocator, lazy init, first-call costs), then N from the fastest single steps seen, so
     # that a burst of load from elsewhere during calibration does not shrink the blocks.
     for _ in range(2):
         eager_step(), rhino_step()
-    t_e = min(_block(eager_step, 1) for _ in range(3))
-    t_r = min(_block(rhino_step, 1) for _ in range(3))
+    t_e, t_r = _fastest(eager_step), _fastest(rhino_step)
+    while count["eager"] < count["rhino"]:  # equal step counts, so the final losses are comparable
+        eager_step()
+    while count["rhino"] < count["eager"]:
+        rhino_step()
     n = steps or max(3, round(block_s / max(t_e, t_r, 1e-6)))
 
     eager_t, rhino_t = [], []
@@ -100,6 +118,7 @@ def bench(name: str, kwargs: dict, rounds: int, steps: int | None, block_s: floa
             out.append(_block(fn, n))
 
     # Both runners took the same number of steps from the same start: their losses should agree.
+    assert count["eager"] == count["rhino"], count
     loss_diff = abs(float(last["rhino"]) - float(last["eager"].detach()))
     eager_med, rhino_med = statistics.median(eager_t), statistics.median(rhino_t)
     ratio = rhino_med / eager_med
@@ -114,8 +133,10 @@ def bench(name: str, kwargs: dict, rounds: int, steps: int | None, block_s: floa
         "ratio_median_per_round": statistics.median(r / e for r, e in zip(rhino_t, eager_t)),
         "eager_ms_min": min(eager_t) * 1e3, "rhino_ms_min": min(rhino_t) * 1e3,
         "ratio_of_mins": min(rhino_t) / min(eager_t),
+        "spread_eager": max(eager_t) / min(eager_t), "spread_rhino": max(rhino_t) / min(rhino_t),
+        "noisy": max(eager_t) / min(eager_t) > NOISY or max(rhino_t) / min(rhino_t) > NOISY,
         "eager_ms_rounds": [t * 1e3 for t in eager_t], "rhino_ms_rounds": [t * 1e3 for t in rhino_t],
-        "final_loss_abs_diff": loss_diff, "target": TARGET, "pass": ratio <= TARGET,
+        "steps_each": count["rhino"], "final_loss_abs_diff": loss_diff, "target": TARGET, "pass": ratio <= TARGET,
     }
 
 
@@ -151,13 +172,17 @@ def main(argv=None) -> int:
           f"medians per step; 1-min load average {load_before[0]:.2f} before, {env['loadavg_after'][0]:.2f} after")
     print()
     print("| config | shape | params | nodes | steps/block | eager ms | rhino ms | rhino/eager | rhino/eager (min) "
-          "| target |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---|")
+          "| spread e/r | final loss diff | target |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
     for r in results:
-        mark = "ok" if r["pass"] else "MISSED"
+        mark = "noisy" if r["noisy"] else "ok" if r["pass"] else "MISSED"
         print(f"| {r['config']} | {_shape(r['shape'])} | {r['params']:,} | {r['nodes']} | {r['steps_per_block']} | "
               f"{r['eager_ms']:.2f} | {r['rhino_ms']:.2f} | {r['ratio']:.2f} | {r['ratio_of_mins']:.2f} | "
+              f"{r['spread_eager']:.2f}/{r['spread_rhino']:.2f} | {r['final_loss_abs_diff']:.1e} | "
               f"<= {TARGET} {mark} |")
+    if any(r["noisy"] for r in results):
+        print(f"\nnoisy: some blocks took over {NOISY}x the fastest block of the same runner (spread e/r), i.e. "
+              f"other load on the machine; the medians are not trustworthy there: rerun on a quiet machine")
     return 0
 
 

@@ -117,13 +117,24 @@ def state_name(param: str, key: str) -> str:
 
 
 def apply_update(plan: ParamUpdate, param: torch.Tensor, grad: torch.Tensor,
-                 state: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """New parameter and state (out of place) from one optimizer step."""
+                 state: dict[str, torch.Tensor], scalars: dict | None = None
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """New parameter and state (out of place) from one optimizer step.
+
+    ``scalars`` caches step-derived scalars (step + 1, bias corrections) by the identity of the step
+    tensor and the hyper-parameters, so parameters sharing one step counter compute them once.
+    """
     update = {"sgd": _sgd, "adam": _adam, "rmsprop": _rmsprop, "adagrad": _adagrad}[plan.kind]
-    return update(plan.hp, param, grad, state)
+    return update(plan.hp, param, grad, state, {} if scalars is None else scalars)
 
 
-def _sgd(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]:
+def _cached(scalars: dict, key: tuple, make):
+    if key not in scalars:
+        scalars[key] = make()
+    return scalars[key]
+
+
+def _sgd(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalars: dict) -> tuple[torch.Tensor, dict]:
     grad = -grad if hp["maximize"] else grad
     if hp["weight_decay"] != 0:
         grad = grad.add(param, alpha=hp["weight_decay"])
@@ -138,10 +149,20 @@ def _sgd(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict) -> tupl
     return param.add(grad, alpha=-hp["lr"]), new_state
 
 
-def _adam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]:
+def _adam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalars: dict) -> tuple[torch.Tensor, dict]:
     grad = -grad if hp["maximize"] else grad
-    step = state["step"] + 1
     lr, beta1, beta2, eps, wd = hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"]
+
+    def bias_corrections():
+        step = state["step"] + 1
+        step64 = step.to(torch.float64)
+        bias_correction1 = 1 - torch.pow(beta1, step64)
+        bias_correction2 = 1 - torch.pow(beta2, step64)
+        step_size = lr / bias_correction1
+        return step, (-step_size).to(param.dtype), bias_correction2.sqrt()
+
+    step, neg_step_size, bias_correction2_sqrt = _cached(
+        scalars, ("adam", id(state["step"]), lr, beta1, beta2, param.dtype), bias_corrections)
     if wd != 0:
         if hp["decoupled"]:
             param = param.mul(1 - lr * wd)
@@ -149,11 +170,6 @@ def _adam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict) -> tup
             grad = grad.add(param, alpha=wd)
     exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
     exp_avg_sq = state["exp_avg_sq"].mul(beta2).addcmul(grad, grad, value=1 - beta2)
-    step64 = step.to(torch.float64)
-    bias_correction1 = 1 - torch.pow(beta1, step64)
-    bias_correction2 = 1 - torch.pow(beta2, step64)
-    step_size = lr / bias_correction1
-    bias_correction2_sqrt = bias_correction2.sqrt()
     new_state = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     second = exp_avg_sq
     if hp["amsgrad"]:
@@ -161,13 +177,13 @@ def _adam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict) -> tup
         new_state["max_exp_avg_sq"] = second
     denom = (second.sqrt() / bias_correction2_sqrt).add(eps)
     # torch: param.addcdiv_(exp_avg, denom, value=-step_size), i.e. param + (value * exp_avg) / denom
-    new_param = param.add(((-step_size).to(param.dtype) * exp_avg) / denom)
+    new_param = param.add((neg_step_size * exp_avg) / denom)
     return new_param, new_state
 
 
-def _rmsprop(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]:
+def _rmsprop(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalars: dict) -> tuple[torch.Tensor, dict]:
     grad = -grad if hp["maximize"] else grad
-    new_state = {"step": state["step"] + 1}
+    new_state = {"step": _cached(scalars, ("step", id(state["step"])), lambda: state["step"] + 1)}
     if hp["weight_decay"] != 0:
         grad = grad.add(param, alpha=hp["weight_decay"])
     alpha = hp["alpha"]
@@ -188,14 +204,19 @@ def _rmsprop(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict) -> 
     return param.add(grad.mul(-hp["lr"]) / avg), new_state
 
 
-def _adagrad(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict) -> tuple[torch.Tensor, dict]:
-    step = state["step"] + 1
+def _adagrad(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalars: dict) -> tuple[torch.Tensor, dict]:
+    def step_and_lr():
+        step = state["step"] + 1
+        clr = hp["lr"] / (1 + (step.to(torch.float64) - 1) * hp["lr_decay"])
+        return step, (-clr).to(param.dtype)
+
+    step, neg_clr = _cached(scalars, ("adagrad", id(state["step"]), hp["lr"], hp["lr_decay"], param.dtype),
+                            step_and_lr)
     grad = -grad if hp["maximize"] else grad
     if hp["weight_decay"] != 0:
         grad = grad.add(param, alpha=hp["weight_decay"])
-    clr = hp["lr"] / (1 + (step.to(torch.float64) - 1) * hp["lr_decay"])
     state_sum = state["sum"].addcmul(grad, grad, value=1)
     std = state_sum.sqrt().add(hp["eps"])
     # torch: param.addcdiv_(grad, std, value=-clr)
-    new_param = param.add(((-clr).to(param.dtype) * grad) / std)
+    new_param = param.add((neg_clr * grad) / std)
     return new_param, {"step": step, "sum": state_sum}

@@ -97,7 +97,11 @@ def capture(workload: Workload, verify_graph: bool = True) -> Captured:
             [fake(b) for b in workload.batch])
     counts = (len(param_names), len(frozen_names), len(buffer_names), len(opt_names))
     wrapper = _LossModule(model, workload.loss_fn)
-    step = _make_step(wrapper, workload, updates, param_names, frozen_names, buffer_names, opt_names, counts)
+    # Parameters whose step counters are equal (and stay so: every parameter with a gradient steps)
+    # share one counter in the graph, so bias corrections are computed once, not per parameter.
+    share = _steps_equal(optimizer, updates, params)
+    step = _make_step(wrapper, workload, updates, param_names, frozen_names, buffer_names, opt_names, counts,
+                      share)
 
     with warnings.catch_warnings(), _quiet_logger("torch._subclasses.fake_tensor"):
         warnings.simplefilter("ignore")
@@ -151,7 +155,31 @@ class _Faker:
         return out.requires_grad_(True) if grad else out
 
 
-def _make_step(wrapper, workload, updates, param_names, frozen_names, buffer_names, opt_names, counts):
+def _shared_step(updates, grads, opt) -> torch.Tensor | None:
+    """The step counter of the first stepped parameter: all counters are equal, so one stands for all."""
+    for u, g in zip(updates, grads):
+        if g is not None and "step" in u.state_keys:
+            return opt[state_name(u.name, "step")]
+    return None
+
+
+def _steps_equal(optimizer, updates, params) -> bool:
+    """Whether every parameter's step counter holds the same value (true before the first step)."""
+    seen = set()
+    for u in updates:
+        if "step" not in u.state_keys:
+            continue
+        v = optimizer.state.get(params[u.name], {}).get("step", 0)
+        if isinstance(v, torch.Tensor):
+            if v.device.type == "meta":
+                continue
+            v = float(v)
+        seen.add(float(v))
+    return len(seen) <= 1
+
+
+def _make_step(wrapper, workload, updates, param_names, frozen_names, buffer_names, opt_names, counts,
+               share_steps: bool):
     n_p, n_f, n_b, n_o = counts
     prefixed = lambda names: ["model." + n for n in names]  # noqa: E731
     all_names = prefixed(param_names) + prefixed(frozen_names) + prefixed(buffer_names)
@@ -167,12 +195,16 @@ def _make_step(wrapper, workload, updates, param_names, frozen_names, buffer_nam
         params = list(flat[:n_p])
         grads = torch.autograd.grad(loss, params, allow_unused=True) if params else []
         new_params, new_opt = [], dict(opt)
+        scalars: dict = {}
+        shared = _shared_step(updates, grads, opt) if share_steps else None
         for u, p, g in zip(updates, params, grads):
             if g is None:  # unused parameter: torch skips it (no step, no state change)
                 new_params.append(p.detach())
                 continue
             st = {k: opt[state_name(u.name, k)] for k in u.state_keys}
-            new_p, new_st = apply_update(u, p.detach(), g, st)
+            if shared is not None and "step" in st:
+                st["step"] = shared
+            new_p, new_st = apply_update(u, p.detach(), g, st, scalars)
             new_params.append(new_p)
             new_opt.update({state_name(u.name, k): v for k, v in new_st.items()})
         frozen = [t.detach() for t in flat[n_p:n_p + n_f]]

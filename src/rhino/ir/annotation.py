@@ -35,6 +35,9 @@ class Annotation:
     fixed: frozenset[str] = frozenset()     # letters that may not be split ("^")
     sizes: Mapping[str, int] = field(default_factory=dict)  # sizes not visible in inputs
     reduce_kind: str = "sum"                # what a split reduced letter gives: sum|max|min
+    # Inputs added to the result (addmm's bias): when a split reduced letter makes the output
+    # Partial, these must be Partial too (not replicated, or they would be added n times).
+    additive: frozenset[int] = frozenset()
 
     def letters(self) -> list[str]:
         seen: dict[str, None] = {}

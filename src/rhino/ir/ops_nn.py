@@ -24,7 +24,8 @@ def _addmm(batched: bool):
         new = NewLetters("bias")
         spec = tuple(out[len(out) - len(bias) + i] if n != 1 or out_is_one(call, len(out) - len(bias) + i)
                      else (new(1),) for i, n in enumerate(bias))
-        return Annotation((spec,) + mm.inputs, mm.outputs, reduced=mm.reduced, sizes=new.sizes)
+        return Annotation((spec,) + mm.inputs, mm.outputs, reduced=mm.reduced, sizes=new.sizes,
+                          additive=frozenset({0}))
     return rule
 
 
@@ -89,7 +90,7 @@ def conv_rule(call: OpCall) -> Annotation:
         ins.append(((o,),))
     out = (("n",), (o,)) + tuple((s,) for s in sp_out)
     return Annotation(tuple(ins), (out,), reduced=frozenset({c} if groups == 1 else set()),
-                      fixed=frozenset(fixed), sizes=sizes)
+                      fixed=frozenset(fixed), sizes=sizes, additive=frozenset({2} if has_bias else set()))
 
 
 def _conv_flops(call: OpCall, ann: Annotation, sizes: Mapping[str, int]) -> int:
@@ -150,6 +151,12 @@ def _mask_spec(call: OpCall, new: NewLetters) -> tuple[Dim, ...] | None:
     return tuple((x,) if n != 1 else (new(1),) for x, n in zip(full, shape))
 
 
+def _kv_heads(call: OpCall, q_index: int) -> str:
+    """Key/value heads are the query heads (letter ``h``, splittable) unless they differ (grouped-query
+    attention: a separate fixed letter ``hk``)."""
+    return "h" if call.shape_of(q_index)[1] == call.shape_of(q_index + 1)[1] else "hk"
+
+
 def sdpa_rule(call: OpCall) -> Annotation:
     """Fused attention (b h s d query, b h t d key, b h t e value) -> (b h s e out, b h s logsumexp).
 
@@ -157,8 +164,9 @@ def sdpa_rule(call: OpCall) -> Annotation:
     """
     new = NewLetters("m")
     q = (("b",), ("h",), ("s",), ("d",))
-    k = (("b",), ("hk",), ("t",), ("d",))
-    v = (("b",), ("hk",), ("t",), ("e",))
+    hk = _kv_heads(call, 0)
+    k = (("b",), (hk,), ("t",), ("d",))
+    v = (("b",), (hk,), ("t",), ("e",))
     ins = [q, k, v]
     mask = _mask_spec(call, new)
     if mask is not None:
@@ -184,8 +192,9 @@ def sdpa_backward_rule(call: OpCall) -> Annotation:
     """(grad_out, q, k, v, out, logsumexp, ...) -> (grad_q, grad_k, grad_v)."""
     new = NewLetters("m")
     q = (("b",), ("h",), ("s",), ("d",))
-    k = (("b",), ("hk",), ("t",), ("d",))
-    v = (("b",), ("hk",), ("t",), ("e",))
+    hk = _kv_heads(call, 1)
+    k = (("b",), (hk,), ("t",), ("d",))
+    v = (("b",), (hk,), ("t",), ("e",))
     o = (("b",), ("h",), ("s",), ("e",))
     lse = (("b",), ("h",), ("s",))
     ins = [o, q, k, v, o, lse]

@@ -176,7 +176,26 @@ def split_rule(call: OpCall) -> Annotation:
         sizes = [min(arg, n - k) for k in range(0, n, arg)] if arg and n else [n]  # empty dim: one empty chunk
     else:
         sizes = list(arg)
+    if len(sizes) > 1 and len(set(sizes)) == 1 and sizes[0] > 0:
+        return _equal_chunks(call.in_types[0].rank, dim, len(sizes), sizes[0], split=True)
     return _one_dim_changes(call, dim, sizes)
+
+
+def _equal_chunks(rank: int, dim: int, k: int, chunk: int, split: bool) -> Annotation:
+    """k equal chunks along ``dim``: the whole dim is the merged ``(chunks c)``, each chunk is ``c``.
+
+    Splitting ``c`` is a strided shard of the whole dim (``blocks = k``): a fused QKV activation
+    split into Q, K and V keeps each rank's heads without any gather."""
+    names = letters("c", rank)
+    whole = [(x,) for x in names]
+    whole[dim] = ("chunks", "c")
+    part = [(x,) for x in names]
+    part[dim] = ("c",)
+    whole_t, part_t = tuple(whole), tuple(part)
+    sizes = {"chunks": k, "c": chunk}
+    if split:
+        return Annotation((whole_t,), tuple(part_t for _ in range(k)), fixed=frozenset({"chunks"}), sizes=sizes)
+    return Annotation(tuple(part_t for _ in range(k)), (whole_t,), fixed=frozenset({"chunks"}), sizes=sizes)
 
 
 def unbind_rule(call: OpCall) -> Annotation:
@@ -192,6 +211,9 @@ def cat_rule(call: OpCall) -> Annotation:
     shapes = [t.shape for t in call.in_types]
     rank = max(len(s) for s in shapes)
     dim = norm_dim(call.arg(1, "dim", 0), rank)
+    if len(shapes) > 1 and all(len(s) == rank for s in shapes) and len({s[dim] for s in shapes}) == 1 \
+            and shapes[0][dim] > 0:
+        return _equal_chunks(rank, dim, len(shapes), shapes[0][dim], split=False)
     names = letters("c", rank)
     ins, sizes = [], {}
     for k, s in enumerate(shapes):

@@ -1,0 +1,152 @@
+"""Run every rank's program in one process, in lockstep, with collectives simulated (numpy).
+
+A debugging and testing aid: no processes, no torch.distributed. Each value can be assembled from
+its shards and compared with the same value computed on one device, which names the first op whose
+sharded result is wrong.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..ir.graph import Graph, Role
+from ..sharding import simulate
+from ..sharding.plan import ResolvedPlan
+from .fx import resolve_op
+from .spmd import lower_rank
+from .spmd_ops import _step, redistribute
+
+__all__ = ["simulate_ranks", "first_divergence", "run_single_values"]
+
+
+def _to_np(t: torch.Tensor) -> np.ndarray:
+    return t.detach().cpu().numpy()
+
+
+def simulate_ranks(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tuple, steps: int = 1):
+    """Returns (per-rank env of the last step: fx node name -> tensor, programs, per-step losses)."""
+    mesh = rp.plan.mesh
+    world = mesh.world
+    progs = [lower_rank(rp, r) for r in range(world)]
+    graph = rp.graph
+    local = []
+    for r in range(world):
+        d = {}
+        for inp in graph.inputs:
+            src = batch[int(inp.name.split("/")[1])] if inp.role is Role.BATCH else state[inp.name]
+            d[inp.name] = torch.from_numpy(simulate.shard(_to_np(src), rp.value[inp.value], mesh)[r].copy())
+        local.append(d)
+    names = [i.name for i in graph.inputs]
+    losses = []
+    for _ in range(steps):
+        envs, outs = _lockstep(progs, [[local[r][n] for n in names] for r in range(world)], mesh)
+        losses.append(float(outs[0][0]))
+        for r in range(world):
+            for name, value in zip(progs[r].output_names[1:], outs[r][1:]):
+                local[r][name] = value
+    return envs, progs, losses
+
+
+def _lockstep(progs, inputs, mesh):
+    world = len(progs)
+    nodes = [list(p.module.graph.nodes) for p in progs]
+    envs = [dict() for _ in range(world)]
+    outs = None
+    for i, n0 in enumerate(nodes[0]):
+        if n0.op == "placeholder":
+            for r in range(world):
+                envs[r][nodes[r][i].name] = inputs[r][len([n for n in nodes[0][:i] if n.op == "placeholder"])]
+        elif n0.op == "get_attr":
+            for r in range(world):
+                envs[r][nodes[r][i].name] = getattr(progs[r].module, nodes[r][i].target)
+        elif n0.op == "call_function" and n0.target is redistribute:
+            xs = [_to_np(envs[r][nodes[r][i].args[0].name]) for r in range(world)]
+            step = _step(*n0.args[1:])
+            ys = simulate.apply_step(xs, step, mesh)
+            for r in range(world):
+                envs[r][nodes[r][i].name] = torch.from_numpy(np.array(ys[r]))  # np.array keeps 0-d shapes
+        elif n0.op == "call_function":
+            for r in range(world):
+                n = nodes[r][i]
+                args = torch.fx.node.map_arg(n.args, lambda a: envs[r][a.name])
+                kwargs = torch.fx.node.map_arg(n.kwargs, lambda a: envs[r][a.name])
+                envs[r][n.name] = n.target(*args, **kwargs)
+        elif n0.op == "output":
+            outs = [torch.fx.node.map_arg(nodes[r][i].args[0], lambda a: envs[r][a.name]) for r in range(world)]
+    return envs, outs
+
+
+def run_single_values(graph: Graph, state: dict, batch: tuple) -> dict[int, torch.Tensor]:
+    """Every IR value of one step on one device."""
+    vals: dict[int, torch.Tensor] = {}
+    for inp in graph.inputs:
+        vals[inp.value] = batch[int(inp.name.split("/")[1])] if inp.role is Role.BATCH else state[inp.name]
+    for vid, data in graph.constants.items():
+        t = graph.types[vid]
+        vals[vid] = torch.tensor(data, dtype=getattr(torch, t.dtype.value)).reshape(t.shape)
+    from .fx import lower  # noqa: F401  (same op resolution as the single-device lowering)
+    from ..ir.graph import Ref
+    from ..ir.types import Device, DType, Layout, MemoryFormat
+
+    def conv(a):
+        if isinstance(a, Ref):
+            return vals[a.id]
+        if isinstance(a, (list, tuple)):
+            return type(a)(conv(x) for x in a)
+        if isinstance(a, dict):
+            return {k: conv(v) for k, v in a.items()}
+        if isinstance(a, DType):
+            return getattr(torch, a.value)
+        if isinstance(a, Device):
+            return torch.device("cpu")
+        if isinstance(a, (Layout, MemoryFormat)):
+            return getattr(torch, a.name)
+        return a
+
+    with torch.no_grad():
+        for node in graph.nodes:
+            out = resolve_op(node.op)(*conv(node.args), **conv(node.kwargs))
+            if node.multi:
+                for k, vid in enumerate(node.outputs):
+                    if vid is not None:
+                        vals[vid] = out[k]
+            else:
+                vals[node.outputs[0]] = out
+    return vals
+
+
+@dataclass
+class Divergence:
+    node: str
+    op: str
+    value: int
+    sharding: str
+    max_abs_diff: float
+
+
+def first_divergence(rp: ResolvedPlan, state: dict, batch: tuple, rtol=1e-4, atol=1e-5) -> Divergence | None:
+    """The first node whose assembled sharded output differs from one device (one step)."""
+    single = run_single_values(rp.graph, state, batch)
+    envs, progs, _ = simulate_ranks(rp, state, batch, 1)
+    mesh = rp.plan.mesh
+    for node in rp.graph.nodes:
+        for vid in node.outputs:
+            if vid is None or vid not in progs[0].value_nodes:
+                continue
+            name = progs[0].value_nodes[vid]
+            locs = [_to_np(envs[r][progs[r].value_nodes[vid]]) for r in range(mesh.world)]
+            try:
+                got = simulate.assemble(locs, rp.value[vid], mesh)
+            except (ValueError, AssertionError) as exc:
+                return Divergence(node.name, node.op, vid, f"{rp.value[vid]} (inconsistent: {exc})", float("inf"))
+            want = _to_np(single[vid])
+            if got.shape != want.shape or not np.allclose(got.astype(np.float64), want.astype(np.float64),
+                                                          rtol=rtol, atol=atol):
+                diff = float(np.abs(got.astype(np.float64) - want.astype(np.float64)).max()) \
+                    if got.shape == want.shape else float("inf")
+                return Divergence(node.name, node.op, vid, str(rp.value[vid]), diff)
+            del name
+    return None

@@ -1,0 +1,192 @@
+"""Plan + IR -> one ``torch.fx`` program per rank.
+
+Each node runs its aten op on local shards. Before it, every input whose sharding differs from what
+the node's strategy requires is redistributed (one cached redistribution per value and target);
+size-bearing arguments (view/expand sizes, creation sizes, split sizes, ...) are rewritten to the
+local shapes; a mean-reduced ``nll_loss`` over a split batch becomes a local sum plus all-reduces.
+At the end the loss is made replicated and each state output is brought back to the sharding of
+its input, so the next step sees the same layout.
+"""
+from __future__ import annotations
+
+import operator
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx
+
+from ..ir.graph import Graph, Node, Ref
+from ..ir.types import Device, DType, Layout, MemoryFormat
+from ..sharding.placement import Partial, ReduceOp, Replicate, Sharding, local_shape, replicated
+from ..sharding.plan import ResolvedPlan
+from ..sharding.redistribute import comm_bytes, plan_redistribution
+from ..sharding.steps import AllReduce, is_communication
+from .fx import _py_name, resolve_op
+from .spmd_ops import redistribute, step_args
+
+__all__ = ["SpmdProgram", "lower_rank", "comm_summary"]
+
+
+@dataclass
+class SpmdProgram:
+    module: torch.fx.GraphModule
+    rank: int
+    input_names: list[str]
+    output_names: list[str]
+    comm_bytes: int = 0
+    collectives: dict[str, int] = field(default_factory=dict)
+    value_nodes: dict[int, str] = field(default_factory=dict)  # IR value id -> fx node holding its local shard
+
+
+def _local_args(node: Node, rp: ResolvedPlan, need: dict[int, Sharding]) -> tuple[list, dict]:
+    """Rewrite arguments that carry global sizes to this rank's local sizes."""
+    args, kwargs = list(node.args), dict(node.kwargs)
+    outs = [rp.local_shape(v) if v is not None else None for v in node.outputs]
+
+    def local_in(ref: Ref) -> tuple[int, ...]:
+        return local_shape(rp.graph.types[ref.id].shape, need[ref.id], rp.plan.mesh)
+
+    op = node.op
+    if op in ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.expand.default"):
+        args[1] = list(outs[0])
+    elif op in ("aten.full.default", "aten.zeros.default", "aten.ones.default", "aten.empty.memory_format",
+                "aten.rand.default", "aten.randn.default"):
+        args[0] = list(outs[0])
+    elif op.startswith("aten.new_"):
+        args[1] = list(outs[0])
+    elif op == "aten.split.Tensor" and len(outs) > 1:
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+        args[1] = outs[0][dim]
+    elif op == "aten.split_with_sizes.default":
+        dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
+        args[1] = [o[dim] for o in outs]
+    elif op == "aten.embedding_dense_backward.default":
+        args[2] = outs[0][0]
+    elif op == "aten.convolution_backward.default" and outs[2] is not None:
+        args[3] = [outs[2][0]]
+    elif op == "aten.native_group_norm.default":
+        args[3] = local_in(node.args[0])[0]
+    elif op == "aten.native_group_norm_backward.default":
+        args[5] = local_in(node.args[1])[0]
+    return args, kwargs
+
+
+_NLL = ("aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default")
+
+
+def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu") -> SpmdProgram:
+    graph, mesh = rp.graph, rp.plan.mesh
+    device = torch.device(device)
+    fg = torch.fx.Graph()
+    root = torch.nn.Module()
+    env: dict[int, torch.fx.Node] = {}
+    cache: dict[tuple, torch.fx.Node] = {}
+    stats = {"bytes": 0, "collectives": {}}
+    for inp in graph.inputs:
+        env[inp.value] = fg.placeholder(_py_name(inp.name))
+    for vid, data in graph.constants.items():
+        t = graph.types[vid]
+        name = f"_const{vid}"
+        root.register_buffer(name, torch.tensor(data, dtype=getattr(torch, t.dtype.value), device=device)
+                             .reshape(t.shape))
+        env[vid] = fg.get_attr(name)
+
+    def moved(vid: int, want: Sharding) -> torch.fx.Node:
+        have = rp.value[vid]
+        if have == want:
+            return env[vid]
+        key = (vid, want)
+        if key not in cache:
+            t = graph.types[vid]
+            steps = plan_redistribution(t.shape, have, want, mesh)
+            x = env[vid]
+            for step in steps:
+                x = fg.call_function(redistribute, (x,) + step_args(step))
+                if is_communication(step):
+                    kind = type(step).__name__
+                    stats["collectives"][kind] = stats["collectives"].get(kind, 0) + 1
+            stats["bytes"] += comm_bytes(t.shape, t.dtype.itemsize, steps, have, mesh)
+            cache[key] = x
+        return cache[key]
+
+    def conv(a, need: dict[int, Sharding]):
+        if isinstance(a, Ref):
+            return moved(a.id, need[a.id]) if a.id in need else env[a.id]
+        if isinstance(a, list):
+            return [conv(x, need) for x in a]
+        if isinstance(a, tuple):
+            return tuple(conv(x, need) for x in a)
+        if isinstance(a, dict):
+            return {k: conv(v, need) for k, v in a.items()}
+        if isinstance(a, DType):
+            return getattr(torch, a.value)
+        if isinstance(a, Device):
+            return device
+        if isinstance(a, (Layout, MemoryFormat)):
+            return getattr(torch, a.name)
+        return a
+
+    for node in graph.nodes:
+        ns = rp.node[node.name]
+        refs = node.input_refs()
+        need: dict[int, Sharding] = {}
+        for ref, req in zip(refs, ns.inputs):
+            if ref.id in need and need[ref.id] != req:
+                raise AssertionError(f"{node.name} needs value {ref.id} in two shardings")
+            need[ref.id] = req
+        args, kwargs = _local_args(node, rp, need)
+        strategy = rp.plan.strategies.get(node.name, (None,) * mesh.ndim)
+        if node.op in _NLL and node.args[3] == 1 and any(isinstance(p, Partial) for p in
+                                                          _annotated_outputs(rp, node, strategy)):
+            _emit_nll_mean(fg, node, conv(args, need), conv(kwargs, need), env, strategy, rp)
+            continue
+        # local shards may be laid out differently from the global tensor: views become reshapes
+        op = "aten.reshape.default" if node.op in ("aten.view.default", "aten._unsafe_view.default") else node.op
+        call = fg.call_function(resolve_op(op), tuple(conv(args, need)), conv(kwargs, need))
+        call.name = _py_name(node.name)
+        if node.multi:
+            for i, vid in enumerate(node.outputs):
+                if vid is not None:
+                    env[vid] = fg.call_function(operator.getitem, (call, i))
+        else:
+            env[node.outputs[0]] = call
+
+    outs = []
+    state_in = {i.name: i.value for i in graph.inputs}
+    for o in graph.outputs:
+        want = replicated(mesh) if o.name not in state_in else rp.value[state_in[o.name]]
+        outs.append(moved(o.value, want))
+    fg.output(outs)
+    gm = torch.fx.GraphModule(root, fg)
+    return SpmdProgram(gm, rank, [i.name for i in graph.inputs], [o.name for o in graph.outputs],
+                       stats["bytes"], stats["collectives"], {v: n.name for v, n in env.items()})
+
+
+def _annotated_outputs(rp: ResolvedPlan, node: Node, strategy) -> list:
+    from ..sharding.rules import shardings_for
+    from ..ir.registry import annotate, call_of
+    call = call_of(rp.graph, node)
+    ns = shardings_for(annotate(call), [t.shape for t in call.in_types], strategy, rp.plan.mesh)
+    return [p for o in ns.outputs if o is not None for p in o]
+
+
+def _emit_nll_mean(fg, node: Node, args, kwargs, env, strategy, rp: ResolvedPlan) -> None:
+    """nll_loss(mean) over a split batch: local sums, all-reduced, then divided (both outputs replicated)."""
+    args = list(args)
+    args[3] = 2  # reduction=sum
+    call = fg.call_function(resolve_op(node.op), tuple(args), kwargs)
+    total, weight = (fg.call_function(operator.getitem, (call, i)) for i in range(2))
+    for axis, letter in enumerate(strategy):
+        if letter is not None and rp.plan.mesh.sizes[axis] > 1:
+            step = AllReduce(axis, ReduceOp.SUM)
+            total = fg.call_function(redistribute, (total,) + step_args(step))
+            weight = fg.call_function(redistribute, (weight,) + step_args(step))
+    env[node.outputs[0]] = fg.call_function(torch.ops.aten.div.Tensor, (total, weight))
+    if node.outputs[1] is not None:
+        env[node.outputs[1]] = weight
+
+
+def comm_summary(rp: ResolvedPlan) -> tuple[int, dict[str, int]]:
+    """Bytes each rank moves per step and the number of collectives, from rank 0's program."""
+    prog = lower_rank(rp, 0)
+    return prog.comm_bytes, prog.collectives

@@ -1,0 +1,147 @@
+"""A sharding plan: the mesh, each graph input's sharding and each node's strategy.
+
+Everything else (every value's sharding, the redistributions before each node, the per-rank local
+shapes) is derived from these by ``resolve``. Plans are data: JSON with a format version and the
+fingerprint of the graph they were made for.
+"""
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from ..ir.graph import Graph, Role
+from ..ir.registry import annotate, call_of
+from .mesh import Mesh
+from .placement import Partial, Replicate, Shard, Sharding, format_sharding, local_shape, parse_placement, replicated
+from .rules import NodeShardings, StrategyError, shardings_for
+
+__all__ = ["ShardingPlan", "ResolvedPlan", "resolve", "PLAN_FORMAT", "PlanError", "OUTPUT_OVERRIDES"]
+
+PLAN_FORMAT = 1
+
+
+class PlanError(ValueError):
+    """A plan that cannot be executed; the message names the tensor, dim and axis."""
+
+
+@dataclass
+class ShardingPlan:
+    mesh: Mesh
+    inputs: dict[str, Sharding]                  # graph input name -> sharding
+    strategies: dict[str, tuple]                 # node name -> letter (or None) per mesh axis
+    fingerprint: str = ""
+    strategy_string: str = ""
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps({
+            "format": PLAN_FORMAT, "fingerprint": self.fingerprint, "strategy": self.strategy_string,
+            "mesh": {"names": list(self.mesh.names), "sizes": list(self.mesh.sizes)},
+            "inputs": {k: [str(p) for p in v] for k, v in self.inputs.items()},
+            "strategies": {k: list(v) for k, v in self.strategies.items()},
+            "pipeline": {"stages": 1, "microbatches": 1}, "recompute": "none",
+            "meta": self.meta,
+        }, indent=1)
+
+    @classmethod
+    def from_json(cls, text: str) -> "ShardingPlan":
+        try:
+            d = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise PlanError(f"the plan file is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        if d.get("format") != PLAN_FORMAT:
+            raise PlanError(f"plan format {d.get('format')!r} is not supported (expected {PLAN_FORMAT})")
+        mesh = Mesh(tuple(d["mesh"]["names"]), tuple(d["mesh"]["sizes"]))
+        return cls(mesh, {k: tuple(parse_placement(p) for p in v) for k, v in d["inputs"].items()},
+                   {k: tuple(v) for k, v in d["strategies"].items()}, d.get("fingerprint", ""),
+                   d.get("strategy", ""), d.get("meta", {}))
+
+
+@dataclass
+class ResolvedPlan:
+    """Every value's sharding and every node's required input shardings, checked."""
+
+    plan: ShardingPlan
+    graph: Graph
+    value: dict[int, Sharding]                   # value id -> sharding as produced
+    node: dict[str, NodeShardings]               # node name -> required inputs / produced outputs
+
+    def local_shape(self, vid: int) -> tuple[int, ...]:
+        return local_shape(self.graph.types[vid].shape, self.value[vid], self.plan.mesh)
+
+
+# Ops whose SPMD lowering produces other placements than the annotation says (the lowering emits the
+# extra collectives). Key: op; value: function(strategy letters, NodeShardings) -> output shardings.
+def _nll_outputs(ann, strategy, ns: NodeShardings, reduction: int) -> tuple:
+    if reduction != 1:  # none / sum: the annotation's placements are exact
+        return ns.outputs
+    return tuple(tuple(Replicate() if isinstance(p, Partial) else p for p in o) if o is not None else None
+                 for o in ns.outputs)
+
+
+OUTPUT_OVERRIDES = {
+    "aten.nll_loss_forward.default": lambda call, ann, s, ns: _nll_outputs(ann, s, ns, call.args[3]),
+    "aten.nll_loss2d_forward.default": lambda call, ann, s, ns: _nll_outputs(ann, s, ns, call.args[3]),
+}
+
+
+def node_shardings(graph: Graph, node, strategy: tuple, mesh: Mesh) -> NodeShardings:
+    call = call_of(graph, node)
+    ann = annotate(call)
+    if ann is None:  # opaque: replicated
+        if any(s is not None for s in strategy):
+            raise StrategyError(f"opaque op {node.op} runs replicated only")
+        rep = replicated(mesh)
+        return NodeShardings(tuple(rep for _ in call.in_types), tuple(rep if t is not None else None
+                                                                      for t in call.out_types))
+    ns = shardings_for(ann, [t.shape for t in call.in_types], strategy, mesh)
+    override = OUTPUT_OVERRIDES.get(node.op)
+    if override is not None:
+        ns = NodeShardings(ns.inputs, override(call, ann, strategy, ns))
+    return ns
+
+
+def resolve(graph: Graph, plan: ShardingPlan) -> ResolvedPlan:
+    """Derive and check all shardings. Raises PlanError naming what cannot run."""
+    mesh = plan.mesh
+    if plan.fingerprint and plan.fingerprint != graph.fingerprint():
+        raise PlanError(f"the plan was made for another workload (fingerprint {plan.fingerprint}, this workload "
+                        f"has {graph.fingerprint()}); plan this workload again")
+    value: dict[int, Sharding] = {}
+    for inp in graph.inputs:
+        sh = plan.inputs.get(inp.name, replicated(mesh))
+        if len(sh) != mesh.ndim:
+            raise PlanError(f"input {inp.name} has {len(sh)} placements for a {mesh.ndim}-axis mesh")
+        _check_divisible(inp.name, graph.types[inp.value].shape, sh, mesh)
+        if any(isinstance(p, Partial) for p in sh) and inp.role is not Role.BATCH:
+            raise PlanError(f"state input {inp.name} cannot be Partial")
+        value[inp.value] = sh
+    for vid in graph.constants:
+        value[vid] = replicated(mesh)
+    nodes: dict[str, NodeShardings] = {}
+    for node in graph.nodes:
+        strategy = tuple(plan.strategies.get(node.name, (None,) * mesh.ndim))
+        try:
+            ns = node_shardings(graph, node, strategy, mesh)
+        except (StrategyError, ValueError) as exc:
+            raise PlanError(f"node {node.name} ({node.op}) cannot use strategy {strategy}: {exc}") from None
+        for ref, req in zip(node.input_refs(), ns.inputs):
+            _check_divisible(f"input of {node.name}", graph.types[ref.id].shape, req, mesh)
+        for vid, sh in zip(node.outputs, ns.outputs):
+            if vid is not None:
+                _check_divisible(f"output of {node.name} ({node.op})", graph.types[vid].shape, sh, mesh)
+                value[vid] = sh
+        nodes[node.name] = ns
+    return ResolvedPlan(plan, graph, value, nodes)
+
+
+def _check_divisible(what: str, shape, sharding: Sharding, mesh: Mesh) -> None:
+    for axis, p in enumerate(sharding):
+        if isinstance(p, Shard) and p.dim >= len(shape):
+            raise PlanError(f"{what}: Shard({p.dim}) on mesh axis {mesh.names[axis]!r} but the tensor has rank "
+                            f"{len(shape)}")
+    try:
+        local_shape(shape, sharding, mesh)
+    except ValueError as exc:
+        raise PlanError(f"{what} {format_sharding(sharding)}: {exc}") from None

@@ -1,0 +1,205 @@
+"""Expert presets from the strategy string, expressed as placements found from the graph's structure.
+
+Grammar (design.md): ``dp=4,tp=2,pp=2,zero=1,sp=on,microbatches=8,recompute=full|selective|none``;
+missing keys take defaults. The presets:
+
+- ``dp``: the batch is split on dim 0 along ``dp``; parameters replicated; gradients all-reduced (DDP).
+- ``zero=1|2``: optimizer state sharded along ``dp`` (gradients reduce-scattered into it; in a
+  functional step gradients are transient, so 1 and 2 place the same tensors); ``zero=3``: parameters
+  sharded too (all-gathered before use).
+- ``tp``: Megatron. Weights of matmuls are decided where they are used: a matmul whose activation
+  arrives split on the contracting dim is row-parallel (weight split on its input dim, output
+  partial then all-reduced); otherwise it is column-parallel (weight and bias split on the output
+  dim). Attention heads follow from the column split; anything unrecognised stays replicated.
+- ``sp=on``: Megatron sequence parallelism: the batch's sequence dim (dim 1) is split along ``tp``;
+  propagation then keeps the residual stream, norms and element-wise regions split on the sequence,
+  all-gathers it before each column-parallel matmul and reduce-scatters after each row-parallel one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from ..ir.graph import Graph, Role
+from ..ir.registry import OpKind, lookup
+from .mesh import Mesh
+from .placement import Replicate, Shard, Sharding
+from .plan import ShardingPlan
+from .propagate import Propagator
+
+__all__ = ["StrategySpec", "parse_strategy", "preset_plan"]
+
+
+@dataclass(frozen=True)
+class StrategySpec:
+    dp: int = 1
+    tp: int = 1
+    pp: int = 1
+    zero: int = 0
+    sp: bool = False
+    microbatches: int = 1
+    recompute: str = "none"
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp
+
+    def __str__(self) -> str:
+        parts = [f"dp={self.dp}"] if self.dp > 1 or self.tp == 1 else []
+        parts += [f"tp={self.tp}"] if self.tp > 1 else []
+        parts += [f"pp={self.pp}"] if self.pp > 1 else []
+        parts += [f"zero={self.zero}"] if self.zero else []
+        parts += ["sp=on"] if self.sp else []
+        parts += [f"microbatches={self.microbatches}"] if self.microbatches > 1 else []
+        parts += [f"recompute={self.recompute}"] if self.recompute != "none" else []
+        return ",".join(parts)
+
+
+_INT_KEYS = ("dp", "tp", "pp", "zero", "microbatches")
+
+
+def parse_strategy(text: str) -> StrategySpec:
+    values: dict = {}
+    for item in filter(None, (x.strip() for x in text.split(","))):
+        key, sep, val = item.partition("=")
+        if not sep:
+            raise ValueError(f"strategy item {item!r} must be key=value, e.g. dp=4")
+        if key in _INT_KEYS:
+            if not val.isdigit() or int(val) < (0 if key == "zero" else 1):
+                raise ValueError(f"strategy {key}={val!r}: give a positive integer")
+            values[key] = int(val)
+        elif key == "sp":
+            if val not in ("on", "off"):
+                raise ValueError(f"strategy sp={val!r}: use sp=on or sp=off")
+            values["sp"] = val == "on"
+        elif key == "recompute":
+            if val not in ("full", "selective", "none"):
+                raise ValueError(f"strategy recompute={val!r}: use full, selective or none")
+            values["recompute"] = val
+        else:
+            raise ValueError(f"unknown strategy key {key!r}; known keys: dp, tp, pp, zero, sp, microbatches, recompute")
+    spec = StrategySpec(**values)
+    if spec.zero > 3:
+        raise ValueError("zero must be 0, 1, 2 or 3")
+    if spec.zero and spec.dp == 1:
+        raise ValueError("zero shards over dp: give dp > 1 with zero")
+    if spec.sp and spec.tp == 1:
+        raise ValueError("sp=on splits the sequence over tp: give tp > 1 with sp=on")
+    return spec
+
+
+def mesh_for(spec: StrategySpec) -> Mesh:
+    names, sizes = [], []
+    if spec.dp > 1 or spec.tp == 1:
+        names.append("dp"); sizes.append(spec.dp)
+    if spec.tp > 1:
+        names.append("tp"); sizes.append(spec.tp)
+    return Mesh(tuple(names), tuple(sizes))
+
+
+def _split_first_divisible(shape, n: int, axis: int, ndim: int) -> Sharding:
+    for d, size in enumerate(shape):
+        if size % n == 0 and size >= n:
+            return tuple(Shard(d) if a == axis else Replicate() for a in range(ndim))
+    return tuple(Replicate() for _ in range(ndim))
+
+
+def preset_plan(graph: Graph, spec: StrategySpec) -> ShardingPlan:
+    """The expert plan for ``spec`` on this graph."""
+    if spec.pp > 1 or spec.microbatches > 1:
+        raise ValueError("pipeline parallelism (pp, microbatches) is not supported by the sharded runtime yet")
+    if spec.recompute != "none":
+        raise ValueError("recompute is not supported by the sharded runtime yet; drop the recompute key")
+    mesh = mesh_for(spec)
+    dp = mesh.names.index("dp") if "dp" in mesh.names else None
+    tp = mesh.names.index("tp") if "tp" in mesh.names else None
+    fixed: dict[str, Sharding] = {}
+    lazy: set[str] = set()
+    by_param: dict[str, str] = {}
+    for inp in graph.inputs:
+        shape = graph.types[inp.value].shape
+        if inp.role is Role.BATCH:
+            sh = [Replicate()] * mesh.ndim
+            if dp is not None and shape and shape[0] % mesh.sizes[dp] == 0:
+                sh[dp] = Shard(0)
+            if spec.sp and tp is not None and len(shape) >= 2 and shape[1] % mesh.sizes[tp] == 0:
+                sh[tp] = Shard(1)  # the sequence dim: the residual stream stays split along tp
+            fixed[inp.name] = tuple(sh)
+        elif tp is not None and inp.role in (Role.PARAM, Role.OPT_STATE) and len(shape) >= 1:
+            lazy.add(inp.name)
+        elif dp is not None and spec.zero and inp.role is Role.OPT_STATE and len(shape) >= 1:
+            fixed[inp.name] = _split_first_divisible(shape, mesh.sizes[dp], dp, mesh.ndim)
+        elif dp is not None and spec.zero >= 3 and inp.role is Role.PARAM:
+            fixed[inp.name] = _split_first_divisible(shape, mesh.sizes[dp], dp, mesh.ndim)
+        if inp.role is Role.OPT_STATE:
+            by_param[inp.name] = inp.name.split("/")[1]
+    if tp is not None and spec.zero:
+        raise ValueError("zero together with tp is not supported by the presets yet; use zero with dp only")
+    rule = _megatron_rule(tp) if tp is not None else None
+    follows = {name: by_param[name] for name in lazy if name in by_param}
+    prop = Propagator(graph, mesh, fixed, lazy, rule, follows)
+    plan = prop.run()
+    plan.fingerprint = graph.fingerprint()
+    plan.strategy_string = str(spec)
+    return plan
+
+
+def _megatron_rule(tp: int):
+    def rule(prop: Propagator, node, ann, axis: int):
+        if axis != tp:
+            return None
+        opdef = lookup(node.op)
+        if opdef is None or opdef.kind is not OpKind.MATMUL:
+            return None
+        refs = node.input_refs()
+        weights = [k for k, r in enumerate(refs) if r.id in prop.lazy and prop.input_param(r.id)
+                   and prop.graph.types[r.id].rank == 2]
+        acts = [k for k, r in enumerate(refs) if r.id not in prop.lazy]
+        if not weights or not acts:
+            return None
+        w, a = weights[0], acts[-1]
+        w_letters = {x for d in ann.inputs[w] for x in d}
+        a_letters = {x for d in ann.inputs[a] for x in d}
+        contract = [x for x in w_letters & a_letters if x in ann.reduced]
+        out_letters = {x for d in ann.outputs[0] for x in d}
+        column = [x for x in w_letters - a_letters if x in out_letters]
+        have = prop.actual[refs[a].id][axis]
+        if isinstance(have, Shard) and contract:
+            spec = ann.inputs[a][have.dim]
+            if any(x in contract for x in spec):
+                return contract[:1]  # row-parallel
+        if not column:
+            return None
+        blocks = _chunks_downstream(prop.graph, node, ann.sizes.get(column[0]) or
+                                    prop.graph.types[node.outputs[0]].shape[-1])
+        return [column[0] if blocks == 1 else f"{column[0]}/{blocks}"]  # column-parallel
+    return rule
+
+
+_RESHAPES = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default")
+_SPLITS = ("aten.split.Tensor", "aten.split_with_sizes.default")
+
+
+def _chunks_downstream(graph: Graph, node, width: int) -> int:
+    """If the matmul's output (through reshapes that keep the last dim) is split into k equal chunks
+    along its last dim (a fused QKV or gate/up projection), k; else 1."""
+    users = graph.users()
+    vid = node.outputs[0]
+    for _ in range(4):
+        nxt = users.get(vid, [])
+        if len(nxt) != 1:
+            return 1
+        user = nxt[0]
+        if user.op in _RESHAPES and graph.types[user.outputs[0]].shape[-1] == graph.types[vid].shape[-1]:
+            vid = user.outputs[0]
+            continue
+        if user.op in _SPLITS:
+            rank = graph.types[vid].rank
+            dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
+            if dim % rank != rank - 1:
+                return 1
+            k = len([v for v in user.outputs])
+            size = graph.types[vid].shape[-1]
+            return k if k > 1 and size % k == 0 and all(
+                graph.types[v].shape[-1] == size // k for v in user.outputs if v is not None) else 1
+        return 1
+    return 1

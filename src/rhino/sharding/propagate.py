@@ -1,0 +1,272 @@
+"""Greedy sharding propagation: choose each node's strategy from its inputs' shardings.
+
+Inputs: the graph, a mesh, the shardings of some graph inputs, and a set of *lazy* inputs whose
+sharding is decided by their first consumer (through chains of view ops), so that, e.g., a weight
+takes whatever split its matmul needs. Nodes are visited in program order; for each, every
+strategy (per mesh axis: replicate, split one legal letter, or pass a Partial through a linear op)
+is scored by
+
+    cost = bytes moved to bring the inputs to the required shardings
+         + bytes to bring a state output to its state's sharding
+         + an *introduction penalty* when an output is sharded on an axis where no input was
+           (the bytes of gathering it later),
+
+and the cheapest wins; ties go to fewer collectives, then to fewer split axes (replication
+introduces no later gathers). An optional ``rule`` may restrict the letters of a node (the
+Megatron preset uses one for matmuls with lazy weights).
+"""
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..ir.graph import Graph, Node, Ref, Role, STATE_ROLES
+from ..ir.registry import OpKind, annotate, call_of, lookup
+from ..ir.annotation import letter_sizes
+from .mesh import Mesh
+from .placement import Partial, Replicate, Shard, Sharding, replicated
+from .plan import ShardingPlan, node_shardings
+from .redistribute import comm_bytes, plan_redistribution
+from .rules import (PASS, StrategyError, candidate_letters, letter_of_dim, partial_inputs, shardings_for,
+                    split_letter)
+
+__all__ = ["Propagator", "MatmulRule"]
+
+# rule(propagator, node, annotation, axis) -> allowed letters on that axis, or None for no restriction
+MatmulRule = Callable[["Propagator", Node, object, int], "list | None"]
+
+
+@dataclass
+class _Lazy:
+    input_name: str | None = None
+    node: Node | None = None
+
+
+@dataclass
+class Propagator:
+    graph: Graph
+    mesh: Mesh
+    fixed: dict[str, Sharding]
+    lazy_inputs: set[str] = field(default_factory=set)
+    rule: MatmulRule | None = None
+    # lazy input -> the input whose sharding it takes once that one is decided (optimizer state
+    # follows its parameter)
+    follows: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.actual: dict[int, Sharding] = {}
+        self.lazy: dict[int, _Lazy] = {}
+        self.inputs: dict[str, Sharding] = {}
+        self.strategies: dict[str, tuple] = {}
+        self._cost_cache: dict[tuple, tuple[int, int]] = {}
+        self.state_input = {i.name: i for i in self.graph.inputs if i.role in STATE_ROLES}
+        self.output_state = {o.value: o.name for o in self.graph.outputs if o.role in STATE_ROLES}
+
+    # -- public ---------------------------------------------------------------------------
+    def run(self) -> ShardingPlan:
+        rep = replicated(self.mesh)
+        for inp in self.graph.inputs:
+            if inp.name in self.lazy_inputs:
+                self.lazy[inp.value] = _Lazy(input_name=inp.name)
+            else:
+                sh = self.fixed.get(inp.name, rep)
+                self.inputs[inp.name] = sh
+                self.actual[inp.value] = sh
+        for vid in self.graph.constants:
+            self.actual[vid] = rep
+        for node in self.graph.nodes:
+            refs = node.input_refs()
+            opdef = lookup(node.op)
+            if (opdef is not None and opdef.kind is OpKind.VIEW and len(refs) == 1 and refs[0].id in self.lazy
+                    and len(node.outputs) == 1):
+                self.lazy[node.outputs[0]] = _Lazy(node=node)
+                continue
+            self._decide(node)
+        for vid in list(self.lazy):
+            if vid in self.lazy:
+                self._resolve(vid, rep)
+        return ShardingPlan(self.mesh, self.inputs, self.strategies)
+
+    def input_param(self, vid: int) -> str | None:
+        """The parameter a lazy value is a view of, if any."""
+        lz = self.lazy.get(vid)
+        while lz is not None and lz.node is not None:
+            lz = self.lazy.get(lz.node.input_refs()[0].id)
+        if lz is None or lz.input_name is None:
+            return None
+        return lz.input_name if self.state_input.get(lz.input_name) and \
+            self.state_input[lz.input_name].role is Role.PARAM else None
+
+    # -- deciding a node ------------------------------------------------------------------
+    def _options(self, node: Node, ann, sizes, axis: int) -> list:
+        n = self.mesh.sizes[axis]
+        if n == 1:
+            return [None]
+        if ann is None:
+            return [None]
+        allowed = self.rule(self, node, ann, axis) if self.rule else None
+        letters = candidate_letters(ann, sizes, n)
+        if allowed is not None:
+            return [x for x in allowed if x is None or split_letter(x)[0] in letters] or [None]
+        opts: list = [None] + letters
+        refs = node.input_refs()
+        opts += self._strided_options(refs, ann, sizes, axis, letters)
+        partial_at = [k for k, r in enumerate(refs)
+                      if r.id in self.actual and isinstance(self.actual[r.id][axis], Partial)]
+        if partial_at:
+            opdef = lookup(node.op)
+            for group in partial_inputs(node.op, opdef is not None and opdef.kind is OpKind.VIEW, len(refs),
+                                        node.args):
+                if set(partial_at) <= set(group) or (len(group) == 1 and group[0] in partial_at):
+                    opts.append(PASS if len(group) == len(refs) and len(group) > 1 or len(refs) == 1
+                                else PASS + str(group[0]))
+        return opts
+
+    def _strided_options(self, refs, ann, sizes, axis: int, letters: list[str]) -> list[str]:
+        """``"x/k"`` entries that keep an input's strided shard (blocks beyond its dim's own parts)."""
+        out = []
+        for k, ref in enumerate(refs):
+            have = self.actual.get(ref.id)
+            if have is None or not isinstance(have[axis], Shard) or have[axis].blocks == 1 or k >= len(ann.inputs):
+                continue
+            p = have[axis]
+            if p.dim >= len(ann.inputs[k]):
+                continue
+            prefix = 1
+            for x in ann.inputs[k][p.dim]:
+                if p.blocks % prefix == 0 and x in letters and p.blocks // prefix > 1:
+                    entry = f"{x}/{p.blocks // prefix}"
+                    if sizes[x] % (p.blocks // prefix * self.mesh.sizes[axis]) == 0 and entry not in out:
+                        out.append(entry)
+                prefix *= sizes[x]
+        return out
+
+    def _decide(self, node: Node) -> None:
+        for ref in node.input_refs():
+            lz = self.lazy.get(ref.id)
+            leader = self.follows.get(lz.input_name) if lz is not None and lz.input_name else None
+            if leader is not None and leader in self.inputs:
+                self._resolve(ref.id, self.inputs[leader])
+        call = call_of(self.graph, node)
+        ann = annotate(call)
+        sizes = letter_sizes(ann, [t.shape for t in call.in_types]) if ann is not None else {}
+        options = [self._options(node, ann, sizes, a) for a in range(self.mesh.ndim)]
+        best = None
+        refs = node.input_refs()
+        for idx, strategy in enumerate(itertools.product(*options)):
+            try:
+                ns = node_shardings(self.graph, node, strategy, self.mesh)
+            except (StrategyError, ValueError):
+                continue
+            if any(isinstance(s, str) and s.startswith(PASS) for s in strategy) and not self._passes_ok(refs, ns):
+                continue
+            key = self._score(node, refs, ns, strategy, call) + (idx,)
+            if best is None or key < best[0]:
+                best = (key, strategy, ns)
+        if best is None:  # nothing legal (should not happen: all-replicate is always legal)
+            raise AssertionError(f"no legal strategy for {node.name}")
+        _, strategy, ns = best
+        for ref, req in zip(refs, ns.inputs):
+            if ref.id in self.lazy:
+                self._resolve(ref.id, req)
+        self.strategies[node.name] = strategy
+        for vid, sh in zip(node.outputs, ns.outputs):
+            if vid is not None:
+                self.actual[vid] = sh
+
+    def _passes_ok(self, refs: list[Ref], ns) -> bool:
+        for ref, req in zip(refs, ns.inputs):
+            have = self.actual.get(ref.id)
+            for a, p in enumerate(req):
+                if isinstance(p, Partial) and (have is None or not isinstance(have[a], Partial)
+                                               or have[a].op.value not in ("sum",)):
+                    return False
+        return True
+
+    def _score(self, node: Node, refs: list[Ref], ns, strategy, call) -> tuple:
+        cost = steps = 0
+        for ref, req in zip(refs, ns.inputs):
+            if ref.id in self.lazy:
+                continue
+            c, s = self._move(ref.id, self.actual[ref.id], req)
+            cost, steps = cost + c, steps + s
+        for vid, sh in zip(node.outputs, ns.outputs):
+            if vid is None or sh is None:
+                continue
+            name = self.output_state.get(vid)
+            if name is not None:
+                inp = self.state_input[name]
+                want = self.inputs.get(name)
+                if want is not None and want != sh:
+                    c, s = self._move(vid, sh, want)
+                    cost, steps = cost + c, steps + s
+        cost += self._introduction_penalty(refs, ns, node)
+        splits = sum(1 for s in strategy if s is not None)
+        return (cost, steps, splits)
+
+    def _introduction_penalty(self, refs, ns, node: Node) -> int:
+        penalty = 0
+        for axis in range(self.mesh.ndim):
+            n = self.mesh.sizes[axis]
+            had = any(isinstance(self.actual[r.id][axis], Shard) for r in refs if r.id in self.actual) or \
+                any(isinstance(req[axis], Shard) for r, req in zip(refs, ns.inputs) if r.id in self.lazy)
+            if had:
+                continue
+            for vid, sh in zip(node.outputs, ns.outputs):
+                if vid is not None and sh is not None and isinstance(sh[axis], Shard):
+                    penalty += self.graph.types[vid].nbytes * (n - 1) // n
+        return penalty
+
+    def _move(self, vid: int, src: Sharding, dst: Sharding) -> tuple[int, int]:
+        if src == dst:
+            return 0, 0
+        key = (vid, src, dst)
+        hit = self._cost_cache.get(key)
+        if hit is None:
+            t = self.graph.types[vid]
+            steps = plan_redistribution(t.shape, src, dst, self.mesh)
+            hit = (comm_bytes(t.shape, t.dtype.itemsize, steps, src, self.mesh), len(steps))
+            self._cost_cache[key] = hit
+        return hit
+
+    # -- lazy values ----------------------------------------------------------------------
+    def _resolve(self, vid: int, want: Sharding) -> None:
+        lz = self.lazy.pop(vid)
+        if any(isinstance(p, Partial) for p in want):
+            want = tuple(Replicate() if isinstance(p, Partial) else p for p in want)
+        if lz.input_name is not None:
+            self.inputs[lz.input_name] = want
+            self.actual[vid] = want
+            return
+        node = lz.node
+        call = call_of(self.graph, node)
+        ann = annotate(call)
+        sizes = letter_sizes(ann, [t.shape for t in call.in_types])
+        strategy = self._strategy_producing(ann, sizes, want)
+        try:
+            ns = shardings_for(ann, [t.shape for t in call.in_types], strategy, self.mesh)
+        except (StrategyError, ValueError):
+            strategy = (None,) * self.mesh.ndim
+            ns = shardings_for(ann, [t.shape for t in call.in_types], strategy, self.mesh)
+        self.strategies[node.name] = strategy
+        self._resolve(node.input_refs()[0].id, ns.inputs[0])
+        self.actual[vid] = ns.outputs[0]
+
+    def _strategy_producing(self, ann, sizes: dict, want: Sharding) -> tuple:
+        """The view's strategy whose output sharding is ``want`` (a strided shard gives ``"x/k"``)."""
+        local = dict(sizes)
+        out = []
+        for axis, p in enumerate(want):
+            entry = None
+            if isinstance(p, Shard):
+                n = self.mesh.sizes[axis]
+                prefix = 1
+                for x in ann.outputs[0][p.dim]:
+                    if p.blocks % prefix == 0 and x not in ann.fixed and local[x] % (n * (p.blocks // prefix)) == 0:
+                        entry = x if p.blocks == prefix else f"{x}/{p.blocks // prefix}"
+                        local[x] //= n
+                        break
+                    prefix *= local[x]
+            out.append(entry)
+        return tuple(out)
