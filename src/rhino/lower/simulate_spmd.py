@@ -19,14 +19,30 @@ from .fx import resolve_op
 from .spmd import lower_rank
 from .spmd_ops import _step, redistribute
 
-__all__ = ["simulate_ranks", "first_divergence", "run_single_values"]
+__all__ = ["simulate_ranks", "simulate_training", "first_divergence", "run_single_values"]
 
 
 def _to_np(t: torch.Tensor) -> np.ndarray:
     return t.detach().cpu().numpy()
 
 
-def simulate_ranks(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tuple, steps: int = 1):
+def simulate_training(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tuple, steps: int) -> dict:
+    """``steps`` sharded steps in one process: {"losses", "final" (global state), "held" (rank 0 bytes)}."""
+    envs, progs, losses, local = simulate_ranks(rp, state, batch, steps, return_state=True)
+    mesh = rp.plan.mesh
+    final = {}
+    held: dict[str, int] = {}
+    for inp in rp.graph.inputs:
+        if inp.role is Role.BATCH:
+            continue
+        locs = [_to_np(local[r][inp.name]) for r in range(mesh.world)]
+        final[inp.name] = torch.from_numpy(np.array(simulate.assemble(locs, rp.value[inp.value], mesh)))
+        held[inp.role.value] = held.get(inp.role.value, 0) + locs[0].nbytes
+    return {"losses": losses, "final": final, "held": held}
+
+
+def simulate_ranks(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tuple, steps: int = 1,
+                   return_state: bool = False):
     """Returns (per-rank env of the last step: fx node name -> tensor, programs, per-step losses)."""
     mesh = rp.plan.mesh
     world = mesh.world
@@ -47,6 +63,8 @@ def simulate_ranks(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tupl
         for r in range(world):
             for name, value in zip(progs[r].output_names[1:], outs[r][1:]):
                 local[r][name] = value
+    if return_state:
+        return envs, progs, losses, local
     return envs, progs, losses
 
 

@@ -17,7 +17,7 @@ from ..lower.spmd_ops import set_context
 from ..sharding.plan import ResolvedPlan, ShardingPlan, resolve
 from .collectives import gather_tensor, shard_tensor
 from .groups import build_groups
-from .launch import launch
+from .launch import in_torchrun, launch, run_from_env
 
 __all__ = ["RunResult", "run_plan", "RTOL", "ATOL"]
 
@@ -41,7 +41,8 @@ class RunResult:
     seconds: float = 0.0
 
 
-def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, steps: int, timeout_s: float):
+def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, steps: int, timeout_s: float,
+               every_rank: bool = False):
     graph = Graph.from_json(graph_json)
     plan = ShardingPlan.from_json(plan_json)
     rp = resolve(graph, plan)
@@ -67,12 +68,13 @@ def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, 
             for name, value in zip(prog.output_names[1:], outs[1:]):
                 local[name] = value
     final = {}
+    keep = every_rank or ctx.rank == 0
     for inp in graph.inputs:
         if inp.role is not Role.BATCH:
             full = gather_tensor(local[inp.name], rp.value[inp.value], mesh, ctx.rank, groups)
-            if ctx.rank == 0:
+            if keep:
                 final[inp.name] = full.cpu()
-    return {"losses": losses, "final": final if ctx.rank == 0 else None, "held": held}
+    return {"losses": losses, "final": final if keep else None, "held": held}
 
 
 def _bytes_by_role(graph: Graph, local: dict) -> dict[str, int]:
@@ -84,7 +86,11 @@ def _bytes_by_role(graph: Graph, local: dict) -> dict[str, int]:
 
 
 def run_plan(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, timeout_s: float = 60.0) -> RunResult:
-    """Run ``steps`` steps of ``plan`` on ``nproc`` local processes (gloo) and compare with one device."""
+    """Run ``steps`` steps of ``plan`` on ``nproc`` local processes (gloo) and compare with one device.
+
+    Under ``torchrun`` this process is one rank of the job instead (NCCL with CUDA); every rank returns
+    the result, compared on each against single-device training.
+    """
     start = time.perf_counter()
     graph = cap.graph
     rp: ResolvedPlan = resolve(graph, plan)
@@ -94,8 +100,18 @@ def run_plan(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, time
     prog0 = lower_rank(rp, 0)
     state = cap.initial_state()
     batch = tuple(b.detach() for b in cap.workload.batch)
-    results = launch(_rank_main, nproc, graph.to_json(), plan.to_json(), state, batch, steps, timeout_s,
-                     timeout_s=timeout_s)
+    if in_torchrun():
+        mine = run_from_env(_rank_main, graph.to_json(), plan.to_json(), state, batch, steps, timeout_s, True,
+                            timeout_s=timeout_s)
+        results = [mine]
+    else:
+        results = launch(_rank_main, nproc, graph.to_json(), plan.to_json(), state, batch, steps, timeout_s,
+                         timeout_s=timeout_s)
+    return _compare(cap, plan, prog0, results, steps, nproc, start)
+
+
+def _compare(cap: Captured, plan: ShardingPlan, prog0, results: list, steps: int, nproc: int,
+             start: float) -> RunResult:
     w = cap.workload
     model, optimizer = copy.deepcopy((w.model, w.optimizer))
     reference = eager_steps(model, optimizer, w.loss_fn, w.batch, steps)
