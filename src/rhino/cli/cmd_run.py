@@ -13,7 +13,7 @@ from .common import emit_json, quiet_warnings, status, write_atomic
 def add_parser(sub) -> None:
     p = sub.add_parser("run", help="run a sharded plan on N local processes and compare with one device")
     p.add_argument("workload", metavar="FILE[:FUNC]")
-    p.add_argument("--nproc", type=int, required=True, help="number of processes (devices)")
+    p.add_argument("--nproc", type=int, help="number of processes (devices); under torchrun: its world size")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--strategy", help="expert preset, e.g. dp=4 or dp=2,tp=2,sp=on")
     g.add_argument("--plan", help="a plan file (JSON) made for this workload")
@@ -26,6 +26,12 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from ..runtime.launch import in_torchrun
+    if args.nproc is None:
+        if not in_torchrun():
+            raise ValueError("give --nproc N (the number of local processes to start)")
+        import os
+        args.nproc = int(os.environ["WORLD_SIZE"])
     if args.nproc < 1 or args.steps < 1:
         raise ValueError("--nproc and --steps must be at least 1")
     w = load_workload(args.workload)
@@ -52,6 +58,8 @@ def run(args) -> int:
         r = run_plan(cap, plan, args.nproc, args.steps, args.timeout)
     except RankFailedError as exc:
         raise ValueError(str(exc)) from None
+    if in_torchrun() and int(__import__("os").environ.get("RANK", "0")) != 0:
+        return 0 if r.ok else 1  # rank 0 reports for the job
     if args.json:
         emit_json({"ok": r.ok, "max_abs_diff": r.max_abs_diff, "mesh": r.mesh, "nproc": r.nproc, "steps": r.steps,
                    "comm_bytes_per_step": r.comm_bytes_per_step, "collectives_per_step": r.collectives_per_step,

@@ -141,34 +141,38 @@ register("aten.convolution_backward.default", OpKind.CONV, conv_backward_rule, f
 
 
 # -- attention -----------------------------------------------------------------
-def _mask_spec(call: OpCall, new: NewLetters) -> tuple[Dim, ...] | None:
-    # the efficient (CUDA) kernel takes its mask positionally, as attn_bias
-    mask = call.arg(3, "attn_bias") if "efficient" in call.op else call.kwargs.get("attn_mask")
+def _heads(call: OpCall, q_index: int) -> tuple[Dim, Dim]:
+    """Head dims of (query, key/value). Equal head counts share the letter ``h``. Grouped-query
+    attention (query heads = kv heads x g, query head j reading kv head j // g) is ``(hk g)`` for
+    the query and ``hk`` for keys and values: splitting ``hk`` keeps groups whole, splitting ``g``
+    gives each rank part of every group with all kv heads."""
+    hq, hkv = call.shape_of(q_index)[1], call.shape_of(q_index + 1)[1]
+    return (("h",), ("h",)) if hq == hkv else (("hk", "g"), ("hk",))
+
+
+def _mask_spec(call: OpCall, new: NewLetters, qh: Dim) -> tuple[Dim, ...] | None:
+    mask = call.kwargs.get("attn_mask")
+    if mask is None and "efficient" in call.op and len(call.args) > 3:
+        mask = call.args[3]  # the efficient kernel takes its bias positionally
     if not isinstance(mask, Ref):
         return None
     shape = call._types[mask.id].shape
-    full = ["b", "h", "s", "t"][4 - len(shape):]
-    return tuple((x,) if n != 1 else (new(1),) for x, n in zip(full, shape))
-
-
-def _kv_heads(call: OpCall, q_index: int) -> str:
-    """Key/value heads are the query heads (letter ``h``, splittable) unless they differ (grouped-query
-    attention: a separate fixed letter ``hk``)."""
-    return "h" if call.shape_of(q_index)[1] == call.shape_of(q_index + 1)[1] else "hk"
+    full = [("b",), qh, ("s",), ("t",)][4 - len(shape):]
+    return tuple(x if n != 1 else (new(1),) for x, n in zip(full, shape))
 
 
 def sdpa_rule(call: OpCall) -> Annotation:
     """Fused attention (b h s d query, b h t d key, b h t e value) -> (b h s e out, b h s logsumexp).
 
-    Sequence and head dims are fixed: softmax needs whole rows, causal masks need offsets.
+    Sequence and head-size dims are fixed: softmax needs whole rows, causal masks need offsets.
     """
     new = NewLetters("m")
-    q = (("b",), ("h",), ("s",), ("d",))
-    hk = _kv_heads(call, 0)
-    k = (("b",), (hk,), ("t",), ("d",))
-    v = (("b",), (hk,), ("t",), ("e",))
+    qh, kh = _heads(call, 0)
+    q = (("b",), qh, ("s",), ("d",))
+    k = (("b",), kh, ("t",), ("d",))
+    v = (("b",), kh, ("t",), ("e",))
     ins = [q, k, v]
-    mask = _mask_spec(call, new)
+    mask = _mask_spec(call, new, qh)
     if mask is not None:
         ins.append(mask)
     outs = []
@@ -176,33 +180,34 @@ def sdpa_rule(call: OpCall) -> Annotation:
         if t is None:
             outs.append(None)
         elif t.rank == 4:
-            outs.append((("b",), ("h",), ("s",), ("e",)))
+            outs.append((("b",), qh, ("s",), ("e",)))
         elif t.rank == 3 and "efficient" in call.op:  # logsumexp rows padded to 32, or none at all
             s = call.shape_of(0)[2]
-            outs.append((("b",), ("h",), (new(-(-s // 32) * 32 if call.arg(4, "compute_log_sumexp") else 0),)))
+            outs.append((("b",), qh, (new(-(-s // 32) * 32 if call.arg(4, "compute_log_sumexp") else 0),)))
         elif t.rank == 3:
-            outs.append((("b",), ("h",), ("s",)))
+            outs.append((("b",), qh, ("s",)))
         else:
             outs.append(tuple((new(n),) for n in t.shape))
-    return Annotation(tuple(ins), tuple(outs), fixed=frozenset({"s", "t", "d", "hk"} | set(new.sizes)),
+    return Annotation(tuple(ins), tuple(outs), fixed=frozenset({"s", "t", "d"} | set(new.sizes)),
                       sizes=new.sizes)
 
 
 def sdpa_backward_rule(call: OpCall) -> Annotation:
-    """(grad_out, q, k, v, out, logsumexp, ...) -> (grad_q, grad_k, grad_v)."""
+    """(grad_out, q, k, v, out, logsumexp, ...) -> (grad_q, grad_k, grad_v); with grouped-query
+    attention the key/value gradients sum over each group (``g`` is reduced)."""
     new = NewLetters("m")
-    q = (("b",), ("h",), ("s",), ("d",))
-    hk = _kv_heads(call, 1)
-    k = (("b",), (hk,), ("t",), ("d",))
-    v = (("b",), (hk,), ("t",), ("e",))
-    o = (("b",), ("h",), ("s",), ("e",))
-    lse = (("b",), ("h",), ("s",))
+    qh, kh = _heads(call, 1)
+    q = (("b",), qh, ("s",), ("d",))
+    k = (("b",), kh, ("t",), ("d",))
+    v = (("b",), kh, ("t",), ("e",))
+    o = (("b",), qh, ("s",), ("e",))
+    lse = (("b",), qh, ("s",))
     ins = [o, q, k, v, o, lse]
-    mask = _mask_spec(call, new)
+    mask = _mask_spec(call, new, qh)
     if mask is not None:
         ins.append(mask)
-    return Annotation(tuple(ins), (q, k, v), fixed=frozenset({"s", "t", "d", "hk"} | set(new.sizes)),
-                      sizes=new.sizes)
+    return Annotation(tuple(ins), (q, k, v), reduced=frozenset({"g"}) if len(qh) > 1 else frozenset(),
+                      fixed=frozenset({"s", "t", "d"} | set(new.sizes)), sizes=new.sizes)
 
 
 def _attn_flops(factor: int):
