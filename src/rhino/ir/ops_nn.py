@@ -7,7 +7,7 @@ from typing import Mapping
 from .annotation import Annotation, Dim, parse
 from .graph import Ref
 from .registry import OpCall, OpKind, register
-from .rules import NewLetters, elementwise, letters, norm_dim
+from .rules import NewLetters, elementwise, letters
 
 M = OpKind.MATMUL
 register("aten.mm.default", M, "m k+, k+ n -> m n")
@@ -107,7 +107,7 @@ def _conv_flops(call: OpCall, ann: Annotation, sizes: Mapping[str, int]) -> int:
 def conv_backward_rule(call: OpCall) -> Annotation:
     """convolution_backward(grad_out, input, weight, bias_sizes, stride, padding, dilation,
     transposed, output_padding, groups, output_mask) -> (grad_input, grad_weight, grad_bias)."""
-    go, x, w = call.shape_of(0), call.shape_of(1), call.shape_of(2)
+    x = call.shape_of(1)
     groups, transposed = call.args[9], bool(call.args[7])
     n_sp = len(x) - 2
     sp_in, ks, sp_out = letters("h", n_sp), letters("kk", n_sp), letters("ho", n_sp)

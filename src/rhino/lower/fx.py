@@ -10,7 +10,7 @@ import torch.fx
 from ..ir.graph import Graph, Ref
 from ..ir.types import Device, DType, Layout, MemoryFormat
 
-__all__ = ["lower", "resolve_op"]
+__all__ = ["lower", "resolve_op", "convert_arg", "add_constants"]
 
 
 def resolve_op(op: str) -> torch._ops.OpOverload:
@@ -27,6 +27,38 @@ def _py_name(name: str) -> str:
     return safe if not safe[:1].isdigit() else "_" + safe
 
 
+def convert_arg(a, ref, device: torch.device):
+    """IR argument -> torch argument; ``ref(Ref)`` gives what a tensor reference becomes."""
+    if isinstance(a, Ref):
+        return ref(a)
+    if isinstance(a, list):
+        return [convert_arg(x, ref, device) for x in a]
+    if isinstance(a, tuple):
+        return tuple(convert_arg(x, ref, device) for x in a)
+    if isinstance(a, dict):
+        return {k: convert_arg(v, ref, device) for k, v in a.items()}
+    if isinstance(a, DType):
+        return getattr(torch, a.value)
+    if isinstance(a, Device):
+        return device
+    if isinstance(a, (Layout, MemoryFormat)):
+        return getattr(torch, a.name)
+    return a
+
+
+def constant_tensor(graph: Graph, vid: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    t = graph.types[vid]
+    return torch.tensor(graph.constants[vid], dtype=getattr(torch, t.dtype.value), device=device).reshape(t.shape)
+
+
+def add_constants(graph: Graph, root: torch.nn.Module, fg: torch.fx.Graph, env: dict, device) -> None:
+    """Register the graph's constant tensors as buffers of ``root`` and read them with get_attr."""
+    for vid in graph.constants:
+        name = f"_const{vid}"
+        root.register_buffer(name, constant_tensor(graph, vid, device))
+        env[vid] = fg.get_attr(name)
+
+
 def lower(graph: Graph, device: torch.device | str = "cpu") -> torch.fx.GraphModule:
     """A GraphModule taking the graph inputs in order and returning the outputs in order.
 
@@ -38,33 +70,9 @@ def lower(graph: Graph, device: torch.device | str = "cpu") -> torch.fx.GraphMod
     env: dict[int, torch.fx.Node] = {}
     for inp in graph.inputs:
         env[inp.value] = fg.placeholder(_py_name(inp.name))
-    for vid, data in graph.constants.items():
-        t = graph.types[vid]
-        name = f"_const{vid}"
-        root.register_buffer(name, torch.tensor(data, dtype=getattr(torch, t.dtype.value), device=device)
-                             .reshape(t.shape))
-        env[vid] = fg.get_attr(name)
-
-    def conv(a):
-        if isinstance(a, Ref):
-            return env[a.id]
-        if isinstance(a, list):
-            return [conv(x) for x in a]
-        if isinstance(a, tuple):
-            return tuple(conv(x) for x in a)
-        if isinstance(a, dict):
-            return {k: conv(v) for k, v in a.items()}
-        if isinstance(a, DType):
-            return getattr(torch, a.value)
-        if isinstance(a, Device):
-            return device
-        if isinstance(a, Layout):
-            return getattr(torch, a.name)
-        if isinstance(a, MemoryFormat):
-            return getattr(torch, a.name)
-        return a
-
+    add_constants(graph, root, fg, env, device)
     for node in graph.nodes:
+        conv = lambda a: convert_arg(a, lambda r: env[r.id], device)  # noqa: E731
         call = fg.call_function(resolve_op(node.op), tuple(conv(node.args)), conv(node.kwargs))
         call.name = _py_name(node.name)
         if node.multi:

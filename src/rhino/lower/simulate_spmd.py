@@ -6,7 +6,6 @@ sharded result is wrong.
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass
 
 import numpy as np
@@ -15,7 +14,7 @@ import torch
 from ..ir.graph import Graph, Role
 from ..sharding import simulate
 from ..sharding.plan import ResolvedPlan
-from .fx import resolve_op
+from .fx import constant_tensor, convert_arg, resolve_op
 from .spmd import lower_rank
 from .spmd_ops import _step, redistribute
 
@@ -102,27 +101,12 @@ def run_single_values(graph: Graph, state: dict, batch: tuple) -> dict[int, torc
     vals: dict[int, torch.Tensor] = {}
     for inp in graph.inputs:
         vals[inp.value] = batch[int(inp.name.split("/")[1])] if inp.role is Role.BATCH else state[inp.name]
-    for vid, data in graph.constants.items():
-        t = graph.types[vid]
-        vals[vid] = torch.tensor(data, dtype=getattr(torch, t.dtype.value)).reshape(t.shape)
-    from .fx import lower  # noqa: F401  (same op resolution as the single-device lowering)
-    from ..ir.graph import Ref
-    from ..ir.types import Device, DType, Layout, MemoryFormat
+    for vid in graph.constants:
+        vals[vid] = constant_tensor(graph, vid)
+    cpu = torch.device("cpu")
 
     def conv(a):
-        if isinstance(a, Ref):
-            return vals[a.id]
-        if isinstance(a, (list, tuple)):
-            return type(a)(conv(x) for x in a)
-        if isinstance(a, dict):
-            return {k: conv(v) for k, v in a.items()}
-        if isinstance(a, DType):
-            return getattr(torch, a.value)
-        if isinstance(a, Device):
-            return torch.device("cpu")
-        if isinstance(a, (Layout, MemoryFormat)):
-            return getattr(torch, a.name)
-        return a
+        return convert_arg(a, lambda r: vals[r.id], cpu)
 
     with torch.no_grad():
         for node in graph.nodes:

@@ -15,13 +15,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..ir.graph import Graph, Node, Ref
-from ..ir.types import Device, DType, Layout, MemoryFormat
-from ..sharding.placement import Partial, ReduceOp, Replicate, Sharding, local_shape, replicated
+from ..ir.graph import Node, Ref
+from ..sharding.placement import Partial, ReduceOp, Sharding, local_shape, replicated
 from ..sharding.plan import ResolvedPlan
 from ..sharding.redistribute import comm_bytes, plan_redistribution
 from ..sharding.steps import AllReduce, is_communication
-from .fx import _py_name, resolve_op
+from .fx import _py_name, add_constants, convert_arg, resolve_op
 from .spmd_ops import redistribute, step_args
 
 __all__ = ["SpmdProgram", "lower_rank", "comm_summary"]
@@ -84,12 +83,7 @@ def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu") 
     stats = {"bytes": 0, "collectives": {}}
     for inp in graph.inputs:
         env[inp.value] = fg.placeholder(_py_name(inp.name))
-    for vid, data in graph.constants.items():
-        t = graph.types[vid]
-        name = f"_const{vid}"
-        root.register_buffer(name, torch.tensor(data, dtype=getattr(torch, t.dtype.value), device=device)
-                             .reshape(t.shape))
-        env[vid] = fg.get_attr(name)
+    add_constants(graph, root, fg, env, device)
 
     def moved(vid: int, want: Sharding) -> torch.fx.Node:
         have = rp.value[vid]
@@ -110,21 +104,7 @@ def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu") 
         return cache[key]
 
     def conv(a, need: dict[int, Sharding]):
-        if isinstance(a, Ref):
-            return moved(a.id, need[a.id]) if a.id in need else env[a.id]
-        if isinstance(a, list):
-            return [conv(x, need) for x in a]
-        if isinstance(a, tuple):
-            return tuple(conv(x, need) for x in a)
-        if isinstance(a, dict):
-            return {k: conv(v, need) for k, v in a.items()}
-        if isinstance(a, DType):
-            return getattr(torch, a.value)
-        if isinstance(a, Device):
-            return device
-        if isinstance(a, (Layout, MemoryFormat)):
-            return getattr(torch, a.name)
-        return a
+        return convert_arg(a, lambda r: moved(r.id, need[r.id]) if r.id in need else env[r.id], device)
 
     for node in graph.nodes:
         ns = rp.node[node.name]

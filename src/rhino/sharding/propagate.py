@@ -28,8 +28,7 @@ from .mesh import Mesh
 from .placement import Partial, Replicate, Shard, Sharding, replicated
 from .plan import ShardingPlan, node_shardings
 from .redistribute import comm_bytes, plan_redistribution
-from .rules import (PASS, StrategyError, candidate_letters, letter_of_dim, partial_inputs, shardings_for,
-                    split_letter)
+from .rules import PASS, StrategyError, candidate_letters, partial_inputs, shardings_for, split_letter
 
 __all__ = ["Propagator", "MatmulRule"]
 
@@ -196,7 +195,6 @@ class Propagator:
                 continue
             name = self.output_state.get(vid)
             if name is not None:
-                inp = self.state_input[name]
                 want = self.inputs.get(name)
                 if want is not None and want != sh:
                     c, s = self._move(vid, sh, want)
