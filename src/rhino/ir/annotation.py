@@ -38,6 +38,10 @@ class Annotation:
     # Inputs added to the result (addmm's bias): when a split reduced letter makes the output
     # Partial, these must be Partial too (not replicated, or they would be added n times).
     additive: frozenset[int] = frozenset()
+    # Letters whose split the plain op cannot compute locally: the SPMD lowering has a custom
+    # rule for them (a vocabulary-parallel embedding masks indices outside its rows, a softmax
+    # over a split dim all-reduces its max and sum, ...).
+    custom: frozenset[str] = frozenset()
 
     def letters(self) -> list[str]:
         seen: dict[str, None] = {}

@@ -85,8 +85,18 @@ def _along_dim(dim_index: int, default: int | None = None):
     return rule
 
 
-register("aten._softmax.default aten._log_softmax.default aten.cumsum.default aten.cumprod.default "
+def _log_softmax_rule(dim_index: int):
+    """log-softmax (and its backward) along a dim that may be split: the custom lowering all-reduces
+    the row max and the sum of exponentials (a vocabulary-parallel cross-entropy)."""
+    def rule(call: OpCall) -> Annotation:
+        ann = _along_dim(dim_index)(call)
+        return Annotation(ann.inputs, ann.outputs, sizes=ann.sizes, custom=ann.fixed)
+    return rule
+
+
+register("aten._softmax.default aten.cumsum.default aten.cumprod.default "
          "aten.logcumsumexp.default", OpKind.NORM, _along_dim(1), flops=5)
-register("aten._softmax_backward_data.default aten._log_softmax_backward_data.default",
-         OpKind.NORM, _along_dim(2), flops=5)
+register("aten._log_softmax.default", OpKind.NORM, _log_softmax_rule(1), flops=5)
+register("aten._softmax_backward_data.default", OpKind.NORM, _along_dim(2), flops=5)
+register("aten._log_softmax_backward_data.default", OpKind.NORM, _log_softmax_rule(2), flops=5)
 register("aten.sort.default aten.sort.stable", OpKind.INDEX, _along_dim(1, -1))

@@ -313,12 +313,21 @@ register("aten.native_group_norm_backward.default", N, group_norm_backward_rule,
 
 # -- embeddings and losses ---------------------------------------------------------
 I = OpKind.INDEX
-register("aten.embedding.default", I, "v^ d, * -> * d")
+def embedding_rule(call: OpCall) -> Annotation:
+    """embedding(weight [v d], indices [*]) -> [* d]. Splitting the vocabulary ``v`` gives a partial
+    sum (each rank looks up the rows it holds, zeros elsewhere): a custom lowering masks indices."""
+    ann = parse("v+ d, * -> * d", call.ranks)
+    return Annotation(ann.inputs, ann.outputs, reduced=ann.reduced, custom=frozenset({"v"}))
 
 
 def embedding_backward_rule(call: OpCall) -> Annotation:
-    """embedding_dense_backward(grad [*, d], indices [*], num_weights, padding_idx, scale)."""
-    return parse("*+ d, *+ -> v d", call.ranks, sizes={"v": call.args[2]})
+    """embedding_dense_backward(grad [*, d], indices [*], num_weights, padding_idx, scale); a split
+    vocabulary keeps the gradient rows of each rank's slice (custom lowering)."""
+    ann = parse("*+ d, *+ -> v d", call.ranks, sizes={"v": call.args[2]})
+    return Annotation(ann.inputs, ann.outputs, reduced=ann.reduced, sizes=ann.sizes, custom=frozenset({"v"}))
+
+
+register("aten.embedding.default", I, embedding_rule)
 
 
 register("aten.embedding_dense_backward.default", I, embedding_backward_rule)
@@ -336,7 +345,11 @@ def nll_rule(call: OpCall) -> Annotation:
     ins = [xs, ts] + ([(("c",),)] if len(call.in_types) > 2 else [])
     reduction = call.args[3]
     out = ts if reduction == 0 else ()
-    return Annotation(tuple(ins), (out, ()), fixed=frozenset({"c", "n", *(a[0] for a in xs[2:])}))
+    # Batch rows and classes may be split: the losses of split rows or classes are partial sums;
+    # classes need the custom lowering (targets outside a rank's classes are ignored there), and a
+    # mean over split rows becomes an all-reduced sum divided by the all-reduced total weight.
+    return Annotation(tuple(ins), (out, ()), reduced=frozenset({"c", "n"}),
+                      fixed=frozenset(a[0] for a in xs[2:]), custom=frozenset({"c"}))
 
 
 def nll_backward_rule(call: OpCall) -> Annotation:
@@ -350,7 +363,7 @@ def nll_backward_rule(call: OpCall) -> Annotation:
         xs, ts = (("n",), ("c",)) + sp, (("n",),) + sp
     red = call.args[4]
     ins = [ts if red == 0 else (), xs, ts] + ([(("c",),)] if len(call.in_types) > 4 else []) + [()]
-    return Annotation(tuple(ins), (xs,), fixed=frozenset({"c", "n", *(a[0] for a in xs[2:])}))
+    return Annotation(tuple(ins), (xs,), fixed=frozenset(a[0] for a in xs[2:]), custom=frozenset({"c"}))
 
 
 L = OpKind.LOSS

@@ -16,11 +16,14 @@ import torch
 import torch.fx
 
 from ..ir.graph import Node, Ref
-from ..sharding.placement import Partial, ReduceOp, Sharding, local_shape, replicated
+from ..sharding.placement import Sharding, local_shape, replicated
 from ..sharding.plan import ResolvedPlan
 from ..sharding.redistribute import comm_bytes, plan_redistribution
-from ..sharding.steps import AllReduce, is_communication
+from ..sharding.steps import is_communication
 from .fx import _py_name, add_constants, convert_arg, resolve_op
+from ..ir.registry import annotate, call_of
+from ..sharding.rules import PASS, split_letter
+from .spmd_custom import CUSTOM_OPS, emit_custom
 from .spmd_ops import redistribute, step_args
 
 __all__ = ["SpmdProgram", "lower_rank", "comm_summary"]
@@ -35,6 +38,7 @@ class SpmdProgram:
     comm_bytes: int = 0
     collectives: dict[str, int] = field(default_factory=dict)
     value_nodes: dict[int, str] = field(default_factory=dict)  # IR value id -> fx node holding its local shard
+    value_numels: dict[int, int] = field(default_factory=dict)  # IR value id -> global element count
 
 
 def _local_args(node: Node, rp: ResolvedPlan, need: dict[int, Sharding]) -> tuple[list, dict]:
@@ -116,10 +120,13 @@ def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu") 
             need[ref.id] = req
         args, kwargs = _local_args(node, rp, need)
         strategy = rp.plan.strategies.get(node.name, (None,) * mesh.ndim)
-        if node.op in _NLL and node.args[3] == 1 and any(isinstance(p, Partial) for p in
-                                                          _annotated_outputs(rp, node, strategy)):
-            _emit_nll_mean(fg, node, conv(args, need), conv(kwargs, need), env, strategy, rp)
-            continue
+        if node.op in CUSTOM_OPS:
+            ann = annotate(call_of(graph, node))
+            split = {split_letter(e)[0] for e in strategy if e is not None and not e.startswith(PASS)}
+            mean_nll = node.op in _NLL and node.args[3] == 1 and split & ann.reduced
+            if split & ann.custom or mean_nll:
+                env.update(emit_custom(fg, node, conv(args, need), conv(kwargs, need), strategy, ann, rp, rank))
+                continue
         # local shards may be laid out differently from the global tensor: views become reshapes
         op = "aten.reshape.default" if node.op in ("aten.view.default", "aten._unsafe_view.default") else node.op
         call = fg.call_function(resolve_op(op), tuple(conv(args, need)), conv(kwargs, need))
@@ -139,31 +146,8 @@ def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu") 
     fg.output(outs)
     gm = torch.fx.GraphModule(root, fg)
     return SpmdProgram(gm, rank, [i.name for i in graph.inputs], [o.name for o in graph.outputs],
-                       stats["bytes"], stats["collectives"], {v: n.name for v, n in env.items()})
-
-
-def _annotated_outputs(rp: ResolvedPlan, node: Node, strategy) -> list:
-    from ..sharding.rules import shardings_for
-    from ..ir.registry import annotate, call_of
-    call = call_of(rp.graph, node)
-    ns = shardings_for(annotate(call), [t.shape for t in call.in_types], strategy, rp.plan.mesh)
-    return [p for o in ns.outputs if o is not None for p in o]
-
-
-def _emit_nll_mean(fg, node: Node, args, kwargs, env, strategy, rp: ResolvedPlan) -> None:
-    """nll_loss(mean) over a split batch: local sums, all-reduced, then divided (both outputs replicated)."""
-    args = list(args)
-    args[3] = 2  # reduction=sum
-    call = fg.call_function(resolve_op(node.op), tuple(args), kwargs)
-    total, weight = (fg.call_function(operator.getitem, (call, i)) for i in range(2))
-    for axis, letter in enumerate(strategy):
-        if letter is not None and rp.plan.mesh.sizes[axis] > 1:
-            step = AllReduce(axis, ReduceOp.SUM)
-            total = fg.call_function(redistribute, (total,) + step_args(step))
-            weight = fg.call_function(redistribute, (weight,) + step_args(step))
-    env[node.outputs[0]] = fg.call_function(torch.ops.aten.div.Tensor, (total, weight))
-    if node.outputs[1] is not None:
-        env[node.outputs[1]] = weight
+                       stats["bytes"], stats["collectives"], {v: n.name for v, n in env.items()},
+                       {v: graph.types[v].numel for v in env})
 
 
 def comm_summary(rp: ResolvedPlan) -> tuple[int, dict[str, int]]:

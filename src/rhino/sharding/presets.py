@@ -10,7 +10,10 @@ missing keys take defaults. The presets:
 - ``tp``: Megatron. Weights of matmuls are decided where they are used: a matmul whose activation
   arrives split on the contracting dim is row-parallel (weight split on its input dim, output
   partial then all-reduced); otherwise it is column-parallel (weight and bias split on the output
-  dim). Attention heads follow from the column split; anything unrecognised stays replicated.
+  dim; strided when the output is split into equal chunks, as a fused QKV is). Attention heads
+  follow from the column split. Embeddings are vocabulary-parallel; an output layer over the
+  vocabulary is column-parallel and the cross-entropy then runs on split logits (log-softmax with
+  all-reduced max and sum, targets masked per rank). Anything unrecognised stays replicated.
 - ``sp=on``: Megatron sequence parallelism: the batch's sequence dim (dim 1) is split along ``tp``;
   propagation then keeps the residual stream, norms and element-wise regions split on the sequence,
   all-gathers it before each column-parallel matmul and reduce-scatters after each row-parallel one.
@@ -148,9 +151,11 @@ def _megatron_rule(tp: int):
         if axis != tp:
             return None
         opdef = lookup(node.op)
+        refs = node.input_refs()
+        if node.op == "aten.embedding.default":  # vocabulary-parallel embedding
+            return ["v"] if refs[0].id in prop.lazy and prop.input_param(refs[0].id) else None
         if opdef is None or opdef.kind is not OpKind.MATMUL:
             return None
-        refs = node.input_refs()
         weights = [k for k, r in enumerate(refs) if r.id in prop.lazy and prop.input_param(r.id)
                    and prop.graph.types[r.id].rank == 2]
         acts = [k for k, r in enumerate(refs) if r.id not in prop.lazy]

@@ -59,6 +59,9 @@ class Propagator:
         self.inputs: dict[str, Sharding] = {}
         self.strategies: dict[str, tuple] = {}
         self._cost_cache: dict[tuple, tuple[int, int]] = {}
+        # shardings a value already exists in (produced, or redistributed for an earlier consumer:
+        # the lowering keeps one copy per value and sharding)
+        self.available: dict[int, set] = {}
         self.state_input = {i.name: i for i in self.graph.inputs if i.role in STATE_ROLES}
         self.output_state = {o.value: o.name for o in self.graph.outputs if o.role in STATE_ROLES}
 
@@ -117,7 +120,9 @@ class Propagator:
             opdef = lookup(node.op)
             for group in partial_inputs(node.op, opdef is not None and opdef.kind is OpKind.VIEW, len(refs),
                                         node.args):
-                if set(partial_at) <= set(group) or (len(group) == 1 and group[0] in partial_at):
+                # only where the inputs are Partial already: turning a replicated input into a
+                # Partial one would leave a Partial value for later consumers to reduce again
+                if set(partial_at) == set(group):
                     opts.append(PASS if len(group) == len(refs) and len(group) > 1 or len(refs) == 1
                                 else PASS + str(group[0]))
         return opts
@@ -169,6 +174,7 @@ class Propagator:
         for ref, req in zip(refs, ns.inputs):
             if ref.id in self.lazy:
                 self._resolve(ref.id, req)
+            self.available.setdefault(ref.id, set()).add(req)
         self.strategies[node.name] = strategy
         for vid, sh in zip(node.outputs, ns.outputs):
             if vid is not None:
@@ -217,7 +223,7 @@ class Propagator:
         return penalty
 
     def _move(self, vid: int, src: Sharding, dst: Sharding) -> tuple[int, int]:
-        if src == dst:
+        if src == dst or dst in self.available.get(vid, ()):
             return 0, 0
         key = (vid, src, dst)
         hit = self._cost_cache.get(key)
