@@ -32,14 +32,16 @@ CUSTOM_OPS = frozenset({"aten.embedding.default", "aten.embedding_dense_backward
                         *_NLL, *_NLL_BACKWARD})
 
 
-def _axes(strategy, letters) -> list[int]:
+def _axes(strategy, letters, contiguous: bool = True) -> list[int]:
+    """Mesh axes splitting one of ``letters``; ``contiguous``: the lowering needs index offsets, so a
+    strided split is refused."""
     out = []
     for axis, entry in enumerate(strategy):
         if entry is None or entry.startswith(PASS):
             continue
         letter, extra = split_letter(entry)
         if letter in letters:
-            if extra != 1:
+            if extra != 1 and contiguous:
                 raise ValueError(f"a strided split of {letter!r} is not supported by the custom lowering")
             out.append(axis)
     return out
@@ -133,7 +135,7 @@ def _nll(fg, node: Node, args, kwargs, strategy, rp, rank: int) -> dict[int, obj
     args[red_at] = 2
     call = fg.call_function(resolve_op(node.op), tuple(args), kwargs)
     total, weight = (fg.call_function(operator.getitem, (call, i)) for i in range(2))
-    axes = _axes(strategy, {"n", "c"})
+    axes = _axes(strategy, {"n", "c"}, contiguous=False)
     total = _all_reduce(fg, total, axes, ReduceOp.SUM)
     weight = _all_reduce(fg, weight, axes, ReduceOp.SUM)
     out = {node.outputs[0]: fg.call_function(aten.div.Tensor, (total, weight))}

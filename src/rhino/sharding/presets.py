@@ -137,7 +137,7 @@ def preset_plan(graph: Graph, spec: StrategySpec) -> ShardingPlan:
             by_param[inp.name] = inp.name.split("/")[1]
     if tp is not None and spec.zero:
         raise ValueError("zero together with tp is not supported by the presets yet; use zero with dp only")
-    rule = _megatron_rule(tp) if tp is not None else None
+    rule = _megatron_rule(tp, spec.sp) if tp is not None else None
     follows = {name: by_param[name] for name in lazy if name in by_param}
     prop = Propagator(graph, mesh, fixed, lazy, rule, follows)
     plan = prop.run()
@@ -146,14 +146,16 @@ def preset_plan(graph: Graph, spec: StrategySpec) -> ShardingPlan:
     return plan
 
 
-def _megatron_rule(tp: int):
+def _megatron_rule(tp: int, sequence_parallel: bool):
     def rule(prop: Propagator, node, ann, axis: int):
         if axis != tp:
             return None
         opdef = lookup(node.op)
         refs = node.input_refs()
-        if node.op == "aten.embedding.default":  # vocabulary-parallel embedding
-            return ["v"] if refs[0].id in prop.lazy and prop.input_param(refs[0].id) else None
+        if node.op == "aten.embedding.default":
+            if sequence_parallel:  # tokens arrive split on the sequence: the lookup stays split too
+                return None
+            return ["v"] if refs[0].id in prop.lazy and prop.input_param(refs[0].id) else None  # vocab-parallel
         if opdef is None or opdef.kind is not OpKind.MATMUL:
             return None
         weights = [k for k, r in enumerate(refs) if r.id in prop.lazy and prop.input_param(r.id)
