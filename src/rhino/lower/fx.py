@@ -10,7 +10,7 @@ import torch.fx
 from ..ir.graph import Graph, Ref
 from ..ir.types import Device, DType, Layout, MemoryFormat
 
-__all__ = ["lower", "resolve_op", "convert_arg", "add_constants"]
+__all__ = ["lower", "resolve_op", "convert_arg", "add_constants", "emit_node"]
 
 
 def resolve_op(op: str) -> torch._ops.OpOverload:
@@ -59,6 +59,18 @@ def add_constants(graph: Graph, root: torch.nn.Module, fg: torch.fx.Graph, env: 
         env[vid] = fg.get_attr(name)
 
 
+def emit_node(fg: torch.fx.Graph, node, op: str, args, kwargs, env: dict) -> None:
+    """Call ``op`` for an IR node and bind its outputs (through getitem for tuple results) in ``env``."""
+    call = fg.call_function(resolve_op(op), tuple(args), kwargs)
+    call.name = _py_name(node.name)
+    if node.multi:
+        for i, vid in enumerate(node.outputs):
+            if vid is not None:
+                env[vid] = fg.call_function(operator.getitem, (call, i))
+    else:
+        env[node.outputs[0]] = call
+
+
 def lower(graph: Graph, device: torch.device | str = "cpu") -> torch.fx.GraphModule:
     """A GraphModule taking the graph inputs in order and returning the outputs in order.
 
@@ -73,13 +85,6 @@ def lower(graph: Graph, device: torch.device | str = "cpu") -> torch.fx.GraphMod
     add_constants(graph, root, fg, env, device)
     for node in graph.nodes:
         conv = lambda a: convert_arg(a, lambda r: env[r.id], device)  # noqa: E731
-        call = fg.call_function(resolve_op(node.op), tuple(conv(node.args)), conv(node.kwargs))
-        call.name = _py_name(node.name)
-        if node.multi:
-            for i, vid in enumerate(node.outputs):
-                if vid is not None:
-                    env[vid] = fg.call_function(operator.getitem, (call, i))
-        else:
-            env[node.outputs[0]] = call
+        emit_node(fg, node, node.op, conv(node.args), conv(node.kwargs), env)
     fg.output([env[o.value] for o in graph.outputs])
     return torch.fx.GraphModule(root, fg)

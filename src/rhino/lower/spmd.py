@@ -9,7 +9,6 @@ its input, so the next step sees the same layout.
 """
 from __future__ import annotations
 
-import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -20,7 +19,7 @@ from ..sharding.placement import Sharding, local_shape, replicated
 from ..sharding.plan import ResolvedPlan
 from ..sharding.redistribute import comm_bytes, plan_redistribution
 from ..sharding.steps import is_communication
-from .fx import _py_name, add_constants, convert_arg, resolve_op
+from .fx import _py_name, add_constants, convert_arg, emit_node
 from ..ir.registry import annotate, call_of
 from ..sharding.rules import PASS, split_letter
 from .spmd_custom import CUSTOM_OPS, emit_custom
@@ -129,14 +128,7 @@ def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu") 
                 continue
         # local shards may be laid out differently from the global tensor: views become reshapes
         op = "aten.reshape.default" if node.op in ("aten.view.default", "aten._unsafe_view.default") else node.op
-        call = fg.call_function(resolve_op(op), tuple(conv(args, need)), conv(kwargs, need))
-        call.name = _py_name(node.name)
-        if node.multi:
-            for i, vid in enumerate(node.outputs):
-                if vid is not None:
-                    env[vid] = fg.call_function(operator.getitem, (call, i))
-        else:
-            env[node.outputs[0]] = call
+        emit_node(fg, node, op, conv(args, need), conv(kwargs, need), env)
 
     outs = []
     state_in = {i.name: i.value for i in graph.inputs}
