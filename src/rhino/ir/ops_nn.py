@@ -348,7 +348,7 @@ def nll_rule(call: OpCall) -> Annotation:
     # Batch rows and classes may be split: the losses of split rows or classes are partial sums;
     # classes need the custom lowering (targets outside a rank's classes are ignored there), and a
     # mean over split rows becomes an all-reduced sum divided by the all-reduced total weight.
-    return Annotation(tuple(ins), (out, ()), reduced=frozenset({"c", "n"}),
+    return Annotation(tuple(ins), (out, ()), reduced=frozenset({"c", "n"} if rank > 1 else {"c"}),
                       fixed=frozenset(a[0] for a in xs[2:]), custom=frozenset({"c"}))
 
 
