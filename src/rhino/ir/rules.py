@@ -1,15 +1,13 @@
 """Building blocks for annotation rules whose structure depends on arguments."""
 from __future__ import annotations
 
-from math import prod
 from typing import Sequence
 
 from .annotation import Annotation, Dim
-from .graph import Ref
 from .registry import OpCall
 
 __all__ = ["letters", "norm_dim", "broadcast_shape", "elementwise", "reduce_dims", "fixed_from_types",
-           "identity", "tensor_args", "NewLetters"]
+           "NewLetters"]
 
 
 def letters(prefix: str, n: int) -> list[str]:
@@ -34,11 +32,6 @@ class NewLetters:
         name = f"{self.prefix}{len(self.sizes)}"
         self.sizes[name] = size
         return name
-
-
-def tensor_args(call: OpCall) -> list:
-    """Positional arguments that are tensors (Refs), in order."""
-    return [a for a in call.args if isinstance(a, Ref)]
 
 
 def broadcast_shape(shapes: Sequence[Sequence[int]]) -> tuple[int, ...]:
@@ -76,16 +69,6 @@ def elementwise(call: OpCall) -> Annotation:
     return Annotation(tuple(ins), outs, sizes=sizes)
 
 
-def identity(call: OpCall) -> Annotation:
-    """First tensor input passes through unchanged (copies, casts)."""
-    rank = call.in_types[0].rank
-    spec = tuple((x,) for x in letters("i", rank))
-    return Annotation((spec,) + tuple(tuple((f"o{k}_{j}",) for j in range(t.rank)) for k, t in enumerate(call.in_types[1:])),
-                      tuple(spec if t is not None else None for t in call.out_types),
-                      fixed=frozenset(f"o{k}_{j}" for k, t in enumerate(call.in_types[1:]) for j in range(t.rank)),
-                      sizes={f"o{k}_{j}": n for k, t in enumerate(call.in_types[1:]) for j, n in enumerate(t.shape)})
-
-
 def reduce_dims(call: OpCall, dims: Sequence[int] | None, keepdim: bool, kind: str = "sum",
                 splittable: bool = True, n_outputs: int = 1, empty_is_all: bool = True) -> Annotation:
     """Reduction of the first tensor input over ``dims`` (None = all dims; so is [] unless
@@ -117,7 +100,3 @@ def fixed_from_types(call: OpCall) -> Annotation:
     ins = tuple(tuple((new(n),) for n in t.shape) for t in call.in_types)
     outs = tuple(tuple((new(n),) for n in t.shape) if t is not None else None for t in call.out_types)
     return Annotation(ins, outs, fixed=frozenset(new.sizes), sizes=new.sizes)
-
-
-def numel(shape: Sequence[int]) -> int:
-    return prod(shape)

@@ -25,7 +25,7 @@ from ..sharding.rules import PASS, split_letter
 from .spmd_custom import CUSTOM_OPS, emit_custom
 from .spmd_ops import redistribute, step_args
 
-__all__ = ["SpmdProgram", "lower_rank", "comm_summary"]
+__all__ = ["SpmdProgram", "lower_rank"]
 
 
 @dataclass
@@ -140,9 +140,3 @@ def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu") 
     return SpmdProgram(gm, rank, [i.name for i in graph.inputs], [o.name for o in graph.outputs],
                        stats["bytes"], stats["collectives"], {v: n.name for v, n in env.items()},
                        {v: graph.types[v].numel for v in env})
-
-
-def comm_summary(rp: ResolvedPlan) -> tuple[int, dict[str, int]]:
-    """Bytes each rank moves per step and the number of collectives, from rank 0's program."""
-    prog = lower_rank(rp, 0)
-    return prog.comm_bytes, prog.collectives

@@ -22,7 +22,7 @@ from ..ir.annotation import Annotation, Dim, letter_sizes
 from .mesh import Mesh
 from .placement import Partial, ReduceOp, Replicate, Shard, Sharding
 
-__all__ = ["Strategy", "StrategyError", "shardings_for", "candidate_letters", "letter_of_dim", "PASS",
+__all__ = ["Strategy", "StrategyError", "shardings_for", "candidate_letters", "PASS",
            "partial_inputs"]
 
 Strategy = tuple  # tuple[str | None, ...], one entry per mesh axis
@@ -151,12 +151,3 @@ def shardings_for(ann: Annotation, shapes: Sequence[Sequence[int]], strategy: St
     return NodeShardings(tuple(tuple(p) for p in ins), tuple(tuple(p) if p is not None else None for p in outs))
 
 
-def letter_of_dim(spec: Sequence[Dim], dim: int, blocks: int, local: dict[str, int]) -> str | None:
-    """The letter whose split gives ``Shard(dim, blocks)`` on a tensor with this spec."""
-    d = spec[dim]
-    acc = 1
-    for x in d:
-        if acc == blocks:
-            return x
-        acc *= local[x]
-    return None
