@@ -28,12 +28,12 @@ The local size bookkeeping of ``steps_seconds`` is ``redistribute.step_volume``.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from math import log2, prod
+from math import log2
 from typing import Sequence
 
 from ..sharding.mesh import Mesh
-from ..sharding.placement import Shard, Sharding
-from ..sharding.redistribute import step_volume, validate_sharding
+from ..sharding.placement import Sharding
+from ..sharding.redistribute import local_numel, step_volume
 from ..sharding.steps import AllGather, AllReduce, AllToAll, ReduceScatter, Step, is_communication
 from .cluster import AxisLink
 
@@ -117,12 +117,7 @@ def steps_seconds(steps: Sequence[Step], shape: Sequence[int], itemsize: int, sr
     size, the local size tracked with ``redistribute.step_volume``."""
     if itemsize <= 0:
         raise ValueError(f"itemsize must be a positive number of bytes, got {itemsize}")
-    shape = tuple(shape)
-    validate_sharding(shape, src_sharding, mesh)
-    local = prod(shape)
-    for axis, p in enumerate(src_sharding):
-        if isinstance(p, Shard):
-            local //= mesh.sizes[axis]
+    local = local_numel(shape, src_sharding, mesh)
     total = 0.0
     for step in steps:
         total += step_seconds(step, local * itemsize, mesh, links)

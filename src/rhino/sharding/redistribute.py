@@ -526,16 +526,22 @@ def step_volume(step: Step, local_numel: int, mesh: Mesh) -> tuple[Fraction, int
     raise ValueError(f"unknown step {step!r}")
 
 
+def local_numel(shape: Sequence[int], sharding: Sharding, mesh: Mesh) -> int:
+    """Elements each rank holds of a tensor of global ``shape`` under ``sharding`` (validated)."""
+    shape = tuple(shape)
+    validate_sharding(shape, sharding, mesh)
+    local = prod(shape)
+    for axis, p in enumerate(sharding):
+        if isinstance(p, Shard):
+            local //= mesh.sizes[axis]
+    return local
+
+
 def comm_bytes(shape: Sequence[int], itemsize: int, steps: Sequence[Step], src: Sharding, mesh: Mesh) -> int:
     """Bytes each rank sends (and, symmetrically, receives) running ``steps`` on a tensor of global
     ``shape`` with ``itemsize``-byte elements that starts sharded as ``src``: the sum of
     ``step_volume`` over the steps, times ``itemsize``, rounded up to a whole byte."""
-    shape = tuple(shape)
-    validate_sharding(shape, src, mesh)
-    local = prod(shape)
-    for axis, p in enumerate(src):
-        if isinstance(p, Shard):
-            local //= mesh.sizes[axis]
+    local = local_numel(shape, src, mesh)
     total = Fraction(0)
     for step in steps:
         volume, local = step_volume(step, local, mesh)
