@@ -1,0 +1,372 @@
+"""Arena executor: run a captured step in a planned order with every tensor at its planned offset.
+
+Given the graph, its memory problem and value mapping (``memory.from_graph.problem_from_graph``) and a
+plan (an ``order`` of op ids, an ``offsets`` dict tensor id -> byte offset, and a ``height``),
+:class:`ArenaProgram` allocates ONE ``torch.empty(height, dtype=torch.uint8)`` buffer and runs the nodes
+in the planned order:
+
+- Each problem tensor is a *slot*: ``arena[off:off + nbytes].view(dtype).as_strided(shape, strides)``,
+  with the strides the op produces by itself (found once by running the graph on the meta device), so
+  the views that follow behave exactly as in the plain program.
+- A non-view node writes its outputs into their slots: through the op's ``out=`` overload when aten has
+  one with the same arguments (``torch.ops.aten.add.out`` for ``add.Tensor``), otherwise the op runs
+  normally and its result is copied into the slot (``ArenaStats.out_variant`` / ``copied``).
+- View nodes run on the slot tensors (they alias the arena); a registered view that copies after all
+  (``reshape`` of a non-viewable input) is counted in ``view_copies``.
+- Batch inputs are copied into their slots at the start. State inputs and constants stay outside the
+  arena (``state`` is passed in, as for ``StepProgram``). A new state value that the mapping marks
+  in-place is written straight into the state tensor (``out=`` when the op is elementwise and reads that
+  tensor only as an exact alias, else computed and copied in): ``step`` updates ``state``'s tensors in
+  place, as ``optimizer.step()`` does. Other new state values and the loss are cloned out of the arena.
+
+``debug=True`` adds two runtime guards: before an output is written, its byte range is checked against
+every tensor live at that step (the lifetime rule of ``memory/problem.py``), and the bytes of every
+tensor whose lifetime ends are filled with 0xFF (NaN for floats), so a plan that frees a tensor too early
+changes the results instead of passing silently.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from ..ir.graph import Graph, Role
+from ..ir.registry import OpKind, lookup
+from ..memory.from_graph import GraphMemory
+from ..memory.problem import MemProblem, TensorKind, lifetimes
+from ..memory.simulate import check_order
+from .fx import constant_tensor, convert_arg, resolve_op
+
+__all__ = ["ArenaProgram", "ArenaStats", "out_overload"]
+
+
+@dataclass
+class ArenaStats:
+    """What the last ``step`` did."""
+
+    arena_bytes: int = 0
+    out_variant: int = 0      # non-view nodes that wrote through their out= overload
+    copied: int = 0           # non-view nodes whose result was copied into its slot
+    views: int = 0            # view nodes run on slots
+    view_copies: int = 0      # registered views whose torch result did not alias their base
+    input_copies: int = 0     # batch tensors copied into their slots
+    inplace_state: int = 0    # state tensors written in place
+    guard_checks: int = 0     # overlap checks done (debug)
+
+
+@lru_cache(maxsize=None)
+def out_overload(op: str) -> tuple[torch._ops.OpOverload, tuple[str, ...]] | None:
+    """The out= overload of ``op`` taking the same arguments, and the names of its out arguments."""
+    fn = resolve_op(op)
+    schema = fn._schema
+    sig = [(a.name, str(a.type)) for a in schema.arguments]
+    n_ret = len(schema.returns)
+    if n_ret == 0 or any(str(r.type) != "Tensor" for r in schema.returns):
+        return None
+    packet = getattr(getattr(torch.ops, op.split(".")[0]), op.split(".")[1])
+    for name in packet.overloads():
+        ovl = getattr(packet, name)
+        args = ovl._schema.arguments
+        outs = [a for a in args if a.is_out]
+        rest = [(a.name, str(a.type)) for a in args if not a.is_out]
+        if outs and rest == sig and len(outs) == n_ret:
+            return ovl, tuple(a.name for a in outs)
+    return None
+
+
+def _dense(shape, stride) -> bool:
+    """Non-overlapping and dense: the elements fill exactly ``numel`` consecutive slots."""
+    dims = sorted((st, sz) for sz, st in zip(shape, stride) if sz != 1)
+    expected = 1
+    for st, sz in dims:
+        if st != expected:
+            return False
+        expected *= sz
+    return True
+
+
+def _contiguous_strides(shape) -> tuple[int, ...]:
+    out, acc = [], 1
+    for s in reversed(shape):
+        out.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(out))
+
+
+class ArenaProgram:
+    """One training step per ``step(state, batch)`` call, every intermediate in one planned arena."""
+
+    def __init__(self, graph: Graph, problem: MemProblem, mapping: GraphMemory, order, offsets: dict[int, int],
+                 height: int, device: torch.device | str = "cpu", debug: bool = False) -> None:
+        self.device = torch.device(device)
+        if self.device.type == "meta":
+            raise ValueError("the arena executor runs real tensors; the meta device has no data "
+                             "(plan on meta, execute on cpu or cuda with real tensors)")
+        if mapping.include_state:
+            raise ValueError("the arena executor keeps the state outside the arena; build the problem with "
+                             "include_state=False")
+        if len(problem.ops) != len(graph.nodes):
+            raise ValueError("the memory problem was not built from this graph (op counts differ)")
+        self.graph, self.problem, self.mapping = graph, problem, mapping
+        self.order = [int(o) for o in order]
+        check_order(problem, self.order)
+        self.offsets = {int(k): int(v) for k, v in offsets.items()}
+        self.height = int(height)
+        self.debug = debug
+        self.stats = ArenaStats()
+        self.lifetimes = lifetimes(problem, self.order)
+        self._check_layout()
+        self._fns = [resolve_op(n.op) for n in graph.nodes]
+        self._strides = self._natural_strides()
+        self._no_out: set[int] = set()   # nodes whose out= call failed once: copy from then on
+        self._constants = {v: constant_tensor(graph, v, self.device) for v in graph.constants}
+        self._arena: torch.Tensor | None = None
+        self._slots: dict[int, torch.Tensor] = {}
+
+    # -- plan checks ----------------------------------------------------------------------------
+    def _check_layout(self) -> None:
+        """Every sized tensor has an in-range, dtype-aligned offset; tensors live together do not overlap."""
+        types = self.graph.types
+        events = []
+        for tid, t in self.problem.tensors.items():
+            if t.size == 0:
+                continue
+            off = self.offsets.get(tid)
+            if off is None:
+                raise ValueError(f"the plan gives no offset for tensor {tid} ({t.name})")
+            if off < 0 or off + t.size > self.height:
+                raise ValueError(f"tensor {tid} ({t.name}) at [{off}, {off + t.size}) is outside the arena of "
+                                 f"{self.height} bytes")
+            item = types[tid].dtype.itemsize
+            if off % item:
+                raise ValueError(f"tensor {tid} ({t.name}) at offset {off} is not aligned to its {item}-byte "
+                                 f"elements; plan with aligned offsets")
+            lo, hi = self.lifetimes[tid]
+            events.append((lo, hi, off, off + t.size, tid))
+        # sweep over time: at each birth, compare with the tensors still live
+        events.sort()
+        live: list[tuple[int, int, int, int]] = []
+        for lo, hi, a, b, tid in events:
+            live = [x for x in live if x[0] > lo]
+            for end, la, lb, other in live:
+                if a < lb and la < b:
+                    raise ValueError(f"tensors {tid} and {other} overlap in memory while both are live")
+            live.append((hi, a, b, tid))
+
+    # -- strides each op produces on its own ------------------------------------------------------
+    def _natural_strides(self) -> dict[int, tuple[int, ...]]:
+        graph = self.graph
+        meta = torch.device("meta")
+        env: dict[int, torch.Tensor] = {}
+        for inp in graph.inputs:
+            t = graph.types[inp.value]
+            env[inp.value] = torch.empty(t.shape, dtype=getattr(torch, t.dtype.value), device=meta)
+        for v in graph.constants:
+            t = graph.types[v]
+            env[v] = torch.empty(t.shape, dtype=getattr(torch, t.dtype.value), device=meta)
+        strides: dict[int, tuple[int, ...]] = {}
+        with torch.no_grad():
+            for i, node in enumerate(graph.nodes):
+                conv = lambda a: convert_arg(a, lambda r: env[r.id], meta)  # noqa: E731
+                try:
+                    res = self._fns[i](*conv(node.args), **conv(node.kwargs))
+                except (NotImplementedError, RuntimeError, TypeError, ValueError):
+                    res = None
+                vals = list(res) if node.multi and res is not None else [res]
+                for k, v in enumerate(node.outputs):
+                    if v is None:
+                        continue
+                    t = graph.types[v]
+                    r = vals[k] if k < len(vals) else None
+                    if not isinstance(r, torch.Tensor) or tuple(r.shape) != tuple(t.shape):
+                        r = torch.empty(t.shape, dtype=getattr(torch, t.dtype.value), device=meta)
+                    env[v] = r
+                    if i not in self.mapping.view_nodes:
+                        st = tuple(r.stride())
+                        strides[v] = st if _dense(t.shape, st) else _contiguous_strides(t.shape)
+        return strides
+
+    # -- the arena and its slots ---------------------------------------------------------------------
+    def _make_arena(self) -> None:
+        self._arena = torch.empty(self.height, dtype=torch.uint8, device=self.device)
+        assert self._arena.numel() == self.height
+        types = self.graph.types
+        for tid, t in self.problem.tensors.items():
+            tt = types[tid]
+            dtype = getattr(torch, tt.dtype.value)
+            stride = self._strides.get(tid, _contiguous_strides(tt.shape))
+            if t.size == 0 or tt.numel == 0:
+                self._slots[tid] = torch.empty_strided(tt.shape, stride, dtype=dtype, device=self.device)
+                continue
+            off = self.offsets[tid]
+            nbytes = self.mapping.nbytes[tid]
+            flat = self._arena[off:off + nbytes].view(dtype)
+            self._slots[tid] = flat.as_strided(tt.shape, stride)
+
+    # -- one step --------------------------------------------------------------------------------------
+    def step(self, state: dict[str, torch.Tensor], batch: tuple) -> torch.Tensor:
+        """One step in the planned order; ``state``'s tensors are updated (in place where planned); returns the loss."""
+        graph, mapping = self.graph, self.mapping
+        n_batch = sum(1 for i in graph.inputs if i.role is Role.BATCH)
+        if len(batch) != n_batch:
+            raise ValueError(f"the step takes {n_batch} batch tensors, got {len(batch)}")
+        if self._arena is None:
+            self._make_arena()
+        stats = self.stats = ArenaStats(arena_bytes=self._arena.numel())
+        env: dict[int, torch.Tensor] = dict(self._constants)
+        inplace_slot: dict[int, torch.Tensor] = {}
+        b = iter(batch)
+        for inp in graph.inputs:
+            if inp.role is Role.BATCH:
+                x = next(b)
+                slot = self._slots.get(inp.value)
+                if slot is None:
+                    env[inp.value] = x
+                else:
+                    slot.copy_(x)
+                    env[inp.value] = slot
+                    stats.input_copies += 1
+            else:
+                if inp.name not in state:
+                    raise ValueError(f"the state has no tensor {inp.name!r}; pass Captured.initial_state()")
+                env[inp.value] = state[inp.name]
+        for r, name in mapping.inplace.items():
+            t = state[name]
+            if tuple(t.shape) != graph.types[r].shape:
+                raise ValueError(f"state tensor {name!r} has shape {tuple(t.shape)}, the graph expects "
+                                 f"{graph.types[r].shape}")
+            inplace_slot[r] = t
+
+        guard = _Guard(self) if self.debug else None
+        with torch.no_grad():
+            for s, i in enumerate(self.order):
+                node = graph.nodes[i]
+                conv = lambda a: convert_arg(a, lambda r: env[r.id], self.device)  # noqa: E731
+                args, kwargs = conv(node.args), conv(node.kwargs)
+                if i in mapping.view_nodes:
+                    self._run_view(i, node, args, kwargs, env, stats)
+                else:
+                    if guard is not None:
+                        guard.before_write(s, i)
+                    self._run_node(i, node, args, kwargs, env, inplace_slot, stats)
+                if guard is not None:
+                    guard.after_step(s)
+            loss = None
+            for o in graph.outputs:
+                val = env[o.value]
+                r = mapping.root[o.value]
+                if o.role is Role.LOSS:
+                    loss = val.clone()
+                elif r in mapping.inplace and mapping.inplace[r] == o.name:
+                    stats.inplace_state += 1  # already written into state[o.name]
+                elif r in mapping.persistent and mapping.state_value.get(o.name) == r:
+                    state[o.name] = val      # unchanged (or a view of itself)
+                else:
+                    state[o.name] = val.clone()
+        if loss is None:
+            raise ValueError("the graph has no loss output")
+        return loss
+
+    def _run_view(self, i, node, args, kwargs, env, stats) -> None:
+        res = self._fns[i](*args, **kwargs)
+        vals = list(res) if node.multi else [res]
+        base = env[node.input_refs()[0].id]
+        stats.views += 1
+        for v, t in zip(node.outputs, vals):
+            if v is None:
+                continue
+            if t.untyped_storage().data_ptr() != base.untyped_storage().data_ptr():
+                stats.view_copies += 1
+            env[v] = t
+
+    def _run_node(self, i, node, args, kwargs, env, inplace_slot, stats) -> None:
+        slots: list[torch.Tensor | None] = []
+        state_out = False
+        for v in node.outputs:
+            if v is None:
+                slots.append(None)
+            elif v in inplace_slot:
+                slots.append(inplace_slot[v])
+                state_out = True
+            else:
+                slots.append(self._slots.get(v))
+        ov = None if i in self._no_out else out_overload(node.op)
+        use_out = ov is not None and all(s is not None for s in slots) and len(ov[1]) == len(slots)
+        if use_out and state_out:
+            use_out = self._alias_ok(node, env, [s for v, s in zip(node.outputs, slots) if v in inplace_slot])
+        if use_out:
+            fn, names = ov
+            try:
+                fn(*args, **kwargs, **dict(zip(names, slots)))
+            except RuntimeError:
+                self._no_out.add(i)
+                use_out = False
+            else:
+                stats.out_variant += 1
+        if not use_out:
+            res = self._fns[i](*args, **kwargs)
+            vals = list(res) if node.multi else [res]
+            for slot, t in zip(slots, vals):
+                if slot is not None and isinstance(t, torch.Tensor):
+                    slot.copy_(t)
+            stats.copied += 1
+        for v, slot in zip(node.outputs, slots):
+            if v is not None:
+                env[v] = slot
+
+    def _alias_ok(self, node, env, outs: list[torch.Tensor]) -> bool:
+        """out= may write into a state tensor the op also reads only for elementwise ops and exact aliases."""
+        d = lookup(node.op)
+        ins = [env[r.id] for r in node.input_refs()]
+        for out in outs:
+            ptr = out.untyped_storage().data_ptr()
+            for x in ins:
+                if x.untyped_storage().data_ptr() != ptr:
+                    continue
+                if d is None or d.kind is not OpKind.ELEMENTWISE:
+                    return False
+                if x.shape != out.shape or x.stride() != out.stride() or x.storage_offset() != out.storage_offset():
+                    return False
+        return True
+
+
+class _Guard:
+    """Debug guard: live byte ranges per step (lifetime rule); writes checked, dead bytes poisoned."""
+
+    def __init__(self, prog: ArenaProgram) -> None:
+        self.prog = prog
+        self.live: dict[int, tuple[int, int]] = {}
+        self.dies: dict[int, list[int]] = {}
+        for tid, (lo, hi) in prog.lifetimes.items():
+            t = prog.problem.tensors[tid]
+            if t.size == 0:
+                continue
+            if t.kind is TensorKind.INPUT:
+                off = prog.offsets[tid]
+                self.live[tid] = (off, off + t.size)
+            if hi < len(prog.order):
+                self.dies.setdefault(hi - 1, []).append(tid)
+
+    def before_write(self, s: int, op_id: int) -> None:
+        prog = self.prog
+        for tid in prog.problem.op(op_id).outputs:
+            t = prog.problem.tensors[tid]
+            if t.size == 0:
+                continue
+            a = prog.offsets[tid]
+            b = a + t.size
+            for other, (la, lb) in self.live.items():
+                prog.stats.guard_checks += 1
+                if a < lb and la < b:
+                    raise AssertionError(f"step {s}: op {op_id} writes tensor {tid} at [{a}, {b}) over live tensor "
+                                         f"{other} at [{la}, {lb})")
+            self.live[tid] = (a, b)
+
+    def after_step(self, s: int) -> None:
+        arena = self.prog._arena
+        for tid in self.dies.get(s, []):
+            a, b = self.live.pop(tid, (None, None))
+            if a is not None:
+                arena[a:b].fill_(0xFF)
+
