@@ -416,3 +416,80 @@ def test_o2_never_worse_than_o1_and_time_limit_degrades():
     quick = order_ops(p, "O2", options=OrderOptions(window_time_limit=0.05), time_limit=0.2)
     check_order(p, quick.order)
     assert quick.peak <= o1.peak
+
+
+# -- plan_memory ------------------------------------------------------------------------------------
+def _layout():
+    return pytest.importorskip("rhino.memory.layout")
+
+
+def _check_plan(p: MemProblem, plan) -> None:
+    layout = _layout()
+    from rhino.memory.problem import buffers
+
+    assert plan.valid
+    check_order(p, plan.order)
+    bufs = buffers(p, plan.order)
+    assert layout.validate_layout(bufs, plan.offsets) == []
+    assert plan.height == max((plan.offsets[b.id] + b.size for b in bufs), default=0)
+    assert plan.lower_bound == replay(p, plan.order).peak <= plan.height
+    assert plan.order_lower_bound <= plan.lower_bound
+    assert plan.height <= plan.heuristic_peak and plan.height <= plan.bestfit_peak
+    assert plan.pytorch_live_peak == replay(p, program_order(p)).peak <= plan.pytorch_peak
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_plan_memory_valid_and_never_worse_on_training_graphs(seed):
+    _layout()
+    from rhino.memory.plan import plan_memory
+
+    p = training_problem(seed, layers=6 + 2 * seed, casts_first=seed == 2, updates_last=seed != 1)
+    msgs: list[str] = []
+    plan = plan_memory(p, "O2", time_limit=4, progress=msgs.append)
+    _check_plan(p, plan)
+    assert msgs and plan.level == "O2"
+    if seed != 1:  # updates at the end of program order: reordering clearly lowers the peak
+        assert plan.height < 0.95 * plan.pytorch_live_peak
+    o1 = plan_memory(p, "O1")
+    _check_plan(p, o1)
+    assert plan.height <= max(o1.height, plan.heuristic_peak)
+
+
+@FAST
+@given(st.integers(0, 10_000), st.integers(1, 30))
+def test_plan_memory_valid_on_random_dags(seed, n):
+    _layout()
+    from rhino.memory.plan import plan_memory
+
+    p = random_problem(seed, n)
+    _check_plan(p, plan_memory(p, "O1"))
+
+
+def test_plan_memory_time_limit_degrades():
+    import time
+
+    _layout()
+    from rhino.memory.plan import plan_memory
+
+    p = training_problem(7, layers=30)
+    t = time.perf_counter()
+    plan = plan_memory(p, "O2", time_limit=1.0, options=OrderOptions(window_time_limit=0.2))
+    assert time.perf_counter() - t < 8
+    _check_plan(p, plan)
+
+
+def test_stacked_layout_puts_latest_freed_lowest():
+    layout = _layout()
+    from rhino.memory.plan import stacked_layout
+
+    B = layout.Buffer
+    bufs = [B(0, 0, 10, 4), B(1, 1, 9, 3), B(2, 2, 8, 5), B(3, 0, 2, 6), B(4, 9, 12, 7), B(5, 8, 10, 2)]
+    offs = stacked_layout(bufs, [0, 1, 2])  # freed at 10, 9, 8: stacked in that order from 0
+    assert (offs[0], offs[1], offs[2]) == (0, 4, 7)
+    assert layout.validate_layout(bufs, offs) == []
+    rng = random.Random(5)
+    for _ in range(20):
+        many = [B(i, lo, lo + rng.randint(1, 6), rng.randint(1, 9)) for i, lo in
+                enumerate(rng.randint(0, 10) for _ in range(25))]
+        cross = sorted((b for b in many if b.lower < 5 < b.upper - 1), key=lambda b: -b.upper)
+        assert layout.validate_layout(many, stacked_layout(many, [b.id for b in cross])) == []

@@ -1,0 +1,196 @@
+"""``plan_memory``: an operator order and an arena offset for every tensor (ROAM's two stages).
+
+1. Order (``order.order_ops``): heuristics and ROAM's rules, then (level ``O2``) exact CP-SAT windows,
+   with about half of ``time_limit``.
+2. Layout of that order's buffers (``problem.buffers``): the greedy layouts of ``layout.py`` (every
+   ``GreedyOrder``), ROAM's cross-loss rule (option ``cross_loss_bottom``: the tensors live across the
+   loss are pre-placed at the bottom of the arena, the latest freed lowest, and the rest placed first
+   fit above and around them), and at ``O2`` the exact ``layout.solve_layout`` with the time left; the
+   lowest height wins.
+3. Baselines, computed on the same problem: PyTorch's program order (its live-bytes peak, and the
+   caching-allocator simulation of ``allocator.py``), best-fit (program order + ``GreedyOrder.SIZE``
+   layout, as XLA/TFLite) and ROAM's heuristic baseline (least-peak-first order +
+   ``GreedyOrder.LONG_LIVED_FIRST`` layout). If a baseline's arena is lower than Rhino's own, the plan
+   takes the baseline's order and layout (``source`` says which), so Rhino is never worse.
+
+Every plan is checked (``simulate.check_order`` and ``layout.validate_layout``); ``valid`` records it.
+"""
+from __future__ import annotations
+
+import bisect
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+from .allocator import simulate_allocator
+from .layout import Buffer, GreedyOrder, greedy_layout, solve_layout, validate_layout
+from .order import OptLevel, OrderOptions, least_peak_order, order_ops, program_order
+from .problem import MemProblem, OpRole, buffers, lifetimes
+from .simulate import check_order, replay
+
+__all__ = ["MemoryPlan", "plan_memory", "stacked_layout"]
+
+Progress = Callable[[str], None]
+
+
+@dataclass
+class MemoryPlan:
+    """An order, an offset per tensor, and the baselines it was measured against (bytes, seconds)."""
+
+    order: list[int]  # op ids
+    offsets: dict[int, int]  # tensor id -> byte offset in the arena (zero-size tensors at 0)
+    height: int  # arena bytes: max over tensors of offset + size
+    lower_bound: int  # max live bytes over the steps of ``order``: no layout of this order is lower
+    pytorch_live_peak: int  # program order, max live bytes (``simulate.replay``)
+    pytorch_peak: int  # program order through the caching-allocator simulation, peak reserved
+    bestfit_peak: int  # program order + best-fit (greedy by size) layout, arena height
+    heuristic_peak: int  # least-peak-first order + long-lived-first layout (ROAM's heuristic baseline)
+    solve_seconds: float
+    valid: bool  # check_order and validate_layout both pass
+    level: str
+    source: str = "rhino"  # "rhino", or the baseline whose plan was better: "heuristic", "bestfit"
+    order_source: str = ""  # which ordering candidate won (``OrderResult.source``)
+    layout_source: str = ""  # which layout won: a GreedyOrder name, "cross_loss_bottom", "exact"
+    order_lower_bound: int = 0  # no order of the problem has fewer live bytes at its peak step
+    pytorch_peak_allocated: int = 0  # allocator simulation, peak allocated (block sizes)
+    stats: dict[str, float] = field(default_factory=dict)
+
+
+def _height(bufs: Sequence[Buffer], offsets: dict[int, int]) -> int:
+    return max((offsets[b.id] + b.size for b in bufs), default=0)
+
+
+def _cross_loss(problem: MemProblem, order: Sequence[int]) -> list[int]:
+    """Tensors live before and after the LOSS op's step, latest freed first (ties: earliest made)."""
+    loss = [op.id for op in problem.ops if op.role is OpRole.LOSS]
+    if not loss:
+        return []
+    step = order.index(loss[-1])
+    life = lifetimes(problem, order)
+    cross = [t for t, (lo, hi) in life.items() if lo < step and hi > step + 1 and problem.tensors[t].size > 0]
+    return sorted(cross, key=lambda t: (-life[t][1], life[t][0], t))
+
+
+def stacked_layout(bufs: Sequence[Buffer], bottom: Sequence[int], rest_key: Callable[[Buffer], object] | None = None
+                   ) -> dict[int, int]:
+    """ROAM's cross-loss rule: buffers ``bottom`` stacked from offset 0 in the given order, the others
+    placed one by one (``rest_key`` order; default: biggest first) at the lowest offset where they
+    overlap no placed buffer that is live at the same time."""
+    by_id = {b.id: b for b in bufs}
+    placed: list[tuple[int, int, int, int]] = []  # (offset, end, lo, hi) sorted by offset
+    offsets: dict[int, int] = {}
+
+    def align(x: int, a: int) -> int:
+        return -(-x // a) * a if a > 1 else x
+
+    top = 0
+    for t in bottom:
+        b = by_id[t]
+        off = align(top, b.alignment)
+        offsets[t] = off
+        top = off + b.size
+        bisect.insort(placed, (off, off + b.size, b.lower, b.upper))
+    key = rest_key or (lambda b: (-b.size, b.lower, b.id))
+    for b in sorted((b for b in bufs if b.id not in offsets), key=key):
+        x = 0
+        for off, end, lo, hi in placed:
+            if lo >= b.upper or b.lower >= hi:
+                continue
+            if off >= align(x, b.alignment) + b.size:
+                break
+            x = max(x, end)
+        x = align(x, b.alignment)
+        offsets[b.id] = x
+        bisect.insort(placed, (x, x + b.size, b.lower, b.upper))
+    return offsets
+
+
+def _best_greedy(bufs: list[Buffer], orders: Sequence[GreedyOrder]) -> tuple[dict[int, int], int, str]:
+    best: tuple[dict[int, int], int, str] | None = None
+    for go in orders:
+        offs = greedy_layout(bufs, order=go)
+        h = _height(bufs, offs)
+        if best is None or h < best[1]:
+            best = (offs, h, go.name)
+    assert best is not None
+    return best
+
+
+def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_limit: float = 60.0,
+                progress: Progress | None = None, options: OrderOptions | None = None) -> MemoryPlan:
+    """Plan ``problem``: an order and a layout whose arena is as low as the level and time allow."""
+    t0 = time.perf_counter()
+    level = OptLevel(level)
+    opts = options or OrderOptions()
+    problem.validate()
+
+    def say(msg: str) -> None:
+        if progress:
+            progress(msg)
+
+    # baselines
+    prog = program_order(problem)
+    pt_live = replay(problem, prog).peak
+    alloc = simulate_allocator(problem, prog)
+    prog_bufs = buffers(problem, prog)
+    bf_offsets = greedy_layout(prog_bufs, order=GreedyOrder.SIZE)
+    bf_height = _height(prog_bufs, bf_offsets)
+    heu_order = least_peak_order(problem)
+    heu_bufs = buffers(problem, heu_order)
+    heu_offsets = greedy_layout(heu_bufs, order=GreedyOrder.LONG_LIVED_FIRST)
+    heu_height = _height(heu_bufs, heu_offsets)
+    say(f"baselines: PyTorch {pt_live:,} B live, {alloc.peak_reserved:,} B reserved; best-fit {bf_height:,} B; "
+        f"heuristic {heu_height:,} B")
+
+    # 1. order
+    share = time_limit * 0.5 if level is OptLevel.O2 else time_limit
+    res = order_ops(problem, level, opts, time_limit=max(0.0, share - (time.perf_counter() - t0)), progress=progress)
+    order = res.order
+    bufs = buffers(problem, order)
+    order_peak = res.peak
+    say(f"order: peak {order_peak:,} B ({res.source}, {res.seconds:.1f}s); layout ...")
+
+    # 2. layout
+    offsets, height, how = _best_greedy(bufs, list(GreedyOrder))
+    if opts.cross_loss_bottom and height > order_peak:
+        bottom = _cross_loss(problem, order)
+        if bottom:
+            for name, key in (("cross_loss_bottom", None),
+                              ("cross_loss_bottom/long_lived", lambda b: (b.lower - b.upper, -b.size, b.id))):
+                offs = stacked_layout(bufs, bottom, key)
+                h = _height(bufs, offs)
+                if h < height:
+                    offsets, height, how = offs, h, name
+    if level is OptLevel.O2 and height > order_peak:
+        left = max(0.0, time_limit - (time.perf_counter() - t0))
+        if left > 0.05:
+            say(f"layout: greedy {height:,} B ({how}), lower bound {order_peak:,} B; exact search for {left:.0f}s")
+            lr = solve_layout(bufs, time_limit=left, progress=progress)
+            if lr.offsets and not validate_layout(bufs, lr.offsets):
+                h = _height(bufs, lr.offsets)
+                if h < height:
+                    offsets, height, how = dict(lr.offsets), h, f"exact ({lr.solver}, {lr.status})"
+
+    # 3. never worse than the baselines
+    source = "rhino"
+    plan_order, plan_bufs = order, bufs
+    for name, o, b, offs, h in (("heuristic", heu_order, heu_bufs, heu_offsets, heu_height),
+                                ("bestfit", prog, prog_bufs, bf_offsets, bf_height)):
+        if h < height:
+            source, plan_order, plan_bufs, offsets, height, how = name, o, b, offs, h, name
+    full = {t: 0 for t in problem.tensors}
+    full.update(offsets)
+    check_order(problem, plan_order)
+    errors = validate_layout(plan_bufs, offsets)
+    assert not errors, f"planned layout is invalid: {errors[:3]}"
+    live_peak = replay(problem, plan_order).peak
+    assert live_peak <= height
+    secs = time.perf_counter() - t0
+    say(f"plan: arena {height:,} B (order peak {live_peak:,} B) vs PyTorch {alloc.peak_reserved:,} B, in {secs:.1f}s")
+    return MemoryPlan(
+        order=list(plan_order), offsets=full, height=height, lower_bound=live_peak,
+        pytorch_live_peak=pt_live, pytorch_peak=alloc.peak_reserved, bestfit_peak=bf_height,
+        heuristic_peak=heu_height, solve_seconds=secs, valid=True, level=level.value, source=source,
+        order_source=res.source if source == "rhino" else source, layout_source=how,
+        order_lower_bound=res.lower_bound, pytorch_peak_allocated=alloc.peak_allocated,
+        stats={"order_seconds": res.seconds, "windows": res.windows, "windows_improved": res.improved})
