@@ -17,7 +17,7 @@ from rhino.memory.order import (
     program_order,
     rule_order,
 )
-from rhino.memory.order import _sink_late
+from rhino.memory.order import _least_peak, _sink_late
 from rhino.memory.order_graph import IndexedProblem
 from rhino.memory.order_ilp import solve_window
 from rhino.memory.problem import MemOp, MemProblem, MemTensor, OpRole, TensorKind, lifetimes
@@ -384,6 +384,27 @@ def test_rule_updates_early():
     assert g.peak(on) <= max(crossover, max(g.profile(off)[: last_bw + 1]))
 
 
+def test_rule_loss_barrier():
+    # forward x -> a -> b -> loss; "pre" reads a and makes a big tensor only the backward op needs
+    t = {0: MemTensor(0, 10, K.INPUT), 1: MemTensor(1, 1, K.INTERMEDIATE), 2: MemTensor(2, 50, K.INTERMEDIATE),
+         3: MemTensor(3, 1, K.OUTPUT), 4: MemTensor(4, 10, K.INTERMEDIATE), 5: MemTensor(5, 100, K.INTERMEDIATE),
+         6: MemTensor(6, 10, K.OUTPUT)}
+    ops = [MemOp(0, "a", (0,), (1,), OpRole.FORWARD), MemOp(1, "pre", (1,), (5,), OpRole.BACKWARD),
+           MemOp(2, "b", (1,), (2,), OpRole.FORWARD), MemOp(3, "loss", (2,), (3, 4), OpRole.LOSS),
+           MemOp(4, "bw", (4, 5), (6,), OpRole.BACKWARD)]
+    p = MemProblem(ops, t)
+    g = IndexedProblem(p)
+    need = g.ancestors(g.loss)
+    need[g.loss] = True
+    barred = _least_peak(g, list(range(g.n)), need)
+    assert barred.index(1) > barred.index(3)  # "pre" waits for the loss
+    assert g.peak(barred) == 1 + 10 + 100 + 10 < g.peak(list(range(g.n))) == 50 + 100 + 1 + 10
+    on = order_ops(p, "O1")
+    off = order_ops(p, "O1", options=OrderOptions(loss_barrier=False, sink_late=False))
+    assert "least_peak|loss" in on.candidates and "least_peak|loss" not in off.candidates
+    assert on.peak <= off.peak
+
+
 @FAST
 @given(st.integers(0, 10_000), st.integers(3, 25))
 def test_sink_late_never_raises_the_peak(seed, n):
@@ -395,7 +416,7 @@ def test_sink_late_never_raises_the_peak(seed, n):
     assert g.peak(moved) <= g.peak(order)
 
 
-@pytest.mark.parametrize("off", ["constants_late", "updates_early", "sink_late", "key_point_windows"])
+@pytest.mark.parametrize("off", ["constants_late", "updates_early", "sink_late", "loss_barrier", "key_point_windows"])
 def test_each_rule_off_still_valid_and_exact_on_tiny(off):
     opts = OrderOptions(**{off: False})
     p = training_problem(4, layers=6)

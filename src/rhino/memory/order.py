@@ -11,10 +11,17 @@ Orders (all lists of op ids; ``simulate.check_order`` accepts every one of them)
 
   * ``constants_late``: *floating* ops (no ancestor reads a graph input: optimizer constants,
     parameter casts) run right before the first op that needs them;
-  * ``updates_early``: an OPTIMIZER op runs as soon as it is ready, as long as its step stays at or
+  * ``updates_early``: a weight update — a connected group of OPTIMIZER ops (or, as a second
+    candidate that does not trust the roles, of the side branches off the spine of the graph, see
+    ``IndexedProblem.spine``) — runs as soon as its inputs exist, as long as its steps stay at or
     below the threshold ``max(crossover, peak so far)``, where the crossover is the live bytes at the
     LOSS op in the base order; otherwise it waits until it fits or until the base order reaches it.
 
+- Two more named rules make further candidates: ``loss_barrier`` (least-peak-first where the ops the
+  loss does not depend on wait for the loss: backward pieces that read only forward values must not
+  run in the forward pass) and ``sink_late`` (every candidate is post-processed by moving each op to
+  just before its first successor whenever that cannot raise any step's live bytes: its inputs are
+  read at or after that point anyway).
 - :func:`order_ops` — the planner. Level ``O1`` keeps the best of the orders above (seconds). Level
   ``O2`` then repeatedly takes the step where the peak is reached and re-solves a window of
   consecutive positions around it exactly with CP-SAT (``order_ilp``; ops outside a window keep
@@ -61,7 +68,9 @@ class OptLevel(str, Enum):
 
 @dataclass
 class OrderOptions:
-    """Named rules and knobs of the ordering (house rule 3: each has a safe default).
+    """Named rules and knobs of the ordering (house rule 3: each has a safe default; the module
+    docstring says what each rule does; a rule that is off only removes candidates, so the result
+    stays valid and never below the other candidates).
 
     ``cross_loss_bottom`` is a layout rule (used by ``plan.plan_memory``): activations live across
     the loss are stacked at the bottom of the arena, the latest freed lowest.
@@ -70,6 +79,7 @@ class OrderOptions:
     constants_late: bool = True
     updates_early: bool = True
     sink_late: bool = True
+    loss_barrier: bool = True
     cross_loss_bottom: bool = True
     key_point_windows: bool = True
     segment_size: int = 100  # most ops per exact window (ROAM's ring size)
@@ -139,11 +149,19 @@ class _Tracker:
                         break
 
 
-def _least_peak(g: IndexedProblem, prio: Sequence[int]) -> list[int]:
+def _least_peak(g: IndexedProblem, prio: Sequence[int], before_loss: Sequence[bool] | None = None) -> list[int]:
+    """Least-peak-first list scheduling; with ``before_loss``, ops outside it wait for the LOSS op."""
     tr = _Tracker(g)
     indeg = [len(p) for p in g.preds]
-    ready = [i for i in range(g.n) if indeg[i] == 0]
-    while ready:
+    ready: list[int] = []
+    held: list[int] = []
+    for i in range(g.n):
+        if indeg[i] == 0:
+            (ready if before_loss is None or before_loss[i] else held).append(i)
+    while ready or held:
+        if not ready:
+            ready, held = held, []
+            before_loss = None
         best_k, best_key = 0, None
         peak, live = tr.peak, tr.live
         for k, i in enumerate(ready):
@@ -155,10 +173,14 @@ def _least_peak(g: IndexedProblem, prio: Sequence[int]) -> list[int]:
         ready[best_k] = ready[-1]
         ready.pop()
         tr.run(i)
+        if i == g.loss and before_loss is not None:
+            ready.extend(held)
+            held = []
+            before_loss = None
         for s in g.succs[i]:
             indeg[s] -= 1
             if indeg[s] == 0:
-                ready.append(s)
+                (ready if before_loss is None or before_loss[s] else held).append(s)
     assert len(tr.order) == g.n, "the dependency graph has a cycle"
     return tr.order
 
@@ -329,16 +351,36 @@ def _sink_late(g: IndexedProblem, order: list[int], max_passes: int = 20) -> lis
     unused = [sum(g.size[j] for j in outs if not g.cons[j] and not g.keep[j]) for outs in g.op_out]
     for _ in range(max_passes):
         pos = g.positions(order)
+        # per tensor: the last reader's step and who it is, and the step of the reader before it
+        last = [-1] * g.m
+        who = [-1] * g.m
+        second = [-1] * g.m
+        for j in range(g.m):
+            for x in g.cons[j]:
+                px = pos[x]
+                if px > last[j]:
+                    second[j], last[j], who[j] = last[j], px, x
+                elif px > second[j]:
+                    second[j] = px
         key = [float(p) for p in pos]
         moved = 0
         for u in range(n):
-            if not g.succs[u]:
+            succ = g.succs[u]
+            if not succ:
                 continue
-            c = min(g.succs[u], key=pos.__getitem__)
+            c = succ[0]
             f = pos[c]
+            for x in succ:
+                if pos[x] < f:
+                    c, f = x, pos[x]
             if f == pos[u] + 1 or unused[u] > g.out_bytes[c]:
                 continue
-            if all(g.keep[j] or any(pos[x] >= f for x in g.cons[j] if x != u) for j in g.op_in[u]):
+            ok = True
+            for j in g.op_in[u]:
+                if not g.keep[j] and (second[j] if who[j] == u else last[j]) < f:
+                    ok = False
+                    break
+            if ok:
                 key[u] = f - 0.5 + pos[u] / (2.0 * n + 2.0)  # before c, in the old relative order
                 moved += 1
         if not moved:
@@ -367,22 +409,48 @@ def rule_order(problem: MemProblem, base: Sequence[int] | None = None,
     return g.to_ids(_rules(g, b, opts.constants_late, opts.updates_early))
 
 
-def _candidates(g: IndexedProblem, opts: OrderOptions) -> dict[str, list[int]]:
+def _candidates(g: IndexedProblem, opts: OrderOptions, progress: Progress | None = None) -> dict[str, list[int]]:
+    """The heuristic orders: program order, least-peak-first, and the rules applied to both."""
+    t = time.perf_counter()
+
+    def note(name: str) -> None:
+        nonlocal t
+        if progress and time.perf_counter() - t > 1.0:
+            t = time.perf_counter()
+            progress(f"order: heuristic {name} done")
+
     prog = list(range(g.n))
     greedy = _least_peak(g, prog)
+    note("least_peak")
     out = {"program": prog, "least_peak": greedy}
+    if opts.loss_barrier and g.loss >= 0:
+        need = g.ancestors(g.loss)
+        need[g.loss] = True
+        out["least_peak|loss"] = _least_peak(g, prog, need)
+        note("least_peak|loss")
     if opts.constants_late or opts.updates_early:
         for by_role in (True, False) if opts.updates_early else (True,):
             tag = "" if by_role else "/side"
             out[f"rules{tag}(program)"] = _rules(g, prog, opts.constants_late, opts.updates_early, by_role)
+            note(f"rules{tag}(program)")
             out[f"rules{tag}(least_peak)"] = _rules(g, greedy, opts.constants_late, opts.updates_early, by_role)
+            note(f"rules{tag}(least_peak)")
             out[f"least_peak(rules{tag})"] = _least_peak(g, g.positions(out[f"rules{tag}(program)"]))
+            note(f"least_peak(rules{tag})")
+            if "least_peak|loss" in out:
+                out[f"rules{tag}(least_peak|loss)"] = _rules(g, out["least_peak|loss"], opts.constants_late,
+                                                             opts.updates_early, by_role)
+                out[f"least_peak|loss(rules{tag})"] = _least_peak(g, g.positions(out[f"rules{tag}(program)"]), need)
+                note(f"least_peak|loss(rules{tag})")
     if opts.sink_late:
         for name in list(out):
             if name != "program" and name != "least_peak":
                 out[name] = _sink_late(g, out[name])
+                note(f"sink_late({name})")
         out["sink_late(program)"] = _sink_late(g, prog)
         out["sink_late(least_peak)"] = _sink_late(g, greedy)
+        if "least_peak|loss" in out:
+            out["least_peak|loss"] = _sink_late(g, out["least_peak|loss"])
     return out
 
 
@@ -504,7 +572,7 @@ def order_ops(problem: MemProblem, level: OptLevel | str = OptLevel.O2, options:
     lb = g.lower_bound()
     if g.n == 0:
         return OrderResult([], 0, 0, "program", {"program": 0}, 0.0)
-    cands = _candidates(g, opts)
+    cands = _candidates(g, opts, progress)
     peaks = {name: g.peak(o) for name, o in cands.items()}
     name = min(peaks, key=lambda k: (peaks[k], list(cands).index(k)))
     if progress:

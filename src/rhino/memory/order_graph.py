@@ -156,6 +156,18 @@ class IndexedProblem:
                 out.append(idx[p])
         return out
 
+    def ancestors(self, i: int) -> list[bool]:
+        """Per op: is it an ancestor of op ``i`` (``i`` itself excluded)."""
+        out = [False] * self.n
+        stack = [i]
+        while stack:
+            u = stack.pop()
+            for q in self.preds[u]:
+                if not out[q]:
+                    out[q] = True
+                    stack.append(q)
+        return out
+
     def op_bytes(self, i: int) -> int:
         """Bytes of the tensors an op reads or writes (all live during its step)."""
         return sum(self.size[j] for j in self.op_in[i]) + self.out_bytes[i]
