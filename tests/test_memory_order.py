@@ -514,3 +514,15 @@ def test_stacked_layout_puts_latest_freed_lowest():
                 enumerate(rng.randint(0, 10) for _ in range(25))]
         cross = sorted((b for b in many if b.lower < 5 < b.upper - 1), key=lambda b: -b.upper)
         assert layout.validate_layout(many, stacked_layout(many, [b.id for b in cross])) == []
+
+
+def test_updates_early_same_optimum_less_work():
+    # weights much bigger than activations (no casts): in program order every gradient waits for the
+    # optimizer at the end; the rule fixes that at once, the CP-SAT windows find it only with work
+    p = training_problem(0, layers=24, casts=False)
+    on = order_ops(p, "O2", time_limit=30)
+    off = order_ops(p, "O2", options=OrderOptions(updates_early=False), time_limit=30)
+    assert on.peak == on.lower_bound and on.windows == 0
+    assert off.candidates["least_peak|loss"] > on.peak  # the heuristics alone do not get there
+    assert off.peak == on.peak and off.windows > 0
+    assert on.peak < 0.6 * replay(p, program_order(p)).peak
