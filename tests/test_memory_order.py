@@ -2,7 +2,6 @@
 simulation, exact ordering vs. brute force, the ordering rules, and plan_memory's guarantees."""
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
