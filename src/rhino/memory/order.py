@@ -573,6 +573,7 @@ def order_ops(problem: MemProblem, level: OptLevel | str = OptLevel.O2, options:
     if g.n == 0:
         return OrderResult([], 0, 0, "program", {"program": 0}, 0.0)
     cands = _candidates(g, opts, progress)
+    assert all(g.is_topological(o) for o in cands.values()), "a heuristic broke a dependency"
     peaks = {name: g.peak(o) for name, o in cands.items()}
     name = min(peaks, key=lambda k: (peaks[k], list(cands).index(k)))
     if progress:

@@ -118,7 +118,12 @@ def _best_greedy(bufs: list[Buffer], orders: Sequence[GreedyOrder]) -> tuple[dic
 
 def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_limit: float = 60.0,
                 progress: Progress | None = None, options: OrderOptions | None = None) -> MemoryPlan:
-    """Plan ``problem``: an order and a layout whose arena is as low as the level and time allow."""
+    """Plan ``problem``: an order and a layout whose arena is as low as the level and time allow.
+
+    ``time_limit`` (seconds) bounds the exact searches (CP-SAT windows, exact layout); the baselines
+    and heuristics always run (a few seconds on a 12,000-op graph). ``progress`` gets one-line
+    messages, at least every couple of seconds during the searches.
+    """
     t0 = time.perf_counter()
     level = OptLevel(level)
     opts = options or OrderOptions()
