@@ -21,6 +21,9 @@ Choices where ROAM's setup is not a standard classification step (said again in 
   loads it with ``from_pretrained``, which puts the model in eval mode, so dropout is 0 here.
 - The torchvision models are fresh modules, i.e. in training mode: dropout and (EfficientNet)
   stochastic depth are active, BatchNorm uses batch statistics and updates its running buffers.
+- Attention is computed as ROAM's torch 1.13 computed it: the attention matrix is materialised (ViT:
+  a hand-written ``nn.MultiheadAttention`` equivalent; RoBERTa and GPT-2: ``attn_implementation="eager"``),
+  not a fused scaled-dot-product kernel that would keep it out of memory.
 
 Workload functions: ``<model>_<batch>`` for every (model, batch) of ROAM's tables, e.g.
 ``rhino memory benchmarks/roam_models.py:vit_32``; ``build(name, batch, device)`` is the general form.
@@ -275,19 +278,35 @@ class EfficientNetB0(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # ViT-B/16 (torchvision.models.vit_b_16)
 
+class _SelfAttention(nn.Module):
+    """``nn.MultiheadAttention`` as torch 1.13 ran it (ROAM's version): the attention matrix is materialised
+    (``softmax(q k^T / sqrt(d)) v``), no fused SDPA kernel. Same parameters (packed in-projection)."""
+
+    def __init__(self, hidden, heads):
+        super().__init__()
+        self.heads = heads
+        self.in_proj = nn.Linear(hidden, 3 * hidden)
+        self.out_proj = nn.Linear(hidden, hidden)
+
+    def forward(self, x):
+        b, t, h = x.shape
+        d = h // self.heads
+        q, k, v = self.in_proj(x).view(b, t, 3, self.heads, d).permute(2, 0, 3, 1, 4)
+        a = torch.softmax((q * d ** -0.5) @ k.transpose(-2, -1), dim=-1)
+        return self.out_proj((a @ v).transpose(1, 2).reshape(b, t, h))
+
+
 class _EncoderBlock(nn.Module):
     def __init__(self, heads, hidden, mlp):
         super().__init__()
         self.ln_1 = nn.LayerNorm(hidden, eps=1e-6)
-        self.self_attention = nn.MultiheadAttention(hidden, heads, dropout=0.0, batch_first=True)
+        self.self_attention = _SelfAttention(hidden, heads)
         self.ln_2 = nn.LayerNorm(hidden, eps=1e-6)
         self.mlp = nn.Sequential(nn.Linear(hidden, mlp), nn.GELU(), nn.Dropout(0.0), nn.Linear(mlp, hidden),
                                  nn.Dropout(0.0))
 
     def forward(self, x):
-        y = self.ln_1(x)
-        y, _ = self.self_attention(y, y, y, need_weights=False)
-        x = x + y
+        x = x + self.self_attention(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
 
@@ -321,7 +340,7 @@ class RobertaClassifier(nn.Module):
         config = RobertaConfig(vocab_size=50265, hidden_size=768, num_hidden_layers=12, num_attention_heads=12,
                                intermediate_size=3072, max_position_embeddings=514, type_vocab_size=1,
                                layer_norm_eps=1e-5, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1,
-                               pad_token_id=1, attn_implementation="sdpa")
+                               pad_token_id=1, attn_implementation="eager")
         self.encoder = RobertaModel(config, add_pooling_layer=False)
         self.head = nn.Linear(768, classes)
 
@@ -334,7 +353,8 @@ class GPT2Body(nn.Module):
         super().__init__()
         from transformers import GPT2Config, GPT2Model
         config = GPT2Config(n_layer=48, n_embd=1600, n_head=25, n_positions=1024, vocab_size=50257,
-                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa")
+                            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, use_cache=False,
+                            attn_implementation="eager")
         self.model = GPT2Model(config)
 
     def forward(self, ids):

@@ -52,9 +52,9 @@ from dataclasses import dataclass, field
 
 from ..ir.graph import STATE_ROLES, Graph, Role
 from ..ir.registry import OpKind, lookup
-from .problem import MemOp, MemProblem, MemTensor, OpRole, TensorKind
+from .problem import MemOp, MemProblem, MemTensor, OpRole, TensorKind, lifetimes
 
-__all__ = ["GraphMemory", "problem_from_graph", "PERSISTENT_ROLES", "DEFAULT_ALIGN"]
+__all__ = ["GraphMemory", "problem_from_graph", "aligned_offsets", "PERSISTENT_ROLES", "DEFAULT_ALIGN"]
 
 PERSISTENT_ROLES = (*STATE_ROLES, Role.CONST)
 DEFAULT_ALIGN = 64  # bytes; >= every dtype's item size (and a cache line)
@@ -301,3 +301,27 @@ def _roles(graph: Graph, node_roots: list[list[int]], root: dict[int, int], born
         else:
             roles.append(OpRole.FORWARD if i < boundary else OpRole.BACKWARD)
     return roles
+
+
+def aligned_offsets(problem: MemProblem, order, offsets: dict[int, int], align: int) -> tuple[dict[int, int], int]:
+    """A valid layout with every offset a multiple of ``align``, never higher than the given one.
+
+    For layouts whose offsets are not aligned (an exact solver may leave gaps of any size). Buffers
+    are re-placed in increasing offset order, each right on top of the highest already placed buffer
+    that is live at the same time (a per-step skyline). When every size is a multiple of ``align`` (the
+    sizes ``problem_from_graph`` makes), each new offset is aligned and at most the old one, so the
+    height does not grow. Returns ``(offsets, height)``; zero-size tensors keep offset 0.
+    """
+    life = lifetimes(problem, order)
+    items = sorted((offsets[t], t) for t, x in problem.tensors.items() if x.size > 0)
+    sky = [0] * (max((hi for lo, hi in life.values()), default=0) + 1)  # per step: top of what is placed
+    out = {t: 0 for t in problem.tensors}
+    height = 0
+    for _, t in items:
+        lo, hi = life[t]
+        off = _round_up(max(sky[lo:hi], default=0), align)
+        end = off + problem.tensors[t].size
+        sky[lo:hi] = [end] * (hi - lo)
+        out[t] = off
+        height = max(height, end)
+    return out, height
