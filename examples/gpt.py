@@ -71,10 +71,10 @@ def loss_fn(model, x, y):
     return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
-def workload(layers=2, hidden=64, heads=4, seq=32, batch=4, vocab=256, lr=3e-4, device="cpu"):
+def workload(layers=2, hidden=64, heads=4, seq=32, batch=4, vocab=256, lr=3e-4, device="cpu", dtype=torch.float32):
     torch.manual_seed(0)
     with torch.device(device):
-        model = GPT(vocab, seq, hidden, heads, layers)
+        model = GPT(vocab, seq, hidden, heads, layers).to(dtype)
 
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -94,3 +94,17 @@ def workload(layers=2, hidden=64, heads=4, seq=32, batch=4, vocab=256, lr=3e-4, 
 def gpt2_xl(device="meta", batch=1):
     """GPT-2 XL shape (48 layers, hidden 1600, 25 heads, seq 1024, vocab 50257) on the meta device."""
     return workload(layers=48, hidden=1600, heads=25, seq=1024, batch=batch, vocab=50257, device=device)
+
+
+def gpt3_175b(device="meta", batch=1536):
+    """GPT-3 175B shape (96 layers, hidden 12288, 96 heads) as trained by Megatron-LM (Narayanan et al.
+    2021, arXiv 2104.04473: sequence 2048, vocabulary 51200, bf16 here), on the meta device."""
+    return workload(layers=96, hidden=12288, heads=96, seq=2048, batch=batch, vocab=51200, device=device,
+                    dtype=torch.bfloat16)
+
+
+def megatron(layers, hidden, heads, batch, device="meta"):
+    """A GPT of Megatron-LM's weak-scaling table (arXiv 2104.04473, Table 1): sequence 2048,
+    vocabulary 51200, bf16, on the meta device."""
+    return workload(layers=layers, hidden=hidden, heads=heads, seq=2048, batch=batch, vocab=51200, device=device,
+                    dtype=torch.bfloat16)

@@ -113,7 +113,9 @@ def test_train_step_peak_and_categories_by_hand():
     assert sum(e.breakdown.values()) == e.peak
 
 
-def test_redistributed_copy_lives_during_its_node():
+def test_redistributed_copy_replaces_its_source():
+    """As the lowering runs it: the copy is made before the node (source and copy live), then a source
+    read by nothing else is freed before the node runs."""
     g = Graph()
     x = g.add_input("x", Role.BATCH, f32(8))             # 32 bytes global, 16 local on dp=2
     a = node(g, RELU, [Ref(x)], f32(8))                  # replicated strategy: needs all of x
@@ -121,12 +123,36 @@ def test_redistributed_copy_lives_during_its_node():
     rp = resolve(g, ShardingPlan(Mesh(("dp",), (2,)), {"x": (Shard(0),)}, {}))
     e = estimate_memory(g, rp, rank=1)
     assert e.batch == 16
-    assert e.peak == 16 + 32 + 32                        # local x + gathered copy + output
+    assert e.peak == 32 + 32                             # gathered copy + output (local x freed)
     assert e.timeline == [32] and e.temporaries == 32
     with pytest.raises(ValueError, match="rank 2"):
         estimate_memory(g, rp, rank=2)
     with pytest.raises(ValueError, match="without a plan"):
         estimate_memory(g, rank=1)
+
+
+def b_name(g: Graph, index: int) -> str:
+    return g.nodes[index].name
+
+
+def test_redistributed_copy_is_shared_and_keeps_a_live_source():
+    """One copy per value and target sharding, live from its first to its last reader; a source still
+    read directly later stays live beside it."""
+    g = Graph()
+    x = g.add_input("x", Role.BATCH, f32(8))             # 16 local bytes on dp=2
+    a = node(g, RELU, [Ref(x)], f32(8))                  # replicated: reads the gathered copy (32)
+    b = node(g, RELU, [Ref(x)], f32(8))                  # split: reads local x directly (16 out)
+    c = node(g, "aten.add.Tensor", [Ref(x), Ref(a)], f32(8))  # replicated again: the same copy
+    g.outputs.append(GraphOutput("loss", Role.LOSS, c))
+    g.outputs.append(GraphOutput("b", Role.BUFFER, b))
+    plan = ShardingPlan(Mesh(("dp",), (2,)), {"x": (Shard(0),)}, {b_name(g, 1): ("e0",)})
+    rp = resolve(g, plan)
+    e = estimate_memory(g, rp, rank=0)
+    # n1 runs with x 16 + copy 32 + a 32 + b 16 = 96; x's last reader is n1, so n2 runs with
+    # copy 32 + a 32 + b 16 + its output 32 = 112
+    assert e.peak == 32 + 32 + 16 + 32
+    assert e.timeline == [16 + 32 + 32, 32 + 32 + 16, 16 + 32]
+    assert e.temporaries == 32 + 32                      # the copy and a
 
 
 def test_rejects_bad_graphs():

@@ -8,6 +8,7 @@ import pytest
 
 from conftest import EXAMPLES, ROOT
 from rhino.capture import capture, load_workload
+from rhino.cost.memory import estimate_memory
 from rhino.lower.simulate_spmd import simulate_training
 from rhino.lower.spmd import lower_rank
 from rhino.runtime.run import _compare
@@ -37,9 +38,17 @@ def simulate(cap, plan, steps=2):
 @pytest.mark.parametrize("preset", PRESETS)
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_presets_match_single_device(name, preset):
+    """Sharded training equals one device, and the cost model's per-rank memory is within 5% of the
+    live tensor bytes measured while the ranks run (the real-process benchmark is
+    benchmarks/memory_accuracy.py; in-process and real runs count the same storages)."""
     cap = captured(name)
-    r, _ = simulate(cap, preset_plan(cap.graph, parse_strategy(preset)))
+    plan = preset_plan(cap.graph, parse_strategy(preset))
+    r, res = simulate(cap, plan)
     assert r.ok, r.first_mismatch
+    rp = resolve(cap.graph, plan)
+    for rank, measured in enumerate(res["peaks"]):
+        predicted = estimate_memory(cap.graph, rp, rank).peak
+        assert predicted == pytest.approx(measured, rel=0.05), f"rank {rank}: predicted {predicted}, measured {measured}"
 
 
 def _collectives(cap, strategy):

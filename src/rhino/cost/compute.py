@@ -93,6 +93,7 @@ class Profile:
     launch_overhead_s: float | None = None
     conv_efficiency: float | None = None
     attention_efficiency: float | None = None
+    k0: float | None = None   # replaces K0 (multiply-adds at half efficiency)
 
     def __post_init__(self) -> None:
         for name in ("matmul_efficiency", "memory_bandwidth_efficiency", "conv_efficiency",
@@ -102,6 +103,8 @@ class Profile:
                 raise ValueError(f"Profile.{name} must be in (0, 1], got {v}")
         if self.launch_overhead_s is not None and self.launch_overhead_s < 0:
             raise ValueError(f"Profile.launch_overhead_s must be >= 0, got {self.launch_overhead_s}")
+        if self.k0 is not None and self.k0 < 0:
+            raise ValueError(f"Profile.k0 must be >= 0, got {self.k0}")
 
     def eff_max(self, kind: OpKind) -> float:
         own = {OpKind.MATMUL: self.matmul_efficiency, OpKind.CONV: self.conv_efficiency,
@@ -136,7 +139,8 @@ def efficiency(kind: OpKind, flops: float, profile: Profile | None = None) -> fl
     if kind not in _MATMUL_LIKE:
         return 1.0
     w = max(flops, 0.0) / 2
-    return prof.eff_max(kind) * (w / (w + K0)) if w > 0 else prof.eff_max(kind) * 1e-9
+    k0 = K0 if prof.k0 is None else prof.k0
+    return prof.eff_max(kind) * (w / (w + k0)) if w > 0 else prof.eff_max(kind) * 1e-9
 
 
 def _float_dtype(call: OpCall) -> DType | None:

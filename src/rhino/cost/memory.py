@@ -18,9 +18,11 @@ The model (what ``estimate_memory`` assumes):
 - While a node runs, its inputs (including the ones freed after it) and its outputs are all live;
   the peak is the maximum over nodes of these "during-node" bytes. ``timeline[i]`` is the live bytes
   after node ``i`` once its dead values are freed.
-- With a plan, every input a node needs in another sharding than the value's own gets a
-  redistributed copy of the local size under the required sharding, live only during that node
-  (a temporary). Allocator fragmentation, workspaces inside ops and communication buffers are not
+- With a plan, an input a node needs in another sharding than the value's own is redistributed
+  into a copy (local size under the required sharding), one per value and target sharding as the
+  lowering caches them: made just before the first node that needs it (while its source is live),
+  freed after the last one (a temporary). A source whose last reader is such a redistribution is
+  freed as soon as the copy exists, before the node runs. Allocator fragmentation, workspaces inside ops and communication buffers are not
   modelled.
 
 Categories: the forward/backward boundary is the node producing the loss (following views back to
@@ -67,11 +69,22 @@ class MemoryEstimate:
     updated_state: int = 0
     timeline: list[int] = field(default_factory=list)    # live bytes after each node
     breakdown: dict[str, int] = field(default_factory=dict)  # category -> bytes live at the peak
+    # activations as (producer index, last use at or before the loss node, bytes): what recomputation
+    # and pipeline models need to know about the forward pass; ``boundary`` is the loss node's index
+    activation_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    boundary: int = -1
 
     @property
     def state(self) -> int:
         """Bytes of the state inputs (params, optimizer state, buffers)."""
         return self.params + self.optimizer + self.buffers
+
+
+def _local_bytes(t, sharding, mesh) -> int:
+    items = 1
+    for d in local_shape(t.shape, sharding, mesh):
+        items *= d
+    return items * t.dtype.itemsize
 
 
 def _is_view(op: str, cache: dict[str, bool]) -> bool:
@@ -144,17 +157,33 @@ def estimate_memory(graph: Graph, resolved_plan=None, rank: int = 0) -> MemoryEs
     node_refs: list[list[int]] = []
     state_in = {i.value for i in graph.inputs if i.role in (Role.PARAM, Role.FROZEN, Role.BUFFER, Role.OPT_STATE)}
     node_roots: list[list[int]] = []
+    uses: dict[int, list[int]] = {}   # storage -> indices of the nodes reading it
     is_view = [False] * n
     base_opt = [False] * n
+    # redistributed copies (one per value and target sharding, as the lowering caches them): made just
+    # before the first node that needs it, live until the last one; key -> [first, last, bytes]
+    copies: dict[tuple, list[int]] = {}
+    pre_last: dict[int, int] = {}   # storage -> last node before which it is read to make a copy
     for i, node in enumerate(nodes):
         refs = [r.id for r in node.input_refs()]
         node_refs.append(refs)
+        need = resolved_plan.node[node.name].inputs if resolved_plan is not None else None
         rroots = []
-        for r in refs:
+        for k, r in enumerate(refs):
             rr = root.get(r)
             if rr is None:
                 raise ValueError(f"node {node.name} reads value {r} before it is defined (not in program order)")
             rroots.append(rr)
+            uses.setdefault(rr, []).append(i)
+            req = tuple(need[k]) if need is not None and need[k] is not None else None
+            if req is not None and req != tuple(resolved_plan.value.get(r, req)):
+                c = copies.get((r, req))
+                if c is None:
+                    copies[(r, req)] = [i, i, _local_bytes(types[r], req, resolved_plan.plan.mesh)]
+                    pre_last[rr] = max(pre_last.get(rr, -1), i)
+                else:
+                    c[1] = i
+                continue
             if last[rr] < i:  # state inputs already live to ``end``
                 last[rr] = i
         node_roots.append(rroots)
@@ -175,6 +204,12 @@ def estimate_memory(graph: Graph, resolved_plan=None, rank: int = 0) -> MemoryEs
         if o.value not in root:
             raise ValueError(f"graph output {o.name} refers to value {o.value}, which no node defines")
         last[root[o.value]] = end
+    # a storage whose last reader is a redistribution is freed as soon as the copy exists
+    freed_early: dict[int, int] = {}
+    for rr, i in pre_last.items():
+        if i > last[rr]:
+            last[rr] = i
+            freed_early[rr] = i
 
     # -- forward/backward boundary and categories ---------------------------------------------
     boundary = n
@@ -236,37 +271,37 @@ def estimate_memory(graph: Graph, resolved_plan=None, rank: int = 0) -> MemoryEs
             free[la] += sz
             if t:
                 free_tmp[la] += sz
-    copies = [0] * n
-    if resolved_plan is not None:
-        mesh = resolved_plan.plan.mesh
-        for i, node in enumerate(nodes):
-            ns = resolved_plan.node.get(node.name)
-            if ns is None:
-                continue
-            seen = set()
-            for vid, req in zip(node_refs[i], ns.inputs):
-                have = resolved_plan.value.get(vid)
-                if have is None or req is None or tuple(req) == tuple(have) or (vid, tuple(req)) in seen:
-                    continue
-                seen.add((vid, tuple(req)))
-                t = types[vid]
-                items = 1
-                for d in local_shape(t.shape, req, mesh):
-                    items *= d
-                copies[i] += items * t.dtype.itemsize
-
+    alloc_pre = [0] * n   # copies made before node i runs
+    free_pre = [0] * n    # storages freed once node i's copies exist
+    free_tmp_pre = [0] * n
+    for (first, lst, nbytes) in copies.values():
+        alloc_pre[first] += nbytes
+        free[lst] += nbytes
+        free_tmp[lst] += nbytes
+    for rr, i in freed_early.items():
+        sz = sizes[rr]
+        free[i] -= sz
+        free_pre[i] += sz
+        if cat[rr] == _TMP:
+            free_tmp[i] -= sz
+            free_tmp_pre[i] += sz
     timeline: list[int] = []
     peak, peak_i = live, -1
     tmp_live = tmp_max = 0
     for i in range(n):
-        during = live + alloc[i] + copies[i]
+        pre = live + alloc_pre[i]          # the copies for node i are made while their sources live
+        if pre > peak:
+            peak, peak_i = pre, i
+        tmp_live += alloc_pre[i]
+        tmp_max = max(tmp_max, tmp_live)
+        tmp_live -= free_tmp_pre[i]
+        during = pre - free_pre[i] + alloc[i]
         if during > peak:
             peak, peak_i = during, i
-        tmp_during = tmp_live + alloc_tmp[i] + copies[i]
-        if tmp_during > tmp_max:
-            tmp_max = tmp_during
-        live = during - copies[i] - free[i]
-        tmp_live = tmp_live + alloc_tmp[i] - free_tmp[i]
+        tmp_live += alloc_tmp[i]
+        tmp_max = max(tmp_max, tmp_live)
+        live = during - free[i]
+        tmp_live -= free_tmp[i]
         timeline.append(live)
 
     # -- totals and the breakdown at the peak --------------------------------------------------
@@ -277,11 +312,17 @@ def estimate_memory(graph: Graph, resolved_plan=None, rank: int = 0) -> MemoryEs
         totals[c] += sizes[s]
         if b <= peak_i <= last[s] and last[s] >= 0:
             at_peak[c] += sizes[s]
-    if peak_i >= 0:
-        at_peak[_TMP] += copies[peak_i]
+    for (first, lst, nbytes) in copies.values():
+        if first <= peak_i <= lst:
+            at_peak[_TMP] += nbytes
+    spans = []
+    for s, b in born.items():
+        if cat[s] == _ACT:
+            spans.append((b, max([u for u in uses.get(s, ()) if u <= boundary], default=b), sizes[s]))
     return MemoryEstimate(
         params=totals[_PARAMS], gradients=totals[_GRAD], optimizer=totals[_OPT], buffers=totals[_BUF],
         activations=totals[_ACT], temporaries=tmp_max, peak=peak,
         peak_node=nodes[peak_i].name if peak_i >= 0 else "", batch=totals[_BATCH],
         updated_state=totals[_NEW], timeline=timeline,
-        breakdown={name: at_peak[k] for k, name in enumerate(CATEGORIES)})
+        breakdown={name: at_peak[k] for k, name in enumerate(CATEGORIES)}, activation_spans=spans,
+        boundary=boundary if boundary < n else -1)

@@ -18,7 +18,7 @@ from .annotation import Annotation, letter_sizes, parse
 from .graph import Graph, Node, Ref
 from .types import TensorType
 
-__all__ = ["OpKind", "OpDef", "OpCall", "register", "lookup", "is_known", "annotate", "flops_of",
+__all__ = ["OpKind", "OpDef", "OpCall", "register", "lookup", "is_known", "annotate", "call_signature", "flops_of",
            "bytes_of", "REGISTRY"]
 
 
@@ -108,6 +108,23 @@ def call_of(graph: Graph, node: Node) -> OpCall:
     call = OpCall(node.op, node.args, node.kwargs, ins, outs)
     call._types = graph.types
     return call
+
+
+def call_signature(graph: Graph, node: Node) -> tuple:
+    """A hashable key equal for two nodes that make the same call (op, constant arguments, tensor
+    types): their annotation, FLOPs and sharding rules are the same. Tensor arguments are keyed by
+    type, not identity."""
+    def key(a: Any) -> Any:
+        if isinstance(a, Ref):
+            t = graph.types[a.id]
+            return ("#", t.shape, t.dtype)
+        if isinstance(a, (list, tuple)):
+            return tuple(key(x) for x in a)
+        if isinstance(a, dict):
+            return tuple((k, key(v)) for k, v in sorted(a.items()))
+        return a if isinstance(a, (int, float, str, bool, type(None))) else repr(a)
+    outs = tuple(None if v is None else (graph.types[v].shape, graph.types[v].dtype) for v in node.outputs)
+    return (node.op, key(node.args), key(node.kwargs), outs)
 
 
 def annotate(call: OpCall) -> Annotation | None:

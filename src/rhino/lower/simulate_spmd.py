@@ -18,7 +18,7 @@ from .fx import constant_tensor, convert_arg, resolve_op
 from .spmd import lower_rank
 from .spmd_ops import _step, redistribute
 
-__all__ = ["simulate_ranks", "simulate_training", "first_divergence", "run_single_values"]
+__all__ = ["simulate_ranks", "simulate_training", "first_divergence", "run_single_values", "simulate_peak_bytes"]
 
 
 def _to_np(t: torch.Tensor) -> np.ndarray:
@@ -26,8 +26,10 @@ def _to_np(t: torch.Tensor) -> np.ndarray:
 
 
 def simulate_training(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tuple, steps: int) -> dict:
-    """``steps`` sharded steps in one process: {"losses", "final" (global state), "held" (rank 0 bytes)}."""
-    envs, progs, losses, local = simulate_ranks(rp, state, batch, steps, return_state=True)
+    """``steps`` sharded steps in one process: {"losses", "final" (global state), "held" (rank 0 bytes),
+    "peaks" (each rank's peak of live tensor bytes in the first step, see ``_lockstep``)}."""
+    peaks = [0] * rp.plan.mesh.world
+    envs, progs, losses, local = simulate_ranks(rp, state, batch, steps, return_state=True, peaks=peaks)
     mesh = rp.plan.mesh
     final = {}
     held: dict[str, int] = {}
@@ -37,11 +39,11 @@ def simulate_training(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: t
         locs = [_to_np(local[r][inp.name]) for r in range(mesh.world)]
         final[inp.name] = torch.from_numpy(np.array(simulate.assemble(locs, rp.value[inp.value], mesh)))
         held[inp.role.value] = held.get(inp.role.value, 0) + locs[0].nbytes
-    return {"losses": losses, "final": final, "held": held}
+    return {"losses": losses, "final": final, "held": held, "peaks": peaks}
 
 
 def simulate_ranks(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tuple, steps: int = 1,
-                   return_state: bool = False):
+                   return_state: bool = False, peaks: list[int] | None = None):
     """Returns (per-rank env of the last step: fx node name -> tensor, programs, per-step losses)."""
     mesh = rp.plan.mesh
     world = mesh.world
@@ -56,8 +58,11 @@ def simulate_ranks(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tupl
         local.append(d)
     names = [i.name for i in graph.inputs]
     losses = []
-    for _ in range(steps):
-        envs, outs = _lockstep(progs, [[local[r][n] for n in names] for r in range(world)], mesh)
+    state_names = [i.name for i in graph.inputs if i.role is not Role.BATCH]
+    for step in range(steps):
+        held = [[local[r][n] for n in state_names] for r in range(world)]
+        envs, outs = _lockstep(progs, [[local[r][n] for n in names] for r in range(world)], mesh,
+                               peaks if step == 0 else None, held)
         losses.append(float(outs[0][0]))
         for r in range(world):
             for name, value in zip(progs[r].output_names[1:], outs[r][1:]):
@@ -67,12 +72,49 @@ def simulate_ranks(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tupl
     return envs, progs, losses
 
 
-def _lockstep(progs, inputs, mesh):
+def simulate_peak_bytes(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tuple) -> list[int]:
+    """Each rank's peak of live tensor bytes during one step, run in lockstep in this process."""
+    peaks = [0] * rp.plan.mesh.world
+    with torch.no_grad():
+        simulate_ranks(rp, state, batch, 1, peaks=peaks)
+    return peaks
+
+
+def _storage_bytes(values) -> int:
+    seen: dict[int, int] = {}
+    stack = list(values)
+    while stack:
+        v = stack.pop()
+        if isinstance(v, torch.Tensor):
+            st = v.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+        elif isinstance(v, (list, tuple)):
+            stack.extend(v)
+    return sum(seen.values())
+
+
+def _lockstep(progs, inputs, mesh, peaks: list[int] | None = None, held=None):
+    """Run all ranks node by node. With ``peaks`` (one int per rank), record each rank's peak bytes of
+    distinct storages alive while a node runs: values still needed later, the node's result and
+    ``held[r]`` (what ``runtime.measure.LiveBytesMeter`` counts in a real run)."""
     world = len(progs)
     nodes = [list(p.module.graph.nodes) for p in progs]
     envs = [dict() for _ in range(world)]
     outs = None
+    if peaks is not None:
+        order = {n.name: k for k, n in enumerate(nodes[0])}
+        # as fx.Interpreter(garbage_collect_values=True): a value goes after its last user; one with no
+        # user is never freed
+        last = {n.name: max([order[u.name] for u in n.users], default=len(order)) for n in nodes[0]}
+        alive = [dict() for _ in range(world)]
     for i, n0 in enumerate(nodes[0]):
+        if peaks is not None and i > 0:
+            for r in range(world):
+                name = nodes[r][i - 1].name
+                alive[r][name] = envs[r].get(name)
+                for k in [k for k in alive[r] if last[k] < i]:
+                    del alive[r][k]
+
         if n0.op == "placeholder":
             for r in range(world):
                 envs[r][nodes[r][i].name] = inputs[r][len([n for n in nodes[0][:i] if n.op == "placeholder"])]
@@ -93,6 +135,10 @@ def _lockstep(progs, inputs, mesh):
                 envs[r][n.name] = n.target(*args, **kwargs)
         elif n0.op == "output":
             outs = [torch.fx.node.map_arg(nodes[r][i].args[0], lambda a: envs[r][a.name]) for r in range(world)]
+        if peaks is not None and n0.op != "output":
+            for r in range(world):
+                live = _storage_bytes(list(alive[r].values()) + [envs[r][nodes[r][i].name]] + list(held[r]))
+                peaks[r] = max(peaks[r], live)
     return envs, outs
 
 

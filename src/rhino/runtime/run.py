@@ -6,6 +6,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 
 from ..capture import Captured
 from ..capture.optim import state_name
@@ -17,6 +18,7 @@ from ..sharding.plan import ResolvedPlan, ShardingPlan, resolve
 from .collectives import gather_tensor, shard_tensor
 from .groups import build_groups
 from .launch import in_torchrun, launch, run_from_env
+from .measure import LiveBytesMeter
 
 __all__ = ["RunResult", "run_plan", "RTOL", "ATOL"]
 
@@ -38,10 +40,12 @@ class RunResult:
     first_mismatch: str | None = None
     local_state_bytes: list[dict[str, int]] = field(default_factory=list)
     seconds: float = 0.0
+    step_seconds: list[float] = field(default_factory=list)   # per step, slowest rank (measure=True)
+    peak_live_bytes: list[int] = field(default_factory=list)  # per rank, first step (measure=True)
 
 
 def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, steps: int, timeout_s: float,
-               every_rank: bool = False):
+               every_rank: bool = False, measure: bool = False):
     graph = Graph.from_json(graph_json)
     plan = ShardingPlan.from_json(plan_json)
     rp = resolve(graph, plan)
@@ -59,10 +63,24 @@ def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, 
             local[inp.name] = shard_tensor(state[inp.name].to(ctx.device), rp.value[inp.value], mesh, ctx.rank)
     held = _bytes_by_role(graph, local)
     names = [i.name for i in graph.inputs if i.role is not Role.BATCH]
-    losses = []
+    losses, times, peak, peak_node = [], [], 0, ""
     with torch.no_grad():
-        for _ in range(steps):
-            outs = prog.module(*([local[n] for n in names] + batch_local))
+        for step in range(steps):
+            args = [local[n] for n in names] + batch_local
+            if measure and step == 0:  # the first step runs node by node and counts live bytes
+                meter = LiveBytesMeter(prog.module, [local[n] for n in names])
+                del args
+                outs = meter.run(*([local[n] for n in names] + batch_local))
+                peak, peak_node = meter.peak, meter.peak_node
+            else:
+                if measure:
+                    dist.barrier()
+                t0 = time.perf_counter()
+                outs = prog.module(*args)
+                del args
+                if measure:
+                    dist.barrier()
+                times.append(time.perf_counter() - t0)
             losses.append(float(outs[0]))
             for name, value in zip(prog.output_names[1:], outs[1:]):
                 local[name] = value
@@ -73,7 +91,8 @@ def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, 
             full = gather_tensor(local[inp.name], rp.value[inp.value], mesh, ctx.rank, groups)
             if keep:
                 final[inp.name] = full.cpu()
-    return {"losses": losses, "final": final if keep else None, "held": held}
+    return {"losses": losses, "final": final if keep else None, "held": held, "times": times, "peak": peak,
+            "peak_node": peak_node}
 
 
 def _bytes_by_role(graph: Graph, local: dict) -> dict[str, int]:
@@ -84,8 +103,12 @@ def _bytes_by_role(graph: Graph, local: dict) -> dict[str, int]:
     return out
 
 
-def run_plan(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, timeout_s: float = 60.0) -> RunResult:
+def run_plan(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, timeout_s: float = 60.0,
+             measure: bool = False) -> RunResult:
     """Run ``steps`` steps of ``plan`` on ``nproc`` local processes (gloo) and compare with one device.
+
+    ``measure``: the first step counts each rank's peak of live tensor bytes (``LiveBytesMeter``) and
+    the later steps are timed between barriers (``RunResult.step_seconds``: slowest rank per step).
 
     Under ``torchrun`` this process is one rank of the job instead (NCCL with CUDA); every rank returns
     the result, compared on each against single-device training.
@@ -101,11 +124,11 @@ def run_plan(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, time
     batch = tuple(b.detach() for b in cap.workload.batch)
     if in_torchrun():
         mine = run_from_env(_rank_main, graph.to_json(), plan.to_json(), state, batch, steps, timeout_s, True,
-                            timeout_s=timeout_s)
+                            measure, timeout_s=timeout_s)
         results = [mine]
     else:
         results = launch(_rank_main, nproc, graph.to_json(), plan.to_json(), state, batch, steps, timeout_s,
-                         timeout_s=timeout_s)
+                         False, measure, timeout_s=timeout_s)
     return _compare(cap, plan, prog0, results, steps, nproc, start)
 
 
@@ -116,7 +139,9 @@ def _compare(cap: Captured, plan: ShardingPlan, prog0, results: list, steps: int
     reference = eager_steps(model, optimizer, w.loss_fn, w.batch, steps)
     result = RunResult(True, nproc, str(plan.mesh), steps, 0.0, prog0.comm_bytes, prog0.collectives,
                        results[0]["losses"], [float(x) for x in reference],
-                       local_state_bytes=[r["held"] for r in results])
+                       local_state_bytes=[r["held"] for r in results],
+                       step_seconds=[max(ts) for ts in zip(*[r.get("times", []) for r in results])],
+                       peak_live_bytes=[r.get("peak", 0) for r in results])
     pairs = [(f"loss[step {i + 1}]", torch.tensor(a, dtype=torch.float64), b.double())
              for i, (a, b) in enumerate(zip(result.losses, reference))]
     final = results[0]["final"]

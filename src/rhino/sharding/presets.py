@@ -176,7 +176,7 @@ def _megatron_rule(tp: int, sequence_parallel: bool):
                 return contract[:1]  # row-parallel
         if not column:
             return None
-        blocks = _chunks_downstream(prop.graph, node, ann.sizes.get(column[0]) or
+        blocks = _chunks_downstream(prop.graph, prop.users, node, ann.sizes.get(column[0]) or
                                     prop.graph.types[node.outputs[0]].shape[-1])
         return [column[0] if blocks == 1 else f"{column[0]}/{blocks}"]  # column-parallel
     return rule
@@ -186,10 +186,9 @@ _RESHAPES = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.def
 _SPLITS = ("aten.split.Tensor", "aten.split_with_sizes.default")
 
 
-def _chunks_downstream(graph: Graph, node, width: int) -> int:
+def _chunks_downstream(graph: Graph, users: dict, node, width: int) -> int:
     """If the matmul's output (through reshapes that keep the last dim) is split into k equal chunks
-    along its last dim (a fused QKV or gate/up projection), k; else 1."""
-    users = graph.users()
+    along its last dim (a fused QKV or gate/up projection), k; else 1. ``users``: ``graph.users()``."""
     vid = node.outputs[0]
     for _ in range(4):
         nxt = users.get(vid, [])

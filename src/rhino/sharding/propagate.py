@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from ..ir.graph import Graph, Node, Ref, Role, STATE_ROLES
-from ..ir.registry import OpKind, annotate, call_of, lookup
+from ..ir.registry import OpKind, annotate, call_of, call_signature, lookup
 from ..ir.annotation import letter_sizes
 from .mesh import Mesh
 from .placement import Partial, Replicate, Shard, Sharding, replicated
@@ -64,6 +64,8 @@ class Propagator:
         self.available: dict[int, set] = {}
         self.state_input = {i.name: i for i in self.graph.inputs if i.role in STATE_ROLES}
         self.output_state = {o.value: o.name for o in self.graph.outputs if o.role in STATE_ROLES}
+        self.users = self.graph.users()
+        self._ns_cache: dict[tuple, object] = {}   # (call signature, strategy) -> NodeShardings | error
 
     # -- public ---------------------------------------------------------------------------
     def run(self) -> ShardingPlan:
@@ -158,10 +160,16 @@ class Propagator:
         options = [self._options(node, ann, sizes, a) for a in range(self.mesh.ndim)]
         best = None
         refs = node.input_refs()
+        sig = call_signature(self.graph, node)
         for idx, strategy in enumerate(itertools.product(*options)):
-            try:
-                ns = node_shardings(self.graph, node, strategy, self.mesh)
-            except (StrategyError, ValueError):
+            ns = self._ns_cache.get((sig, strategy))
+            if ns is None:
+                try:
+                    ns = node_shardings(self.graph, node, strategy, self.mesh)
+                except (StrategyError, ValueError):
+                    ns = False
+                self._ns_cache[(sig, strategy)] = ns
+            if ns is False:
                 continue
             if any(isinstance(s, str) and s.startswith(PASS) for s in strategy) and not self._passes_ok(refs, ns):
                 continue
@@ -225,10 +233,10 @@ class Propagator:
     def _move(self, vid: int, src: Sharding, dst: Sharding) -> tuple[int, int]:
         if src == dst or dst in self.available.get(vid, ()):
             return 0, 0
-        key = (vid, src, dst)
+        t = self.graph.types[vid]
+        key = (t.shape, t.dtype, src, dst)
         hit = self._cost_cache.get(key)
         if hit is None:
-            t = self.graph.types[vid]
             steps = plan_redistribution(t.shape, src, dst, self.mesh)
             hit = (comm_bytes(t.shape, t.dtype.itemsize, steps, src, self.mesh), len(steps))
             self._cost_cache[key] = hit

@@ -1,0 +1,171 @@
+"""Predicted step time and per-device memory of a plan on a cluster (pure Python, no torch).
+
+``estimate`` composes the parts of the cost model:
+
+1. **SPMD step** (``step.step_time``): per-node roofline compute on the rank's share, the
+   redistributions the plan needs priced with alpha-beta collectives on the mesh axes' links, and
+   the overlap assumptions of ``StepOptions`` (gradient reduction overlaps the rest of the backward
+   pass; ZeRO-3 parameter gathers are prefetched; everything else blocks).
+2. **Memory** (``memory.estimate_memory``): liveness over the per-rank program, by category.
+3. **Recomputation** (``recompute.py``): ``full`` or ``selective`` change the saved activations
+   and add forward compute.
+4. **Pipelines and micro-batches** (``pipeline.py``, analytic): ``pp`` stages and ``microbatches``
+   per step with a 1F1B or GPipe schedule: bubble, stage-boundary transfers, in-flight activations.
+
+The mesh of a plan covers one pipeline stage; stages are the outermost rank dimension (ranks
+``s * W .. (s+1) * W - 1`` form stage ``s`` for a stage mesh of ``W`` devices), so a stage's tensor-
+and data-parallel groups are as close as the cluster allows and stage boundaries cross the slowest
+links only when a stage fills whole nodes.
+
+MFU = model FLOPs (the captured step's forward, backward and optimizer FLOPs, without
+recomputation) per device per second / the device's dense peak for the matmul dtype. "Hardware"
+TFLOP/s also count the recomputed forward (what Megatron-LM reports).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from ..ir.graph import Graph
+from ..ir.registry import OpKind, call_of, lookup
+from ..ir.types import DType
+from ..sharding.mesh import Mesh
+from ..sharding.plan import ResolvedPlan, ShardingPlan, resolve
+from ..sharding.presets import StrategySpec, mesh_for, parse_strategy, preset_plan
+from .cluster import Cluster, axis_links, make_cluster
+from .compute import Profile
+from .memory import estimate_memory
+from .pipeline import Schedule, pipeline_time
+from .recompute import Recompute, apply_recompute
+from .step import StepOptions, step_time
+
+__all__ = ["Estimate", "estimate", "estimate_strategy", "stage_cluster", "matmul_dtype"]
+
+
+@dataclass
+class Estimate:
+    cluster: str
+    mesh: dict[str, int]
+    strategy: str
+    step_seconds: float
+    compute_seconds: float           # compute on the critical path (incl. recomputation)
+    comm_seconds: float              # exposed communication (not hidden behind compute)
+    comm_total_seconds: float        # all communication, hidden or not
+    bubble_seconds: float
+    recompute_seconds: float
+    flops_per_device: float          # model FLOPs per device per step (no recomputation)
+    tflops_per_device: float         # model TFLOP/s per device
+    hardware_tflops_per_device: float
+    mfu: float
+    memory_bytes: dict[str, int]     # category -> bytes live at the peak, and "peak"
+    capacity_bytes: int
+    fits: bool
+    pp: int = 1
+    microbatches: int = 1
+    schedule: str = "1f1b"
+    recompute: str = "none"
+    collectives: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+
+
+def matmul_dtype(graph: Graph) -> str:
+    """The ``peak_flops`` key of the graph's matmuls (the dtype most of its matmul FLOPs use)."""
+    acc: dict[str, float] = {}
+    for node in graph.nodes:
+        d = lookup(node.op)
+        if d is None or d.kind not in (OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION):
+            continue
+        call = call_of(graph, node)
+        dt = next((t.dtype for t in call.in_types if t.dtype.is_floating), DType.float32)
+        key = {DType.bfloat16: "bf16", DType.float16: "fp16"}.get(dt, "fp32")
+        acc[key] = acc.get(key, 0.0) + sum(t.numel for t in call.in_types)
+    return max(acc, key=acc.get) if acc else "fp32"
+
+
+def stage_cluster(cluster: Cluster, stage_world: int) -> Cluster:
+    """The part of ``cluster`` one pipeline stage of ``stage_world`` devices occupies."""
+    dpn = cluster.devices_per_node
+    if stage_world <= dpn:
+        if dpn % stage_world:
+            raise ValueError(f"a pipeline stage of {stage_world} devices does not tile nodes of {dpn} devices; "
+                             f"choose dp*tp dividing {dpn} or a multiple of it")
+        return make_cluster(1, stage_world, cluster.device, cluster.inter_node, cluster.nics_per_node)
+    if stage_world % dpn:
+        raise ValueError(f"a pipeline stage of {stage_world} devices does not fill whole nodes of {dpn} devices")
+    return make_cluster(stage_world // dpn, dpn, cluster.device, cluster.inter_node, cluster.nics_per_node)
+
+
+def estimate(graph: Graph, cluster: Cluster, plan: ShardingPlan | ResolvedPlan | None = None, *, pp: int = 1,
+             microbatches: int = 1, recompute: str | Recompute = Recompute.NONE,
+             schedule: str | Schedule = Schedule.ONE_F_ONE_B, options: StepOptions = StepOptions(),
+             strategy: str = "") -> Estimate:
+    """Predict one training step of ``graph`` under ``plan`` (None: one replicated device per stage)."""
+    recompute, schedule = Recompute(recompute), Schedule(schedule)
+    if pp < 1 or microbatches < 1:
+        raise ValueError("pp and microbatches must be positive integers")
+    if pp > 1 and microbatches < pp:
+        raise ValueError(f"pp={pp} needs at least {pp} micro-batches to keep every stage busy; "
+                         f"set microbatches >= {pp}")
+    if isinstance(plan, ResolvedPlan):
+        rp = plan
+    else:
+        if plan is None:
+            plan = ShardingPlan(Mesh(("dp",), (1,)), {}, {})
+        rp = resolve(graph, plan)
+    mesh = rp.plan.mesh
+    if mesh.world * pp != cluster.world:
+        raise ValueError(f"the plan uses {mesh.world} devices x pp={pp} = {mesh.world * pp}, but cluster {cluster} "
+                         f"has {cluster.world}; pick degrees whose product is {cluster.world}")
+    sub = stage_cluster(cluster, mesh.world) if pp > 1 else cluster
+    links = axis_links(sub, mesh)
+    st = step_time(rp, cluster.device, links, options)
+    mem = estimate_memory(graph, rp)
+    rc = apply_recompute(graph, mem, st.nodes, recompute)
+    pl = pipeline_time(graph, rp, st, mem, rc, cluster, links, pp=pp, microbatches=microbatches,
+                       schedule=schedule, options=options)
+    memory = dict(pl.memory_at_peak)   # bytes of each category live at the peak
+    memory["peak"] = int(pl.peak_bytes)
+    capacity = cluster.device.memory_bytes
+    peak_key = matmul_dtype(graph)
+    peak_flops = cluster.device.flops(peak_key) if peak_key in cluster.device.peak_flops else \
+        cluster.device.flops("fp32")
+    model_flops = st.flops / pp
+    step = pl.step_seconds
+    mfu = model_flops / step / peak_flops if step > 0 else 0.0
+    name = strategy or rp.plan.strategy_string or ",".join(f"{n}={s}" for n, s in zip(mesh.names, mesh.sizes))
+    return Estimate(
+        cluster=str(cluster), mesh={**({"pp": pp} if pp > 1 else {}), **dict(zip(mesh.names, mesh.sizes))},
+        strategy=name, step_seconds=step, compute_seconds=pl.compute_seconds, comm_seconds=pl.exposed_comm_seconds,
+        comm_total_seconds=pl.comm_total_seconds, bubble_seconds=pl.bubble_seconds,
+        recompute_seconds=pl.recompute_seconds, flops_per_device=model_flops,
+        tflops_per_device=model_flops / step / 1e12 if step > 0 else 0.0,
+        hardware_tflops_per_device=(model_flops + pl.recompute_flops) / step / 1e12 if step > 0 else 0.0,
+        mfu=mfu, memory_bytes=memory, capacity_bytes=capacity, fits=pl.peak_bytes <= capacity, pp=pp,
+        microbatches=microbatches, schedule=schedule.value, recompute=recompute.value, collectives=st.collectives,
+        notes=rc.notes + pl.notes)
+
+
+def estimate_strategy(graph: Graph, cluster: Cluster, strategy: str | StrategySpec,
+                      options: StepOptions = StepOptions(), schedule: str | Schedule = Schedule.ONE_F_ONE_B,
+                      profile: Profile | None = None) -> Estimate:
+    """``estimate`` of the expert preset ``strategy`` (dp/tp/zero/sp on the stage mesh, pp and
+    micro-batches analytic). Degrees left out fill the cluster with data parallelism."""
+    spec = parse_strategy(strategy) if isinstance(strategy, str) else strategy
+    if spec.dp * spec.tp * spec.pp != cluster.world:
+        rest, r = divmod(cluster.world, spec.tp * spec.pp)
+        given = isinstance(strategy, str) and "dp=" in strategy
+        if r or given:
+            raise ValueError(f"strategy {spec} uses {spec.world} devices but cluster {cluster} has {cluster.world}; "
+                             f"make dp*tp*pp = {cluster.world}")
+        spec = StrategySpec(dp=rest, tp=spec.tp, pp=spec.pp, zero=spec.zero, sp=spec.sp,
+                            microbatches=spec.microbatches, recompute=spec.recompute)
+    stage = StrategySpec(dp=spec.dp, tp=spec.tp, zero=spec.zero, sp=spec.sp)
+    plan = preset_plan(graph, stage) if stage.world > 1 else ShardingPlan(mesh_for(stage), {}, {})
+    if profile is not None:
+        options = StepOptions(options.overlap_gradient_reduction, options.prefetch_parameters, options.allow_tf32,
+                              profile)
+    return estimate(graph, cluster, plan, pp=spec.pp, microbatches=spec.microbatches, recompute=spec.recompute,
+                    schedule=schedule, options=options, strategy=str(spec))
+

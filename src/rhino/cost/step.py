@@ -1,0 +1,230 @@
+"""Time of one SPMD training step of a resolved plan on a cluster (pure Python, no torch).
+
+Per rank (all ranks run the same program on equal shards, so one rank stands for all):
+
+- **Compute** of a node = the roofline ``op_time`` of the node's op scaled by the fraction of its
+  iteration space the rank executes: ``prod(1 / size(axis))`` over the mesh axes whose strategy
+  splits one of the annotation's letters (a contracted letter too: each rank then does 1/n of the
+  multiply-adds and holds a partial sum). A replicated axis or a partial passthrough (``~``) does
+  the whole op. Views cost nothing.
+- **Communication** of a node = the redistributions of its inputs into the shardings its strategy
+  requires (``plan_redistribution``, the very function the lowering uses, one per value and target,
+  as the lowering caches them), priced by ``collectives.steps_seconds`` on the mesh axes' links;
+  plus the row-statistics all-reduces the custom SPMD lowerings emit (vocabulary-parallel
+  log-softmax and nll: a few values per row), and at the end of the step the loss made replicated
+  and the new state brought back to its input's sharding (as ``lower_rank`` does).
+- **Overlap** (explicit assumptions, each a named option of ``StepOptions``): one compute stream and
+  one communication stream per rank, collectives executed in program order on the latter.
+  ``overlap_gradient_reduction``: a redistribution of a value produced after the loss that is read by
+  an optimizer node (gradient all-reduce / reduce-scatter) starts as soon as the gradient exists and
+  runs while later backward nodes compute; the optimizer node that reads it waits for it (DDP/ZeRO
+  bucketed overlap, at the granularity of whole tensors). ``prefetch_parameters``: a redistribution
+  of a state input (ZeRO-3 parameter all-gather) may start as early as the communication stream is
+  free (FSDP prefetch). Every other redistribution blocks: the compute stream waits for it (tensor-
+  parallel all-reduces sit on the critical path, as in Megatron-LM).
+- The step time is when both streams are done; exposed communication = step time - compute.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import prod
+
+from ..ir.graph import Graph, Role
+from ..ir.registry import OpKind, annotate, call_of, lookup
+from ..sharding.placement import ReduceOp, replicated
+from ..sharding.plan import ResolvedPlan
+from ..sharding.redistribute import plan_redistribution
+from ..sharding.rules import PASS, split_letter
+from ..sharding.steps import AllReduce, Step, is_communication
+from .cluster import AxisLink
+from .collectives import step_seconds, steps_seconds
+from .compute import Profile, op_time
+from .devices import DeviceSpec
+
+__all__ = ["StepOptions", "StepTime", "NodeCost", "step_time", "node_compute", "node_scale",
+           "optimizer_nodes", "loss_index"]
+
+# Ops whose SPMD lowering (lower/spmd_custom.py) emits all-reduces of per-row statistics when a
+# custom letter is split: (number of all-reduces, reduce op). Sizes: one value per row of the input.
+_CUSTOM_ROW_REDUCES = {
+    "aten._log_softmax.default": 2,            # max and sum of exp over the split class dim
+    "aten._log_softmax_backward_data.default": 1,  # sum of the gradient over the split dim
+    "aten.nll_loss_forward.default": 2,        # masked target sum and weight over ranks
+    "aten.nll_loss2d_forward.default": 2,
+}
+
+
+@dataclass(frozen=True)
+class StepOptions:
+    overlap_gradient_reduction: bool = True
+    prefetch_parameters: bool = True
+    allow_tf32: bool = False
+    profile: Profile | None = None
+
+
+@dataclass
+class NodeCost:
+    name: str
+    compute: float                 # seconds on the compute stream
+    comm: float                    # seconds of its input redistributions on the comm stream
+    kind: str                      # "blocking" | "gradient" | "prefetch" | "" (no comm)
+    flops: float = 0.0
+    optimizer: bool = False
+
+
+@dataclass
+class StepTime:
+    step_seconds: float
+    compute_seconds: float
+    comm_seconds: float            # total communication time (overlapped or not)
+    exposed_comm_seconds: float
+    flops: float                   # per rank
+    forward_backward_compute: float
+    optimizer_compute: float
+    collectives: dict[str, int] = field(default_factory=dict)   # collective kind -> count
+    comm_by_kind: dict[str, float] = field(default_factory=dict)  # blocking/gradient/prefetch -> s
+    nodes: list[NodeCost] = field(default_factory=list)
+
+
+def node_scale(strategy, mesh) -> float:
+    """Fraction of a node's iteration space one rank executes under ``strategy``."""
+    if strategy is None:
+        return 1.0
+    return 1.0 / prod(mesh.sizes[a] for a, e in enumerate(strategy) if e is not None and not e.startswith(PASS))
+
+
+def node_compute(graph: Graph, node, strategy, mesh, device: DeviceSpec, *, allow_tf32: bool = False,
+                 profile: Profile | None = None, extra_scale: float = 1.0):
+    """``OpTime`` of ``node`` on one rank under ``strategy`` (see the module docstring)."""
+    return op_time(call_of(graph, node), device, allow_tf32=allow_tf32, profile=profile,
+                   scale=node_scale(strategy, mesh) * extra_scale)
+
+
+def loss_index(graph: Graph) -> int:
+    """Index of the node that produces the loss's storage (following views back); -1 if none."""
+    prod_of = {v: i for i, n in enumerate(graph.nodes) for v in n.outputs if v is not None}
+    losses = [o.value for o in graph.outputs if o.role is Role.LOSS]
+    if not losses or losses[0] not in prod_of:
+        return -1
+    i = prod_of[losses[0]]
+    while True:
+        d = lookup(graph.nodes[i].op)
+        refs = graph.nodes[i].input_refs()
+        if d is None or d.kind is not OpKind.VIEW or not refs or refs[0].id not in prod_of:
+            return i
+        i = prod_of[refs[0].id]
+
+
+def optimizer_nodes(graph: Graph) -> set[int]:
+    """Indices of nodes that read optimizer state or produce a new state output (cost/memory.py)."""
+    opt_in = {i.value for i in graph.inputs if i.role is Role.OPT_STATE}
+    new_state = {o.value for o in graph.outputs if o.role in (Role.PARAM, Role.FROZEN, Role.BUFFER, Role.OPT_STATE)}
+    return {i for i, n in enumerate(graph.nodes)
+            if any(r.id in opt_in for r in n.input_refs()) or any(v in new_state for v in n.outputs)}
+
+
+def _custom_comm(graph: Graph, node, strategy, mesh, links, rp: ResolvedPlan) -> tuple[float, int]:
+    count = _CUSTOM_ROW_REDUCES.get(node.op)
+    if not count or strategy is None:
+        return 0.0, 0
+    ann = annotate(call_of(graph, node))
+    if ann is None:
+        return 0.0, 0
+    axes = [a for a, e in enumerate(strategy)
+            if e is not None and not e.startswith(PASS) and split_letter(e)[0] in ann.custom]
+    if not axes:
+        return 0.0, 0
+    ref = node.input_refs()[0]
+    shape = rp.local_shape(ref.id) if ref.id in rp.value else graph.types[ref.id].shape
+    rows = prod(shape[:-1]) if len(shape) > 1 else 1
+    nbytes = rows * graph.types[ref.id].dtype.itemsize
+    secs = sum(step_seconds(AllReduce(a, ReduceOp.SUM), nbytes, mesh, links) for a in axes)
+    return count * secs, count * len(axes)
+
+
+def step_time(rp: ResolvedPlan, device: DeviceSpec, links: list[AxisLink],
+              options: StepOptions = StepOptions()) -> StepTime:
+    """Compute, communication and overlap of one step of ``rp`` (see the module docstring)."""
+    graph, mesh = rp.graph, rp.plan.mesh
+    boundary = loss_index(graph)
+    opt = optimizer_nodes(graph)
+    state_in = {i.value for i in graph.inputs if i.role is not Role.BATCH}
+    prod_of = {v: i for i, n in enumerate(graph.nodes) for v in n.outputs if v is not None}
+    cache: dict[tuple, float] = {}
+    counts: dict[str, int] = {}
+    by_kind = {"blocking": 0.0, "gradient": 0.0, "prefetch": 0.0}
+
+    def moved(vid: int, want) -> float:
+        have = rp.value[vid]
+        if have == want or (vid, want) in cache:
+            return 0.0  # the lowering redistributes a value once per target sharding
+        t = graph.types[vid]
+        steps: list[Step] = plan_redistribution(t.shape, have, want, mesh)
+        for s in steps:
+            if is_communication(s):
+                counts[type(s).__name__] = counts.get(type(s).__name__, 0) + 1
+        secs = steps_seconds(steps, t.shape, t.dtype.itemsize, have, mesh, links)
+        cache[(vid, want)] = secs
+        return secs
+
+    t_compute = 0.0      # compute stream clock
+    t_comm = 0.0         # communication stream clock
+    pending: dict[int, float] = {}  # node index -> time its overlapped inputs are ready
+    total_compute = fb_compute = opt_compute = flops = comm_total = 0.0
+    costs: list[NodeCost] = []
+    for i, node in enumerate(graph.nodes):
+        ns = rp.node[node.name]
+        strategy = rp.plan.strategies.get(node.name)
+        ready = t_compute
+        node_comm = 0.0
+        kind = ""
+        for ref, req in zip(node.input_refs(), ns.inputs):
+            secs = moved(ref.id, req)
+            if secs <= 0:
+                continue
+            node_comm += secs
+            src = prod_of.get(ref.id)
+            if options.prefetch_parameters and ref.id in state_in:
+                kind = "prefetch"
+                t_comm = t_comm + secs          # may start whenever the stream is free
+            elif options.overlap_gradient_reduction and i in opt and src is not None and src > boundary:
+                kind = "gradient"
+                t_comm = max(t_comm, pending.get(src, 0.0)) + secs
+            else:
+                kind = "blocking"
+                t_comm = max(t_comm, t_compute) + secs
+            by_kind[kind] += secs
+            ready = max(ready, t_comm)
+        csecs, ccount = _custom_comm(graph, node, strategy, mesh, links, rp)
+        if ccount:
+            counts["AllReduce"] = counts.get("AllReduce", 0) + ccount
+        t = node_compute(graph, node, strategy, mesh, device, allow_tf32=options.allow_tf32, profile=options.profile)
+        start = ready
+        t_compute = start + t.seconds
+        if csecs:  # the custom all-reduces sit inside the node: compute waits for them
+            t_comm = max(t_comm, t_compute) + csecs
+            t_compute = t_comm
+            by_kind["blocking"] += csecs
+            node_comm += csecs
+        pending[i] = t_compute
+        comm_total += node_comm
+        total_compute += t.seconds
+        flops += t.flops
+        if i in opt:
+            opt_compute += t.seconds
+        else:
+            fb_compute += t.seconds
+        costs.append(NodeCost(node.name, t.seconds, node_comm, kind, t.flops, i in opt))
+    # end of step: loss replicated, new state back in its input's sharding (as the lowering does)
+    inputs = {i.name: i.value for i in graph.inputs}
+    for o in graph.outputs:
+        want = replicated(mesh) if o.name not in inputs else rp.value[inputs[o.name]]
+        secs = moved(o.value, want)
+        if secs:
+            src = prod_of.get(o.value, -1)
+            t_comm = max(t_comm, pending.get(src, 0.0)) + secs
+            by_kind["blocking"] += secs
+            comm_total += secs
+    end = max(t_compute, t_comm)
+    return StepTime(end, total_compute, comm_total, max(0.0, end - total_compute), flops, fb_compute, opt_compute,
+                    counts, by_kind, costs)

@@ -1,0 +1,131 @@
+"""``rhino profile``: micro-benchmarks of this machine for the cost model (see cost/machine_profile.py).
+
+Every timing is the median of repeated runs after a warm-up, each run repeated until it lasts at
+least ``min_seconds``. Fits are least squares on the medians.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from ..cost.machine_profile import MachineProfile
+from .launch import launch
+
+__all__ = ["measure_profile", "time_call", "fit_line"]
+
+_MATMUL_SIZES = (64, 128, 192, 256, 384, 512, 768, 1024)
+_ALLREDUCE_BYTES = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
+
+
+def time_call(fn: Callable[[], object], min_seconds: float = 0.02, repeats: int = 5) -> float:
+    """Median seconds of one call of ``fn``."""
+    fn()
+    n, t = 1, 0.0
+    while True:  # calls per timing so that one timing lasts min_seconds
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        t = time.perf_counter() - t0
+        if t >= min_seconds or n >= 1 << 16:
+            break
+        n *= 2
+    samples = [t / n]
+    for _ in range(repeats - 1):
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        samples.append((time.perf_counter() - t0) / n)
+    return statistics.median(samples)
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares (slope, intercept) of ys = slope * xs + intercept."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
+    return slope, my - slope * mx
+
+
+def _overhead() -> float:
+    a, b = torch.ones(1), torch.ones(1)
+    return time_call(lambda: torch.add(a, b))
+
+
+def _matmul(overhead: float, progress) -> tuple[float, float]:
+    ws, ts = [], []
+    for n in _MATMUL_SIZES:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        ts.append(time_call(lambda: torch.mm(a, b)) - overhead)
+        ws.append(float(n) ** 3)
+        progress(f"  matmul {n}x{n}x{n}: {2 * ws[-1] / max(ts[-1], 1e-12) / 1e9:.1f} GFLOP/s")
+    slope, intercept = fit_line(ws, ts)       # t = 2 W / P + 2 k0 / P
+    flops = 2.0 / slope
+    return flops, max(0.0, intercept * flops / 2.0)
+
+
+def _bandwidth() -> float:
+    n = 1 << 23
+    a, b, out = torch.randn(n), torch.randn(n), torch.empty(n)
+    t = time_call(lambda: torch.add(a, b, out=out), min_seconds=0.05)
+    return 3 * n * 4 / t
+
+
+def _conv_rate() -> float:
+    x, w = torch.randn(8, 64, 56, 56), torch.randn(64, 64, 3, 3)
+    t = time_call(lambda: F.conv2d(x, w, padding=1))
+    return 2 * 8 * 64 * 56 * 56 * 64 * 9 / t
+
+
+def _attention_rate() -> float:
+    q, k, v = (torch.randn(4, 8, 256, 64) for _ in range(3))
+    t = time_call(lambda: F.scaled_dot_product_attention(q, k, v))
+    return 4 * 4 * 8 * 256 * 256 * 64 / t
+
+
+def _allreduce_rank(ctx, sizes: tuple[int, ...]) -> list[float]:
+    out = []
+    for nbytes in sizes:
+        x = torch.ones(nbytes // 4)
+        dist.barrier()
+        out.append(time_call(lambda: dist.all_reduce(x), min_seconds=0.02, repeats=5))
+    return out
+
+
+def measure_profile(threads: int | None = None, nproc: int = 2, progress: Callable[[str], None] = lambda m: None
+                    ) -> MachineProfile:
+    """Measure this machine with ``threads`` torch threads (default: torch's current setting) and, when
+    ``nproc`` > 1, all-reduce over ``nproc`` local gloo processes."""
+    old = torch.get_num_threads()
+    if threads is not None:
+        if threads < 1:
+            raise ValueError(f"--threads must be at least 1, got {threads}")
+        torch.set_num_threads(threads)
+    try:
+        with torch.no_grad():
+            progress(f"profiling with {torch.get_num_threads()} thread(s)")
+            overhead = _overhead()
+            progress(f"  op overhead: {overhead * 1e6:.2f} us")
+            flops, k0 = _matmul(overhead, progress)
+            progress(f"  matmul fit: {flops / 1e9:.1f} GFLOP/s asymptotic, half efficiency at {k0:.3g} multiply-adds")
+            bw = _bandwidth()
+            progress(f"  memory bandwidth: {bw / 1e9:.2f} GB/s")
+            conv, attn = _conv_rate() / flops, _attention_rate() / flops
+            progress(f"  conv {conv:.2f} and attention {attn:.2f} of the matmul rate")
+        link_bw = link_lat = None
+        if nproc > 1:
+            times = launch(_allreduce_rank, nproc, _ALLREDUCE_BYTES)
+            worst = [max(ts) for ts in zip(*times)]
+            slope, intercept = fit_line([float(s) for s in _ALLREDUCE_BYTES], worst)
+            link_bw = 2 * (nproc - 1) / nproc / slope
+            link_lat = max(0.0, intercept / (2 * (nproc - 1)))
+            progress(f"  all-reduce over {nproc} processes: {link_bw / 1e9:.2f} GB/s, {link_lat * 1e6:.1f} us")
+        return MachineProfile(f"cpu ({torch.get_num_threads()} threads)", torch.get_num_threads(), flops, k0, bw,
+                              overhead, conv, attn, link_bw, link_lat, nproc if nproc > 1 else None)
+    finally:
+        torch.set_num_threads(old)
