@@ -103,12 +103,12 @@ def loss_fn(model, x, y):
 
 
 def workload(layers=2, hidden=64, heads=4, n_kv_heads=None, seq=32, batch=4, vocab=256,
-             inner=None, lr=3e-4, device="cpu"):
+             inner=None, lr=3e-4, device="cpu", dtype=torch.float32):
     torch.manual_seed(0)
     n_kv_heads = n_kv_heads or heads
     inner = inner or int(8 * hidden / 3)  # the usual 2/3 * 4h SwiGLU width
     with torch.device(device):
-        model = Llama(vocab, seq, hidden, heads, n_kv_heads, layers, inner)
+        model = Llama(vocab, seq, hidden, heads, n_kv_heads, layers, inner).to(dtype)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
     if device == "meta":
@@ -117,3 +117,10 @@ def workload(layers=2, hidden=64, heads=4, n_kv_heads=None, seq=32, batch=4, voc
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(vocab, (batch, seq + 1), generator=g).to(device)
     return model, optimizer, loss_fn, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def llama_7b(device="meta", batch=64):
+    """LLaMA-7B shape (Touvron et al. 2023, arXiv 2302.13971: 32 layers, hidden 4096, 32 heads, SwiGLU
+    width 11008, vocabulary 32000, sequence 2048), bf16, on the meta device."""
+    return workload(layers=32, hidden=4096, heads=32, seq=2048, batch=batch, vocab=32000, inner=11008,
+                    device=device, dtype=torch.bfloat16)

@@ -1,0 +1,264 @@
+"""Coarsening and reuse: cones (the units the solvers choose strategies for) and the structural hash
+that ties identical layers.
+
+**Cones** (rule ``cones``). Walking the program in order, a node *follows* the cone of its one big
+input (the tensor input with strictly the most elements; scalars and repeated uses of one value do not
+count) unless it is a driver (``space.DRIVER_KINDS``: matmul, convolution, attention, embedding,
+losses, opaque ops), which starts a cone of its own, as does a node with two or more equally big
+inputs (a residual add, a norm's backward). A cone is thus a driver (or a multi-input root) plus the
+chains of views, element-wise ops, norms and reductions hanging below it; its strategy is the
+driver's, the followers take their input as it arrives (``Space.follow``). A graph input is a cone
+too (its choice is its sharding), and the views of a parameter follow it.
+
+**Optimizer cones** (rule ``optimizer_cones``). The optimizer nodes (``cost.step.optimizer_nodes``)
+connected through non-scalar values, with the optimizer-state inputs they read, form one cone per
+parameter; its choice is the sharding of that optimizer state (ZeRO when it is split along a
+data-parallel axis); each member takes an in-cone input as it arrives, or produces that sharding.
+
+**Structural hash** (rule ``tie_layers``). Each node and input starts from its call signature (op,
+constant arguments, tensor types; inputs: role and type); ``tie_radius`` rounds of Weisfeiler-Lehman
+refinement mix in the hashes of producers (by argument position) and users (as a multiset). Cones
+whose members and recipe (who follows whom) hash alike form one *class*: identical layers, solved
+once with one set of variables. Tying only restricts the search (tied cones take the same strategy),
+so every plan of the tied problem is a plan of the untied one.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+
+from ..cost.step import loss_index, optimizer_nodes
+from ..ir.graph import STATE_ROLES, Graph, Role
+from .options import SearchOptions
+from .space import Space
+
+__all__ = ["ConeKind", "Cone", "Cones", "build_cones", "optimizer_closure"]
+
+
+class ConeKind(str, Enum):
+    NODE = "node"            # a driver or multi-input root with its followers
+    INPUT = "input"          # a graph input (its views follow it)
+    OPTIMIZER = "optimizer"  # one parameter's optimizer update and state
+
+
+@dataclass
+class Cone:
+    kind: ConeKind
+    members: list[int] = field(default_factory=list)       # node indices in program order
+    owned: list[str] = field(default_factory=list)         # graph inputs whose sharding the cone decides
+    # member position -> ("in", tensor input slot followed) | ("out",): follow that input / produce the
+    # cone's sharding; absent for the driver of a NODE cone
+    recipe: dict[int, tuple] = field(default_factory=dict)
+    cls: int = -1
+
+    @property
+    def name(self) -> str:
+        return self.owned[0] if self.kind is not ConeKind.NODE and self.owned else f"#{self.members[0]}"
+
+
+@dataclass
+class Cones:
+    cones: list[Cone]
+    cone_of_node: list[int]                 # node index -> cone index
+    cone_of_input: dict[str, int]           # graph input name -> cone index
+    pos_of_node: list[int]                  # node index -> position among its cone's members
+    classes: list[list[int]]                # class -> cone indices (first is the representative)
+    optimizer: set[int]                     # optimizer node indices
+
+
+def _numel(graph: Graph, vid: int) -> int:
+    n = 1
+    for d in graph.types[vid].shape:
+        n *= d
+    return n
+
+
+def _primary(graph: Graph, node) -> int | None:
+    """Tensor input slot of the node's one strictly biggest non-scalar input value, or None."""
+    best: dict[int, int] = {}
+    for k, r in enumerate(node.input_refs()):
+        if graph.types[r.id].rank == 0 or r.id in graph.constants:
+            continue
+        best.setdefault(r.id, k)
+    if not best:
+        return None
+    sizes = sorted(((_numel(graph, v), k) for v, k in best.items()), reverse=True)
+    if len(sizes) > 1 and sizes[0][0] == sizes[1][0]:
+        return None
+    return sizes[0][1]
+
+
+def optimizer_closure(graph: Graph, producer: dict[int, int]) -> set[int]:
+    """``cost.step.optimizer_nodes`` (nodes that read optimizer state or make new state), plus the nodes
+    after the loss whose non-scalar inputs all come from optimizer nodes (an update's arithmetic), plus
+    those that read only state and feed only optimizer nodes (weight decay ``w * (1 - lr wd)``)."""
+    opt = set(optimizer_nodes(graph))
+    boundary = loss_index(graph)
+    state = {i.value for i in graph.inputs if i.role in STATE_ROLES}
+    nodes = graph.nodes
+    for i in range(boundary + 1, len(nodes)):
+        if i in opt:
+            continue
+        big = [r.id for r in nodes[i].input_refs() if graph.types[r.id].rank > 0]
+        if big and all(producer.get(v, -1) in opt for v in big if v not in state) and \
+                any(producer.get(v, -1) in opt for v in big):
+            opt.add(i)
+    users: dict[int, list[int]] = {}
+    for i, nd in enumerate(nodes):
+        for r in nd.input_refs():
+            users.setdefault(r.id, []).append(i)
+    for i in range(len(nodes) - 1, boundary, -1):
+        if i in opt:
+            continue
+        big = [r.id for r in nodes[i].input_refs() if graph.types[r.id].rank > 0]
+        outs = [v for v in nodes[i].outputs if v is not None]
+        if big and all(v in state for v in big) and outs and all(
+                u in opt for v in outs for u in users.get(v, [])) and any(users.get(v) for v in outs):
+            opt.add(i)
+    return opt
+
+
+def build_cones(graph: Graph, space: Space, options: SearchOptions = SearchOptions()) -> Cones:
+    """Cones and their classes (module docstring)."""
+    nodes = graph.nodes
+    n = len(nodes)
+    producer: dict[int, int] = {v: i for i, nd in enumerate(nodes) for v in nd.outputs if v is not None}
+    input_of_value = {i.value: i for i in graph.inputs}
+    cones: list[Cone] = []
+    cone_of_node = [-1] * n
+    pos_of_node = [-1] * n
+    cone_of_input: dict[str, int] = {}
+    opt = optimizer_closure(graph, producer) if options.optimizer_cones else set()
+
+    def add(cone: Cone) -> int:
+        cones.append(cone)
+        return len(cones) - 1
+
+    def join(c: int, i: int, how: tuple | None) -> None:
+        cone = cones[c]
+        pos_of_node[i] = len(cone.members)
+        if how is not None:
+            cone.recipe[len(cone.members)] = how
+        cone.members.append(i)
+        cone_of_node[i] = c
+
+    # optimizer cones: union-find over optimizer nodes linked by non-scalar values and shared state
+    if opt:
+        parent = {i: i for i in opt}
+
+        def find(x: int) -> int:
+            while parent[x] != x:
+                parent[x] = parent[parent[x]]
+                x = parent[x]
+            return x
+
+        state_reader: dict[int, int] = {}
+        for i in sorted(opt):
+            for r in nodes[i].input_refs():
+                if graph.types[r.id].rank == 0:
+                    continue
+                p = producer.get(r.id)
+                if p in parent:
+                    parent[find(i)] = find(p)
+                inp = input_of_value.get(r.id)
+                if inp is not None and inp.role is Role.OPT_STATE:
+                    if r.id in state_reader:
+                        parent[find(i)] = find(state_reader[r.id])
+                    else:
+                        state_reader[r.id] = i
+        comps: dict[int, list[int]] = {}
+        for i in sorted(opt):
+            comps.setdefault(find(i), []).append(i)
+        for members in comps.values():
+            c = add(Cone(ConeKind.OPTIMIZER))
+            owned: list[str] = []
+            for i in members:
+                for r in nodes[i].input_refs():
+                    inp = input_of_value.get(r.id)
+                    if inp is not None and inp.role is Role.OPT_STATE and graph.types[r.id].rank > 0 \
+                            and inp.name not in owned and inp.name not in cone_of_input:
+                        owned.append(inp.name)
+                        cone_of_input[inp.name] = c
+            cones[c].owned = owned
+            value_of = {x.name: x.value for x in graph.inputs}
+            inside = {value_of[o] for o in owned}
+            for i in members:
+                how: tuple = ("out",)
+                for k, r in enumerate(nodes[i].input_refs()):
+                    if graph.types[r.id].rank > 0 and r.id in inside:
+                        how = ("in", k)
+                        break
+                join(c, i, how)
+                inside.update(v for v in nodes[i].outputs if v is not None)
+
+    # input cones
+    for inp in graph.inputs:
+        if inp.name not in cone_of_input:
+            cone_of_input[inp.name] = add(Cone(ConeKind.INPUT, owned=[inp.name]))
+
+    # node cones, in program order
+    for i, node in enumerate(nodes):
+        if cone_of_node[i] >= 0:
+            continue
+        k = None if (not options.cones or space.is_driver(i)) else _primary(graph, node)
+        if k is not None:
+            vid = node.input_refs()[k].id
+            src = cone_of_node[producer[vid]] if vid in producer else cone_of_input.get(
+                input_of_value[vid].name) if vid in input_of_value else None
+            if src is not None:
+                join(src, i, ("in", k))
+                continue
+        join(add(Cone(ConeKind.NODE)), i, None)
+
+    classes = _classes(graph, cones, cone_of_node, pos_of_node, producer, input_of_value, space, options)
+    return Cones(cones, cone_of_node, cone_of_input, pos_of_node, classes, opt)
+
+
+def _classes(graph: Graph, cones: list[Cone], cone_of_node, pos_of_node, producer, input_of_value, space: Space,
+             options: SearchOptions) -> list[list[int]]:
+    if not options.tie_layers:
+        for c, cone in enumerate(cones):
+            cone.cls = c
+        return [[c] for c in range(len(cones))]
+    nodes = graph.nodes
+    n = len(nodes)
+    # initial labels: call signatures (nodes), role and type (inputs)
+    node_sig = [hash(space.info(i).sig) for i in range(n)]
+    in_sig = {i.value: hash((i.role.value, graph.types[i.value].shape, graph.types[i.value].dtype))
+              for i in graph.inputs}
+    users: dict[int, list[tuple[int, int]]] = {}
+    for i in range(n):
+        for k, r in enumerate(space.info(i).refs):
+            users.setdefault(r.id, []).append((i, k))
+    out_slot = {v: (i, j) for i, nd in enumerate(nodes) for j, v in enumerate(nd.outputs) if v is not None}
+
+    def value_sig(vid: int, sigs: list[int]) -> int:
+        if vid in out_slot:
+            i, j = out_slot[vid]
+            return hash((sigs[i], j))
+        return in_sig.get(vid, 0)
+
+    for _ in range(options.tie_radius):
+        new_nodes = []
+        for i, nd in enumerate(nodes):
+            ins = tuple(value_sig(r.id, node_sig) for r in space.info(i).refs)
+            outs = tuple(tuple(sorted(hash((node_sig[u], k)) for u, k in users.get(v, ())))
+                         for v in nd.outputs if v is not None)
+            new_nodes.append(hash((node_sig[i], ins, outs)))
+        new_in = {}
+        for vid, s in in_sig.items():
+            new_in[vid] = hash((s, tuple(sorted(hash((node_sig[u], k)) for u, k in users.get(vid, ())))))
+        node_sig, in_sig = new_nodes, new_in
+    by_name = {i.name: i.value for i in graph.inputs}
+    keys: dict[tuple, int] = {}
+    classes: list[list[int]] = []
+    for c, cone in enumerate(cones):
+        key = (cone.kind, tuple(node_sig[i] for i in cone.members), tuple(sorted(cone.recipe.items())),
+               tuple(in_sig[by_name[o]] for o in cone.owned))
+        cls = keys.get(key)
+        if cls is None:
+            cls = keys[key] = len(classes)
+            classes.append([])
+        classes[cls].append(c)
+        cone.cls = cls
+    return classes

@@ -1,0 +1,93 @@
+"""Search options: the optimization level and every heuristic or pruning rule, each a named field
+with a safe default (design.md, house rule 3). Tests turn rules off and check that the optimum does
+not get worse and that the rule saves work."""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from enum import Enum
+
+__all__ = ["Level", "SearchOptions"]
+
+
+class Level(str, Enum):
+    O1 = "O1"   # critical-node segments solved one by one and chained by dynamic programming
+    O2 = "O2"   # one ILP over all cone strategies
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    level: Level = Level.O2
+    #: Wall-clock budget of the whole search (all mesh shapes), seconds. Each ILP gets a share.
+    time_limit: float = 60.0
+    #: CP-SAT worker threads (the machine the tests run on has 2 cores).
+    workers: int = 2
+
+    # -- strategy space ------------------------------------------------------------------------
+    #: Strided splits ``x/k`` for the chunk counts ``k`` of fused tensors found in the graph
+    #: (a fused QKV split into 3). Off: only contiguous splits.
+    strided_splits: bool = True
+    #: Partial passthrough (``~``) for linear ops: a Partial input stays Partial through them.
+    partial_passthrough: bool = True
+    #: Parameters, gradients' optimizer state and buffers may be sharded (ZeRO emerges from this).
+    shard_state: bool = True
+
+    #: Price redistributions with the exact planner (``plan_redistribution``) on multi-axis meshes
+    #: too. Off: one collective per axis (``problem.quick_steps``); final plans are priced exactly anyway.
+    exact_redistribution: bool = False
+
+    # -- coarsening and reuse ------------------------------------------------------------------
+    #: Cones: a node whose one big input comes from inside a cone joins that cone and takes the
+    #: strategy that consumes the input as it is (views, element-wise ops, norms on activations).
+    #: Off: every node is its own cone (much larger ILPs, same optimum or better).
+    cones: bool = True
+    #: An optimizer update (all optimizer nodes of one parameter) is one cone whose choice is the
+    #: sharding of that parameter's optimizer state.
+    optimizer_cones: bool = True
+    #: Identical layers (structural hashing) share one set of ILP variables.
+    tie_layers: bool = True
+    #: Rounds of neighbourhood refinement in the structural hash (larger: fewer, safer ties).
+    tie_radius: int = 3
+    #: Drop a cone strategy whose costs, produced and required shardings equal an earlier one's.
+    dedupe_candidates: bool = True
+
+    # -- memory --------------------------------------------------------------------------------
+    #: Nodes where the ILP checks per-device memory, besides the forward/backward boundary and the
+    #: end of the step: the highest local peaks of the unsharded liveness timeline.
+    memory_checkpoints: int = 6
+    #: Rounds of "solve, estimate memory, add the violated peak as a constraint, solve again".
+    memory_rounds: int = 4
+    #: Fraction of device memory the search may plan for.
+    memory_fraction: float = 1.0
+
+    # -- O1 --------------------------------------------------------------------------------------
+    #: Strategies kept per critical node as dynamic-programming states (the cheapest by a lower bound).
+    boundary_states: int = 2
+    #: Repeated segments between identical critical nodes enter and leave in the same state.
+    periodic_segments: bool = True
+    #: Data parallel first: when the data-parallel plan fits on a mesh axis that spans nodes, that axis
+    #: stays data parallel (batch splits, optionally sharded optimizer state) and only the others are searched.
+    dp_first: bool = True
+
+    # -- outer search ----------------------------------------------------------------------------
+    #: Largest number of mesh axes tried.
+    max_mesh_axes: int = 2
+    #: Consider activation recomputation: "auto" only when no plan fits without it, "never", "always".
+    recompute: str = "auto"
+    #: Also score the expert presets' plans and keep one if it predicts faster than the search's
+    #: (the result says which). Off: only searched plans are returned.
+    keep_presets: bool = True
+
+    def with_(self, **kw) -> "SearchOptions":
+        return replace(self, **kw)
+
+    def __post_init__(self) -> None:
+        if self.time_limit <= 0:
+            raise ValueError(f"time limit must be positive, got {self.time_limit}")
+        if self.recompute not in ("auto", "never", "always"):
+            raise ValueError(f"recompute must be auto, never or always, got {self.recompute!r}")
+        if not isinstance(self.level, Level):
+            object.__setattr__(self, "level", Level(self.level))
+        if self.workers < 1 or self.tie_radius < 0 or self.boundary_states < 1 or self.max_mesh_axes < 1:
+            raise ValueError("workers, boundary_states and max_mesh_axes must be >= 1, tie_radius >= 0")
+        if not 0 < self.memory_fraction <= 1:
+            raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")

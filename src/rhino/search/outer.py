@@ -1,0 +1,217 @@
+"""Outer search: logical mesh shapes and recomputation around the per-mesh solvers; the best plan kept.
+
+1. **Meshes** (``candidate_meshes``): the device count as one axis, and as two axes ``outer x inner``
+   whose inner groups respect node boundaries (the inner size divides the devices per node, or is a
+   whole number of nodes). Axes are named ``all``, or ``outer`` and ``inner``; ranks are row-major,
+   so the inner axis is the one inside a node. O1 keeps model parallelism inside a node (inner size at
+   most the devices per node).
+2. **Per mesh** (``search_mesh``): build the problem (``problem.Builder``: cones of the graph are
+   shared by all meshes), solve it (O1: ``segments.solve_o1``; O2: that, then the axis-wise descent
+   and the joint ILP, ``levels``), assemble the plan, and score it with ``cost.estimate.estimate`` (the
+   same numbers ``rhino estimate`` prints). When the estimate's memory peak is over capacity, the peak
+   node becomes a memory row (with what the model did not see there, e.g. redistribution copies, as a
+   constant) and the problem is solved again (``memory_rounds`` times at most).
+3. **Recomputation**: ``recompute="auto"`` tries ``full`` recomputation only when no mesh fits without
+   it; "always" tries both for every mesh.
+4. The fastest plan that fits wins. Expert presets (``presets.preset_grid``) are scored separately
+   for comparison; with ``keep_presets`` a preset that beats the search is returned instead (the
+   result says so). When nothing fits, ``NoPlanFits`` names the best candidate's memory split and the
+   smallest cluster or batch that would fit.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+from ..cost.cluster import Cluster
+from ..cost.estimate import Estimate, estimate
+from ..cost.memory import estimate_memory
+from ..ir.graph import Graph
+from ..sharding.mesh import Mesh
+from ..sharding.plan import ShardingPlan
+from .coarsen import Cones, build_cones
+from .levels import solve_problem
+from .segments import critical_classes
+from .options import Level, SearchOptions
+from .problem import Builder
+from .space import Space
+
+__all__ = ["Candidate", "SearchResult", "NoPlanFits", "candidate_meshes", "search", "search_mesh"]
+
+Progress = Callable[[str, dict], None]
+
+
+class NoPlanFits(ValueError):
+    """No plan fits device memory; the message says what to change."""
+
+    def __init__(self, message: str, best: "Candidate | None" = None) -> None:
+        super().__init__(message)
+        self.best = best
+
+
+@dataclass
+class Candidate:
+    mesh: Mesh
+    recompute: str
+    plan: ShardingPlan | None
+    estimate: Estimate | None
+    seconds: float
+    model_seconds: float = 0.0           # the ILP model's step time
+    status: str = ""
+    problem: dict = field(default_factory=dict)
+    steps: list = field(default_factory=list)
+
+    @property
+    def fits(self) -> bool:
+        return self.estimate is not None and self.estimate.fits
+
+    @property
+    def step_seconds(self) -> float:
+        return self.estimate.step_seconds if self.estimate is not None else float("inf")
+
+
+@dataclass
+class SearchResult:
+    plan: ShardingPlan
+    estimate: Estimate
+    level: Level
+    search_seconds: float
+    candidates: list[Candidate]
+    best: Candidate
+    cones: Cones
+    source: str = "search"                # "search" | "preset <strategy>"
+    presets: list = field(default_factory=list)   # [(strategy, Estimate | error text)]
+
+
+def candidate_meshes(cluster: Cluster, options: SearchOptions = SearchOptions()) -> list[Mesh]:
+    """Mesh shapes for ``cluster`` (module docstring), one-axis first."""
+    world, dpn = cluster.world, cluster.devices_per_node
+    out = [Mesh(("all",), (world,))]
+    if options.max_mesh_axes >= 2:
+        for inner in range(2, world):
+            if world % inner:
+                continue
+            if not (dpn % inner == 0 or inner % dpn == 0):
+                continue
+            if options.level is Level.O1 and inner > dpn:
+                continue
+            out.append(Mesh(("outer", "inner"), (world // inner, inner)))
+    return out
+
+
+def _peak_index(graph: Graph, rp) -> int:
+    mem = estimate_memory(graph, rp)
+    names = {n.name: i for i, n in enumerate(graph.nodes)}
+    return names.get(mem.peak_node, len(graph.nodes) - 1)
+
+
+def search_mesh(graph: Graph, cluster: Cluster, mesh: Mesh, options: SearchOptions, *, cones: Cones,
+                base: Space, fingerprint: str, recompute: str = "none", budget: float = 10.0,
+                progress: Progress | None = None, shared: dict | None = None) -> Candidate:
+    """Search one mesh (module docstring, step 2)."""
+    t0 = time.perf_counter()
+    deadline = t0 + budget
+    say = progress or (lambda event, info: None)
+    space = Space(graph, mesh, options, like=base)
+    b = Builder(graph, mesh, cluster, options, cones=cones, space=space, fingerprint=fingerprint,
+                recompute=recompute, shared=shared)
+    say("build", {"mesh": str(mesh), "recompute": recompute})
+    p = b.build()
+    say("solve", {"mesh": str(mesh), **p.size()})
+    critical = critical_classes(graph, cones, b.boundary)
+    sol = solve_problem(p, options, deadline=deadline, critical=critical)
+    plan = b.assemble(sol.choice, f"search {options.level.value} mesh {mesh}")
+    est = estimate(graph, cluster, b.resolved(plan), recompute=recompute)
+    rounds = 0
+    while not est.fits and rounds < options.memory_rounds and sol.choice:
+        rounds += 1
+        i = _peak_index(graph, b.resolved(plan))
+        row = b.memory_row(i)
+        modelled = row.const + sum(coefs[sol.choice[k]] for k, coefs in row.coef.items())
+        row.const += max(0, est.memory_bytes["peak"] - modelled)
+        p.memory.append(row)
+        say("refit", {"mesh": str(mesh), "round": rounds, "node": graph.nodes[i].name})
+        sol = solve_problem(p, options, deadline=max(deadline, time.perf_counter() + 1.0), start=sol.choice,
+                            critical=critical)
+        plan = b.assemble(sol.choice, f"search {options.level.value} mesh {mesh}")
+        est = estimate(graph, cluster, b.resolved(plan), recompute=recompute)
+    plan.meta.update({"level": options.level.value, "recompute": recompute,
+                      "predicted_step_seconds": est.step_seconds, "predicted_peak_bytes": est.memory_bytes["peak"],
+                      "cluster": str(cluster)})
+    cand = Candidate(mesh, recompute, plan, est, time.perf_counter() - t0, sol.objective, sol.status, p.size(),
+                     sol.steps)
+    say("scored", {"mesh": str(mesh), "step_seconds": est.step_seconds, "fits": est.fits,
+                   "peak": est.memory_bytes["peak"]})
+    return cand
+
+
+def search(graph: Graph, cluster: Cluster, options: SearchOptions = SearchOptions(), *,
+           progress: Progress | None = None) -> SearchResult:
+    """The best plan for ``graph`` on ``cluster`` (module docstring). Raises ``NoPlanFits``."""
+    t0 = time.perf_counter()
+    say = progress or (lambda event, info: None)
+    meshes = candidate_meshes(cluster, options)
+    fingerprint = graph.fingerprint()
+    base = Space(graph, meshes[0], options)
+    say("cones", {"nodes": len(graph.nodes)})
+    cones = build_cones(graph, base, options)
+    say("meshes", {"meshes": [str(m) for m in meshes], "cones": len(cones.cones), "classes": len(cones.classes)})
+    modes = ["none"] + (["full"] if options.recompute == "always" else [])
+    cands: list[Candidate] = []
+    shared: dict = {}
+    for mode in modes:
+        cands += _run(graph, cluster, meshes, options, cones, base, fingerprint, mode, t0, say, shared)
+    if options.recompute == "auto" and not any(c.fits for c in cands):
+        cands += _run(graph, cluster, meshes, options, cones, base, fingerprint, "full", t0, say, shared)
+    fitting = [c for c in cands if c.fits]
+    seconds = time.perf_counter() - t0
+    if not fitting:
+        raise NoPlanFits(no_fit_message(graph, cluster, cands), min(cands, key=_peak) if cands else None)
+    best = min(fitting, key=lambda c: c.step_seconds)
+    return SearchResult(best.plan, best.estimate, options.level, seconds, cands, best, cones)
+
+
+def _peak(c: Candidate) -> float:
+    return c.estimate.memory_bytes["peak"] if c.estimate is not None else float("inf")
+
+
+def _run(graph, cluster, meshes, options, cones, base, fingerprint, mode, t0, say, shared) -> list[Candidate]:
+    out = []
+    for k, mesh in enumerate(meshes):
+        left = options.time_limit - (time.perf_counter() - t0)
+        budget = max(0.5, left / (len(meshes) - k))
+        out.append(search_mesh(graph, cluster, mesh, options, cones=cones, base=base, fingerprint=fingerprint,
+                               recompute=mode, budget=budget, progress=say, shared=shared))
+    return out
+
+
+def _gb(n: float) -> str:
+    return f"{n / 1e9:.1f} GB"
+
+
+def no_fit_message(graph: Graph, cluster: Cluster, cands: list[Candidate]) -> str:
+    """What to change when nothing fits: the best candidate's memory split, and about how many devices
+    or how small a batch would fit (memory that shards scales with 1 / devices, activations with batch)."""
+    scored = [c for c in cands if c.estimate is not None]
+    if not scored:
+        return f"no plan for cluster {cluster} could be built"
+    best = min(scored, key=_peak)
+    mem = best.estimate.memory_bytes
+    cap = best.estimate.capacity_bytes
+    peak = mem["peak"]
+    split = ", ".join(f"{k} {_gb(v)}" for k, v in mem.items() if k != "peak" and v)
+    world = cluster.world
+    need = world * peak / cap
+    dpn = cluster.devices_per_node
+    nodes = -(-int(need + 0.999) // dpn)
+    act = mem.get("activations", 0)
+    batch = next((graph.types[i.value].shape[0] for i in graph.inputs if i.role.value == "batch"
+                  and graph.types[i.value].shape), None)
+    hint = f"about {nodes * dpn} devices ({nodes} nodes of {dpn})"
+    if batch and act and peak - act < cap:
+        fit_batch = int(batch * (cap - (peak - act)) / act)
+        if fit_batch >= 1:
+            hint += f", or a global batch of at most about {fit_batch} (now {batch})"
+    return (f"no plan fits {_gb(cap)} per device on {cluster}: the smallest peak found is {_gb(peak)} "
+            f"(mesh {best.mesh}, recompute {best.recompute}: {split}); try {hint}")
