@@ -1,4 +1,5 @@
-"""``rhino demo``: check the GPT example and summarise its IR."""
+"""``rhino demo``: check the GPT example and summarise its IR, then plan it for ``cpu:4``, run the plan on
+four processes and check it against one device."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,8 +13,10 @@ DEFAULT = Path(__file__).resolve().parents[3] / "examples" / "gpt.py"
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("demo", help="capture and check the GPT example, print an IR summary")
+    p = sub.add_parser("demo", help="capture and check the GPT example, plan it for cpu:4 and run the plan")
     p.add_argument("workload", nargs="?", default=str(DEFAULT), metavar="FILE[:FUNC]")
+    p.add_argument("--cluster", default="cpu:4", help="cluster to plan for and run on (cpu:N; default cpu:4)")
+    p.add_argument("--time-limit", type=float, default=10.0, metavar="S", help="plan search budget (default 10 s)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -25,11 +28,13 @@ def run(args) -> int:
     status("checking 2 steps against plain PyTorch ...", not args.json)
     r = check_captured(cap, steps=2)
     s = summarize(cap.graph)
+    planned = _plan_and_run(cap, args)
+    ok = r.ok and planned["ok"]
     if args.json:
-        emit_json({"ok": r.ok, "max_abs_diff": r.max_abs_diff, "nodes": s.nodes, "ops_by_kind": s.ops_by_kind,
+        emit_json({"ok": ok, "max_abs_diff": r.max_abs_diff, "nodes": s.nodes, "ops_by_kind": s.ops_by_kind,
                    "flops": s.flops, "param_bytes": s.param_bytes, "opt_state_bytes": s.opt_state_bytes,
-                   "opaque_ops": s.opaque_ops, "capture_seconds": cap.seconds})
-        return 0 if r.ok else 1
+                   "opaque_ops": s.opaque_ops, "capture_seconds": cap.seconds, "plan": planned})
+        return 0 if ok else 1
     print(f"workload   {args.workload}")
     print(f"graph      {s.nodes} nodes (forward + backward + {cap.workload.optimizer.__class__.__name__} update), "
           f"{s.params:,} parameters, captured in {cap.seconds:.2f} s")
@@ -39,7 +44,33 @@ def run(args) -> int:
     print("ops        " + ", ".join(f"{k} {v}" for k, v in s.ops_by_kind.items()))
     verdict = "OK" if r.ok else f"FAILED ({r.first_mismatch})"
     print(f"check {verdict}: steps=2 nodes={s.nodes} opaque={len(s.opaque_ops)} max_abs_diff={r.max_abs_diff:.3g}")
-    return 0 if r.ok else 1
+    print(f"plan       {planned['cluster']}: mesh {planned['mesh']}, predicted {planned['step_seconds'] * 1e3:.3f} ms "
+          f"per step (best preset {planned['best_preset']}: {planned['preset_seconds'] * 1e3:.3f} ms), "
+          f"searched in {planned['search_seconds']:.1f} s")
+    verdict = "OK" if planned["ok"] else f"FAILED ({planned['first_mismatch']})"
+    print(f"run {verdict}: nproc={planned['nproc']} mesh={planned['mesh']} steps=2 "
+          f"max_abs_diff={planned['max_abs_diff']:.3g} (the searched plan against one device)")
+    return 0 if ok else 1
+
+
+def _plan_and_run(cap, args) -> dict:
+    from ..cost.cluster import parse_cluster
+    from ..runtime.run import run_plan
+    from .cmd_plan import plan_workload
+    cluster = parse_cluster(args.cluster)
+    if cluster.device.name != "cpu" or cluster.nodes != 1:
+        raise ValueError(f"rhino demo runs the plan on local processes: give a cluster like cpu:4, not {cluster}")
+    status(f"planning for {cluster} ...", not args.json)
+    plan, report = plan_workload(cap.graph, cluster, level="O2", time_limit=args.time_limit,
+                                 workload=args.workload)
+    status(f"running the plan on {cluster.world} processes ...", not args.json)
+    r = run_plan(cap, plan, cluster.world, 2)
+    d = report.to_dict()
+    bp = d["best_preset"] or {}
+    return {"ok": r.ok, "cluster": str(cluster), "mesh": r.mesh, "nproc": r.nproc, "max_abs_diff": r.max_abs_diff,
+            "first_mismatch": r.first_mismatch, "step_seconds": d["step_seconds"],
+            "best_preset": bp.get("strategy"), "preset_seconds": bp.get("step_seconds", float("nan")),
+            "search_seconds": d["search_seconds"], "source": d["source"]}
 
 
 def _mb(n: int) -> str:

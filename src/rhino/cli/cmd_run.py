@@ -13,7 +13,8 @@ from .common import emit_json, quiet_warnings, status, write_atomic
 def add_parser(sub) -> None:
     p = sub.add_parser("run", help="run a sharded plan on N local processes and compare with one device")
     p.add_argument("workload", metavar="FILE[:FUNC]")
-    p.add_argument("--nproc", type=int, help="number of processes (devices); under torchrun: its world size")
+    p.add_argument("--nproc", type=int, help="number of processes (devices); under torchrun: its world size; "
+                   "with --plan: the plan's device count by default")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--strategy", help="expert preset, e.g. dp=4 or dp=2,tp=2,sp=on")
     g.add_argument("--plan", help="a plan file (JSON) made for this workload")
@@ -27,6 +28,9 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..runtime.launch import in_torchrun
+    plan = _load_plan(args.plan) if args.plan else None
+    if args.nproc is None and plan is not None and not in_torchrun():
+        args.nproc = plan.mesh.world
     if args.nproc is None:
         if not in_torchrun():
             raise ValueError("give --nproc N (the number of local processes to start)")
@@ -40,12 +44,7 @@ def run(args) -> int:
     status(f"capturing {args.workload} ...", not args.json)
     with quiet_warnings():
         cap = capture(w)
-    if args.plan:
-        path = Path(args.plan)
-        if not path.is_file():
-            raise ValueError(f"plan file {args.plan!r} does not exist")
-        plan = ShardingPlan.from_json(path.read_text())
-    else:
+    if plan is None:
         plan = preset_plan(cap.graph, parse_strategy(args.strategy))
     rp = resolve(cap.graph, plan)
     if args.save_plan:
@@ -72,6 +71,13 @@ def run(args) -> int:
     else:
         print(f"run FAILED: {r.first_mismatch}")
     return 0 if r.ok else 1
+
+
+def _load_plan(path_text: str) -> ShardingPlan:
+    path = Path(path_text)
+    if not path.is_file():
+        raise ValueError(f"plan file {path_text!r} does not exist; make one with rhino plan ... --out {path_text}")
+    return ShardingPlan.from_json(path.read_text())
 
 
 def _emit(rp, directory: str) -> None:

@@ -1,0 +1,152 @@
+"""``rhino plan FILE[:FUNC] --cluster C [--level O1|O2] [--time-limit S] [--out plan.json] [--report DIR] [--json]``:
+search the fastest plan that fits, show it next to the best expert preset, write it for ``rhino run``."""
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+from ..capture import capture, load_workload
+from ..cost.cluster import parse_cluster
+from ..cost.estimate import estimate
+from ..sharding.plan import resolve
+from ..sharding.presets import StrategySpec, parse_strategy, preset_plan
+from .common import emit_json, quiet_warnings, status, write_atomic
+
+__all__ = ["add_parser", "run", "plan_workload"]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("plan", help="search the fastest plan that fits a cluster (no configuration)")
+    p.add_argument("workload", metavar="FILE[:FUNC]")
+    p.add_argument("--cluster", required=True, help="e.g. 8xA100-80G, 2x8xH100, cpu:4, or a YAML file")
+    p.add_argument("--level", choices=["O1", "O2"], default="O2", help="O1: seconds; O2: one ILP (default)")
+    p.add_argument("--time-limit", type=float, default=60.0, metavar="S", help="search budget in seconds (default 60)")
+    p.add_argument("--out", metavar="FILE", help="write the plan (JSON) for rhino run --plan")
+    p.add_argument("--report", metavar="DIR", help="write report.txt, report.json and plan.json to DIR")
+    p.add_argument("--no-presets", action="store_true", help="skip the expert-preset comparison")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+class _Progress:
+    """A live status line on a terminal (rich), plain lines otherwise; nothing with --json."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.t0 = time.perf_counter()
+        self.live = None
+        if enabled and sys.stderr.isatty():
+            from rich.console import Console
+            self.live = Console(stderr=True).status("planning ...")
+            self.live.start()
+
+    def __call__(self, event: str, info: dict) -> None:
+        if not self.enabled:
+            return
+        text = _describe(event, info)
+        if text is None:
+            return
+        line = f"[{time.perf_counter() - self.t0:6.1f} s] {text}"
+        if self.live is not None:
+            self.live.update(line)
+        elif event in ("meshes", "scored", "preset-done"):
+            status(line)
+
+    def stop(self) -> None:
+        if self.live is not None:
+            self.live.stop()
+
+
+def _describe(event: str, info: dict) -> str | None:
+    if event == "cones":
+        return f"coarsening {info['nodes']} nodes into cones, hashing repeated layers ..."
+    if event == "meshes":
+        return (f"{info['cones']} cones in {info['classes']} classes; meshes to try: {', '.join(info['meshes'])}")
+    if event == "build":
+        return f"mesh {info['mesh']}: strategy space and costs ..."
+    if event == "solve":
+        return f"mesh {info['mesh']}: solving ({info['classes']} classes, {info['candidates']} strategies) ..."
+    if event == "refit":
+        return f"mesh {info['mesh']}: over memory at {info['node']}, solving again (round {info['round']}) ..."
+    if event == "scored":
+        fits = "fits" if info["fits"] else "does not fit"
+        return (f"mesh {info['mesh']}: {info['step_seconds'] * 1e3:.3f} ms per step, peak "
+                f"{info['peak'] / 1e9:.2f} GB ({fits})")
+    if event == "preset":
+        return f"pricing expert preset {info['strategy']} ..."
+    return None
+
+
+def _preset_plan(graph, strategy: str):
+    spec = parse_strategy(strategy)
+    plan = preset_plan(graph, StrategySpec(dp=spec.dp, tp=spec.tp, zero=spec.zero, sp=spec.sp))
+    return plan, spec.recompute
+
+
+def plan_workload(graph, cluster, *, level: str = "O2", time_limit: float = 60.0, presets: bool = True,
+                  workload: str = "", progress=None, keep_presets: bool = True):
+    """Search, compare with the presets, and build the report: (plan, report)."""
+    from ..search import SearchOptions, search
+    from ..search.experts import best_preset, score_presets
+    from ..search.report import build_report
+    say = progress or (lambda event, info: None)
+    result = search(graph, cluster, SearchOptions(level=level, time_limit=time_limit), progress=say)
+    scores = score_presets(graph, cluster, say) if presets else []
+    best = best_preset(scores)
+    plan, est, source, recompute = result.plan, result.estimate, "search", result.best.recompute
+    if keep_presets and best is not None and best.fits and best.step_seconds < est.step_seconds:
+        plan, recompute = _preset_plan(graph, best.strategy)
+        est = best.estimate
+        source = f"preset {best.strategy} (faster than the searched plan, {result.estimate.step_seconds * 1e3:.3f} ms)"
+        plan.meta.update({"level": result.level.value, "recompute": recompute, "cluster": str(cluster),
+                          "predicted_step_seconds": est.step_seconds,
+                          "predicted_peak_bytes": est.memory_bytes["peak"]})
+    plan.meta["source"] = source
+    rp = resolve(graph, plan)
+    if source == "search":
+        est = estimate(graph, cluster, rp, recompute=recompute)
+    cands = [{"mesh": dict(zip(c.mesh.names, c.mesh.sizes)), "recompute": c.recompute,
+              "step_seconds": c.step_seconds, "fits": c.fits,
+              "peak_bytes": c.estimate.memory_bytes["peak"] if c.estimate else None,
+              "model_step_seconds": c.model_seconds, "seconds": round(c.seconds, 3), "status": c.status,
+              "problem": c.problem} for c in result.candidates]
+    report = build_report(graph, cluster, rp, est, workload=workload, level=result.level.value,
+                          search_seconds=result.search_seconds, presets=scores, best=best, source=source,
+                          recompute=recompute, candidates=cands)
+    return plan, report
+
+
+def run(args) -> int:
+    cluster = parse_cluster(args.cluster)
+    if args.time_limit <= 0:
+        raise ValueError("--time-limit must be a positive number of seconds")
+    status(f"capturing {args.workload} ...", not args.json)
+    with quiet_warnings():
+        cap = capture(load_workload(args.workload))
+    progress = _Progress(not args.json)
+    try:
+        plan, report = plan_workload(cap.graph, cluster, level=args.level, time_limit=args.time_limit,
+                                     presets=not args.no_presets, workload=args.workload, progress=progress)
+    finally:
+        progress.stop()
+    text = plan.to_json()
+    if args.out:
+        write_atomic(args.out, text)
+    if args.report:
+        d = Path(args.report)
+        d.mkdir(parents=True, exist_ok=True)
+        write_atomic(d / "plan.json", text)
+        write_atomic(d / "report.txt", report.text() + "\n")
+        write_atomic(d / "report.json", json.dumps(report.to_dict(), indent=1, default=str))
+    if args.json:
+        out = report.to_dict()
+        if args.out:
+            out["plan_file"] = args.out
+        emit_json(json.loads(json.dumps(out, default=str)))
+    else:
+        print(report.text())
+        if args.out:
+            print(f"\nplan written to {args.out}; run it with: rhino run {args.workload} --plan {args.out}")
+    return 0

@@ -1,0 +1,257 @@
+"""The plan in readable form: mesh and what each axis does, placements per layer kind (repeated
+layers shown once), collectives per step, the predicted time and per-device memory splits, and the
+expert presets next to it (with the reason the plan was chosen over them)."""
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+from ..cost.cluster import Cluster, axis_links
+from ..cost.estimate import Estimate
+from ..ir.graph import Graph, Role
+from ..sharding.placement import Partial, Replicate, Shard
+from ..sharding.plan import ResolvedPlan
+from .experts import PresetScore
+
+__all__ = ["Report", "build_report", "axis_roles", "layer_table", "fmt_bytes"]
+
+_GB = 1e9
+
+
+def fmt_bytes(n: float) -> str:
+    """Bytes in the largest unit that keeps three significant digits readable (decimal units)."""
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)):
+        if abs(n) >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _fmt_p(p) -> str:
+    if isinstance(p, Shard):
+        return f"S{p.dim}" + (f"/{p.blocks}" if p.blocks > 1 else "")
+    if isinstance(p, Partial):
+        return "P"
+    return "R"
+
+
+def fmt_sharding(sh, names) -> str:
+    parts = [f"{_fmt_p(p)}@{n}" for p, n in zip(sh, names) if not isinstance(p, Replicate)]
+    return " ".join(parts) if parts else "replicated"
+
+
+def _family(name: str) -> tuple[str, str]:
+    """("blocks.*.attn.qkv.weight", "0") for "blocks.0.attn.qkv.weight"; no index: (name, "")."""
+    m = re.search(r"\.(\d+)\.", name)
+    if not m:
+        return name, ""
+    return name[:m.start()] + ".*." + name[m.end():], m.group(1)
+
+
+def axis_roles(rp: ResolvedPlan) -> list[str]:
+    """One phrase per mesh axis: what is split along it."""
+    graph, plan = rp.graph, rp.plan
+    mesh = plan.mesh
+    users: dict[int, list] = {}
+    for node in graph.nodes:
+        for k, r in enumerate(node.input_refs()):
+            users.setdefault(r.id, []).append((node, k))
+    views = {}
+    for node in graph.nodes:
+        refs = node.input_refs()
+        if refs and node.op.split(".")[1] in ("t", "view", "transpose", "permute", "_unsafe_view", "reshape"):
+            for v in node.outputs:
+                if v is not None:
+                    views[v] = refs[0].id
+
+    def used_split(vid: int, axis: int) -> bool:
+        """Every use of the value (through views) takes it split along ``axis`` (no gather first)."""
+        todo, ok = [vid], True
+        while todo:
+            v = todo.pop()
+            for node, k in users.get(v, ()):
+                out = [o for o in node.outputs if o is not None and views.get(o) == v]
+                if out:
+                    todo += out
+                    continue
+                req = rp.node[node.name].inputs[k]
+                if not isinstance(req[axis], Shard):
+                    ok = False
+        return ok
+
+    roles = []
+    for a, name in enumerate(mesh.names):
+        if mesh.sizes[a] == 1:
+            roles.append("unused")
+            continue
+        parts = []
+        batch = [i for i in graph.inputs if i.role is Role.BATCH]
+        dims = {rp.value[i.value][a].dim for i in batch if isinstance(rp.value[i.value][a], Shard)}
+        if 0 in dims:
+            parts.append("data parallel (batch split)")
+        if dims - {0}:
+            parts.append("sequence split")
+        tp = zero3 = zero1 = 0
+        special = set()
+        for inp in graph.inputs:
+            if inp.role is not Role.PARAM:
+                continue
+            p = rp.value[inp.value][a]
+            if isinstance(p, Shard):
+                if used_split(inp.value, a):
+                    tp += 1
+                    shape = graph.types[inp.value].shape
+                    if any(n.op == "aten.embedding.default" and k == 0 for n, k in users.get(inp.value, ())) \
+                            and p.dim == 0:
+                        special.add("vocabulary-parallel embedding")
+                    if len(shape) == 3 and p.dim == 0:
+                        special.add("experts split")
+                else:
+                    zero3 += 1
+            else:
+                states = [s for s in graph.inputs if s.role is Role.OPT_STATE and s.name.split("/")[1:2] ==
+                          [inp.name] and graph.types[s.value].rank > 0]
+                if any(isinstance(rp.value[s.value][a], Shard) for s in states):
+                    zero1 += 1
+        if tp:
+            parts.append(f"tensor parallel ({tp} weights used split)")
+        parts += sorted(special)
+        if zero3:
+            parts.append(f"ZeRO-3 ({zero3} weights sharded, gathered before use)")
+        if zero1:
+            parts.append(f"ZeRO-1/2 ({zero1} optimizer states sharded)")
+        roles.append(", ".join(parts) or "replicated (no split)")
+    return roles
+
+
+def layer_table(graph: Graph, rp: ResolvedPlan) -> list[dict]:
+    """Per parameter family (repeated layers collapsed): shape, placement of the parameter and of its
+    optimizer state, and the layer indices."""
+    names = rp.plan.mesh.names
+    fams: dict[tuple, dict] = {}
+    states: dict[str, str] = {}
+    for inp in graph.inputs:
+        if inp.role is Role.OPT_STATE and graph.types[inp.value].rank > 0:
+            parts = inp.name.split("/")
+            if len(parts) >= 3:
+                states.setdefault(parts[1], fmt_sharding(rp.value[inp.value], names))
+    for inp in graph.inputs:
+        if inp.role not in (Role.PARAM, Role.FROZEN):
+            continue
+        fam, idx = _family(inp.name)
+        sh = fmt_sharding(rp.value[inp.value], names)
+        key = (fam, sh, states.get(inp.name, "-"))
+        row = fams.setdefault(key, {"name": fam, "shape": list(graph.types[inp.value].shape), "param": sh,
+                                    "state": states.get(inp.name, "-"), "layers": []})
+        if idx:
+            row["layers"].append(int(idx))
+    return list(fams.values())
+
+
+def _ranges(xs: list[int]) -> str:
+    if not xs:
+        return ""
+    xs = sorted(xs)
+    out, start, prev = [], xs[0], xs[0]
+    for x in xs[1:] + [None]:
+        if x is not None and x == prev + 1:
+            prev = x
+            continue
+        out.append(f"{start}" if start == prev else f"{start}-{prev}")
+        if x is not None:
+            start = prev = x
+    return ",".join(out)
+
+
+@dataclass
+class Report:
+    workload: str
+    cluster: str
+    level: str
+    mesh: dict[str, int]
+    links: list[str]
+    roles: list[str]
+    estimate: Estimate
+    search_seconds: float
+    layers: list[dict]
+    presets: list[PresetScore]
+    best_preset: PresetScore | None
+    source: str
+    recompute: str
+    candidates: list[dict] = field(default_factory=list)
+    inputs: list[tuple[str, str]] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        e = self.estimate
+        bp = self.best_preset
+        return {
+            "workload": self.workload, "cluster": self.cluster, "level": self.level, "mesh": self.mesh,
+            "axes": [{"name": n, "size": s, "link": link, "role": r}
+                     for (n, s), link, r in zip(self.mesh.items(), self.links, self.roles)],
+            "step_seconds": e.step_seconds, "compute_seconds": e.compute_seconds,
+            "exposed_comm_seconds": e.comm_seconds, "comm_total_seconds": e.comm_total_seconds,
+            "recompute_seconds": e.recompute_seconds, "mfu": e.mfu, "memory_bytes": e.memory_bytes,
+            "capacity_bytes": e.capacity_bytes, "fits": e.fits, "collectives": e.collectives,
+            "recompute": self.recompute, "search_seconds": self.search_seconds, "source": self.source,
+            "best_preset": None if bp is None else {"strategy": bp.strategy, "step_seconds": bp.step_seconds,
+                                                    "fits": bp.fits,
+                                                    "ratio": bp.step_seconds / e.step_seconds if e.step_seconds else None},
+            "presets": [{"strategy": p.strategy, "step_seconds": p.step_seconds if p.estimate else None,
+                         "fits": p.fits, "peak_bytes": p.estimate.memory_bytes["peak"] if p.estimate else None,
+                         "error": p.error or None} for p in self.presets],
+            "layers": self.layers, "candidates": self.candidates,
+        }
+
+    def text(self) -> str:
+        e = self.estimate
+        lines = [f"plan for {self.workload} on {self.cluster} ({self.level}, searched in {self.search_seconds:.1f} s"
+                 + (f"; {self.source}" if self.source != "search" else "") + ")", ""]
+        lines.append("mesh " + " x ".join(f"{n}={s}" for n, s in self.mesh.items()))
+        for (n, s), link, role in zip(self.mesh.items(), self.links, self.roles):
+            lines.append(f"  {n:<6} {s:>5}  {link:<13} {role}")
+        if self.recompute != "none":
+            lines.append(f"  activation recomputation: {self.recompute}")
+        lines += ["", "placements (parameter | optimizer state), repeated layers once:"]
+        width = max([len(r["name"]) for r in self.layers] + [10])
+        for r in self.layers:
+            where = f"  [layers {_ranges(r['layers'])}]" if r["layers"] else ""
+            shape = "x".join(map(str, r["shape"]))
+            lines.append(f"  {r['name']:<{width}} {shape:>14}  {r['param']:<22} | {r['state']}{where}")
+        for name, sh in self.inputs:
+            lines.append(f"  {name:<{width}} {'':>14}  {sh}")
+        coll = ", ".join(f"{k} {v}" for k, v in sorted(e.collectives.items())) or "none"
+        lines += ["", f"collectives per step: {coll}",
+                  f"step time {e.step_seconds * 1e3:.3f} ms: compute {e.compute_seconds * 1e3:.3f} ms, exposed "
+                  f"communication {e.comm_seconds * 1e3:.3f} ms (all communication {e.comm_total_seconds * 1e3:.3f} ms)"
+                  + (f", recomputation {e.recompute_seconds * 1e3:.3f} ms" if e.recompute_seconds else "")
+                  + f"; MFU {e.mfu:.1%}"]
+        mem = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in e.memory_bytes.items() if k != "peak" and v)
+        lines.append(f"memory per device: peak {fmt_bytes(e.memory_bytes['peak'])} of {fmt_bytes(e.capacity_bytes)}"
+                     f" ({mem})")
+        bp = self.best_preset
+        lines.append("")
+        if bp is not None:
+            ratio = bp.step_seconds / e.step_seconds if e.step_seconds else float("nan")
+            state = "" if bp.fits else " (does not fit either)"
+            lines.append(f"best expert preset: {bp.strategy}: {bp.step_seconds * 1e3:.3f} ms{state}; "
+                         f"preset / plan = {ratio:.2f}x")
+        lines.append("presets (why not):")
+        for p in self.presets:
+            if p.estimate is None:
+                lines.append(f"  {p.strategy:<28} cannot be built: {p.error}")
+            elif not p.fits:
+                lines.append(f"  {p.strategy:<28} does not fit: {fmt_bytes(p.estimate.memory_bytes['peak'])} > "
+                             f"{fmt_bytes(p.estimate.capacity_bytes)}")
+            else:
+                lines.append(f"  {p.strategy:<28} {p.step_seconds * 1e3:.3f} ms "
+                             f"({p.step_seconds / e.step_seconds:.2f}x the plan)")
+        return "\n".join(lines)
+
+
+def build_report(graph: Graph, cluster: Cluster, rp: ResolvedPlan, est: Estimate, *, workload: str, level: str,
+                 search_seconds: float, presets: list[PresetScore], best: PresetScore | None, source: str,
+                 recompute: str, candidates: list[dict]) -> Report:
+    mesh = rp.plan.mesh
+    links = [f"{lk.kind.value}" for lk in axis_links(cluster, mesh)]
+    inputs = [(i.name, fmt_sharding(rp.value[i.value], mesh.names)) for i in graph.inputs if i.role is Role.BATCH]
+    return Report(workload, str(cluster), level, dict(zip(mesh.names, mesh.sizes)), links, axis_roles(rp), est,
+                  search_seconds, layer_table(graph, rp), presets, best, source, recompute, candidates, inputs)
