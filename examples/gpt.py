@@ -8,15 +8,18 @@ Default size: 2 layers, hidden 64, 4 heads, vocab 256, sequence 32, batch 4
 (~0.12M parameters). Optimizer: AdamW with two parameter groups (weight decay
 on >=2-D weights only, none on biases and norms).
 """
+import math
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
 
 class CausalSelfAttention(nn.Module):
-    def __init__(self, hidden, heads):
+    def __init__(self, hidden, heads, attention="sdpa"):
         super().__init__()
         self.heads = heads
+        self.attention = attention
         self.qkv = nn.Linear(hidden, 3 * hidden)
         self.proj = nn.Linear(hidden, hidden)
 
@@ -24,15 +27,20 @@ class CausalSelfAttention(nn.Module):
         b, t, h = x.shape
         q, k, v = self.qkv(x).split(h, dim=-1)
         q, k, v = (z.view(b, t, self.heads, h // self.heads).transpose(1, 2) for z in (q, k, v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        if self.attention == "sdpa":
+            y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        else:  # "math": the scores are materialised, as before fused attention kernels
+            scores = (q @ k.transpose(-2, -1)) * (1.0 / math.sqrt(h // self.heads))
+            mask = torch.ones(t, t, dtype=torch.bool, device=x.device).triu(1)
+            y = scores.masked_fill(mask, float("-inf")).softmax(dim=-1) @ v
         return self.proj(y.transpose(1, 2).reshape(b, t, h))
 
 
 class Block(nn.Module):
-    def __init__(self, hidden, heads):
+    def __init__(self, hidden, heads, attention="sdpa"):
         super().__init__()
         self.ln1 = nn.LayerNorm(hidden)
-        self.attn = CausalSelfAttention(hidden, heads)
+        self.attn = CausalSelfAttention(hidden, heads, attention)
         self.ln2 = nn.LayerNorm(hidden)
         self.mlp = nn.Sequential(nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
 
@@ -42,11 +50,11 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
-    def __init__(self, vocab, seq, hidden, heads, layers):
+    def __init__(self, vocab, seq, hidden, heads, layers, attention="sdpa"):
         super().__init__()
         self.tok = nn.Embedding(vocab, hidden)
         self.pos = nn.Embedding(seq, hidden)
-        self.blocks = nn.ModuleList(Block(hidden, heads) for _ in range(layers))
+        self.blocks = nn.ModuleList(Block(hidden, heads, attention) for _ in range(layers))
         self.ln_f = nn.LayerNorm(hidden)
         self.head = nn.Linear(hidden, vocab, bias=False)
         self.head.weight = self.tok.weight  # weight tying
@@ -71,10 +79,11 @@ def loss_fn(model, x, y):
     return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
-def workload(layers=2, hidden=64, heads=4, seq=32, batch=4, vocab=256, lr=3e-4, device="cpu", dtype=torch.float32):
+def workload(layers=2, hidden=64, heads=4, seq=32, batch=4, vocab=256, lr=3e-4, device="cpu", dtype=torch.float32,
+             attention="sdpa"):
     torch.manual_seed(0)
     with torch.device(device):
-        model = GPT(vocab, seq, hidden, heads, layers).to(dtype)
+        model = GPT(vocab, seq, hidden, heads, layers, attention).to(dtype)
 
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -103,8 +112,9 @@ def gpt3_175b(device="meta", batch=1536):
                     dtype=torch.bfloat16)
 
 
-def megatron(layers, hidden, heads, batch, device="meta"):
+def megatron(layers, hidden, heads, batch, device="meta", attention="math"):
     """A GPT of Megatron-LM's weak-scaling table (arXiv 2104.04473, Table 1): sequence 2048,
-    vocabulary 51200, bf16, on the meta device."""
+    vocabulary 51200, bf16, attention scores materialised (as in 2021, before fused attention
+    kernels), on the meta device."""
     return workload(layers=layers, hidden=hidden, heads=heads, seq=2048, batch=batch, vocab=51200, device=device,
-                    dtype=torch.bfloat16)
+                    dtype=torch.bfloat16, attention=attention)

@@ -128,7 +128,8 @@ def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstim
     bubble = (pp - 1) * t_stage
     opt = st.optimizer_compute / pp
     grad = st.comm_by_kind.get("gradient", 0.0) / pp
-    window = t_stage * 2 / 3 if options.overlap_gradient_reduction else 0.0  # backward ~ 2/3 of a pass
+    # backward = 2x forward FLOPs for matmul layers (Kaplan et al. 2020, arXiv 2001.08361): 2/3 of a pass
+    window = t_stage * 2 / 3 if options.overlap_gradient_reduction else 0.0
     grad_exposed = max(0.0, grad - window)
     prefetch = st.comm_by_kind.get("prefetch", 0.0) * m / pp
     pref_exposed = max(0.0, prefetch - pipe) if options.prefetch_parameters else prefetch
