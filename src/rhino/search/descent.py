@@ -19,7 +19,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .ilp import Solution, memory_over, objective_of, solve_ilp
+from .ilp import Solution, memory_excess, objective_of, solve_ilp
 from .problem import Problem
 
 __all__ = ["Descent", "descend", "axis_allowed", "score"]
@@ -36,8 +36,9 @@ class Descent:
 
 
 def score(p: Problem, choice: list[int]) -> tuple[float, float]:
-    """(bytes over capacity, model step time): what the descent minimises, lexicographically."""
-    return float(memory_over(p, choice)), objective_of(p, choice)["T"]
+    """(bytes over capacity summed over the memory rows, model step time): what the descent minimises,
+    lexicographically."""
+    return float(memory_excess(p, choice)), objective_of(p, choice)["T"]
 
 
 def axis_allowed(p: Problem, cur: list[int], axis: int, free_state: bool = True) -> dict[int, list[int]]:

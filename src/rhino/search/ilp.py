@@ -48,7 +48,7 @@ from ortools.sat.python import cp_model
 from .problem import KINDS, Problem, copy_bytes
 
 __all__ = ["Solution", "solve_ilp", "HIDDEN_COMM_WEIGHT", "TIME_UNIT", "MEMORY_UNIT", "objective_of", "memory_over",
-           "row_bytes"]
+           "memory_excess", "row_bytes"]
 
 #: Weight of overlapped communication in the objective (assumed: a tie-breaker, 1% of its time).
 HIDDEN_COMM_WEIGHT = 0.01
@@ -61,8 +61,9 @@ TIME_UNIT = 1e-9
 SUBSOLVERS = ("max_lp", "core")
 #: Largest producer x consumer sharding pairs modelled with the marginal formulation (else big-M).
 MARGINAL_PAIRS = 400
-#: Bytes per integer memory unit in the model (1 KiB; coefficients round up).
-MEMORY_UNIT = 1024
+#: Bytes per integer memory unit in the model: capacity / 2**24, at least 1 (about 5 KB for an 80 GB
+#: device); coefficients round up, the capacity down, so the rounding never admits an overfull plan.
+MEMORY_UNIT = 2 ** 24
 
 
 @dataclass
@@ -75,8 +76,8 @@ class Solution:
     over: int = 0                # with soft memory: bytes over capacity at the worst checked node
 
 
-def _m(nbytes: int) -> int:
-    return -(-int(nbytes) // MEMORY_UNIT)
+def _mem_unit(capacity: int) -> int:
+    return max(1, int(capacity) // MEMORY_UNIT)
 
 
 class _Model:
@@ -87,6 +88,7 @@ class _Model:
         self.slacks: list = []
         self.aux: list = []     # (variable, function(choice) -> its value): completes a hint
         self.unit = max(TIME_UNIT, _upper_bound(p) / 2 ** 40)
+        self.munit = _mem_unit(p.capacity)
         self.m = cp_model.CpModel()
         self.x: list[list] = []
         self.buckets: dict[str, list] = {k: [] for k in ("cf", "cb", "co", *KINDS)}
@@ -106,6 +108,9 @@ class _Model:
         for row in p.memory:
             self.memory_per_device(row)
         self.step_time()
+
+    def _m(self, nbytes: int) -> int:
+        return -(-int(nbytes) // self.munit)
 
     def _t(self, seconds: float) -> int:
         return int(round(seconds / self.unit))
@@ -240,17 +245,17 @@ class _Model:
 
     def memory_per_device(self, row) -> None:
         terms = []
-        const = _m(row.const)
+        const = self._m(row.const)
         for k, coefs in row.coef.items():
             for c, b in enumerate(coefs):
                 v = self.x[k][c]
                 if b and not (isinstance(v, int) and v == 0):
-                    terms.append(_m(b) * v)
-        top = const + sum(max(_m(b) for b in coefs) for coefs in row.coef.values())
+                    terms.append(self._m(b) * v)
+        top = const + sum(max(self._m(b) for b in coefs) for coefs in row.coef.values())
         for ct in row.copies:
             terms += self.copies_alive(ct)
-            top += _m(ct.count * sum(ct.nbytes))
-        cap = self.p.capacity // MEMORY_UNIT
+            top += self._m(ct.count * sum(ct.nbytes))
+        cap = self.p.capacity // self.munit
         if self.soft_memory:
             slack = self.m.NewIntVar(0, max(0, top - cap), "over")
             self.m.Add(sum(terms) + const <= cap + slack)
@@ -300,7 +305,7 @@ class _Model:
             self.aux.append((a, lambda ch, t=t: int(ct.sigma[ch[ct.producer]] != t
                                                     and any(t in need[ch[uc]] for uc, need in ct.before)
                                                     and any(t in need[ch[uc]] for uc, need in ct.after))))
-            out.append(_m(ct.count * nbytes) * a)
+            out.append(self._m(ct.count * nbytes) * a)
         return out
 
     def step_time(self) -> None:
@@ -310,7 +315,7 @@ class _Model:
         self.m.Add(self.T >= s["blocking"] + s["gradient"] + s["prefetch"] + s["state"])
         # soft memory: exceeding by the whole capacity costs 100 times the largest step time possible
         weight = -(-100 * round(1 / HIDDEN_COMM_WEIGHT) * int(_upper_bound(self.p) / self.unit)
-                   // max(1, self.p.capacity // MEMORY_UNIT))
+                   // max(1, self.p.capacity // self.munit))
         over = weight * sum(self.slacks) if self.slacks else 0
         self.m.Minimize(round(1 / HIDDEN_COMM_WEIGHT) * self.T + s["prefetch"] + over)
 
@@ -350,7 +355,7 @@ def solve_ilp(p: Problem, *, time_limit: float = 10.0, workers: int = 2, hint: l
                 pick = c
                 break
         choice.append(pick)
-    over = max((solver.Value(v) for v in model.slacks), default=0) * MEMORY_UNIT
+    over = max((solver.Value(v) for v in model.slacks), default=0) * model.munit
     return Solution(choice, solver.Value(model.T) * model.unit, name, seconds,
                     solver.BestObjectiveBound() * HIDDEN_COMM_WEIGHT * model.unit, over)
 
@@ -403,6 +408,11 @@ def memory_over(p: Problem, choice: list[int]) -> int:
         total = row_bytes(row, choice)
         worst = max(worst, total - p.capacity)
     return worst
+
+
+def memory_excess(p: Problem, choice: list[int]) -> int:
+    """Bytes over capacity summed over the memory rows (what the soft-memory objective penalises)."""
+    return sum(max(0, row_bytes(row, choice) - p.capacity) for row in p.memory)
 
 
 def row_bytes(row, choice: list[int]) -> int:

@@ -1,7 +1,8 @@
 """The two optimization levels on one mesh's problem.
 
-- **O1** (no solver, ``segments.solve_o1``): critical-node segments chained by dynamic programming
-  over the boundary state, each solve a greedy propagation plus local search; data parallel first.
+- **O1** (``segments.solve_o1``): critical-node segments chained by dynamic programming over the
+  boundary state, each solve a greedy propagation plus local search; data parallel first. Small
+  problems (``O1_DESCENT_CANDIDATES``) also get one short round of axis-wise descent.
 - **O2**: O1's plan, then rounds of axis-wise descent (``descent``: CP-SAT on one axis at a time)
   until a round changes nothing, then the joint ILP over all axes at once (``ilp.solve_ilp``), hinted
   with the descent's plan and given what is left of the budget; a solution is kept only if better.
@@ -24,6 +25,11 @@ __all__ = ["LevelResult", "solve_problem", "JOINT_CANDIDATES"]
 #: The joint ILP over all axes is tried only up to this many candidates (measured: with 1.7k it finds
 #: no solution in 10 s on two cores; with a few hundred it closes the gap in seconds).
 JOINT_CANDIDATES = 800
+#: O1 adds one round of axis-wise descent (a CP-SAT step per axis, at most ``O1_STEP_SECONDS`` each)
+#: when the problem has at most this many candidates (small graphs, where a step takes well under a
+#: second; larger ones keep O1 solver-free).
+O1_DESCENT_CANDIDATES = 1200
+O1_STEP_SECONDS = 1.0
 
 
 @dataclass
@@ -45,6 +51,12 @@ def solve_problem(p: Problem, options: SearchOptions, *, deadline: float, start:
     status = f"O1 ({name})"
     steps = [{"axis": "all", "status": status, "objective": sc[1], "seconds": time.perf_counter() - now,
               "level": "O1"}]
+    if options.level is Level.O1 and sum(p.n_cands) <= O1_DESCENT_CANDIDATES:
+        d1 = descend(p, start=choice, rounds=1, step_time_limit=O1_STEP_SECONDS,
+                     deadline=min(deadline, time.perf_counter() + ndim * O1_STEP_SECONDS), workers=options.workers)
+        steps += [dict(s, level="O1") for s in d1.steps]
+        if score(p, d1.choice) < score(p, choice):
+            choice, status = d1.choice, status + " + descent"
     if options.level is Level.O2:
         d2 = descend(p, start=choice, rounds=3, step_time_limit=max(0.5, budget * 0.4 / ndim),
                      deadline=now + budget * 0.7, workers=options.workers)

@@ -3,7 +3,7 @@
 ``Evaluator`` keeps the cost buckets of ``ilp`` (compute; blocking, gradient, prefetch and state
 communication) and the memory rows for one choice, and prices changing one class's candidate by
 updating only what touches that class. The score is lexicographic: first the bytes by which the
-worst memory row is over capacity, then the model's step time (``ilp.objective_of``).
+memory rows are over capacity (summed, so every row that improves counts), then the model's step time (``ilp.objective_of``).
 
 ``improve`` is iterated conditional modes: classes in program order each take their best candidate
 given all the others, until a sweep changes nothing. ``local_search`` runs it twice: for time alone,
@@ -77,8 +77,7 @@ class Evaluator:
     def score(self) -> tuple[float, float]:
         if self.ignore_memory:
             return (0.0, step_of(self.b))
-        over = max((r - self.p.capacity for r in self.rows), default=0)
-        return (max(0.0, float(over)), step_of(self.b))
+        return (float(sum(max(0, r - self.p.capacity) for r in self.rows)), step_of(self.b))
 
     def try_(self, k: int, c: int) -> tuple[float, float]:
         """The score if class ``k`` took candidate ``c`` (nothing changes)."""
@@ -99,7 +98,7 @@ class Evaluator:
             return (0.0, step_of(b))
         rows = self._rows_if(k, old, c)
         self.choice[k] = old
-        over = max(0.0, float(max(rows, default=0) - self.p.capacity))
+        over = float(sum(max(0, r - self.p.capacity) for r in rows))
         return (over, step_of(b))
 
     def _rows_if(self, k: int, old: int, c: int) -> list[int]:

@@ -187,7 +187,8 @@ def _run(graph, cluster, meshes, options, cones, base, fingerprint, mode, t0, sa
 
 
 def _gb(n: float) -> str:
-    return f"{n / 1e9:.1f} GB"
+    from .report import fmt_bytes
+    return fmt_bytes(n)
 
 
 def no_fit_message(graph: Graph, cluster: Cluster, cands: list[Candidate]) -> str:

@@ -602,10 +602,10 @@ class Builder:
         return self.shared["vuses"]
 
     def _spans(self) -> list[tuple[int, int, int]]:
-        """(first use, last use, value) of every value read by two or more nodes."""
+        """(first use, last use, value) of every value read by a node."""
         if "spans" not in self.shared:
             self.shared["spans"] = [(min(u[2] for u in uses), max(u[2] for u in uses), vid)
-                                    for vid, uses in self.value_uses().items() if len(uses) > 1]
+                                    for vid, uses in self.value_uses().items() if uses]
         return self.shared["spans"]
 
     def _copy_terms(self, node: int) -> list[CopyTerm]:

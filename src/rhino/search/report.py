@@ -8,7 +8,9 @@ from dataclasses import dataclass, field
 
 from ..cost.cluster import Cluster, axis_links
 from ..cost.estimate import Estimate
+from ..cost.step import loss_index
 from ..ir.graph import Graph, Role
+from ..ir.registry import OpKind, lookup
 from ..sharding.placement import Partial, Replicate, Shard
 from ..sharding.plan import ResolvedPlan
 from .experts import PresetScore
@@ -78,6 +80,20 @@ def axis_roles(rp: ResolvedPlan) -> list[str]:
                     ok = False
         return ok
 
+    boundary = loss_index(graph)
+    heavy_kinds = (OpKind.MATMUL, OpKind.CONV)
+    forward_heavy = [n for i, n in enumerate(graph.nodes) if i <= boundary and lookup(n.op) is not None
+                     and lookup(n.op).kind in heavy_kinds]
+    params = set()
+    for inp in graph.inputs:
+        if inp.role in (Role.PARAM, Role.FROZEN):
+            params.add(inp.value)
+    for v, src in views.items():
+        root = src
+        while root in views:
+            root = views[root]
+        if root in params:
+            params.add(v)
     roles = []
     for a, name in enumerate(mesh.names):
         if mesh.sizes[a] == 1:
@@ -86,8 +102,19 @@ def axis_roles(rp: ResolvedPlan) -> list[str]:
         parts = []
         batch = [i for i in graph.inputs if i.role is Role.BATCH]
         dims = {rp.value[i.value][a].dim for i in batch if isinstance(rp.value[i.value][a], Shard)}
-        if 0 in dims:
-            parts.append("data parallel (batch split)")
+        heavy = split_rows = 0
+        for node in forward_heavy:
+            refs = node.input_refs()
+            acts = [k for k, r in enumerate(refs) if r.id not in params]
+            if not acts:
+                continue
+            heavy += 1
+            req = rp.node[node.name].inputs[acts[0]][a]
+            split_rows += isinstance(req, Shard) and req.dim == 0
+        if heavy and 2 * split_rows >= heavy:
+            parts.append(f"data parallel (batch split in {split_rows} of {heavy} forward matmuls/convolutions)")
+        elif 0 in dims:
+            parts.append("batch split at the input")
         if dims - {0}:
             parts.append("sequence split")
         tp = zero3 = zero1 = 0
