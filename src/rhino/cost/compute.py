@@ -5,8 +5,8 @@ The model, per op::
     time = max(flops / (peak(dtype) * eff(op, shape)),  bytes / (memory_bandwidth * bw_eff))
            + launch_overhead
 
-- ``flops`` and ``bytes`` come from the op registry (``flops_of``, ``bytes_of``). Views cost 0
-  (no bytes, no FLOPs, no launch: they only alias). Opaque ops (no registry entry) count 0 FLOPs
+- ``flops`` and ``bytes`` come from the op registry (``flops_of``, ``bytes_of``). Views move no
+  bytes and do no FLOPs (they only alias). Opaque ops (no registry entry) count 0 FLOPs
   and are memory-bound on their input + output bytes.
 - ``peak(dtype)`` is the datasheet peak of ``DeviceSpec.peak_flops``. For MATMUL, CONV and
   ATTENTION the dtype of the first floating input picks the unit: bf16/fp16 tensors use the
@@ -20,6 +20,9 @@ The model, per op::
   ``eff = eff_max(kind) * W / (W + K0)``. Small problems cannot fill the machine (too few tiles
   for the SMs, prologue/epilogue not amortised); a problem of ``K0`` multiply-adds runs at half of
   ``eff_max``. Monotone increasing in every dimension.
+- Views cost nothing on a GPU (no kernel) and the dispatch overhead on a CPU.
+- A profile may give measured bytes/s per op kind (``Profile.kind_bandwidth``): ops of that kind
+  then take ``bytes / measured`` (e.g. element-wise ops with transcendental math on a CPU).
 - ``bound`` says which term set the time: "compute", "memory", or "latency" when the launch
   overhead is larger than both.
 - ``graph_compute_time`` sums op times over a graph (serial execution on one device, no overlap
@@ -32,7 +35,7 @@ The model, per op::
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Mapping
 
 from ..ir.graph import Graph
@@ -94,6 +97,9 @@ class Profile:
     conv_efficiency: float | None = None
     attention_efficiency: float | None = None
     k0: float | None = None   # replaces K0 (multiply-adds at half efficiency)
+    # measured bytes/s of ops of a kind (OpKind value -> B/s), e.g. element-wise ops with transcendental
+    # math on a CPU run below the streaming bandwidth; used instead of the bandwidth roofline for them
+    kind_bandwidth: dict | None = field(default=None, hash=False)
 
     def __post_init__(self) -> None:
         for name in ("matmul_efficiency", "memory_bandwidth_efficiency", "conv_efficiency",
@@ -177,16 +183,21 @@ def op_time(call: OpCall, device: DeviceSpec | str, *, allow_tf32: bool = False,
     prof = profile or _DEFAULT_PROFILE
     opdef = lookup(call.op)
     kind = opdef.kind if opdef is not None else OpKind.OPAQUE
-    if kind is OpKind.VIEW:
-        return OpTime(0.0, 0.0, 0.0, "memory")
+    overhead = prof.launch_overhead_s if prof.launch_overhead_s is not None else \
+        (LAUNCH_OVERHEAD_CPU_S if is_cpu(dev) else LAUNCH_OVERHEAD_GPU_S)
+    if kind is OpKind.VIEW:  # no kernel; on a CPU the dispatch itself is the time
+        return OpTime(overhead if is_cpu(dev) else 0.0, 0.0, 0.0, "latency")
     flops = flops_of(call) * scale
     nbytes = bytes_of(call) * scale
     peak = dev.flops(peak_dtype(call, dev, allow_tf32=allow_tf32))
     t_compute = flops / (peak * efficiency(kind, flops, prof)) if flops > 0 else 0.0
     bw_eff = prof.memory_bandwidth_efficiency if prof.memory_bandwidth_efficiency is not None else BW_EFFICIENCY
-    t_memory = nbytes / (dev.memory_bandwidth * bw_eff) if nbytes > 0 else 0.0
-    overhead = prof.launch_overhead_s if prof.launch_overhead_s is not None else \
-        (LAUNCH_OVERHEAD_CPU_S if is_cpu(dev) else LAUNCH_OVERHEAD_GPU_S)
+    measured = (prof.kind_bandwidth or {}).get(kind.value)
+    if measured:
+        t_compute = 0.0 if kind not in _MATMUL_LIKE else t_compute
+        t_memory = nbytes / measured if nbytes > 0 else 0.0
+    else:
+        t_memory = nbytes / (dev.memory_bandwidth * bw_eff) if nbytes > 0 else 0.0
     if overhead >= max(t_compute, t_memory):
         bound = "latency"
     else:

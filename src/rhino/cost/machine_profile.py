@@ -10,6 +10,8 @@ The profile holds absolute numbers measured on the local machine by micro-benchm
   scaled-dot-product attention over ``matmul_flops``;
 - ``memory_bandwidth``: bytes read + written per second by a large element-wise add;
 - ``launch_overhead_s``: the time of an op on a one-element tensor (dispatch cost);
+- ``kind_bandwidth``: bytes/s achieved by typical element-wise, norm and reduction ops (on a CPU their
+  math per element, e.g. ``erf`` in GELU, keeps them below the streaming bandwidth);
 - ``link_bandwidth`` / ``link_latency_s``: alpha-beta fit of all-reduce times over the local
   process group (gloo on CPU) at several sizes, using the ring formula of ``collectives.py``.
 
@@ -19,7 +21,7 @@ ones (with efficiencies 1: they are achieved rates, not peaks).
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from .cluster import Cluster
@@ -44,6 +46,7 @@ class MachineProfile:
     link_bandwidth: float | None = None
     link_latency_s: float | None = None
     link_ranks: int | None = None
+    kind_bandwidth: dict | None = field(default=None, hash=False, compare=False)
 
     def __post_init__(self) -> None:
         for key in ("matmul_flops", "memory_bandwidth"):
@@ -57,7 +60,8 @@ class MachineProfile:
         clamp = (lambda v: None if v is None else min(1.0, max(1e-3, v)))
         return Profile(matmul_efficiency=1.0, memory_bandwidth_efficiency=1.0,
                        launch_overhead_s=self.launch_overhead_s, conv_efficiency=clamp(self.conv_efficiency),
-                       attention_efficiency=clamp(self.attention_efficiency), k0=self.k0)
+                       attention_efficiency=clamp(self.attention_efficiency), k0=self.k0,
+                       kind_bandwidth=dict(self.kind_bandwidth) if self.kind_bandwidth else None)
 
     def apply(self, cluster: Cluster) -> tuple[Cluster, Profile]:
         """The cluster with its device's numbers replaced by the measured ones, and the cost profile."""

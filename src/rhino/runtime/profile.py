@@ -78,6 +78,23 @@ def _bandwidth() -> float:
     return 3 * n * 4 / t
 
 
+def _kind_bandwidth() -> dict[str, float]:
+    """Bytes read + written per second by typical ops of the non-GEMM kinds, on tensors of 4M floats
+    (the median over a few ops of each kind: their time is set by memory traffic and, on CPUs, by the
+    math per element)."""
+    x, y = torch.randn(4096, 1024), torch.randn(4096, 1024)
+    w, b = torch.ones(1024), torch.zeros(1024)
+    nbytes = x.numel() * 4
+    aten = torch.ops.aten
+    ops = {
+        "elementwise": [(lambda: aten.gelu.default(x), 2), (lambda: aten.mul.Tensor(x, y), 3),
+                        (lambda: aten.exp.default(x), 2), (lambda: aten.add.Tensor(x, y), 3)],
+        "norm": [(lambda: aten.native_layer_norm.default(x, [1024], w, b, 1e-5), 2)],
+        "reduction": [(lambda: aten.sum.dim_IntList(x, [0]), 1), (lambda: aten.amax.default(x, [1]), 1)],
+    }
+    return {kind: statistics.median(k * nbytes / time_call(fn) for fn, k in fns) for kind, fns in ops.items()}
+
+
 def _conv_rate() -> float:
     x, w = torch.randn(8, 64, 56, 56), torch.randn(64, 64, 3, 3)
     t = time_call(lambda: F.conv2d(x, w, padding=1))
@@ -119,6 +136,8 @@ def measure_profile(threads: int | None = None, nproc: int = 2, progress: Callab
             progress(f"  memory bandwidth: {bw / 1e9:.2f} GB/s")
             conv, attn = _conv_rate() / flops, _attention_rate() / flops
             progress(f"  conv {conv:.2f} and attention {attn:.2f} of the matmul rate")
+            kinds = _kind_bandwidth()
+            progress("  " + ", ".join(f"{k} ops {v / 1e9:.2f} GB/s" for k, v in kinds.items()))
         link_bw = link_lat = None
         if nproc > 1:
             times = launch(_allreduce_rank, nproc, _ALLREDUCE_BYTES)
@@ -128,6 +147,6 @@ def measure_profile(threads: int | None = None, nproc: int = 2, progress: Callab
             link_lat = max(0.0, intercept / (2 * (nproc - 1)))
             progress(f"  all-reduce over {nproc} processes: {link_bw / 1e9:.2f} GB/s, {link_lat * 1e6:.1f} us")
         return MachineProfile(f"cpu ({torch.get_num_threads()} threads)", torch.get_num_threads(), flops, k0, bw,
-                              overhead, conv, attn, link_bw, link_lat, nproc if nproc > 1 else None)
+                              overhead, conv, attn, link_bw, link_lat, nproc if nproc > 1 else None, kinds)
     finally:
         torch.set_num_threads(old)
