@@ -34,7 +34,8 @@ The conversion (what every planner and the arena executor of ``lower/arena.py`` 
 - **Random ops** (dropout, bernoulli, rand, ...) keep their relative program order through ``after``
   edges (option ``keep_random_order``, default on), so a reordered step draws the same random numbers.
 - **Roles** (as the categories of ``cost/memory.py``): LOSS is the node producing the loss's root;
-  OPTIMIZER are nodes reading an OPT_STATE input or producing a new state value, nodes after the loss
+  OPTIMIZER are nodes reading an OPT_STATE input, nodes after the loss producing a new state value
+  (before the loss that is a forward op, e.g. BatchNorm's running statistics), nodes after the loss
   that read (through views) a value an optimizer node made (bias corrections, ``sqrt`` of the new second
   moment), and nodes after the loss that read a state input and feed only optimizer nodes (weight
   decay); FORWARD is every other node up to the loss node, BACKWARD every other node after it. Without
@@ -274,7 +275,8 @@ def _roles(graph: Graph, node_roots: list[list[int]], root: dict[int, int], born
     opt_made: set[int] = set(opt_inputs)   # roots produced by optimizer nodes (and optimizer-state inputs)
     for i, node in enumerate(nodes):       # forward: what reads optimizer values after the loss is optimizer
         refs = [r.id for r in node.input_refs()]
-        opt = any(r in opt_inputs for r in refs) or any(v in state_out for v in node.outputs if v is not None)
+        opt = any(r in opt_inputs for r in refs) or \
+            (i > boundary and any(v in state_out for v in node.outputs if v is not None))
         if not opt and i > boundary and any(r in opt_made for r in node_roots[i]):
             opt = True
         is_opt[i] = opt
