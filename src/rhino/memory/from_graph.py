@@ -37,8 +37,8 @@ The conversion (what every planner and the arena executor of ``lower/arena.py`` 
   OPTIMIZER are nodes reading an OPT_STATE input, nodes after the loss producing a new state value
   (before the loss that is a forward op, e.g. BatchNorm's running statistics), nodes after the loss
   that read (through views) a value an optimizer node made (bias corrections, ``sqrt`` of the new second
-  moment), and nodes after the loss that read a state input and feed only optimizer nodes (weight
-  decay); FORWARD is every other node up to the loss node, BACKWARD every other node after it. Without
+  moment), and nodes after the loss that read a state input but no forward activation or batch input and
+  feed only optimizer nodes (weight decay); FORWARD is every other node up to the loss node, BACKWARD every other node after it. Without
   a loss output every node is FORWARD.
 
 Relation to ``cost.memory.estimate_memory`` (tested): with ``inplace_state=False`` and ``align=1`` the
@@ -271,6 +271,7 @@ def _roles(graph: Graph, node_roots: list[list[int]], root: dict[int, int], born
     opt_inputs = {i.value for i in graph.inputs if i.role is Role.OPT_STATE}
     state_out = {o.value for o in graph.outputs if o.role in STATE_ROLES}
     state_in = {i.value for i in graph.inputs if i.role in STATE_ROLES}
+    batch = {i.value for i in graph.inputs if i.role is Role.BATCH}
     is_opt = [False] * n
     opt_made: set[int] = set(opt_inputs)   # roots produced by optimizer nodes (and optimizer-state inputs)
     for i, node in enumerate(nodes):       # forward: what reads optimizer values after the loss is optimizer
@@ -289,7 +290,8 @@ def _roles(graph: Graph, node_roots: list[list[int]], root: dict[int, int], born
             continue
         rroots = node_roots[i]
         opt = is_opt[i]
-        if not opt and i > boundary and any(r in state_in for r in rroots):
+        if not opt and i > boundary and any(r in state_in for r in rroots) and \
+                not any(r in batch or born.get(r, boundary + 1) <= boundary for r in rroots):  # no activation
             outs = [root[v] for v in nodes[i].outputs if v is not None]
             opt = bool(outs) and all(o in opt_consumed and o not in other_consumed for o in outs)
         is_opt[i] = opt
