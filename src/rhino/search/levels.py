@@ -39,6 +39,7 @@ class LevelResult:
     over: int
     status: str
     steps: list[dict] = field(default_factory=list)
+    o1_choice: list[int] = field(default_factory=list)   # O1's answer (O2 starts from it)
 
 
 def solve_problem(p: Problem, options: SearchOptions, *, deadline: float, start: list[int] | None = None,
@@ -57,6 +58,7 @@ def solve_problem(p: Problem, options: SearchOptions, *, deadline: float, start:
         steps += [dict(s, level="O1") for s in d1.steps]
         if score(p, d1.choice) < score(p, choice):
             choice, status = d1.choice, status + " + descent"
+    o1_choice = list(choice)
     if options.level is Level.O2:
         d2 = descend(p, start=choice, rounds=3, step_time_limit=max(0.5, budget * 0.4 / ndim),
                      deadline=now + budget * 0.7, workers=options.workers)
@@ -71,4 +73,4 @@ def solve_problem(p: Problem, options: SearchOptions, *, deadline: float, start:
             if j.choice and score(p, j.choice) < score(p, choice):
                 choice, status = j.choice, "O2 joint"
     over, obj = score(p, choice)
-    return LevelResult(choice, obj, int(over), status, steps)
+    return LevelResult(choice, obj, int(over), status, steps, o1_choice)

@@ -46,7 +46,7 @@ class SearchOptions:
     #: Identical layers (structural hashing) share one set of ILP variables.
     tie_layers: bool = True
     #: Rounds of neighbourhood refinement in the structural hash (larger: fewer, safer ties).
-    tie_radius: int = 3
+    tie_radius: int = 1
     #: Drop a cone strategy whose costs, produced and required shardings equal an earlier one's.
     dedupe_candidates: bool = True
 

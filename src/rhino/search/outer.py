@@ -31,6 +31,7 @@ from ..ir.graph import Graph
 from ..sharding.mesh import Mesh
 from ..sharding.plan import ShardingPlan
 from .coarsen import Cones, build_cones
+from .ilp import memory_over, row_bytes
 from .levels import solve_problem
 from .segments import critical_classes
 from .options import Level, SearchOptions
@@ -61,6 +62,19 @@ class Candidate:
     status: str = ""
     problem: dict = field(default_factory=dict)
     steps: list = field(default_factory=list)
+    model_peak: float = 0.0              # the ILP model's memory peak (its rows, conservative)
+    pricer: Callable | None = field(default=None, repr=False)
+
+    def price(self) -> Estimate:
+        """The cost model's estimate of the plan (computed once)."""
+        if self.estimate is None or self.estimate_plan is not self.plan:
+            self.estimate = self.pricer(self.plan)
+            self.estimate_plan = self.plan
+            self.plan.meta.update({"predicted_step_seconds": self.estimate.step_seconds,
+                                   "predicted_peak_bytes": self.estimate.memory_bytes["peak"]})
+        return self.estimate
+
+    estimate_plan: object = field(default=None, repr=False)
 
     @property
     def fits(self) -> bool:
@@ -121,26 +135,49 @@ def search_mesh(graph: Graph, cluster: Cluster, mesh: Mesh, options: SearchOptio
     say("solve", {"mesh": str(mesh), **p.size()})
     critical = critical_classes(graph, cones, b.boundary)
     sol = solve_problem(p, options, deadline=deadline, critical=critical)
+    meta = {"level": options.level.value, "recompute": recompute, "cluster": str(cluster)}
     plan = b.assemble(sol.choice, f"search {options.level.value} mesh {mesh}")
-    est = estimate(graph, cluster, b.resolved(plan), recompute=recompute)
+    plan.meta.update(meta)
+    model_peak = p.capacity + memory_over(p, sol.choice)
+    cand = Candidate(mesh, recompute, plan, None, 0.0, sol.objective, sol.status, p.size(), sol.steps,
+                     model_peak=model_peak, pricer=lambda pl: estimate(graph, cluster, b.resolved(pl),
+                                                                        recompute=recompute))
+    if model_peak > MODEL_MEMORY_SLACK * p.capacity:
+        # the model's rows alone are over capacity (and they err only on the safe side by a little):
+        # leave the exact pricing for later, in case no mesh fits and this is the best there is
+        cand.seconds = time.perf_counter() - t0
+        say("scored", {"mesh": str(mesh), "step_seconds": sol.objective, "fits": False, "peak": model_peak})
+        return cand
+    est = cand.price()
+    if sol.o1_choice and sol.o1_choice != sol.choice and memory_over(p, sol.o1_choice) <= 0:
+        # O2 starts from O1's plan; where the model and the exact price disagree, keep the better one
+        first = b.assemble(sol.o1_choice, f"search {options.level.value} mesh {mesh}")
+        first.meta.update(meta)
+        alt = cand.pricer(first)
+        if (not alt.fits, alt.step_seconds) < (not est.fits, est.step_seconds):
+            cand.plan, cand.estimate, cand.estimate_plan, est = first, alt, first, alt
+            first.meta.update({"predicted_step_seconds": alt.step_seconds,
+                               "predicted_peak_bytes": alt.memory_bytes["peak"]})
+            cand.status = "O1 (kept: priced faster than the O2 refinement)"
+            sol.choice = sol.o1_choice
     rounds = 0
     while not est.fits and rounds < options.memory_rounds and sol.choice:
         rounds += 1
         i = _peak_index(graph, b.resolved(plan))
         row = b.memory_row(i)
-        modelled = row.const + sum(coefs[sol.choice[k]] for k, coefs in row.coef.items())
+        modelled = row_bytes(row, sol.choice)
         row.const += max(0, est.memory_bytes["peak"] - modelled)
         p.memory.append(row)
         say("refit", {"mesh": str(mesh), "round": rounds, "node": graph.nodes[i].name})
         sol = solve_problem(p, options, deadline=max(deadline, time.perf_counter() + 1.0), start=sol.choice,
                             critical=critical)
+        if memory_over(p, sol.choice) > 0:
+            break               # the model cannot make it fit either: no point pricing again
         plan = b.assemble(sol.choice, f"search {options.level.value} mesh {mesh}")
-        est = estimate(graph, cluster, b.resolved(plan), recompute=recompute)
-    plan.meta.update({"level": options.level.value, "recompute": recompute,
-                      "predicted_step_seconds": est.step_seconds, "predicted_peak_bytes": est.memory_bytes["peak"],
-                      "cluster": str(cluster)})
-    cand = Candidate(mesh, recompute, plan, est, time.perf_counter() - t0, sol.objective, sol.status, p.size(),
-                     sol.steps)
+        plan.meta.update(meta)
+        cand.plan, cand.model_seconds, cand.status, cand.steps = plan, sol.objective, sol.status, sol.steps
+        est = cand.price()
+    cand.seconds = time.perf_counter() - t0
     say("scored", {"mesh": str(mesh), "step_seconds": est.step_seconds, "fits": est.fits,
                    "peak": est.memory_bytes["peak"]})
     return cand
@@ -167,9 +204,20 @@ def search(graph: Graph, cluster: Cluster, options: SearchOptions = SearchOption
     fitting = [c for c in cands if c.fits]
     seconds = time.perf_counter() - t0
     if not fitting:
-        raise NoPlanFits(no_fit_message(graph, cluster, cands), min(cands, key=_peak) if cands else None)
+        unpriced = sorted((c for c in cands if c.estimate is None), key=lambda c: c.model_peak)
+        for c in unpriced[:2]:      # the least-memory candidates, priced for the message
+            c.price()
+        fitting = [c for c in cands if c.fits]
+    if not fitting:
+        priced = [c for c in cands if c.estimate is not None]
+        raise NoPlanFits(no_fit_message(graph, cluster, priced), min(priced, key=_peak) if priced else None)
     best = min(fitting, key=lambda c: c.step_seconds)
     return SearchResult(best.plan, best.estimate, options.level, seconds, cands, best, cones)
+
+
+#: A candidate whose model memory peak is over this many times capacity is not priced exactly unless
+#: nothing fits (the model's rows overestimate by under 15% in the tests).
+MODEL_MEMORY_SLACK = 1.15
 
 
 def _peak(c: Candidate) -> float:

@@ -178,17 +178,25 @@ class Builder:
             else:
                 self.other_out[o.value] = self.other_out.get(o.value, 0) + 1
         self._redist: dict[tuple, float] = {}
+        self._sids: dict = {}
         self._time: dict[tuple, float] = {}
         self.derived: list[list[Derived]] = []
         self.candidates: list[list] = []
         self.problem: Problem | None = None
 
     # -- pricing -------------------------------------------------------------------------------
+    def sid(self, sh: Sharding) -> int:
+        """A small integer for a sharding (cheap cache keys)."""
+        k = self._sids.get(sh)
+        if k is None:
+            k = self._sids[sh] = len(self._sids)
+        return k
+
     def redist(self, vid: int, src: Sharding, dst: Sharding) -> float:
-        if src == dst:
+        if src is dst or src == dst:
             return 0.0
         t = self.graph.types[vid]
-        key = (t.shape, t.dtype.itemsize, src, dst)
+        key = (t.shape, t.dtype.itemsize, self.sid(src), self.sid(dst))
         hit = self._redist.get(key)
         if hit is None:
             steps = None
@@ -571,7 +579,7 @@ class Builder:
             if not (b <= node <= last[s]) or last[s] < 0:
                 continue
             t = self.graph.types[s]
-            scale = self.activation_scale(s) if 0 <= b <= self.boundary < last[s] and node > self.boundary else 1.0
+            scale = self.activation_scale(s) if 0 <= b <= self.boundary < last[s] else 1.0
             if s in self.graph.constants:
                 const += t.nbytes
                 continue

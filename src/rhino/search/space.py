@@ -64,17 +64,25 @@ def fused_chunks(graph: Graph) -> set[tuple[int, int]]:
 class _Info:
     __slots__ = ("call", "ann", "sizes", "shapes", "sig", "kind", "linear", "refs")
 
-    def __init__(self, graph: Graph, node) -> None:
+    def __init__(self, graph: Graph, node, same: "dict | None" = None) -> None:
+        """``same``: signature -> an _Info already made for an identical call (its rules are shared)."""
         self.refs = node.input_refs()
+        self.sig = call_signature(graph, node)
+        twin = same.get(self.sig) if same is not None else None
         self.call = call_of(graph, node)
+        if twin is not None:
+            self.ann, self.shapes, self.sizes, self.kind, self.linear = \
+                twin.ann, twin.shapes, twin.sizes, twin.kind, twin.linear
+            return
         self.ann = annotate(self.call)
         self.shapes = [t.shape for t in self.call.in_types]
         self.sizes = letter_sizes(self.ann, self.shapes) if self.ann is not None else {}
-        self.sig = call_signature(graph, node)
         opdef = lookup(node.op)
         self.kind = opdef.kind if opdef is not None else OpKind.OPAQUE
         n_in = len(self.shapes)
         self.linear = partial_inputs(node.op, self.kind is OpKind.VIEW, n_in, node.args) if self.ann else []
+        if same is not None:
+            same[self.sig] = self
 
 
 class Space:
@@ -86,10 +94,11 @@ class Space:
         self.graph, self.mesh, self.options = graph, mesh, options
         self.none = (None,) * mesh.ndim
         if like is not None:
-            self.fused, self._info = like.fused, like._info
+            self.fused, self._info, self._same = like.fused, like._info, like._same
         else:
             self.fused = fused_chunks(graph) if options.strided_splits else set()
             self._info: dict[int, _Info] = {}
+            self._same: dict[tuple, _Info] = {}
         self._ns: dict[tuple, NodeShardings | None] = {}
         self._cands: dict[tuple, list[tuple]] = {}
         self._inputs: dict[tuple, list[Sharding]] = {}
@@ -98,7 +107,7 @@ class Space:
     def info(self, i: int) -> _Info:
         inf = self._info.get(i)
         if inf is None:
-            inf = self._info[i] = _Info(self.graph, self.graph.nodes[i])
+            inf = self._info[i] = _Info(self.graph, self.graph.nodes[i], self._same)
         return inf
 
     def shardings(self, i: int, strategy: tuple) -> NodeShardings | None:
