@@ -108,11 +108,22 @@ def _attention_rate() -> float:
 
 
 def _allreduce_rank(ctx, sizes: tuple[int, ...]) -> list[float]:
+    """Median seconds per all-reduce at each size. Every rank makes the same number of calls (a count
+    chosen per size, not adaptively), else the collectives would not match up."""
     out = []
     for nbytes in sizes:
         x = torch.ones(nbytes // 4)
-        dist.barrier()
-        out.append(time_call(lambda: dist.all_reduce(x), min_seconds=0.02, repeats=5))
+        calls = max(2, min(50, (4 << 20) // nbytes))
+        for _ in range(2):
+            dist.all_reduce(x)
+        samples = []
+        for _ in range(5):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(calls):
+                dist.all_reduce(x)
+            samples.append((time.perf_counter() - t0) / calls)
+        out.append(statistics.median(samples))
     return out
 
 
