@@ -31,9 +31,14 @@ class SearchOptions:
     #: Parameters, gradients' optimizer state and buffers may be sharded (ZeRO emerges from this).
     shard_state: bool = True
 
-    #: Price redistributions with the exact planner (``plan_redistribution``) on multi-axis meshes
-    #: too. Off: one collective per axis (``problem.quick_steps``); final plans are priced exactly anyway.
+    #: Price redistributions with the exact planner on multi-axis meshes too (several times slower to
+    #: build). Off: ``problem.quick_steps``, one collective per axis in a good order; plans are priced
+    #: exactly at the end anyway.
     exact_redistribution: bool = False
+    #: Reuse the steps the exact planner (``plan_redistribution``) found for one tensor to price
+    #: another of the same rank with the same shardings (re-planned when they do not fit its shape).
+    #: Off: every shape is planned (several times slower on two-axis meshes; same costs in practice).
+    reuse_redistribution_plans: bool = True
 
     # -- coarsening and reuse ------------------------------------------------------------------
     #: Cones: a node whose one big input comes from inside a cone joins that cone and takes the

@@ -10,7 +10,9 @@ strategies are derived (``Space``) and priced with the cost model's own function
   vocabulary-parallel custom lowerings, and new state brought back to its input's sharding;
 - per value that crosses cones, a *term*: the producer cone class's choice gives the value's sharding
   ``sigma``, each consumer cone class's choice the shardings ``tau`` it needs; ``cost[sigma][tau]``
-  is the redistribution time, paid once per distinct ``tau`` (the lowering keeps one copy per
+  is the redistribution time (on multi-axis meshes ``quick_steps``; with ``exact_redistribution`` the
+  exact planner's steps, and with ``reuse_redistribution_plans`` the steps planned for one tensor are
+  priced again for others of the same rank and shardings), paid once per distinct ``tau`` (the lowering keeps one copy per
   value and sharding). Identical terms of tied layers are merged with a multiplicity;
 - memory rows: at chosen nodes, the bytes of every storage live there (the liveness model of
   ``cost.memory``: views alias, state lives all step, the new state coexists with the old) as a
@@ -34,7 +36,7 @@ from ..cost.step import _CUSTOM_ROW_REDUCES, NodeCost, loss_index, node_scale
 from ..ir.graph import Graph, Role
 from ..ir.registry import OpKind, lookup
 from ..sharding.mesh import Mesh
-from ..sharding.placement import Partial, ReduceOp, Shard, Sharding, local_shape, replicated
+from ..sharding.placement import Partial, ReduceOp, Replicate, Shard, Sharding, local_shape, replicated
 from ..sharding.plan import ResolvedPlan, ShardingPlan
 from ..sharding.redistribute import plan_redistribution
 from ..sharding.rules import PASS, split_letter
@@ -43,7 +45,7 @@ from .coarsen import Cone, ConeKind, Cones, build_cones
 from .options import SearchOptions
 from .space import Space, normalize
 
-__all__ = ["KINDS", "Derived", "Term", "CopyTerm", "MemRow", "Problem", "Builder", "quick_steps", "copy_bytes"]
+__all__ = ["KINDS", "Derived", "Term", "CopyTerm", "MemRow", "Problem", "Builder", "copy_bytes", "quick_steps"]
 
 KINDS = ("blocking", "gradient", "prefetch", "state")
 
@@ -119,30 +121,85 @@ class Problem:
                 "memory_rows": len(self.memory)}
 
 
-def quick_steps(src: Sharding, dst: Sharding, mesh: Mesh) -> list:
-    """A cheap stand-in for ``plan_redistribution`` on multi-axis meshes (rule ``exact_redistribution``
-    off): per axis the one collective its placements call for (Partial -> Shard: reduce-scatter,
-    Partial -> Replicate: all-reduce, Shard -> Shard: all-to-all, Shard -> Replicate: all-gather,
-    Replicate -> Shard: local slice), ordered so the tensor shrinks before it grows (slices,
-    reduce-scatters, all-to-alls, all-reduces, all-gathers). Used for pricing only; the lowering plans
-    exactly, and every returned plan is priced exactly."""
-    order: list[list] = [[], [], [], [], []]
+def quick_steps(src: Sharding, dst: Sharding, mesh: Mesh) -> list[list]:
+    """Cheap stand-ins for ``plan_redistribution`` on multi-axis meshes (rule ``exact_redistribution``
+    off), for pricing only (the lowering plans exactly; returned plans are priced exactly): slices and
+    reduce-scatters first (the tensor shrinks), then all-to-alls, then all-reduces, then all-gathers,
+    innermost or outermost axis first. When something is reduced, one more variant first slices along
+    the axes replicated on both sides and gathers back at the end (reducing a slice over a slow axis,
+    gathering over a fast one). The caller prices every variant and keeps the cheapest."""
+    n = mesh.sizes
+    slices, rs, a2a, ar, ag = [], [], [], [], []
     for a, (p, q) in enumerate(zip(src, dst)):
-        if mesh.sizes[a] == 1 or p == q:
+        if n[a] == 1 or p == q:
             continue
         if isinstance(p, Partial):
             if isinstance(q, Shard):
-                order[1].append(ReduceScatter(a, p.op, q.dim, q.blocks))
+                rs.append(ReduceScatter(a, p.op, q.dim, q.blocks))
             else:
-                order[3].append(AllReduce(a, p.op))
+                ar.append(AllReduce(a, p.op))
         elif isinstance(p, Shard):
-            if isinstance(q, Shard):
-                order[2].append(AllToAll(a, p.dim, p.blocks, q.dim, q.blocks))
-            else:
-                order[4].append(AllGather(a, p.dim, p.blocks))
+            (a2a if isinstance(q, Shard) else ag).append(
+                AllToAll(a, p.dim, p.blocks, q.dim, q.blocks) if isinstance(q, Shard) else AllGather(a, p.dim, p.blocks))
         elif isinstance(q, Shard):
-            order[0].append(LocalSlice(a, q.dim, q.blocks))
-    return [s for group in order for s in group]
+            slices.append(LocalSlice(a, q.dim, q.blocks))
+    out = []
+    for inner_first in (True, False):                 # gathers: innermost or outermost axis first
+        out.append(slices + rs + a2a + ar + sorted(ag, key=lambda s: -s.axis if inner_first else s.axis))
+    free = [b for b in range(mesh.ndim) if n[b] > 1 and isinstance(src[b], Replicate)
+            and isinstance(dst[b], (Replicate, Partial))]
+    if (ar or rs) and free:
+        # reduce only a slice along the axes that are replicated on both sides, gather it back after
+        out.append([LocalSlice(b, 0) for b in free] + slices + rs + a2a + ar +
+                   sorted(ag + [AllGather(b, 0) for b in free], key=lambda s: -s.axis))
+    if ar:
+        # an all-reduce as a reduce-scatter first and an all-gather last (the tensor is small between)
+        out.append(slices + rs + [ReduceScatter(s.axis, s.op, 0) for s in ar] + a2a +
+                   sorted(ag + [AllGather(s.axis, 0) for s in ar], key=lambda s: -s.axis))
+    for a, (p, q) in enumerate(zip(src, dst)):
+        if isinstance(q, Shard) and not isinstance(p, Shard):
+            for b in range(a + 1, mesh.ndim):
+                if n[b] > 1 and isinstance(src[b], Shard) and src[b].dim == q.dim and src[b].blocks == 1 \
+                        and (dst[b] == src[b] or not isinstance(dst[b], Shard)):
+                    # the new split nests outside one a later axis already made: re-lay it out
+                    extra = [AllToAll(b, q.dim, 1, q.dim, 1), AllToAll(a, q.dim, 1, q.dim, 1)]
+                    out = [v[:len(slices) + len(rs)] + extra + v[len(slices) + len(rs):] for v in out]
+                    break
+    return out
+
+
+def _volume(steps, local: float, sizes) -> float:
+    """Elements each rank sends (``redistribute.step_volume``'s ring formulas, in floats)."""
+    total = 0.0
+    for s in steps:
+        n = sizes[s.axis]
+        if isinstance(s, AllReduce):
+            total += 2 * (n - 1) / n * local
+        elif isinstance(s, ReduceScatter):
+            total += (n - 1) / n * local
+            local /= n
+        elif isinstance(s, AllGather):
+            total += (n - 1) * local
+            local *= n
+        elif isinstance(s, AllToAll):
+            total += (n - 1) / n * local
+        elif isinstance(s, LocalSlice):
+            local /= n
+    return total
+
+
+def _simple(src: Sharding, dst: Sharding, mesh: Mesh) -> bool:
+    """No tensor dim split by two axes and no dim moving between axes (``quick_steps`` is then close
+    to the exact planner; other pairs are planned exactly)."""
+    dims: dict[int, int] = {}
+    for sh in (src, dst):
+        seen = set()
+        for a, p in enumerate(sh):
+            if isinstance(p, Shard) and mesh.sizes[a] > 1:
+                if p.dim in seen or dims.setdefault(p.dim, a) != a:
+                    return False
+                seen.add(p.dim)
+    return True
 
 
 def copy_bytes(ct: CopyTerm, choice: list[int]) -> int:
@@ -179,6 +236,7 @@ class Builder:
                 self.other_out[o.value] = self.other_out.get(o.value, 0) + 1
         self._redist: dict[tuple, float] = {}
         self._sids: dict = {}
+        self._steps: dict[tuple, list] = {}     # (rank, src id, dst id) -> a planned step list
         self._time: dict[tuple, float] = {}
         self.derived: list[list[Derived]] = []
         self.candidates: list[list] = []
@@ -196,18 +254,34 @@ class Builder:
         if src is dst or src == dst:
             return 0.0
         t = self.graph.types[vid]
-        key = (t.shape, t.dtype.itemsize, self.sid(src), self.sid(dst))
+        s, d = self.sid(src), self.sid(dst)
+        key = (t.shape, t.dtype.itemsize, s, d)
         hit = self._redist.get(key)
         if hit is None:
-            steps = None
+            hit = None
             if self.mesh.ndim > 1 and not self.options.exact_redistribution:
-                steps = quick_steps(src, dst, self.mesh)
-                try:
-                    hit = steps_seconds(steps, t.shape, t.dtype.itemsize, src, self.mesh, self.links)
-                except ValueError:
-                    steps = None
-            if steps is None:
+                best = None
+                local = prod(local_shape(t.shape, src, self.mesh))
+                for steps in quick_steps(src, dst, self.mesh):
+                    try:
+                        secs = steps_seconds(steps, t.shape, t.dtype.itemsize, src, self.mesh, self.links)
+                    except ValueError:
+                        continue
+                    # as the exact planner: fewest bytes, then fewest steps (then the faster)
+                    rank = (round(_volume(steps, local, self.mesh.sizes), 6), len(steps), secs)
+                    if best is None or rank < best:
+                        best = rank
+                hit = best[2] if best is not None else None
+            if hit is None and self.options.reuse_redistribution_plans:
+                steps = self._steps.get((len(t.shape), s, d))
+                if steps is not None:
+                    try:
+                        hit = steps_seconds(steps, t.shape, t.dtype.itemsize, src, self.mesh, self.links)
+                    except ValueError:
+                        hit = None
+            if hit is None:
                 steps = plan_redistribution(t.shape, src, dst, self.mesh)
+                self._steps.setdefault((len(t.shape), s, d), steps)
                 hit = steps_seconds(steps, t.shape, t.dtype.itemsize, src, self.mesh, self.links)
             self._redist[key] = hit
         return hit
@@ -335,8 +409,9 @@ class Builder:
                 if d is None:
                     continue
                 if self.options.dedupe_candidates:
-                    key = (tuple(sorted(d.produced.items(), key=repr)), tuple(sorted(d.required.items())),
-                           d.compute, tuple(sorted(d.comm.items())))
+                    # (the dicts are filled in member order, the same for every candidate of a class)
+                    key = (tuple(d.produced.values()), tuple(d.required.values()), d.compute,
+                           tuple(d.comm.values()))
                     if key in seen:
                         continue
                     seen.add(key)
