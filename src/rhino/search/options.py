@@ -67,8 +67,6 @@ class SearchOptions:
     # -- O1 --------------------------------------------------------------------------------------
     #: Strategies kept per critical node as dynamic-programming states (the cheapest by a lower bound).
     boundary_states: int = 2
-    #: Repeated segments between identical critical nodes enter and leave in the same state.
-    periodic_segments: bool = True
     #: Data parallel first: when the data-parallel plan fits on a mesh axis that spans nodes, that axis
     #: stays data parallel (batch splits, optionally sharded optimizer state) and only the others are searched.
     dp_first: bool = True
@@ -78,9 +76,6 @@ class SearchOptions:
     max_mesh_axes: int = 2
     #: Consider activation recomputation: "auto" only when no plan fits without it, "never", "always".
     recompute: str = "auto"
-    #: Also score the expert presets' plans and keep one if it predicts faster than the search's
-    #: (the result says which). Off: only searched plans are returned.
-    keep_presets: bool = True
 
     def with_(self, **kw) -> "SearchOptions":
         return replace(self, **kw)

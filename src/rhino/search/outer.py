@@ -13,10 +13,18 @@
    constant) and the problem is solved again (``memory_rounds`` times at most).
 3. **Recomputation**: ``recompute="auto"`` tries ``full`` recomputation only when no mesh fits without
    it; "always" tries both for every mesh.
-4. The fastest plan that fits wins. Expert presets (``presets.preset_grid``) are scored separately
-   for comparison; with ``keep_presets`` a preset that beats the search is returned instead (the
-   result says so). When nothing fits, ``NoPlanFits`` names the best candidate's memory split and the
-   smallest cluster or batch that would fit.
+4. The fastest plan that fits wins. Expert presets (``experts.preset_grid``) are scored separately
+   for comparison (``rhino plan`` returns a preset instead when one is faster, and says so). When
+   nothing fits, ``NoPlanFits`` names the best candidate's memory split and the smallest cluster or
+   batch that would fit.
+
+Pipeline parallelism (a later issue) is one more outer dimension: for ``pp`` stages the stage mesh is
+``world / pp`` devices (``cost.estimate.stage_cluster``), the stage assignment is its own ILP over the
+forward cones (an integer stage per cone, ``stage(u) <= stage(v)`` on every value, balanced compute,
+cut bytes minimised; backward and optimizer cones follow their forward cones, as ``segments`` already
+attaches them), and each stage's subgraph is the same per-mesh problem (``search_mesh`` on the stage's
+nodes with the boundary values as inputs and outputs); ``cost.estimate``'s ``pp``/``microbatches``
+price the result. Nothing in the per-mesh problem changes.
 """
 from __future__ import annotations
 

@@ -10,17 +10,17 @@ strategies are derived (``Space``) and priced with the cost model's own function
   vocabulary-parallel custom lowerings, and new state brought back to its input's sharding;
 - per value that crosses cones, a *term*: the producer cone class's choice gives the value's sharding
   ``sigma``, each consumer cone class's choice the shardings ``tau`` it needs; ``cost[sigma][tau]``
-  is the redistribution time (on multi-axis meshes ``quick_steps``; with ``exact_redistribution`` the
-  exact planner's steps, and with ``reuse_redistribution_plans`` the steps planned for one tensor are
-  priced again for others of the same rank and shardings), paid once per distinct ``tau`` (the lowering keeps one copy per
-  value and sharding). Identical terms of tied layers are merged with a multiplicity;
-- memory rows: at chosen nodes, the bytes of every storage live there (the liveness model of
-  ``cost.memory``: views alias, state lives all step, the new state coexists with the old) as a
-  function of the choice of the cone class that produces it.
+  is the redistribution time (on multi-axis meshes ``transfer.quick_steps``; with
+  ``exact_redistribution`` the exact planner's steps, and with ``reuse_redistribution_plans`` the
+  steps planned for one tensor are priced again for others of the same rank and shardings), paid
+  once per distinct ``tau`` (the lowering keeps one copy per value and sharding). Identical terms
+  of tied layers are merged with a multiplicity;
+- memory rows (``memrows``): at chosen nodes, the bytes of every storage and redistributed copy
+  live there, as a function of the choices of the cone classes.
 
 Communication kinds follow ``cost.step``'s overlap model: ``blocking`` (on the critical path),
-``gradient`` (a value made after the loss and read by an optimizer cone: overlaps the backward pass),
-``prefetch`` (a state input gathered: overlaps compute), ``state`` (new state brought back at the end).
+``gradient`` (a value made after the loss and read by an optimizer cone), ``prefetch`` (a state input
+gathered as it is: may start any time), ``state`` (new state brought back at the end).
 """
 from __future__ import annotations
 
@@ -30,22 +30,22 @@ from math import prod
 from ..cost.cluster import Cluster, axis_links
 from ..cost.collectives import step_seconds, steps_seconds
 from ..cost.compute import op_time
-from ..cost.memory import estimate_memory
-from ..cost.recompute import KEEP_KINDS, apply_recompute
-from ..cost.step import _CUSTOM_ROW_REDUCES, NodeCost, loss_index, node_scale
+from ..cost.step import _CUSTOM_ROW_REDUCES, loss_index, node_scale
 from ..ir.graph import Graph, Role
-from ..ir.registry import OpKind, lookup
 from ..sharding.mesh import Mesh
-from ..sharding.placement import Partial, ReduceOp, Replicate, Shard, Sharding, local_shape, replicated
+from ..sharding.placement import ReduceOp, Sharding, local_shape, replicated
 from ..sharding.plan import ResolvedPlan, ShardingPlan
 from ..sharding.redistribute import plan_redistribution
 from ..sharding.rules import PASS, split_letter
-from ..sharding.steps import AllGather, AllReduce, AllToAll, LocalSlice, ReduceScatter
+from ..sharding.steps import AllReduce
 from .coarsen import Cone, ConeKind, Cones, build_cones
+from .memrows import CopyTerm, MemoryRows, MemRow, copy_bytes
 from .options import SearchOptions
 from .space import Space, normalize
+from .transfer import quick_steps, volume
 
 __all__ = ["KINDS", "Derived", "Term", "CopyTerm", "MemRow", "Problem", "Builder", "copy_bytes", "quick_steps"]
+# (CopyTerm, MemRow, copy_bytes: memrows.py; quick_steps: transfer.py -- re-exported for the solvers)
 
 KINDS = ("blocking", "gradient", "prefetch", "state")
 
@@ -75,29 +75,6 @@ class Term:
 
 
 @dataclass
-class CopyTerm:
-    """Redistributed copies of values alive at a row's node: the lowering keeps one copy per value and
-    needed sharding from its first to its last use (``cost.memory``), so a copy to ``tau`` is alive
-    when a use at or before the node and a use at or after it both need ``tau`` and the producer did
-    not already make the value ``tau``."""
-
-    producer: int
-    sigma: list[int]                                   # producer candidate -> sharding index
-    before: list[tuple[int, list[tuple[int, ...]]]]    # (class, candidate -> needed sharding indices)
-    after: list[tuple[int, list[tuple[int, ...]]]]
-    nbytes: list[int]                                  # sharding index -> local bytes of a copy
-    count: int
-
-
-@dataclass
-class MemRow:
-    node: int                                # the node (index) this row checks
-    coef: dict[int, list[int]]               # class -> bytes per candidate
-    const: int
-    copies: list[CopyTerm] = field(default_factory=list)
-
-
-@dataclass
 class Problem:
     """Plain data for the solvers: choose one candidate per class."""
 
@@ -121,96 +98,7 @@ class Problem:
                 "memory_rows": len(self.memory)}
 
 
-def quick_steps(src: Sharding, dst: Sharding, mesh: Mesh) -> list[list]:
-    """Cheap stand-ins for ``plan_redistribution`` on multi-axis meshes (rule ``exact_redistribution``
-    off), for pricing only (the lowering plans exactly; returned plans are priced exactly): slices and
-    reduce-scatters first (the tensor shrinks), then all-to-alls, then all-reduces, then all-gathers,
-    innermost or outermost axis first. When something is reduced, one more variant first slices along
-    the axes replicated on both sides and gathers back at the end (reducing a slice over a slow axis,
-    gathering over a fast one). The caller prices every variant and keeps the cheapest."""
-    n = mesh.sizes
-    slices, rs, a2a, ar, ag = [], [], [], [], []
-    for a, (p, q) in enumerate(zip(src, dst)):
-        if n[a] == 1 or p == q:
-            continue
-        if isinstance(p, Partial):
-            if isinstance(q, Shard):
-                rs.append(ReduceScatter(a, p.op, q.dim, q.blocks))
-            else:
-                ar.append(AllReduce(a, p.op))
-        elif isinstance(p, Shard):
-            (a2a if isinstance(q, Shard) else ag).append(
-                AllToAll(a, p.dim, p.blocks, q.dim, q.blocks) if isinstance(q, Shard) else AllGather(a, p.dim, p.blocks))
-        elif isinstance(q, Shard):
-            slices.append(LocalSlice(a, q.dim, q.blocks))
-    out = []
-    for inner_first in (True, False):                 # gathers: innermost or outermost axis first
-        out.append(slices + rs + a2a + ar + sorted(ag, key=lambda s: -s.axis if inner_first else s.axis))
-    free = [b for b in range(mesh.ndim) if n[b] > 1 and isinstance(src[b], Replicate)
-            and isinstance(dst[b], (Replicate, Partial))]
-    if (ar or rs) and free:
-        # reduce only a slice along the axes that are replicated on both sides, gather it back after
-        out.append([LocalSlice(b, 0) for b in free] + slices + rs + a2a + ar +
-                   sorted(ag + [AllGather(b, 0) for b in free], key=lambda s: -s.axis))
-    if ar:
-        # an all-reduce as a reduce-scatter first and an all-gather last (the tensor is small between)
-        out.append(slices + rs + [ReduceScatter(s.axis, s.op, 0) for s in ar] + a2a +
-                   sorted(ag + [AllGather(s.axis, 0) for s in ar], key=lambda s: -s.axis))
-    for a, (p, q) in enumerate(zip(src, dst)):
-        if isinstance(q, Shard) and not isinstance(p, Shard):
-            for b in range(a + 1, mesh.ndim):
-                if n[b] > 1 and isinstance(src[b], Shard) and src[b].dim == q.dim and src[b].blocks == 1 \
-                        and (dst[b] == src[b] or not isinstance(dst[b], Shard)):
-                    # the new split nests outside one a later axis already made: re-lay it out
-                    extra = [AllToAll(b, q.dim, 1, q.dim, 1), AllToAll(a, q.dim, 1, q.dim, 1)]
-                    out = [v[:len(slices) + len(rs)] + extra + v[len(slices) + len(rs):] for v in out]
-                    break
-    return out
-
-
-def _volume(steps, local: float, sizes) -> float:
-    """Elements each rank sends (``redistribute.step_volume``'s ring formulas, in floats)."""
-    total = 0.0
-    for s in steps:
-        n = sizes[s.axis]
-        if isinstance(s, AllReduce):
-            total += 2 * (n - 1) / n * local
-        elif isinstance(s, ReduceScatter):
-            total += (n - 1) / n * local
-            local /= n
-        elif isinstance(s, AllGather):
-            total += (n - 1) * local
-            local *= n
-        elif isinstance(s, AllToAll):
-            total += (n - 1) / n * local
-        elif isinstance(s, LocalSlice):
-            local /= n
-    return total
-
-
-def _simple(src: Sharding, dst: Sharding, mesh: Mesh) -> bool:
-    """No tensor dim split by two axes and no dim moving between axes (``quick_steps`` is then close
-    to the exact planner; other pairs are planned exactly)."""
-    dims: dict[int, int] = {}
-    for sh in (src, dst):
-        seen = set()
-        for a, p in enumerate(sh):
-            if isinstance(p, Shard) and mesh.sizes[a] > 1:
-                if p.dim in seen or dims.setdefault(p.dim, a) != a:
-                    return False
-                seen.add(p.dim)
-    return True
-
-
-def copy_bytes(ct: CopyTerm, choice: list[int]) -> int:
-    """Bytes of the copies of ``ct`` alive under ``choice``."""
-    s = ct.sigma[choice[ct.producer]]
-    tb = {t for uc, need in ct.before for t in need[choice[uc]]}
-    ta = {t for uc, need in ct.after for t in need[choice[uc]]}
-    return ct.count * sum(ct.nbytes[t] for t in tb & ta if t != s)
-
-
-class Builder:
+class Builder(MemoryRows):
     """Builds the ``Problem`` of ``graph`` on ``mesh`` and ``cluster``; turns a choice into a plan."""
 
     def __init__(self, graph: Graph, mesh: Mesh, cluster: Cluster, options: SearchOptions = SearchOptions(),
@@ -268,7 +156,7 @@ class Builder:
                     except ValueError:
                         continue
                     # as the exact planner: fewest bytes, then fewest steps (then the faster)
-                    rank = (round(_volume(steps, local, self.mesh.sizes), 6), len(steps), secs)
+                    rank = (round(volume(steps, local, self.mesh.sizes), 6), len(steps), secs)
                     if best is None or rank < best:
                         best = rank
                 hit = best[2] if best is not None else None
@@ -555,188 +443,6 @@ class Builder:
         if all(cost[s][t] == 0 for s in set(sigma) for t in fixed_idx + [t for _, need in rest for n in need for t in n]):
             return None
         return Term(pc, sigma, rest, fixed_idx, cost, kind, count, self.graph.types[vid].shape, shardings)
-
-    def _recomputed(self, i: int) -> int:
-        """1 if recomputation runs forward node ``i`` again (``cost.recompute``), else 0."""
-        if self.recompute == "full":
-            return 1
-        if self.recompute == "selective":
-            d = lookup(self.graph.nodes[i].op)
-            return int(d is not None and d.kind not in KEEP_KINDS)
-        return 0
-
-    def activation_scale(self, storage: int) -> float:
-        """Fraction of an activation's bytes kept under recomputation (``cost.recompute``): full keeps
-        the same share of every activation (its segment cuts), selective drops what cheap ops made."""
-        if self.recompute == "none":
-            return 1.0
-        if self.recompute == "selective":
-            p = self._producer().get(storage)
-            return 0.0 if p is not None and self._recomputed(p[0]) else 1.0
-        if "keep" not in self.shared:
-            mem = estimate_memory(self.graph)
-            eff = apply_recompute(self.graph, mem, [NodeCost("", 0.0, 0.0, "", 0.0)] * len(self.graph.nodes),
-                                  "full") if mem.activation_spans else None
-            self.shared["keep"] = eff.keep_fraction if eff is not None else 1.0
-        return self.shared["keep"]
-
-    # -- memory ------------------------------------------------------------------------------------
-    def liveness(self):
-        """(storage root of each value, birth index, last-use index) as in ``cost.memory``."""
-        if "live" in self.shared:
-            return self.shared["live"]
-        graph = self.graph
-        n = len(graph.nodes)
-        root: dict[int, int] = {}
-        born: dict[int, int] = {}
-        last: dict[int, int] = {}
-        for inp in graph.inputs:
-            root[inp.value] = inp.value
-            born[inp.value] = -1
-            last[inp.value] = -1 if inp.role is Role.BATCH else n
-        for v in graph.constants:
-            root.setdefault(v, v)
-            born.setdefault(v, -1)
-            last.setdefault(v, n)
-        for i, node in enumerate(graph.nodes):
-            rr = []
-            for r in self.space.info(i).refs:
-                s = root[r.id]
-                rr.append(s)
-                if last[s] < i:
-                    last[s] = i
-            d = lookup(node.op)
-            view = d is not None and d.kind is OpKind.VIEW and bool(rr)
-            for v in node.outputs:
-                if v is None:
-                    continue
-                if view:
-                    root[v] = rr[0]
-                else:
-                    root[v] = born[v] = v
-                    born[v] = i
-                    last[v] = i
-        for o in graph.outputs:
-            last[root[o.value]] = n
-        self.shared["live"] = (root, born, last)
-        return self.shared["live"]
-
-    def initial_checkpoints(self) -> list[int]:
-        n = len(self.graph.nodes)
-        if n == 0:
-            return []
-        points = {n - 1}
-        if self.boundary >= 0:
-            points.add(self.boundary)
-        if "timeline" not in self.shared:
-            self.shared["timeline"] = estimate_memory(self.graph).timeline
-        timeline = self.shared["timeline"]
-        peaks = [i for i in range(n) if (i == 0 or timeline[i] >= timeline[i - 1]) and
-                 (i == n - 1 or timeline[i] >= timeline[i + 1])]
-        peaks.sort(key=lambda i: -timeline[i])
-        gap = max(1, n // 50)   # peaks closer than this to a chosen one add little
-        chosen: list[int] = []
-        for i in peaks:
-            if len(chosen) >= self.options.memory_checkpoints:
-                break
-            if all(abs(i - j) >= gap for j in list(points) + chosen):
-                chosen.append(i)
-        points.update(chosen)
-        return sorted(points)
-
-    def memory_row(self, node: int) -> MemRow:
-        """The bytes live while ``node`` runs, per cone class and candidate (module docstring), and the
-        redistributed copies that may be alive there."""
-        root, born, last = self.liveness()
-        counts: dict[tuple, float] = {}
-        const = 0
-        for s, b in born.items():
-            if not (b <= node <= last[s]) or last[s] < 0:
-                continue
-            t = self.graph.types[s]
-            scale = self.activation_scale(s) if 0 <= b <= self.boundary < last[s] else 1.0
-            if s in self.graph.constants:
-                const += t.nbytes
-                continue
-            src = self.slot_of_value(s)
-            if src is None:
-                continue
-            c, slot = src
-            key = (self.cones.cones[c].cls, slot, t.shape, t.dtype.itemsize)
-            counts[key] = counts.get(key, 0.0) + scale
-        coef: dict[int, list[int]] = {}
-        for (pc, slot, shape, itemsize), count in counts.items():
-            row = coef.setdefault(pc, [0] * len(self.derived[pc]))
-            for c, d in enumerate(self.derived[pc]):
-                row[c] += int(count * prod(local_shape(shape, d.produced[slot], self.mesh)) * itemsize)
-        return MemRow(node, coef, const, self._copy_terms(node))
-
-    def value_uses(self) -> dict[int, list[tuple[int, tuple, int]]]:
-        """value id -> (cone, slot key, node index) of every node input that reads it."""
-        if "vuses" not in self.shared:
-            cones = self.cones
-            out: dict[int, list[tuple[int, tuple, int]]] = {}
-            for i in range(len(self.graph.nodes)):
-                c, pos = cones.cone_of_node[i], cones.pos_of_node[i]
-                for k, r in enumerate(self.space.info(i).refs):
-                    if r.id not in self.graph.constants:
-                        out.setdefault(r.id, []).append((c, ("m", pos, k), i))
-            self.shared["vuses"] = out
-        return self.shared["vuses"]
-
-    def _spans(self) -> list[tuple[int, int, int]]:
-        """(first use, last use, value) of every value read by a node."""
-        if "spans" not in self.shared:
-            self.shared["spans"] = [(min(u[2] for u in uses), max(u[2] for u in uses), vid)
-                                    for vid, uses in self.value_uses().items() if uses]
-        return self.shared["spans"]
-
-    def _copy_terms(self, node: int) -> list[CopyTerm]:
-        cls = [c.cls for c in self.cones.cones]
-        agg: dict[tuple, list] = {}
-        vuses = self.value_uses()
-        for lo, hi, vid in self._spans():
-            if lo > node or hi < node:
-                continue
-            uses = vuses[vid]
-            src = self.slot_of_value(vid)
-            if src is None:
-                continue
-            cp, pslot = src
-            before = tuple(sorted({(cls[c], slot) for c, slot, i in uses if i <= node}))
-            after = tuple(sorted({(cls[c], slot) for c, slot, i in uses if i >= node}))
-            key = (cls[cp], pslot, before, after)
-            entry = agg.get(key)
-            if entry is None:
-                agg[key] = [vid, 1]
-            else:
-                entry[1] += 1
-        out = []
-        for (pc, pslot, before, after), (vid, count) in agg.items():
-            shardings: list = []
-            index: dict = {}
-
-            def idx(sh) -> int:
-                k = index.get(sh)
-                if k is None:
-                    k = index[sh] = len(shardings)
-                    shardings.append(sh)
-                return k
-
-            sigma = [idx(d.produced[pslot]) for d in self.derived[pc]]
-            sides = []
-            for side in (before, after):
-                sides.append([(uc, [(idx(d.required[uslot]),) for d in self.derived[uc]]) for uc, uslot in side])
-            tb = {t for _, need in sides[0] for n in need for t in n}
-            ta = {t for _, need in sides[1] for n in need for t in n}
-            both = tb & ta
-            if not both or all(all(s == t for s in set(sigma)) for t in both):
-                continue
-            t = self.graph.types[vid]
-            nbytes = [prod(local_shape(t.shape, sh, self.mesh)) * t.dtype.itemsize if k in both else 0
-                      for k, sh in enumerate(shardings)]
-            out.append(CopyTerm(pc, sigma, sides[0], sides[1], nbytes, count))
-        return out
 
     # -- back to a plan ------------------------------------------------------------------------------
     def resolved(self, plan: ShardingPlan) -> ResolvedPlan:

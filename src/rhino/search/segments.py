@@ -14,8 +14,9 @@ dynamic program over the critical class's state (its candidate) ``s`` is
 fixed to ``s``. A segment solve is greedy propagation plus local search (``local``) on the classes
 with the boundary class frozen, which solves all segments of a chain at once (the classes of
 identical segments are the same classes). The ``boundary_states`` cheapest states of the most
-repeated critical class are tried (rule ``boundary_states``; ``periodic_segments`` makes every
-repeat of a segment enter and leave in the same state, which tying already implies).
+repeated critical class are tried (rule ``boundary_states``); the states of other critical classes
+(segments that do not repeat) are left to the local search rather than enumerated, which would
+multiply the starts.
 
 **Rules.** Repeated layers: one set of classes per layer kind (``tie_layers``). Data parallel first
 (``dp_first``): one more start splits the batch over every axis it divides and propagates that;
