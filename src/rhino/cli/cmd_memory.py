@@ -236,7 +236,7 @@ def write_report(problem, plan, out: Path) -> list[Path]:
     ax.set_xlabel("step")
     ax.set_ylabel("live bytes (MiB)")
     ax.set_title(f"memory over time: {problem.name}")
-    ax.legend(loc="upper left", fontsize=8)
+    ax.legend(loc="best", fontsize=8)
     fig.tight_layout()
     p = out / "memory_over_time.png"
     with quiet_warnings():
