@@ -1,0 +1,42 @@
+"""``rhino layout FILE.csv [--capacity C] [--time-limit S] [--out OUT.csv] [--json]``."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from .common import emit_json, status
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("layout", help="lay out buffers with fixed lifetimes in one arena (MiniMalloc CSV)")
+    p.add_argument("csv", metavar="FILE.csv", help="id,lower,upper,size rows (half-open lifetimes)")
+    p.add_argument("--capacity", type=int, help="find a layout within this many bytes (else minimise the height)")
+    p.add_argument("--time-limit", type=float, default=60.0, help="seconds for the exact search (default 60)")
+    p.add_argument("--out", help="write the instance with an offset column here")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    from ..memory.layout import LayoutStatus, solve_layout, validate_layout
+    from ..memory.layout_io import read_buffers, write_offsets
+    if args.capacity is not None and args.capacity < 0:
+        raise ValueError(f"--capacity must be >= 0, got {args.capacity}")
+    if args.time_limit <= 0:
+        raise ValueError(f"--time-limit must be positive, got {args.time_limit}")
+    if args.out and not Path(args.out).resolve().parent.exists():
+        raise FileNotFoundError(f"directory of --out {args.out!r} does not exist")
+    bufs = read_buffers(args.csv)
+    res = solve_layout(bufs, args.capacity, args.time_limit, progress=lambda m: status(m, not args.json))
+    valid = not validate_layout(bufs, res.offsets, args.capacity if res.status in (
+        LayoutStatus.OPTIMAL, LayoutStatus.FEASIBLE) else None)
+    fits = res.status in (LayoutStatus.OPTIMAL, LayoutStatus.FEASIBLE)
+    if args.out and fits:
+        write_offsets(args.out, bufs, res.offsets)
+    if args.json:
+        emit_json({"ok": fits, "status": res.status.value, "height": res.height, "lower_bound": res.lower_bound,
+                   "seconds": round(res.seconds, 3), "valid": valid, "buffers": len(bufs), "solver": res.solver,
+                   "out": args.out if fits else None})
+    else:
+        print(f"layout {res.status.value}: height={res.height} lower_bound={res.lower_bound} "
+              f"seconds={res.seconds:.2f}")
+    return 0 if fits else 1

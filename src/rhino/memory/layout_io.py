@@ -1,0 +1,73 @@
+"""MiniMalloc CSV instances: ``id,lower,upper,size[,alignment][,offset]`` with half-open lifetimes."""
+from __future__ import annotations
+
+import csv
+import os
+import tempfile
+from pathlib import Path
+
+from .layout import Buffer
+
+__all__ = ["read_buffers", "write_offsets"]
+
+_REQUIRED = ("id", "lower", "upper", "size")
+
+
+def read_buffers(path: str | Path) -> list[Buffer]:
+    """Buffers of a MiniMalloc CSV; a malformed row is a ValueError naming the file and line."""
+    path = Path(path)
+    if not path.exists():
+        raise FileNotFoundError(f"{path} does not exist")
+    with path.open(newline="") as f:
+        rows = list(csv.reader(f))
+    if not rows:
+        raise ValueError(f"{path.name} is empty; expected the header id,lower,upper,size")
+    header = [h.strip() for h in rows[0]]
+    missing = [k for k in _REQUIRED if k not in header]
+    if missing:
+        raise ValueError(f"{path.name} line 1: the header lacks {', '.join(missing)} (expected id,lower,upper,size)")
+    col = {k: header.index(k) for k in header}
+    out, seen = [], set()
+    for line, row in enumerate(rows[1:], start=2):
+        if not row or all(not c.strip() for c in row):
+            continue
+        if len(row) < len(header):
+            raise ValueError(f"{path.name} line {line}: {len(row)} fields, expected {len(header)}")
+        ident = row[col["id"]].strip()
+        if not ident:
+            raise ValueError(f"{path.name} line {line}: the id is empty")
+        vals = {"id": int(ident) if ident.lstrip("-").isdigit() else ident}
+        for k in ("lower", "upper", "size") + (("alignment",) if "alignment" in col else ()):
+            text = row[col[k]].strip()
+            try:
+                vals[k] = int(text)
+            except ValueError:
+                raise ValueError(f"{path.name} line {line}: {k} {text!r} is not an integer") from None
+        if vals["size"] < 0:
+            raise ValueError(f"{path.name} line {line}: size ({vals['size']}) must not be negative")
+        if vals["upper"] <= vals["lower"]:
+            raise ValueError(f"{path.name} line {line}: upper ({vals['upper']}) must be greater than lower "
+                             f"({vals['lower']})")
+        if vals.get("alignment", 1) < 1:
+            raise ValueError(f"{path.name} line {line}: alignment must be at least 1")
+        if vals["id"] in seen:
+            raise ValueError(f"{path.name} line {line}: id {vals['id']} appears twice")
+        seen.add(vals["id"])
+        out.append(Buffer(vals["id"], vals["lower"], vals["upper"], vals["size"], vals.get("alignment", 1)))
+    return out
+
+
+def write_offsets(path: str | Path, buffers: list[Buffer], offsets: dict) -> None:
+    """The instance with an ``offset`` column, written atomically."""
+    path = Path(path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", newline="") as f:
+            w = csv.writer(f)
+            w.writerow(["id", "lower", "upper", "size", "offset"])
+            for b in buffers:
+                w.writerow([b.id, b.lower, b.upper, b.size, offsets[b.id]])
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
