@@ -464,13 +464,13 @@ def test_plan_memory_valid_and_never_worse_on_training_graphs(seed):
     _layout()
     from rhino.memory.plan import plan_memory
 
-    p = training_problem(seed, layers=6 + 2 * seed, casts_first=seed == 2, updates_last=seed != 1)
+    p = training_problem(seed, layers=6 + 2 * seed, casts=seed != 0, casts_first=seed == 2, updates_last=seed != 1)
     msgs: list[str] = []
     plan = plan_memory(p, "O2", time_limit=4, progress=msgs.append)
     _check_plan(p, plan)
     assert msgs and plan.level == "O2"
-    if seed != 1:  # updates at the end of program order: reordering clearly lowers the peak
-        assert plan.height < 0.95 * plan.pytorch_live_peak
+    if seed == 0:  # big weights, updates at the end of program order: reordering clearly lowers the peak
+        assert plan.height < 0.7 * plan.pytorch_live_peak
     o1 = plan_memory(p, "O1")
     _check_plan(p, o1)
     assert plan.height <= max(o1.height, plan.heuristic_peak)

@@ -2,11 +2,12 @@
 
 1. Order (``order.order_ops``): heuristics and ROAM's rules, then (level ``O2``) exact CP-SAT windows,
    with about half of ``time_limit``.
-2. Layout of that order's buffers (``problem.buffers``): the greedy layouts of ``layout.py`` (every
-   ``GreedyOrder``), ROAM's cross-loss rule (option ``cross_loss_bottom``: the tensors live across the
-   loss are pre-placed at the bottom of the arena, the latest freed lowest, and the rest placed first
-   fit above and around them), and at ``O2`` the exact ``layout.solve_layout`` with the time left; the
-   lowest height wins.
+2. Layout of that order's buffers (``problem.buffers``): the greedy layouts of ``layout.py`` by size
+   and long-lived first, ROAM's cross-loss rule (option ``cross_loss_bottom``: the tensors live across
+   the loss are pre-placed at the bottom of the arena, the latest freed lowest, and the rest placed
+   first fit above and around them), and at ``O2`` ``layout.solve_layout`` (every greedy order, then
+   its exact CP-SAT search with the time left); the lowest height wins. Nothing more is tried once a
+   layout reaches the order's peak of live bytes (its lower bound).
 3. Baselines, computed on the same problem: PyTorch's program order (its live-bytes peak, and the
    caching-allocator simulation of ``allocator.py``), best-fit (program order + ``GreedyOrder.SIZE``
    layout, as XLA/TFLite) and ROAM's heuristic baseline (least-peak-first order +
@@ -105,17 +106,6 @@ def stacked_layout(bufs: Sequence[Buffer], bottom: Sequence[int], rest_key: Call
     return offsets
 
 
-def _best_greedy(bufs: list[Buffer], orders: Sequence[GreedyOrder]) -> tuple[dict[int, int], int, str]:
-    best: tuple[dict[int, int], int, str] | None = None
-    for go in orders:
-        offs = greedy_layout(bufs, order=go)
-        h = _height(bufs, offs)
-        if best is None or h < best[1]:
-            best = (offs, h, go.name)
-    assert best is not None
-    return best
-
-
 def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_limit: float = 60.0,
                 progress: Progress | None = None, options: OrderOptions | None = None) -> MemoryPlan:
     """Plan ``problem``: an order and a layout whose arena is as low as the level and time allow.
@@ -144,6 +134,7 @@ def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_l
     heu_bufs = buffers(problem, heu_order)
     heu_offsets = greedy_layout(heu_bufs, order=GreedyOrder.LONG_LIVED_FIRST)
     heu_height = _height(heu_bufs, heu_offsets)
+    t_base = time.perf_counter() - t0
     say(f"baselines: PyTorch {pt_live:,} B live, {alloc.peak_reserved:,} B reserved; best-fit {bf_height:,} B; "
         f"heuristic {heu_height:,} B")
 
@@ -156,25 +147,33 @@ def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_l
     say(f"order: peak {order_peak:,} B ({res.source}, {res.seconds:.1f}s); layout ...")
 
     # 2. layout
-    offsets, height, how = _best_greedy(bufs, list(GreedyOrder))
-    if opts.cross_loss_bottom and height > order_peak:
+    t_layout = time.perf_counter()
+    cands: list[tuple[dict[int, int], int, str]] = []
+    t_greedy = time.perf_counter()
+    for go in (GreedyOrder.SIZE, GreedyOrder.LONG_LIVED_FIRST):
+        offs = greedy_layout(bufs, order=go)
+        cands.append((offs, _height(bufs, offs), go.name))
+    t_greedy = (time.perf_counter() - t_greedy) / 2  # one greedy layout of this order
+    if opts.cross_loss_bottom and min(c[1] for c in cands) > order_peak:
         bottom = _cross_loss(problem, order)
         if bottom:
-            for name, key in (("cross_loss_bottom", None),
-                              ("cross_loss_bottom/long_lived", lambda b: (b.lower - b.upper, -b.size, b.id))):
-                offs = stacked_layout(bufs, bottom, key)
-                h = _height(bufs, offs)
-                if h < height:
-                    offsets, height, how = offs, h, name
-    if level is OptLevel.O2 and height > order_peak:
-        left = max(0.0, time_limit - (time.perf_counter() - t0))
-        if left > 0.05:
-            say(f"layout: greedy {height:,} B ({how}), lower bound {order_peak:,} B; exact search for {left:.0f}s")
-            lr = solve_layout(bufs, time_limit=left, progress=progress)
-            if lr.offsets and not validate_layout(bufs, lr.offsets):
-                h = _height(bufs, lr.offsets)
-                if h < height:
-                    offsets, height, how = dict(lr.offsets), h, f"exact ({lr.solver}, {lr.status})"
+            offs = stacked_layout(bufs, bottom)
+            cands.append((offs, _height(bufs, offs), "cross_loss_bottom"))
+    offsets, height, how = min(cands, key=lambda c: c[1])
+    left = max(0.0, time_limit - (time.perf_counter() - t0))
+    if level is OptLevel.O2 and height > order_peak and left < 5 * t_greedy + 1.0:
+        say(f"layout: greedy {height:,} B ({how}), lower bound {order_peak:,} B; no time left for the exact "
+            f"search (its greedy start alone takes about {4 * t_greedy:.0f}s)")
+    elif level is OptLevel.O2 and height > order_peak:
+        say(f"layout: greedy {height:,} B ({how}), lower bound {order_peak:,} B; other greedy orders and "
+            f"exact search for {left:.0f}s")
+        lr = solve_layout(bufs, time_limit=left, progress=progress)
+        if lr.offsets and not validate_layout(bufs, lr.offsets):
+            h = _height(bufs, lr.offsets)
+            if h < height:
+                offsets, height, how = dict(lr.offsets), h, f"{lr.solver} ({lr.status.value})"
+
+    t_layout = time.perf_counter() - t_layout
 
     # 3. never worse than the baselines
     source = "rhino"
@@ -198,4 +197,5 @@ def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_l
         heuristic_peak=heu_height, solve_seconds=secs, valid=True, level=level.value, source=source,
         order_source=res.source if source == "rhino" else source, layout_source=how,
         order_lower_bound=res.lower_bound, pytorch_peak_allocated=alloc.peak_allocated,
-        stats={"order_seconds": res.seconds, "windows": res.windows, "windows_improved": res.improved})
+        stats={"baseline_seconds": t_base, "order_seconds": res.seconds, "layout_seconds": t_layout,
+               "windows": res.windows, "windows_improved": res.improved})
