@@ -15,7 +15,7 @@ _LAZY = {
     "order_ops": "order", "program_order": "order", "rule_order": "order",
     "MemoryPlan": "plan", "plan_memory": "plan",
     "Buffer": "layout", "GreedyOrder": "layout", "LayoutResult": "layout", "greedy_layout": "layout",
-    "lower_bound": "layout", "solve_layout": "layout", "validate_layout": "layout",
+    "LayoutStatus": "layout", "lower_bound": "layout", "solve_layout": "layout", "validate_layout": "layout",
 }
 
 __all__ = [
