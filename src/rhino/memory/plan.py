@@ -172,7 +172,6 @@ def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_l
             h = _height(bufs, lr.offsets)
             if h < height:
                 offsets, height, how = dict(lr.offsets), h, f"{lr.solver} ({lr.status.value})"
-
     t_layout = time.perf_counter() - t_layout
 
     # 3. never worse than the baselines
