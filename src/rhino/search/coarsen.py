@@ -5,7 +5,8 @@ that ties identical layers.
 input (the tensor input with strictly the most elements; scalars and repeated uses of one value do not
 count) unless it is a driver (``space.DRIVER_KINDS``: matmul, convolution, attention, embedding,
 losses, opaque ops), which starts a cone of its own, as does a node with two or more equally big
-inputs (a residual add, a norm's backward). A cone is thus a driver (or a multi-input root) plus the
+inputs (a residual add, a norm's backward) and one that may not split its big input's first dim
+(batch norm: it cannot follow a batch split, so it chooses, e.g., a channel split). A cone is thus a driver (or a multi-input root) plus the
 chains of views, element-wise ops, norms and reductions hanging below it; its strategy is the
 driver's, the followers take their input as it arrives (``Space.follow``). A graph input is a cone
 too (its choice is its sharding), and the views of a parameter follow it.
@@ -89,11 +90,12 @@ def _primary(graph: Graph, node) -> int | None:
 
 
 def optimizer_closure(graph: Graph, producer: dict[int, int]) -> set[int]:
-    """``cost.step.optimizer_nodes`` (nodes that read optimizer state or make new state), plus the nodes
+    """``cost.step.optimizer_nodes`` after the loss (nodes that read optimizer state or make new state), plus the nodes
     after the loss whose non-scalar inputs all come from optimizer nodes (an update's arithmetic), plus
     those that read only state and feed only optimizer nodes (weight decay ``w * (1 - lr wd)``)."""
-    opt = set(optimizer_nodes(graph))
     boundary = loss_index(graph)
+    # forward nodes that update a buffer (batch-norm running statistics) are not optimizer nodes
+    opt = {i for i in optimizer_nodes(graph) if i > boundary}
     state = {i.value for i in graph.inputs if i.role in STATE_ROLES}
     nodes = graph.nodes
     for i in range(boundary + 1, len(nodes)):
@@ -116,6 +118,15 @@ def optimizer_closure(graph: Graph, producer: dict[int, int]) -> set[int]:
                 u in opt for v in outs for u in users.get(v, [])) and any(users.get(v) for v in outs):
             opt.add(i)
     return opt
+
+
+def _batch_fixed(space: Space, i: int, k: int) -> bool:
+    """The node may not split its input ``k``'s first dim (batch norm: statistics over the batch), so it
+    cannot follow a batch split: it chooses its own strategy (e.g. a channel split) instead."""
+    ann = space.info(i).ann
+    if ann is None or k >= len(ann.inputs) or not ann.inputs[k]:
+        return False
+    return all(x in ann.fixed for x in ann.inputs[k][0])
 
 
 def build_cones(graph: Graph, space: Space, options: SearchOptions = SearchOptions()) -> Cones:
@@ -201,6 +212,8 @@ def build_cones(graph: Graph, space: Space, options: SearchOptions = SearchOptio
         if cone_of_node[i] >= 0:
             continue
         k = None if (not options.cones or space.is_driver(i)) else _primary(graph, node)
+        if k is not None and _batch_fixed(space, i, k):
+            k = None
         if k is not None:
             vid = node.input_refs()[k].id
             src = cone_of_node[producer[vid]] if vid in producer else cone_of_input.get(

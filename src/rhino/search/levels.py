@@ -2,7 +2,8 @@
 
 - **O1** (``segments.solve_o1``): critical-node segments chained by dynamic programming over the
   boundary state, each solve a greedy propagation plus local search; data parallel first. Small
-  problems (``O1_DESCENT_CANDIDATES``) also get one short round of axis-wise descent.
+  problems (``O1_DESCENT_CANDIDATES``, ``O1_DESCENT_NODES``) also get one short round of axis-wise
+  descent.
 - **O2**: O1's plan, then rounds of axis-wise descent (``descent``: CP-SAT on one axis at a time)
   until a round changes nothing, then the joint ILP over all axes at once (``ilp.solve_ilp``), hinted
   with the descent's plan and given what is left of the budget; a solution is kept only if better.
@@ -29,6 +30,7 @@ JOINT_CANDIDATES = 800
 #: when the problem has at most this many candidates (small graphs, where a step takes well under a
 #: second; larger ones keep O1 solver-free).
 O1_DESCENT_CANDIDATES = 1200
+O1_DESCENT_NODES = 4000     # ... and the graph is small enough that building and pricing are quick
 O1_STEP_SECONDS = 1.0
 
 
@@ -52,7 +54,7 @@ def solve_problem(p: Problem, options: SearchOptions, *, deadline: float, start:
     status = f"O1 ({name})"
     steps = [{"axis": "all", "status": status, "objective": sc[1], "seconds": time.perf_counter() - now,
               "level": "O1"}]
-    if options.level is Level.O1 and sum(p.n_cands) <= O1_DESCENT_CANDIDATES:
+    if options.level is Level.O1 and sum(p.n_cands) <= O1_DESCENT_CANDIDATES and p.nodes <= O1_DESCENT_NODES:
         d1 = descend(p, start=choice, rounds=1, step_time_limit=O1_STEP_SECONDS,
                      deadline=min(deadline, time.perf_counter() + ndim * O1_STEP_SECONDS), workers=options.workers)
         steps += [dict(s, level="O1") for s in d1.steps]

@@ -72,6 +72,8 @@ class SearchOptions:
     dp_first: bool = True
 
     # -- outer search ----------------------------------------------------------------------------
+    #: O1 prices (with the cost model) only the meshes its model ranks best, this many.
+    o1_priced_meshes: int = 2
     #: Largest number of mesh axes tried.
     max_mesh_axes: int = 2
     #: Consider activation recomputation: "auto" only when no plan fits without it, "never", "always".
@@ -87,7 +89,9 @@ class SearchOptions:
             raise ValueError(f"recompute must be auto, never or always, got {self.recompute!r}")
         if not isinstance(self.level, Level):
             object.__setattr__(self, "level", Level(self.level))
-        if self.workers < 1 or self.tie_radius < 0 or self.boundary_states < 1 or self.max_mesh_axes < 1:
-            raise ValueError("workers, boundary_states and max_mesh_axes must be >= 1, tie_radius >= 0")
+        if self.workers < 1 or self.tie_radius < 0 or self.boundary_states < 1 or self.max_mesh_axes < 1 \
+                or self.o1_priced_meshes < 1:
+            raise ValueError("workers, boundary_states, max_mesh_axes and o1_priced_meshes must be >= 1, "
+                             "tie_radius >= 0")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")

@@ -3,8 +3,8 @@
 1. **Meshes** (``candidate_meshes``): the device count as one axis, and as two axes ``outer x inner``
    whose inner groups respect node boundaries (the inner size divides the devices per node, or is a
    whole number of nodes). Axes are named ``all``, or ``outer`` and ``inner``; ranks are row-major,
-   so the inner axis is the one inside a node. O1 keeps model parallelism inside a node (inner size at
-   most the devices per node).
+   so the inner axis is the one inside a node. O1 solves every mesh but prices only the
+   ``o1_priced_meshes`` its model ranks best.
 2. **Per mesh** (``search_mesh``): build the problem (``problem.Builder``: cones of the graph are
    shared by all meshes), solve it (O1: ``segments.solve_o1``; O2: that, then the axis-wise descent
    and the joint ILP, ``levels``), assemble the plan, and score it with ``cost.estimate.estimate`` (the
@@ -71,7 +71,9 @@ class Candidate:
     problem: dict = field(default_factory=dict)
     steps: list = field(default_factory=list)
     model_peak: float = 0.0              # the ILP model's memory peak (its rows, conservative)
+    model_peak_cap: float = 0.0          # the capacity the model planned for
     pricer: Callable | None = field(default=None, repr=False)
+    finish: Callable | None = field(default=None, repr=False)   # price it (and refit memory)
 
     def price(self) -> Estimate:
         """The cost model's estimate of the plan (computed once)."""
@@ -116,8 +118,6 @@ def candidate_meshes(cluster: Cluster, options: SearchOptions = SearchOptions())
                 continue
             if not (dpn % inner == 0 or inner % dpn == 0):
                 continue
-            if options.level is Level.O1 and inner > dpn:
-                continue
             out.append(Mesh(("outer", "inner"), (world // inner, inner)))
     return out
 
@@ -130,8 +130,9 @@ def _peak_index(graph: Graph, rp) -> int:
 
 def search_mesh(graph: Graph, cluster: Cluster, mesh: Mesh, options: SearchOptions, *, cones: Cones,
                 base: Space, fingerprint: str, recompute: str = "none", budget: float = 10.0,
-                progress: Progress | None = None, shared: dict | None = None) -> Candidate:
-    """Search one mesh (module docstring, step 2)."""
+                progress: Progress | None = None, shared: dict | None = None, price: bool = True) -> Candidate:
+    """Search one mesh (module docstring, step 2). ``price=False``: build and solve only; the returned
+    candidate's ``finish()`` prices it (and refits memory) later."""
     t0 = time.perf_counter()
     deadline = t0 + budget
     say = progress or (lambda event, info: None)
@@ -146,48 +147,54 @@ def search_mesh(graph: Graph, cluster: Cluster, mesh: Mesh, options: SearchOptio
     meta = {"level": options.level.value, "recompute": recompute, "cluster": str(cluster)}
     plan = b.assemble(sol.choice, f"search {options.level.value} mesh {mesh}")
     plan.meta.update(meta)
-    model_peak = p.capacity + memory_over(p, sol.choice)
     cand = Candidate(mesh, recompute, plan, None, 0.0, sol.objective, sol.status, p.size(), sol.steps,
-                     model_peak=model_peak, pricer=lambda pl: estimate(graph, cluster, b.resolved(pl),
-                                                                        recompute=recompute))
-    if model_peak > MODEL_MEMORY_SLACK * p.capacity:
+                     model_peak=p.capacity + memory_over(p, sol.choice), model_peak_cap=p.capacity,
+                     pricer=lambda pl: estimate(graph, cluster, b.resolved(pl), recompute=recompute))
+    cand.seconds = time.perf_counter() - t0
+
+    def finish() -> None:
+        nonlocal sol, plan
+        t1 = time.perf_counter()
+        est = cand.price()
+        if sol.o1_choice and sol.o1_choice != sol.choice and memory_over(p, sol.o1_choice) <= 0:
+            # O2 starts from O1's plan; where the model and the exact price disagree, keep the better one
+            first = b.assemble(sol.o1_choice, f"search {options.level.value} mesh {mesh}")
+            first.meta.update(meta)
+            alt = cand.pricer(first)
+            if (not alt.fits, alt.step_seconds) < (not est.fits, est.step_seconds):
+                cand.plan, cand.estimate, cand.estimate_plan, est = first, alt, first, alt
+                first.meta.update({"predicted_step_seconds": alt.step_seconds,
+                                   "predicted_peak_bytes": alt.memory_bytes["peak"]})
+                cand.status = "O1 (kept: priced faster than the O2 refinement)"
+                sol.choice = sol.o1_choice
+        rounds = 0
+        while not est.fits and rounds < options.memory_rounds and sol.choice:
+            rounds += 1
+            i = _peak_index(graph, b.resolved(cand.plan))
+            row = b.memory_row(i)
+            modelled = row_bytes(row, sol.choice)
+            row.const += max(0, est.memory_bytes["peak"] - modelled)
+            p.memory.append(row)
+            say("refit", {"mesh": str(mesh), "round": rounds, "node": graph.nodes[i].name})
+            sol = solve_problem(p, options, deadline=max(deadline, time.perf_counter() + 1.0), start=sol.choice,
+                                critical=critical)
+            if memory_over(p, sol.choice) > 0:
+                break               # the model cannot make it fit either: no point pricing again
+            plan = b.assemble(sol.choice, f"search {options.level.value} mesh {mesh}")
+            plan.meta.update(meta)
+            cand.plan, cand.model_seconds, cand.status, cand.steps = plan, sol.objective, sol.status, sol.steps
+            est = cand.price()
+        cand.seconds += time.perf_counter() - t1
+        say("scored", {"mesh": str(mesh), "step_seconds": est.step_seconds, "fits": est.fits,
+                       "peak": est.memory_bytes["peak"]})
+
+    cand.finish = finish
+    if cand.model_peak > MODEL_MEMORY_SLACK * p.capacity:
         # the model's rows alone are over capacity (and they err only on the safe side by a little):
         # leave the exact pricing for later, in case no mesh fits and this is the best there is
-        cand.seconds = time.perf_counter() - t0
-        say("scored", {"mesh": str(mesh), "step_seconds": sol.objective, "fits": False, "peak": model_peak})
-        return cand
-    est = cand.price()
-    if sol.o1_choice and sol.o1_choice != sol.choice and memory_over(p, sol.o1_choice) <= 0:
-        # O2 starts from O1's plan; where the model and the exact price disagree, keep the better one
-        first = b.assemble(sol.o1_choice, f"search {options.level.value} mesh {mesh}")
-        first.meta.update(meta)
-        alt = cand.pricer(first)
-        if (not alt.fits, alt.step_seconds) < (not est.fits, est.step_seconds):
-            cand.plan, cand.estimate, cand.estimate_plan, est = first, alt, first, alt
-            first.meta.update({"predicted_step_seconds": alt.step_seconds,
-                               "predicted_peak_bytes": alt.memory_bytes["peak"]})
-            cand.status = "O1 (kept: priced faster than the O2 refinement)"
-            sol.choice = sol.o1_choice
-    rounds = 0
-    while not est.fits and rounds < options.memory_rounds and sol.choice:
-        rounds += 1
-        i = _peak_index(graph, b.resolved(plan))
-        row = b.memory_row(i)
-        modelled = row_bytes(row, sol.choice)
-        row.const += max(0, est.memory_bytes["peak"] - modelled)
-        p.memory.append(row)
-        say("refit", {"mesh": str(mesh), "round": rounds, "node": graph.nodes[i].name})
-        sol = solve_problem(p, options, deadline=max(deadline, time.perf_counter() + 1.0), start=sol.choice,
-                            critical=critical)
-        if memory_over(p, sol.choice) > 0:
-            break               # the model cannot make it fit either: no point pricing again
-        plan = b.assemble(sol.choice, f"search {options.level.value} mesh {mesh}")
-        plan.meta.update(meta)
-        cand.plan, cand.model_seconds, cand.status, cand.steps = plan, sol.objective, sol.status, sol.steps
-        est = cand.price()
-    cand.seconds = time.perf_counter() - t0
-    say("scored", {"mesh": str(mesh), "step_seconds": est.step_seconds, "fits": est.fits,
-                   "peak": est.memory_bytes["peak"]})
+        say("scored", {"mesh": str(mesh), "step_seconds": sol.objective, "fits": False, "peak": cand.model_peak})
+    elif price:
+        finish()
     return cand
 
 
@@ -213,8 +220,8 @@ def search(graph: Graph, cluster: Cluster, options: SearchOptions = SearchOption
     seconds = time.perf_counter() - t0
     if not fitting:
         unpriced = sorted((c for c in cands if c.estimate is None), key=lambda c: c.model_peak)
-        for c in unpriced[:2]:      # the least-memory candidates, priced for the message
-            c.price()
+        for c in unpriced[:2]:      # the least-memory candidates, priced (and refitted) at last
+            c.finish()
         fitting = [c for c in cands if c.fits]
     if not fitting:
         priced = [c for c in cands if c.estimate is not None]
@@ -234,11 +241,17 @@ def _peak(c: Candidate) -> float:
 
 def _run(graph, cluster, meshes, options, cones, base, fingerprint, mode, t0, say, shared) -> list[Candidate]:
     out = []
+    lazy = options.level is Level.O1 and options.o1_priced_meshes < len(meshes)
     for k, mesh in enumerate(meshes):
         left = options.time_limit - (time.perf_counter() - t0)
         budget = max(0.5, left / (len(meshes) - k))
         out.append(search_mesh(graph, cluster, mesh, options, cones=cones, base=base, fingerprint=fingerprint,
-                               recompute=mode, budget=budget, progress=say, shared=shared))
+                               recompute=mode, budget=budget, progress=say, shared=shared, price=not lazy))
+    if lazy:   # price only the meshes the model ranks best (rule o1_priced_meshes)
+        ok = sorted((c for c in out if c.model_peak <= MODEL_MEMORY_SLACK * c.model_peak_cap),
+                    key=lambda c: c.model_seconds)
+        for c in ok[:options.o1_priced_meshes]:
+            c.finish()
     return out
 
 

@@ -92,6 +92,7 @@ class Problem:
     kinds: list[str] = field(default_factory=list)    # class -> ConeKind value
     positions: list[int] = field(default_factory=list)  # class -> program position of its first node (-1: input)
     batch_classes: list[int] = field(default_factory=list)  # classes of batch inputs
+    nodes: int = 0                                     # nodes of the graph (a size for time budgets)
 
     def size(self) -> dict[str, int]:
         return {"classes": len(self.n_cands), "candidates": sum(self.n_cands), "terms": len(self.terms),
@@ -138,11 +139,13 @@ class Builder(MemoryRows):
             k = self._sids[sh] = len(self._sids)
         return k
 
-    def redist(self, vid: int, src: Sharding, dst: Sharding) -> float:
+    def redist(self, vid: int, src: Sharding, dst: Sharding, s: int | None = None, d: int | None = None) -> float:
+        """Seconds to bring value ``vid`` from ``src`` to ``dst`` (``s``, ``d``: their ``sid``s if known)."""
         if src is dst or src == dst:
             return 0.0
         t = self.graph.types[vid]
-        s, d = self.sid(src), self.sid(dst)
+        if s is None:
+            s, d = self.sid(src), self.sid(dst)
         key = (t.shape, t.dtype.itemsize, s, d)
         hit = self._redist.get(key)
         if hit is None:
@@ -320,6 +323,7 @@ class Builder(MemoryRows):
                                [min(rep.members) if rep.members else -1 for rep in reps],
                                [k for k, rep in enumerate(reps) if rep.kind is ConeKind.INPUT
                                 and self.inputs[rep.owned[0]].role is Role.BATCH])
+        self.problem.nodes = len(self.graph.nodes)
         for i in self.initial_checkpoints():
             self.problem.memory.append(self.memory_row(i))
         return self.problem
@@ -427,8 +431,9 @@ class Builder(MemoryRows):
             use_list.append((uc, need))
         kind = kinds.pop() if len(kinds) == 1 else "blocking"
         taus = set(fixed_idx) | {t for _, need in use_list for n in need for t in n}
-        cost = [[self.redist(vid, shardings[s], shardings[t]) if t in taus and s in sigma_set else 0.0
-                 for t in range(len(shardings))] for s in range(len(shardings))]
+        ids = [self.sid(sh) for sh in shardings]
+        cost = [[self.redist(vid, shardings[s], shardings[t], ids[s], ids[t]) if t in taus and s in sigma_set
+                 else 0.0 for t in range(len(shardings))] for s in range(len(shardings))]
         # a use by the producer's own class (another cone of a tied layer) takes the same candidate:
         # its cost is a function of that one choice
         rest = []
