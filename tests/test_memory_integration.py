@@ -229,8 +229,11 @@ def test_layout_overlap_is_rejected_and_guard_catches_it(monkeypatch):
     height = max(t.size for t in problem.tensors.values())
     with pytest.raises(ValueError, match="overlap"):
         ArenaProgram(cap.graph, problem, mapping, plan.order, bad, height)
-    with pytest.raises(ValueError, match="outside the arena"):
+    with pytest.raises(ValueError, match="above the capacity"):
         ArenaProgram(cap.graph, problem, mapping, plan.order, plan.offsets, plan.height - 64)
+    with pytest.raises(ValueError, match="alignment"):  # float32 slots 2 bytes off
+        ArenaProgram(cap.graph, problem, mapping, plan.order, {t: o + 2 for t, o in plan.offsets.items()},
+                     plan.height + 2)
     monkeypatch.setattr(ArenaProgram, "_check_layout", lambda self: None)
     prog = ArenaProgram(cap.graph, problem, mapping, plan.order, bad, height, debug=True)
     with pytest.raises(AssertionError, match="over live tensor"):

@@ -134,31 +134,16 @@ def _align(problem, mapping, plan) -> bool:
 
 
 def _check(problem, plan) -> str | None:
-    """Independent check of the plan: order (dependencies) and layout (no overlap, in range)."""
-    from ..memory.problem import lifetimes
+    """Independent check of the plan: the order (``check_order``) and the layout (``validate_layout``)."""
+    from ..memory.layout import validate_layout
+    from ..memory.problem import buffers
     from ..memory.simulate import check_order
     try:
         check_order(problem, plan.order)
     except ValueError as exc:
         return f"order: {exc}"
-    lt = lifetimes(problem, plan.order)
-    events = []
-    for tid, t in problem.tensors.items():
-        if t.size == 0:
-            continue
-        off = plan.offsets.get(tid)
-        if off is None or off < 0 or off + t.size > plan.height:
-            return f"layout: tensor {tid} has no offset inside the arena"
-        events.append((*lt[tid], off, off + t.size, tid))
-    events.sort()
-    live: list[tuple] = []
-    for lo, hi, a, b, tid in events:
-        live = [x for x in live if x[0] > lo]
-        for end, la, lb, other in live:
-            if a < lb and la < b:
-                return f"layout: tensors {tid} and {other} overlap while both are live"
-        live.append((hi, a, b, tid))
-    return None
+    errors = validate_layout(buffers(problem, plan.order), plan.offsets, capacity=plan.height)
+    return f"layout: {errors[0]}" if errors else None
 
 
 def _execute(cap, problem, mapping, plan) -> dict:

@@ -126,33 +126,15 @@ class ArenaProgram:
 
     # -- plan checks ----------------------------------------------------------------------------
     def _check_layout(self) -> None:
-        """Every sized tensor has an in-range, dtype-aligned offset; tensors live together do not overlap."""
+        """``layout.validate_layout`` with each tensor's element size as its alignment and the arena as capacity."""
+        from ..memory.layout import Buffer, validate_layout
         types = self.graph.types
-        events = []
-        for tid, t in self.problem.tensors.items():
-            if t.size == 0:
-                continue
-            off = self.offsets.get(tid)
-            if off is None:
-                raise ValueError(f"the plan gives no offset for tensor {tid} ({t.name})")
-            if off < 0 or off + t.size > self.height:
-                raise ValueError(f"tensor {tid} ({t.name}) at [{off}, {off + t.size}) is outside the arena of "
-                                 f"{self.height} bytes")
-            item = types[tid].dtype.itemsize
-            if off % item:
-                raise ValueError(f"tensor {tid} ({t.name}) at offset {off} is not aligned to its {item}-byte "
-                                 f"elements; plan with aligned offsets")
-            lo, hi = self.lifetimes[tid]
-            events.append((lo, hi, off, off + t.size, tid))
-        # sweep over time: at each birth, compare with the tensors still live
-        events.sort()
-        live: list[tuple[int, int, int, int]] = []
-        for lo, hi, a, b, tid in events:
-            live = [x for x in live if x[0] > lo]
-            for end, la, lb, other in live:
-                if a < lb and la < b:
-                    raise ValueError(f"tensors {tid} and {other} overlap in memory while both are live")
-            live.append((hi, a, b, tid))
+        bufs = [Buffer(tid, lo, hi, self.problem.tensors[tid].size, types[tid].dtype.itemsize)
+                for tid, (lo, hi) in self.lifetimes.items() if self.problem.tensors[tid].size > 0]
+        errors = validate_layout(bufs, self.offsets, capacity=self.height)
+        if errors:
+            more = f" (and {len(errors) - 1} more)" if len(errors) > 1 else ""
+            raise ValueError(f"the plan's layout cannot run in an arena of {self.height} bytes: {errors[0]}{more}")
 
     # -- strides each op produces on its own ------------------------------------------------------
     def _natural_strides(self) -> dict[int, tuple[int, ...]]:
