@@ -254,7 +254,6 @@ def test_arena_rejects_meta_and_bad_orders():
 
 @pytest.mark.parametrize("name", ["mlp", "gpt", "resnet"])
 def test_planned_arena_equals_step_program(name):
-    _need_layout()
     from rhino.memory.plan import plan_memory
     cap = _cap(name)
     problem, mapping = problem_from_graph(cap.graph)
@@ -267,11 +266,6 @@ def test_planned_arena_equals_step_program(name):
 
 # -- rhino memory ----------------------------------------------------------------------------------------------
 
-def _need_layout():
-    """plan_memory needs memory/layout.py (another part of issue #6); until it is in, these tests wait."""
-    pytest.importorskip("rhino.memory.layout", reason="memory/layout.py (plan_memory's layout stage) is not in yet")
-
-
 def _cli(capsys, *argv):
     code = main(["memory", *map(str, argv)])
     out = capsys.readouterr()
@@ -283,7 +277,6 @@ KEYS = {"pytorch_live_peak_bytes", "pytorch_peak_bytes", "bestfit_peak_bytes", "
 
 
 def test_cli_json_execute_and_report(capsys, tmp_path):
-    _need_layout()
     code, out, _ = _cli(capsys, ROOT / "examples" / "mlp.py", "--json", "--level", "O1", "--execute",
                         "--report", tmp_path / "rep")
     d = json.loads(out)
@@ -298,7 +291,6 @@ def test_cli_json_execute_and_report(capsys, tmp_path):
 
 
 def test_cli_table(capsys):
-    _need_layout()
     code, out, err = _cli(capsys, ROOT / "examples" / "gpt.py", "--level", "O1", "--execute")
     assert code == 0
     for phrase in ("PyTorch (live bytes)", "PyTorch (caching allocator)", "best-fit", "heuristic", "Rhino",
@@ -308,7 +300,6 @@ def test_cli_table(capsys):
 
 
 def test_cli_plans_meta_workload_without_allocating(capsys):
-    _need_layout()
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss  # KiB on Linux
     code, out, _ = _cli(capsys, META, "--json", "--level", "O1", "--time-limit", "20")
     d = json.loads(out)
