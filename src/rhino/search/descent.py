@@ -7,12 +7,12 @@ sharding decides what ZeRO does) stay free on all axes. Each step is the same mo
 ``allowed``, small enough to solve to optimality in a second or two, and never worse than where it
 started (the start is a feasible hint of the restricted model).
 
-Memory is a penalty in the steps (``soft_memory``): a start that does not fit (everything replicated)
-is still a point to descend from; the result says by how much the worst checked node is over.
+Memory is a penalty in the steps (``soft_memory``): a start that does not fit is still a point to
+descend from; the result says by how many bytes the checked nodes are over capacity, summed.
 
-``descend``: starting from all-replicated, step outer axis first (the data-parallel axis when data
-parallelism pays: "data parallel first"), then inner axes, for ``rounds`` rounds or until a round
-changes nothing.
+``descend``: from ``start`` (O1's plan in O2; all-replicated by default), a step per axis, outer axis
+first, for ``rounds`` rounds or until a round changes nothing; the score is lexicographic (bytes over
+capacity, model step time).
 """
 from __future__ import annotations
 

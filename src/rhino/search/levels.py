@@ -2,8 +2,7 @@
 
 - **O1** (``segments.solve_o1``): critical-node segments chained by dynamic programming over the
   boundary state, each solve a greedy propagation plus local search; data parallel first. Small
-  problems (``O1_DESCENT_CANDIDATES``, ``O1_DESCENT_NODES``) also get one short round of axis-wise
-  descent.
+  graphs (``O1_DESCENT_NODES``) also get one short round of axis-wise descent.
 - **O2**: O1's plan, then rounds of axis-wise descent (``descent``: CP-SAT on one axis at a time)
   until a round changes nothing, then the joint ILP over all axes at once (``ilp.solve_ilp``), hinted
   with the descent's plan and given what is left of the budget; a solution is kept only if better.
@@ -21,17 +20,17 @@ from .segments import solve_o1
 from .options import Level, SearchOptions
 from .problem import Problem
 
-__all__ = ["LevelResult", "solve_problem", "JOINT_CANDIDATES"]
+__all__ = ["LevelResult", "solve_problem", "JOINT_CANDIDATES", "O1_DESCENT_NODES"]
 
 #: The joint ILP over all axes is tried only up to this many candidates (measured: with 1.7k it finds
 #: no solution in 10 s on two cores; with a few hundred it closes the gap in seconds).
 JOINT_CANDIDATES = 800
 #: O1 adds one round of axis-wise descent (a CP-SAT step per axis, at most ``O1_STEP_SECONDS`` each)
-#: when the problem has at most this many candidates (small graphs, where a step takes well under a
-#: second; larger ones keep O1 solver-free).
-O1_DESCENT_CANDIDATES = 1200
-O1_DESCENT_NODES = 4000     # ... and the graph is small enough that building and pricing are quick
-O1_STEP_SECONDS = 1.0
+#: on graphs of at most this many nodes, where building and pricing a mesh take well under a second
+#: (larger graphs keep O1 solver-free).
+O1_DESCENT_NODES = 4000
+O1_STEP_SECONDS = 3.0
+O1_ROUNDS = 2
 
 
 @dataclass
@@ -54,9 +53,10 @@ def solve_problem(p: Problem, options: SearchOptions, *, deadline: float, start:
     status = f"O1 ({name})"
     steps = [{"axis": "all", "status": status, "objective": sc[1], "seconds": time.perf_counter() - now,
               "level": "O1"}]
-    if options.level is Level.O1 and sum(p.n_cands) <= O1_DESCENT_CANDIDATES and p.nodes <= O1_DESCENT_NODES:
-        d1 = descend(p, start=choice, rounds=1, step_time_limit=O1_STEP_SECONDS,
-                     deadline=min(deadline, time.perf_counter() + ndim * O1_STEP_SECONDS), workers=options.workers)
+    if options.level is Level.O1 and p.nodes <= O1_DESCENT_NODES:
+        d1 = descend(p, start=choice, rounds=O1_ROUNDS, step_time_limit=O1_STEP_SECONDS,
+                     deadline=min(deadline, time.perf_counter() + O1_ROUNDS * ndim * O1_STEP_SECONDS),
+                     workers=options.workers)
         steps += [dict(s, level="O1") for s in d1.steps]
         if score(p, d1.choice) < score(p, choice):
             choice, status = d1.choice, status + " + descent"

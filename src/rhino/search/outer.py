@@ -3,8 +3,8 @@
 1. **Meshes** (``candidate_meshes``): the device count as one axis, and as two axes ``outer x inner``
    whose inner groups respect node boundaries (the inner size divides the devices per node, or is a
    whole number of nodes). Axes are named ``all``, or ``outer`` and ``inner``; ranks are row-major,
-   so the inner axis is the one inside a node. O1 solves every mesh but prices only the
-   ``o1_priced_meshes`` its model ranks best.
+   so the inner axis is the one inside a node. On large graphs O1 solves every mesh but prices only
+   the ``o1_priced_meshes`` its model ranks best.
 2. **Per mesh** (``search_mesh``): build the problem (``problem.Builder``: cones of the graph are
    shared by all meshes), solve it (O1: ``segments.solve_o1``; O2: that, then the axis-wise descent
    and the joint ILP, ``levels``), assemble the plan, and score it with ``cost.estimate.estimate`` (the
@@ -40,7 +40,7 @@ from ..sharding.mesh import Mesh
 from ..sharding.plan import ShardingPlan
 from .coarsen import Cones, build_cones
 from .ilp import memory_over, row_bytes
-from .levels import solve_problem
+from .levels import O1_DESCENT_NODES, solve_problem
 from .segments import critical_classes
 from .options import Level, SearchOptions
 from .problem import Builder
@@ -230,6 +230,9 @@ def search(graph: Graph, cluster: Cluster, options: SearchOptions = SearchOption
     return SearchResult(best.plan, best.estimate, options.level, seconds, cands, best, cones)
 
 
+#: O1's own budget (seconds, all meshes; less when the time limit is lower). It bounds only the optional
+#: descent steps small graphs get; building and pricing each mesh always run.
+O1_TIME_BUDGET = 20.0
 #: A candidate whose model memory peak is over this many times capacity is not priced exactly unless
 #: nothing fits (the model's rows overestimate by under 15% in the tests).
 MODEL_MEMORY_SLACK = 1.15
@@ -241,9 +244,11 @@ def _peak(c: Candidate) -> float:
 
 def _run(graph, cluster, meshes, options, cones, base, fingerprint, mode, t0, say, shared) -> list[Candidate]:
     out = []
-    lazy = options.level is Level.O1 and options.o1_priced_meshes < len(meshes)
+    lazy = options.level is Level.O1 and options.o1_priced_meshes < len(meshes) and \
+        len(graph.nodes) > O1_DESCENT_NODES     # small graphs price every mesh: it is cheap
+    limit = options.time_limit if options.level is Level.O2 else min(options.time_limit, O1_TIME_BUDGET)
     for k, mesh in enumerate(meshes):
-        left = options.time_limit - (time.perf_counter() - t0)
+        left = limit - (time.perf_counter() - t0)
         budget = max(0.5, left / (len(meshes) - k))
         out.append(search_mesh(graph, cluster, mesh, options, cones=cones, base=base, fingerprint=fingerprint,
                                recompute=mode, budget=budget, progress=say, shared=shared, price=not lazy))
