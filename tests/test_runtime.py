@@ -316,3 +316,37 @@ def test_run_from_env_joins_a_one_rank_job(monkeypatch):
     expected_backend = "nccl" if torch.cuda.is_available() else "gloo"
     assert run_from_env(single_rank_job, timeout_s=20) == (0, 1, expected_backend, True, True)
     assert not dist.is_initialized()
+
+
+def transposed_all_reduce(ctx):
+    from rhino.runtime.collectives import all_reduce_tensor
+    base = torch.arange(12.0).reshape(3, 4) * (ctx.rank + 1)
+    grad = base.t()                                   # a transposed view, as a weight gradient often is
+    out = all_reduce_tensor(grad, ReduceOp.AVG, dist.group.WORLD, ctx.world_size)
+    return out, out.stride(), grad.stride(), out.untyped_storage().data_ptr() != grad.untyped_storage().data_ptr()
+
+
+def test_all_reduce_keeps_the_input_layout():
+    """A transposed input comes back transposed (no in-memory transposition), with the right values."""
+    for out, out_stride, in_stride, fresh in launch(transposed_all_reduce, 2, timeout_s=30):
+        assert torch.equal(out, (torch.arange(12.0).reshape(3, 4) * 1.5).t())
+        assert out_stride == in_stride and fresh
+
+
+def test_profile_measures_concurrent_ranks(tmp_path):
+    """`rhino profile --nproc 2`: both ranks measure compute at once, then all-reduce; the file loads."""
+    import json
+    import subprocess
+    import sys
+    from rhino.cost.machine_profile import load_profile
+    out = tmp_path / "profile.json"
+    r = subprocess.run([sys.executable, "-m", "rhino.cli.main", "profile", "--nproc", "2", "--json", "--out", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    doc = json.loads(r.stdout)
+    assert doc["link_ranks"] == 2 and doc["threads"] == max(1, (os.cpu_count() or 1) // 2)
+    for key in ("matmul_flops", "memory_bandwidth", "link_bandwidth", "link_latency_s", "launch_overhead_s"):
+        assert doc[key] > 0, key
+    assert set(doc["kind_bandwidth"]) == {"elementwise", "norm", "reduction"}
+    prof = load_profile(out)
+    assert prof.link_ranks == 2 and prof.matmul_flops == doc["matmul_flops"]

@@ -10,9 +10,10 @@ def add_parser(sub) -> None:
     p = sub.add_parser("profile", help="micro-benchmark this machine (matmul, memory, collectives) for the "
                                        "cost model")
     p.add_argument("--out", help="write the profile (JSON) here; `rhino estimate --profile` reads it")
-    p.add_argument("--threads", type=int, help="torch threads per device (default: torch's setting)")
-    p.add_argument("--nproc", type=int, default=2, help="processes for the all-reduce benchmark (default 2; 1 "
-                                                        "skips it)")
+    p.add_argument("--threads", type=int, help="torch threads per device (default: cores / nproc, as rhino run)")
+    p.add_argument("--nproc", type=int, default=2, help="devices of the run to profile for (default 2): that many "
+                         "processes measure compute at the same time, then all-reduce; 1 profiles one device "
+                         "using this process")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 

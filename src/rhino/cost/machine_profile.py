@@ -13,7 +13,12 @@ The profile holds absolute numbers measured on the local machine by micro-benchm
 - ``kind_bandwidth``: bytes/s achieved by typical element-wise, norm and reduction ops (on a CPU their
   math per element, e.g. ``erf`` in GELU, keeps them below the streaming bandwidth);
 - ``link_bandwidth`` / ``link_latency_s``: alpha-beta fit of all-reduce times over the local
-  process group (gloo on CPU) at several sizes, using the ring formula of ``collectives.py``.
+  process group (gloo on CPU) at several sizes, using the ring formula of ``collectives.py``; each
+  all-reduce is timed as the runtime performs a gradient's (copy, all-reduce, divide).
+
+Profiled for ``N`` > 1 processes, every process runs the compute micro-benchmarks at the same time and
+the slowest one's numbers are kept: what one rank of a ``cpu:N`` run sees, with memory bandwidth
+and caches shared.
 
 ``apply`` turns it into the device the cost model prices: the measured numbers replace the datasheet
 ones (with efficiencies 1: they are achieved rates, not peaks).

@@ -14,6 +14,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ..cost.machine_profile import MachineProfile
+from ..sharding.placement import ReduceOp
+from .collectives import all_reduce_tensor
 from .launch import launch
 
 __all__ = ["measure_profile", "time_call", "fit_line"]
@@ -108,56 +110,98 @@ def _attention_rate() -> float:
 
 
 def _allreduce_rank(ctx, sizes: tuple[int, ...]) -> list[float]:
-    """Median seconds per all-reduce at each size. Every rank makes the same number of calls (a count
-    chosen per size, not adaptively), else the collectives would not match up."""
+    """Median seconds per all-reduce at each size, as the runtime performs a gradient's (a copy, the
+    all-reduce, the division by the group size: ``collectives.all_reduce_tensor``). Every rank makes the
+    same number of calls (a count chosen per size, not adaptively), else the collectives would not
+    match up."""
     out = []
+    group = dist.group.WORLD
     for nbytes in sizes:
         x = torch.ones(nbytes // 4)
         calls = max(2, min(50, (4 << 20) // nbytes))
         for _ in range(2):
-            dist.all_reduce(x)
+            all_reduce_tensor(x, ReduceOp.AVG, group, ctx.world_size)
         samples = []
         for _ in range(5):
             dist.barrier()
             t0 = time.perf_counter()
             for _ in range(calls):
-                dist.all_reduce(x)
+                all_reduce_tensor(x, ReduceOp.AVG, group, ctx.world_size)
             samples.append((time.perf_counter() - t0) / calls)
         out.append(statistics.median(samples))
     return out
 
 
+def _compute(progress: Callable[[str], None], sync: Callable[[], None]) -> tuple:
+    """(overhead, matmul FLOP/s, k0, bandwidth, conv eff., attention eff., kind bandwidths); ``sync``
+    runs between the micro-benchmarks so that concurrent ranks measure the same thing at the same time."""
+    with torch.no_grad():
+        progress(f"profiling with {torch.get_num_threads()} thread(s)")
+        overhead = _overhead()
+        progress(f"  op overhead: {overhead * 1e6:.2f} us")
+        sync()
+        flops, k0 = _matmul(overhead, progress)
+        progress(f"  matmul fit: {flops / 1e9:.1f} GFLOP/s asymptotic, half efficiency at {k0:.3g} multiply-adds")
+        sync()
+        bw = _bandwidth()
+        progress(f"  memory bandwidth: {bw / 1e9:.2f} GB/s")
+        sync()
+        conv, attn = _conv_rate() / flops, _attention_rate() / flops
+        progress(f"  conv {conv:.2f} and attention {attn:.2f} of the matmul rate")
+        sync()
+        kinds = _kind_bandwidth()
+        progress("  " + ", ".join(f"{k} ops {v / 1e9:.2f} GB/s" for k, v in kinds.items()))
+    return overhead, flops, k0, bw, conv, attn, kinds
+
+
+def _rank_profile(ctx, threads: int | None) -> tuple:
+    """One rank of a concurrent profile: the compute numbers (all ranks at once), then all-reduces."""
+    if threads is not None:
+        torch.set_num_threads(threads)
+    compute = _compute(lambda m: None, dist.barrier)
+    dist.barrier()
+    return torch.get_num_threads(), compute, _allreduce_rank(ctx, _ALLREDUCE_BYTES)
+
+
+def _slowest(per_rank: list[tuple]) -> tuple:
+    """Per number, the slowest rank's (a SPMD step waits for the slowest rank at every collective)."""
+    over = max(r[0] for r in per_rank)
+    flops, k0 = min((r[1], r[2]) for r in per_rank)
+    bw = min(r[3] for r in per_rank)
+    conv, attn = min(r[4] for r in per_rank), min(r[5] for r in per_rank)
+    kinds = {k: min(r[6][k] for r in per_rank) for k in per_rank[0][6]}
+    return over, flops, k0, bw, conv, attn, kinds
+
+
 def measure_profile(threads: int | None = None, nproc: int = 2, progress: Callable[[str], None] = lambda m: None
                     ) -> MachineProfile:
-    """Measure this machine with ``threads`` torch threads (default: torch's current setting) and, when
-    ``nproc`` > 1, all-reduce over ``nproc`` local gloo processes."""
+    """Measure what one device of a ``cpu:nproc`` run sees. ``nproc`` = 1: this process with ``threads``
+    torch threads (default: torch's current setting). ``nproc`` > 1: ``nproc`` local gloo processes
+    with ``threads`` each (default: cores // nproc, as ``rhino run``) run every compute micro-benchmark
+    at the same time, so that shared memory bandwidth and caches are contended as in a real run (the
+    slowest rank's numbers are kept), then the all-reduce benchmark."""
+    if threads is not None and threads < 1:
+        raise ValueError(f"--threads must be at least 1, got {threads}")
+    if nproc > 1:
+        progress(f"profiling {nproc} concurrent processes" + (f" with {threads} thread(s) each" if threads else ""))
+        results = launch(_rank_profile, nproc, threads, timeout_s=600.0)
+        used = results[0][0]
+        overhead, flops, k0, bw, conv, attn, kinds = _slowest([r[1] for r in results])
+        progress(f"  slowest rank: op overhead {overhead * 1e6:.2f} us, matmul {flops / 1e9:.1f} GFLOP/s, "
+                 f"memory {bw / 1e9:.2f} GB/s, " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in kinds.items()))
+        worst = [max(ts) for ts in zip(*(r[2] for r in results))]
+        slope, intercept = fit_line([float(s) for s in _ALLREDUCE_BYTES], worst)
+        link_bw = 2 * (nproc - 1) / nproc / slope
+        link_lat = max(0.0, intercept / (2 * (nproc - 1)))
+        progress(f"  all-reduce over {nproc} processes: {link_bw / 1e9:.2f} GB/s, {link_lat * 1e6:.1f} us")
+        return MachineProfile(f"cpu ({used} threads per process, {nproc} processes)", used, flops, k0, bw,
+                              overhead, conv, attn, link_bw, link_lat, nproc, kinds)
     old = torch.get_num_threads()
     if threads is not None:
-        if threads < 1:
-            raise ValueError(f"--threads must be at least 1, got {threads}")
         torch.set_num_threads(threads)
     try:
-        with torch.no_grad():
-            progress(f"profiling with {torch.get_num_threads()} thread(s)")
-            overhead = _overhead()
-            progress(f"  op overhead: {overhead * 1e6:.2f} us")
-            flops, k0 = _matmul(overhead, progress)
-            progress(f"  matmul fit: {flops / 1e9:.1f} GFLOP/s asymptotic, half efficiency at {k0:.3g} multiply-adds")
-            bw = _bandwidth()
-            progress(f"  memory bandwidth: {bw / 1e9:.2f} GB/s")
-            conv, attn = _conv_rate() / flops, _attention_rate() / flops
-            progress(f"  conv {conv:.2f} and attention {attn:.2f} of the matmul rate")
-            kinds = _kind_bandwidth()
-            progress("  " + ", ".join(f"{k} ops {v / 1e9:.2f} GB/s" for k, v in kinds.items()))
-        link_bw = link_lat = None
-        if nproc > 1:
-            times = launch(_allreduce_rank, nproc, _ALLREDUCE_BYTES)
-            worst = [max(ts) for ts in zip(*times)]
-            slope, intercept = fit_line([float(s) for s in _ALLREDUCE_BYTES], worst)
-            link_bw = 2 * (nproc - 1) / nproc / slope
-            link_lat = max(0.0, intercept / (2 * (nproc - 1)))
-            progress(f"  all-reduce over {nproc} processes: {link_bw / 1e9:.2f} GB/s, {link_lat * 1e6:.1f} us")
+        overhead, flops, k0, bw, conv, attn, kinds = _compute(progress, lambda: None)
         return MachineProfile(f"cpu ({torch.get_num_threads()} threads)", torch.get_num_threads(), flops, k0, bw,
-                              overhead, conv, attn, link_bw, link_lat, nproc if nproc > 1 else None, kinds)
+                              overhead, conv, attn, None, None, None, kinds)
     finally:
         torch.set_num_threads(old)
