@@ -10,23 +10,31 @@ Solvers (``solve_layout``):
 1. Greedy best-fit in several orders (``GreedyOrder``): buffers are placed one by one, each at the
    lowest-waste gap among the buffers already placed that overlap it in time (XLA's and TFLite's
    greedy-by-size is ``SIZE``; ROAM's "long-lived first" baseline is ``LONG_LIVED_FIRST``).
-2. Exact: CP-SAT with ``AddNoOverlap2D`` over (time, address) rectangles whose time intervals are
-   fixed; variables ``k_i`` with ``o_i = a_i k_i``; constraint ``height >= o_i + s_i``; objective
-   ``min height`` (or ``height <= C``), hinted with the best greedy layout, under a time limit.
-   Without the time to prove anything the best layout found so far is returned (never nothing).
+2. Exact, at a capacity: a portfolio of the MiniMalloc-style branch and bound (``layout_bnb``, in this
+   thread) and CP-SAT (``layout_cpsat``, canonical then default search in time slices that double, in
+   a second thread from half a second on); the first to find a layout or prove there is none stops
+   the other. Without a capacity the height is minimised by asking it for capacities between the
+   lower bound and the best height found (the bound first, then halving the gap); an unanswered
+   capacity leaves the best layout so far (never nothing).
 
 ``lower_bound``: the most bytes live at one time; a height equal to it is optimal.
 ``validate_layout`` is the independent checker every result goes through.
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Hashable, Sequence
 
-__all__ = ["Buffer", "GreedyOrder", "LayoutStatus", "LayoutResult", "validate_layout", "lower_bound", "height",
-           "greedy_layout", "solve_layout"]
+from .layout_bnb import LayoutOptions, Preorder, SearchStatus, preorder_indices, search_layout
+
+__all__ = ["Buffer", "GreedyOrder", "LayoutStatus", "LayoutResult", "LayoutOptions", "validate_layout",
+           "lower_bound", "height", "greedy_layout", "solve_layout"]
+
+Progress = Callable[[str], None]
+_BNB_MAX_BUFFERS = 5000  # above this the branch and bound's quadratic set-up is not worth it; CP-SAT only
 
 
 @dataclass(frozen=True)
@@ -67,8 +75,9 @@ class LayoutResult:
     height: int
     lower_bound: int
     seconds: float
-    solver: str
+    solver: str  # "greedy/<order>", "bnb", "cp-sat/canonical-<preorder>" or "cp-sat/default"
     notes: list[str] = field(default_factory=list)
+    nodes: int = 0  # branch-and-bound nodes explored
 
 
 def height(buffers: Sequence[Buffer], offsets: dict) -> int:
@@ -169,44 +178,73 @@ def _best_greedy(buffers: Sequence[Buffer]) -> tuple[dict, int, str]:
     return best
 
 
-def _cpsat(buffers: Sequence[Buffer], bound: int, capacity: int | None, hint: dict, time_limit: float,
-           progress) -> tuple[str, dict | None]:
-    """CP-SAT over the non-empty buffers: (status name, offsets or None)."""
-    from ortools.sat.python import cp_model
-    live = [b for b in buffers if b.size]
-    top = capacity if capacity is not None else bound
-    m = cp_model.CpModel()
-    hvar = m.NewIntVar(0, top, "height")
-    xs, ys, ks = [], [], {}
-    for b in live:
-        k = m.NewIntVar(0, max(0, (top - b.size) // b.alignment), f"k{b.id}")
-        ks[b.id] = k
-        start = k * b.alignment if b.alignment > 1 else k
-        xs.append(m.NewIntervalVar(b.lower, b.upper - b.lower, b.upper, f"t{b.id}"))
-        ys.append(m.NewIntervalVar(start, b.size, start + b.size, f"a{b.id}"))
-        m.Add(hvar >= start + b.size)
-        if b.id in hint:
-            m.AddHint(k, hint[b.id] // b.alignment)
-    m.AddNoOverlap2D(xs, ys)
-    if capacity is None:
-        m.Minimize(hvar)
-    solver = cp_model.CpSolver()
-    solver.parameters.max_time_in_seconds = max(0.1, time_limit)
-    solver.parameters.num_workers = 2
-    st = solver.Solve(m)
-    name = solver.StatusName(st)
-    if st in (cp_model.OPTIMAL, cp_model.FEASIBLE):
-        offs = {b.id: solver.Value(ks[b.id]) * b.alignment for b in live}
-        offs.update({b.id: 0 for b in buffers if not b.size})
-        return name, offs
-    return name, None
+def _fit(buffers: Sequence[Buffer], capacity: int, deadline: float, options: LayoutOptions,
+         say: Progress) -> tuple[SearchStatus, dict | None, str, int]:
+    """One capacity: branch and bound here and CP-SAT in a thread, the first answer wins."""
+    from .layout_cpsat import CpsatRun, CpStrategy
+    lo, up = [b.lower for b in buffers], [b.upper for b in buffers]
+    sz, al = [b.size for b in buffers], [b.alignment for b in buffers]
+    stop = threading.Event()
+    found: list[tuple[SearchStatus, list[int] | None, str]] = []
+    runs: list[CpsatRun] = []
+    t0 = time.monotonic()
+
+    def portfolio() -> None:
+        if stop.wait(0.5):  # small instances are settled by the branch and bound alone
+            return
+        plan = [(CpStrategy.CANONICAL, p) for p in options.preorders[:2]] + [(CpStrategy.DEFAULT, None)]
+        orders = {p: preorder_indices(lo, up, sz, p) for p, _ in [(p, 0) for _, p in plan if p is not None]}
+        slice_s = 2.0
+        while not stop.is_set():
+            for strategy, p in plan:
+                left = deadline - time.monotonic()
+                if left < 0.05 or stop.is_set():
+                    return
+                run = CpsatRun()
+                runs.append(run)
+                name = f"cp-sat/{strategy.value}" + (f"-{p.value}" if p is not None else "")
+                st, offs = run.solve(lo, up, sz, al, capacity, strategy, orders.get(p), min(slice_s, left))
+                if st is not SearchStatus.LIMIT:
+                    found.append((st, offs, name))
+                    stop.set()
+                    return
+            slice_s *= 2
+
+    def tick(nodes: int) -> None:
+        say(f"layout: capacity {capacity:,}: {nodes:,} nodes, {time.monotonic() - t0:.0f}s")
+
+    worker = threading.Thread(target=portfolio, daemon=True) if options.cpsat else None
+    if worker is not None:
+        worker.start()
+    nodes = 0
+    try:
+        if len(buffers) <= _BNB_MAX_BUFFERS:
+            res = search_layout(lo, up, sz, al, capacity, options, deadline=deadline, stop=stop, progress=tick)
+            nodes = res.nodes
+            if res.status is not SearchStatus.LIMIT:
+                found.insert(0, (res.status, res.offsets, "bnb"))
+        elif worker is None:
+            return SearchStatus.LIMIT, None, "", 0
+    finally:
+        stop.set()
+        for run in runs:
+            run.stop()
+        if worker is not None:
+            worker.join()
+    if not found:
+        return SearchStatus.LIMIT, None, "", nodes
+    st, offs, name = found[0]
+    return st, (None if offs is None else {b.id: o for b, o in zip(buffers, offs)}), name, nodes
 
 
 def solve_layout(buffers: Sequence[Buffer], capacity: int | None = None, time_limit: float = 60.0,
-                 progress: Callable[[str], None] | None = None, exact: bool = True) -> LayoutResult:
+                 options: LayoutOptions = LayoutOptions(), progress: Progress | None = None,
+                 exact: bool = True) -> LayoutResult:
     """The lowest layout found within ``time_limit`` (see the module docstring); with ``capacity``, one
-    that fits if any is found. The result is always a valid layout (checked)."""
+    that fits if any is found (``INFEASIBLE`` when proven impossible, ``UNKNOWN`` when time ran out:
+    then the layout is the best greedy one, above the capacity). ``exact=False``: greedy only."""
     t0 = time.perf_counter()
+    deadline = time.monotonic() + time_limit
     say = progress or (lambda m: None)
     ids = [b.id for b in buffers]
     if len(set(ids)) != len(ids):
@@ -214,25 +252,42 @@ def solve_layout(buffers: Sequence[Buffer], capacity: int | None = None, time_li
     lb = lower_bound(buffers)
     offsets, h, how = _best_greedy(buffers)
     say(f"layout: greedy {h:,} ({how}), lower bound {lb:,}")
-    status = LayoutStatus.OPTIMAL if h == lb else LayoutStatus.FEASIBLE
-    solver = f"greedy/{how}"
-    if capacity is not None and lb > capacity:
-        status = LayoutStatus.INFEASIBLE
-    elif status is not LayoutStatus.OPTIMAL and (capacity is None or h > capacity) and exact:
-        left = time_limit - (time.perf_counter() - t0)
-        if left > 0.05:
-            say(f"layout: CP-SAT no-overlap-2D for up to {left:.0f}s")
-            name, offs = _cpsat(buffers, h, capacity, offsets, left, say)
-            if offs is not None and not validate_layout(buffers, offs, capacity):
-                h2 = height(buffers, offs)
-                if h2 <= h:
-                    offsets, h, solver = offs, h2, "cp-sat"
-                    status = LayoutStatus.OPTIMAL if name == "OPTIMAL" or h == lb else LayoutStatus.FEASIBLE
-            elif name == "INFEASIBLE":
-                status = LayoutStatus.INFEASIBLE if capacity is not None else status
-            say(f"layout: CP-SAT {name.lower()}, height {h:,}")
-    if capacity is not None and status in (LayoutStatus.OPTIMAL, LayoutStatus.FEASIBLE) and h > capacity:
-        status = LayoutStatus.UNKNOWN
+    solver, nodes = f"greedy/{how}", 0
+    if capacity is not None:
+        if lb > capacity:
+            status = LayoutStatus.INFEASIBLE
+        elif h <= capacity:
+            status = LayoutStatus.OPTIMAL if h == lb else LayoutStatus.FEASIBLE
+        elif not exact:
+            status = LayoutStatus.UNKNOWN
+        else:
+            st, offs, name, nodes = _fit(buffers, capacity, deadline, options, say)
+            status = {SearchStatus.INFEASIBLE: LayoutStatus.INFEASIBLE, SearchStatus.LIMIT: LayoutStatus.UNKNOWN,
+                      SearchStatus.FOUND: LayoutStatus.FEASIBLE}[st]
+            if offs is not None:
+                assert not validate_layout(buffers, offs, capacity), validate_layout(buffers, offs, capacity)[:3]
+                offsets, h, solver = offs, height(buffers, offs), name
+                status = LayoutStatus.OPTIMAL if h == lb else status
+    else:
+        proven = lb  # no layout is lower than this
+        unknown = lb - 1  # the highest capacity left unanswered
+        while exact and proven < h and deadline - time.monotonic() > 0.05:
+            cap = proven if unknown < proven else (max(proven, unknown + 1) + h - 1) // 2
+            if cap >= h:
+                break
+            share = (deadline - time.monotonic()) * (0.5 if cap < h - 1 else 1.0)
+            say(f"layout: best {h:,}, proven >= {proven:,}; trying {cap:,} for up to {share:.0f}s")
+            st, offs, name, n = _fit(buffers, cap, time.monotonic() + share, options, say)
+            nodes += n
+            if st is SearchStatus.FOUND:
+                assert not validate_layout(buffers, offs, cap), validate_layout(buffers, offs, cap)[:3]
+                offsets, h, solver = offs, height(buffers, offs), name
+            elif st is SearchStatus.INFEASIBLE:
+                proven = cap + 1
+            else:
+                unknown = cap
+        status = LayoutStatus.OPTIMAL if h <= proven else LayoutStatus.FEASIBLE
     errors = validate_layout(buffers, offsets)
     assert not errors, errors[:3]
-    return LayoutResult(status, offsets, h, lb, time.perf_counter() - t0, solver)
+    say(f"layout: {status.value}, height {h:,} ({solver})")
+    return LayoutResult(status, offsets, h, lb, time.perf_counter() - t0, solver, nodes=nodes)
