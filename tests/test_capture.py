@@ -12,7 +12,7 @@ from rhino.ir.verify import is_inplace_op
 from rhino.lower import StepProgram
 
 VARIANTS = ["sgd_dampening", "sgd_nesterov_maximize", "sgd_plain", "adam_amsgrad", "adamw_stepped",
-            "sgd_stepped", "convs", "routing", "rmsprop_centered", "rmsprop_plain", "adagrad"]
+            "sgd_stepped", "convs", "inplace_clamps", "routing", "rmsprop_centered", "rmsprop_plain", "adagrad"]
 
 
 def _capture(spec: str):
@@ -46,6 +46,18 @@ def test_huggingface_models_match_pytorch(name):
         cap = capture(Workload(m, opt, loss_fn, tuple(batch), "hf_workloads.py", name))
     r = check_captured(cap, steps=2)
     assert r.ok, r.first_mismatch
+
+
+def test_inplace_relu6_backward_reads_the_output():
+    """No activation copy is kept for the backward of an in-place ReLU6 / hardtanh (results are checked
+    against PyTorch by test_variants_match_pytorch)."""
+    graph = _capture(str(ROOT / "tests" / "workloads" / "variants.py:inplace_clamps")).graph
+    made = {v: n for n in graph.nodes for v in n.outputs}
+    backwards = [n for n in graph.nodes if n.op == "aten.hardtanh_backward.default"]
+    assert len(backwards) == 2
+    for n in backwards:
+        assert made[n.args[1].id].op == "aten.hardtanh.default"
+    assert not any(n.op == "aten.clone.default" for n in graph.nodes)
 
 
 def test_check_detects_a_wrong_graph():

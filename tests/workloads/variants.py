@@ -114,6 +114,31 @@ def convs():
     return m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-3), _loss, batch
 
 
+class InplaceClamps(nn.Module):
+    """In-place ReLU6 after batch norm (MobileNetV2's block) and a hardtanh with other bounds; inputs are
+    scaled so that many values sit outside the bounds."""
+
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(4, 8, 3, padding=1, bias=False)
+        self.bn = nn.BatchNorm2d(8)
+        self.act = nn.ReLU6(inplace=True)
+        self.head = nn.Linear(8 * 8 * 8, 3)
+
+    def forward(self, x):
+        h = self.act(self.bn(self.conv(x)) * 4)
+        h = nn.functional.hardtanh(h - 3, -1.5, 2.0, inplace=True)
+        return self.head(h.flatten(1))
+
+
+def inplace_clamps():
+    torch.manual_seed(0)
+    m = InplaceClamps()
+    g = torch.Generator().manual_seed(2)
+    batch = (torch.randn(4, 4, 8, 8, generator=g), torch.randint(0, 3, (4,), generator=g))
+    return m, torch.optim.SGD(m.parameters(), lr=0.05, momentum=0.9), _loss, batch
+
+
 class Routing(nn.Module):
     """MultiheadAttention, top-k, scatter, gather, index_select, boolean masks, dropout, erfinv (opaque)."""
 

@@ -293,10 +293,46 @@ _ALIASES = {torch.ops.aten.detach.default, torch.ops.aten.alias.default, torch.o
 
 
 def _simplify(gm: torch.fx.GraphModule) -> None:
-    """Drop no-op aliases (detach) and dead code."""
+    """Drop no-op aliases (detach), let clamp backwards read the clamp's output, drop dead code."""
     for node in list(gm.graph.nodes):
         if node.op == "call_function" and node.target in _ALIASES:
             node.replace_all_uses_with(node.args[0])
             gm.graph.erase_node(node)
+    _hardtanh_backward_reads_output(gm.graph)
     gm.graph.eliminate_dead_code()
     gm.recompile()
+
+
+_HARDTANH = torch.ops.aten.hardtanh.default
+_HARDTANH_BACKWARD = torch.ops.aten.hardtanh_backward.default
+
+
+def _hardtanh_bounds(node: torch.fx.Node, first: int) -> tuple:
+    """(min_val, max_val) of a hardtanh (``first`` = 1) or hardtanh_backward (``first`` = 2) call."""
+    args = list(node.args[first:]) + [None, None]
+    lo = node.kwargs.get("min_val", args[0] if args[0] is not None else -1.0)
+    hi = node.kwargs.get("max_val", args[1] if args[1] is not None else 1.0)
+    return lo, hi
+
+
+def _hardtanh_backward_reads_output(graph: torch.fx.Graph) -> None:
+    """``hardtanh_backward(g, x, lo, hi)`` masks ``g`` with ``lo < x < hi``; for ``y = hardtanh(x, lo, hi)``
+    and ``lo < hi`` that is exactly ``lo < y < hi``, so it may read ``y`` (what eager autograd saves for
+    an in-place ReLU6). The trace of ``ReLU6(inplace=True)`` instead saves a clone of ``x`` made
+    before the in-place op: reading ``y`` lets that clone, a whole activation kept for the
+    backward, disappear."""
+    outputs: dict[tuple, torch.fx.Node] = {}
+    for node in graph.nodes:
+        if node.op == "call_function" and node.target is _HARDTANH:
+            outputs[(node.args[0], *_hardtanh_bounds(node, 1))] = node
+    for node in graph.nodes:
+        if node.op != "call_function" or node.target is not _HARDTANH_BACKWARD:
+            continue
+        source = node.args[1]
+        while (isinstance(source, torch.fx.Node) and source.op == "call_function"
+               and source.target is torch.ops.aten.clone.default and len(source.args) == 1):
+            source = source.args[0]
+        lo, hi = _hardtanh_bounds(node, 2)
+        y = outputs.get((source, lo, hi))
+        if y is not None and lo < hi:
+            node.args = (node.args[0], y, *node.args[2:])
