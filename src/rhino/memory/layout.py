@@ -28,6 +28,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Hashable, Sequence
 
+import numpy as np
+
 from .layout_bnb import LayoutOptions, Preorder, SearchStatus, preorder_indices, search_layout
 
 __all__ = ["Buffer", "GreedyOrder", "LayoutStatus", "LayoutResult", "LayoutOptions", "validate_layout",
@@ -143,27 +145,35 @@ def _align(x: int, a: int) -> int:
 
 def greedy_layout(buffers: Sequence[Buffer], order: GreedyOrder | str = GreedyOrder.SIZE) -> dict:
     """Best-fit placement in ``order``: each buffer goes into the smallest gap (between buffers already
-    placed that overlap it in time) that holds it, else on top of them."""
+    placed that overlap it in time) that holds it, else on top of them; ties go to the lowest gap.
+    Each placement is vectorised over the placed buffers (numpy), so n buffers cost n array passes."""
     order = GreedyOrder(order)
-    placed: list[tuple[int, int, int, int]] = []   # (lower, upper, offset, end) of placed buffers
+    n = len(buffers)
+    lo, up = np.empty(n, np.int64), np.empty(n, np.int64)
+    off, end = np.empty(n, np.int64), np.empty(n, np.int64)
+    count = 0
     offsets: dict = {}
     for b in sorted(buffers, key=_key(order)):
         if b.size == 0:
             offsets[b.id] = 0
             continue
-        busy = sorted((o, e) for lo, up, o, e in placed if lo < b.upper and b.lower < up)
-        best, best_waste, x = None, None, 0
-        for o, e in busy:
-            start = _align(x, b.alignment)
-            if o - start >= b.size:
-                waste = o - start - b.size
-                if best_waste is None or waste < best_waste:
-                    best, best_waste = start, waste
-            x = max(x, e)
-        if best is None:
-            best = _align(x, b.alignment)
+        live = np.flatnonzero((lo[:count] < b.upper) & (up[:count] > b.lower))
+        best = 0
+        if live.size:
+            o, e = off[live], end[live]
+            rank = np.lexsort((e, o))
+            o, e = o[rank], e[rank]
+            below = np.maximum.accumulate(np.concatenate(([0], e[:-1])))  # highest end under each gap
+            start = -(-below // b.alignment) * b.alignment
+            waste = o - start - b.size
+            fits = np.flatnonzero(waste >= 0)
+            if fits.size:
+                best = int(start[fits[np.argmin(waste[fits])]])
+            else:
+                best = _align(max(int(below[-1]), int(e[-1])), b.alignment)
         offsets[b.id] = best
-        placed.append((b.lower, b.upper, best, best + b.size))
+        lo[count], up[count], off[count], end[count] = b.lower, b.upper, best, best + b.size
+        count += 1
     return offsets
 
 
