@@ -116,16 +116,15 @@ def validate_layout(buffers: Sequence[Buffer], offsets: dict, capacity: int | No
         if b.size:
             ok.append(b)
     ok.sort(key=lambda b: b.lower)
-    active: list[tuple[int, Buffer]] = []   # (upper, buffer), buffers still live
-    for b in ok:
-        active = [(u, a) for u, a in active if u > b.lower]
-        ob = offsets[b.id]
-        for _, a in active:
-            oa = offsets[a.id]
-            if ob < oa + a.size and oa < ob + b.size:
-                errors.append(f"buffers {a.id} [{a.lower},{a.upper}) @ {oa}+{a.size} and {b.id} "
-                              f"[{b.lower},{b.upper}) @ {ob}+{b.size} overlap in time and address")
-        active.append((b.upper, b))
+    lo = np.array([b.lower for b in ok], np.int64)
+    up = np.array([b.upper for b in ok], np.int64)
+    start = np.array([offsets[b.id] for b in ok], np.int64)
+    end = start + np.array([b.size for b in ok], np.int64)
+    for i, b in enumerate(ok):  # earlier buffers still live at b's start that share an address with it
+        for j in np.flatnonzero((up[:i] > lo[i]) & (start[:i] < end[i]) & (start[i] < end[:i])).tolist():
+            a = ok[j]
+            errors.append(f"buffers {a.id} [{a.lower},{a.upper}) @ {start[j]}+{a.size} and {b.id} "
+                          f"[{b.lower},{b.upper}) @ {start[i]}+{b.size} overlap in time and address")
     return errors
 
 
@@ -199,8 +198,10 @@ def _fit(buffers: Sequence[Buffer], capacity: int, deadline: float, options: Lay
     runs: list[CpsatRun] = []
     t0 = time.monotonic()
 
+    bnb = len(buffers) <= _BNB_MAX_BUFFERS
+
     def portfolio() -> None:
-        if stop.wait(0.5):  # small instances are settled by the branch and bound alone
+        if bnb and stop.wait(0.5):  # small instances are settled by the branch and bound alone
             return
         plan = [(CpStrategy.CANONICAL, p) for p in options.preorders[:2]] + [(CpStrategy.DEFAULT, None)]
         orders = {p: preorder_indices(lo, up, sz, p) for p, _ in [(p, 0) for _, p in plan if p is not None]}
@@ -228,13 +229,15 @@ def _fit(buffers: Sequence[Buffer], capacity: int, deadline: float, options: Lay
         worker.start()
     nodes = 0
     try:
-        if len(buffers) <= _BNB_MAX_BUFFERS:
+        if bnb:
             res = search_layout(lo, up, sz, al, capacity, options, deadline=deadline, stop=stop, progress=tick)
             nodes = res.nodes
             if res.status is not SearchStatus.LIMIT:
                 found.insert(0, (res.status, res.offsets, "bnb"))
         elif worker is None:
             return SearchStatus.LIMIT, None, "", 0
+        else:  # CP-SAT alone: wait for its answer or the deadline
+            worker.join(max(0.0, deadline - time.monotonic()))
     finally:
         stop.set()
         for run in runs:
@@ -294,6 +297,8 @@ def solve_layout(buffers: Sequence[Buffer], capacity: int | None = None, time_li
                 offsets, h, solver = offs, height(buffers, offs), name
             elif st is SearchStatus.INFEASIBLE:
                 proven = cap + 1
+            elif cap == h - 1:  # unanswered with all the time left: nothing more to try
+                break
             else:
                 unknown = cap
         status = LayoutStatus.OPTIMAL if h <= proven else LayoutStatus.FEASIBLE
