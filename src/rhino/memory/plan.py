@@ -167,7 +167,8 @@ def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_l
     elif level is OptLevel.O2 and height > order_peak:
         say(f"layout: greedy {height:,} B ({how}), lower bound {order_peak:,} B; other greedy orders and "
             f"exact search for {left:.0f}s")
-        lr = solve_layout(bufs, time_limit=left, progress=progress)
+        # the plan's own checks (order, layout, replay) and stopping the solvers come after: keep 5%
+        lr = solve_layout(bufs, time_limit=max(0.0, left - 0.05 * time_limit), progress=progress)
         if lr.offsets and not validate_layout(bufs, lr.offsets):
             h = _height(bufs, lr.offsets)
             if h < height:
