@@ -209,7 +209,7 @@ def _fit(buffers: Sequence[Buffer], capacity: int, deadline: float, options: Lay
         while not stop.is_set():
             for strategy, p in plan:
                 left = deadline - time.monotonic()
-                if left < 0.05 or stop.is_set():
+                if left < 0.5 or stop.is_set():  # building the model alone takes a while on big problems
                     return
                 run = CpsatRun()
                 runs.append(run)
