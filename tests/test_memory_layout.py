@@ -1,15 +1,23 @@
 """Layout of buffers with fixed lifetimes: the validator, the bound, greedy and exact solvers, CSV, CLI."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
+import random
+import threading
+import time
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from rhino.cli.main import main
-from rhino.memory.layout import (Buffer, GreedyOrder, LayoutStatus, greedy_layout, height, lower_bound,
-                                 solve_layout, validate_layout)
+from rhino.memory import layout_bnb
+from rhino.memory.layout import (Buffer, GreedyOrder, LayoutOptions, LayoutStatus, greedy_layout, height,
+                                 lower_bound, solve_layout, validate_layout)
+from rhino.memory.layout_bnb import Preorder, SearchStatus, search_layout
+from rhino.memory.layout_cpsat import CpsatRun, CpStrategy
 from rhino.memory.layout_io import read_buffers
 
 # MiniMalloc's examples/input.12.csv (github google/minimalloc, Apache-2.0): five buffers, height 12
@@ -116,3 +124,110 @@ def test_cli(tmp_path, capsys):
     bad.write_text("id,lower,upper,size\n0,3,3,1\n")
     assert main(["layout", str(bad)]) == 2
     assert "line 2" in capsys.readouterr().err
+
+
+# -- the exact branch and bound (layout_bnb) --------------------------------------------------------------
+
+_RULES = [f.name for f in dataclasses.fields(LayoutOptions) if f.type in (bool, "bool") and f.name != "cpsat"]
+
+
+def _random_instance(rng: random.Random, n: int) -> list[Buffer]:
+    out = []
+    for i in range(n):
+        lo = rng.randrange(0, 10)
+        out.append(Buffer(i, lo, rng.randint(lo + 1, 11), rng.choice([0, 1, 2, 3, 4, 6, 8]), rng.choice([1, 1, 1, 2, 4])))
+    return out
+
+
+def _perfect_packing(seed: int, n: int, width: int = 64, span: int = 48) -> list[Buffer]:
+    """Cut a ``width`` (bytes) x ``span`` (time) rectangle into ``n`` rectangles by random guillotine
+    cuts: live bytes == ``width`` at every time, so the only layout at capacity ``width`` is a perfect one."""
+    rng = random.Random(seed)
+    rects = [(0, span, 0, width)]
+    while len(rects) < n:
+        rects.sort(key=lambda r: (r[1] - r[0]) * (r[3] - r[2]))
+        t0, t1, y0, y1 = rects.pop(rng.randrange(len(rects) // 2, len(rects)))
+        if (rng.random() < 0.5 and t1 - t0 > 1) or y1 - y0 < 2:
+            c = rng.randint(t0 + 1, t1 - 1)
+            rects += [(t0, c, y0, y1), (c, t1, y0, y1)]
+        else:
+            c = rng.randint(y0 + 1, y1 - 1)
+            rects += [(t0, t1, y0, c), (t0, t1, c, y1)]
+    return [Buffer(i, t0, t1, y1 - y0) for i, (t0, t1, y0, y1) in enumerate(rects)]
+
+
+def _search(bufs: list[Buffer], capacity: int, options: LayoutOptions = LayoutOptions(), **kw):
+    return search_layout([b.lower for b in bufs], [b.upper for b in bufs], [b.size for b in bufs],
+                         [b.alignment for b in bufs], capacity, options, **kw)
+
+
+def _cpsat(bufs: list[Buffer], capacity: int) -> SearchStatus:
+    st, _ = CpsatRun().solve([b.lower for b in bufs], [b.upper for b in bufs], [b.size for b in bufs],
+                             [b.alignment for b in bufs], capacity, CpStrategy.DEFAULT, None, 20.0)
+    assert st is not SearchStatus.LIMIT
+    return st
+
+
+def test_rules_list_is_every_option():
+    assert len(_RULES) == 11 and "dynamic_preorder" in _RULES and "nogood_cache" in _RULES
+
+
+def test_bnb_agrees_with_cpsat_with_each_rule_off():
+    """At the optimum (from CP-SAT) and one below, every rule set gives CP-SAT's answer; all rules on
+    prove infeasibility with fewer nodes than all off."""
+    rng = random.Random(5)
+    variants = [LayoutOptions()] + [LayoutOptions(**{r: False}, preorders=(p,))
+                                    for r, p in zip(_RULES, itertools.cycle(Preorder))]
+    variants.append(LayoutOptions(**{r: False for r in _RULES}, preorders=(Preorder.TWA,)))
+    nodes_on = nodes_off = 0
+    for _ in range(10):
+        bufs = _random_instance(rng, rng.randint(8, 10))
+        opt = lower_bound(bufs)
+        while _cpsat(bufs, opt) is not SearchStatus.FOUND:
+            opt += 1
+        for cap in (opt, opt - 1):
+            want = SearchStatus.FOUND if cap == opt else SearchStatus.INFEASIBLE
+            for opts in variants:
+                res = _search(bufs, cap, opts)
+                assert res.status is want, (opts, cap, bufs)
+                if res.offsets is not None:
+                    assert validate_layout(bufs, dict(enumerate(res.offsets)), cap) == []
+                if want is SearchStatus.INFEASIBLE and opts is variants[-1]:
+                    nodes_off += res.nodes
+                    nodes_on += _search(bufs, cap, LayoutOptions(preorders=(Preorder.TWA,))).nodes
+    assert nodes_on < nodes_off
+
+
+def test_bnb_solves_a_perfect_packing_greedy_cannot():
+    bufs = _perfect_packing(3, 100)
+    assert lower_bound(bufs) == 64 and min(height(bufs, greedy_layout(bufs, o)) for o in GreedyOrder) > 64
+    res = solve_layout(bufs, capacity=64, time_limit=20, options=LayoutOptions(cpsat=False))
+    assert res.status is LayoutStatus.OPTIMAL and res.solver == "bnb" and res.height == 64
+    assert validate_layout(bufs, res.offsets, 64) == []
+    assert _search(bufs, 63).status is SearchStatus.INFEASIBLE
+
+
+def test_bnb_resumes_across_chunks(monkeypatch):
+    """The compiled search stops every ``_CHUNK`` nodes and resumes: same answer, same node count."""
+    bufs = _perfect_packing(1, 60)
+    one = LayoutOptions(preorders=(Preorder.WAT,))
+    whole = [_search(bufs, cap, one) for cap in (64, 63)]
+    monkeypatch.setattr(layout_bnb, "_CHUNK", 3)
+    chunked = [_search(bufs, cap, one) for cap in (64, 63)]
+    assert [r.status for r in whole] == [SearchStatus.FOUND, SearchStatus.INFEASIBLE]
+    assert [(r.status, r.offsets, r.nodes) for r in chunked] == [(r.status, r.offsets, r.nodes) for r in whole]
+
+
+def test_bnb_limits():
+    bufs = _perfect_packing(1, 100)
+    slow = LayoutOptions(preorders=(Preorder.WAT,), dynamic_preorder=False)
+    res = _search(bufs, 64, slow, node_limit=1000)
+    assert res.status is SearchStatus.LIMIT and 1000 <= res.nodes <= 1001
+    stop = threading.Event()
+    stop.set()
+    assert _search(bufs, 64, slow, stop=stop).status is SearchStatus.LIMIT
+    t0 = time.monotonic()
+    assert _search(bufs, 64, slow, deadline=t0 + 0.3).status is SearchStatus.LIMIT
+    assert time.monotonic() - t0 < 5
+    with pytest.raises(ValueError, match="preorders"):
+        _search(bufs, 64, LayoutOptions(preorders=()))

@@ -39,17 +39,22 @@ Rules (``LayoutOptions``; each sound, each can be turned off, all on by default)
   identical_order    identical buffers (same lifetime, size, alignment) are placed in preorder.
   decomposition      when no unplaced buffer crosses a section boundary, the sides are solved as
                      independent sub-problems.
-  nogood_cache       a failed node is remembered by (unplaced buffers, their ``mo``, section range)
-                     with its (last offset, last index); a later node with that state and a
-                     last placement not below it fails at once (its completions are a subset).
+  nogood_cache       a failed node is remembered by (unplaced buffers, their ``mo``, section range,
+                     ranking) with its (last offset, last rank); a later node with that state and a
+                     last placement not below it fails at once (its completions are a subset). A
+                     fixed-size table of two 64-bit hashes per key; a full slot window forgets one.
+  dynamic_preorder   each part split off by ``decomposition`` re-ranks its buffers by the preorder
+                     with ``T`` taken from the current section totals (MiniMalloc's SubSolve does);
+                     the tie-break of ``canonical_only`` is then that rank.
   preorders          the static orders that break ties (``Preorder``); several are run round robin
                      with doubling node limits (restarts against heavy tails). Independent parts of
                      the problem (no buffer crosses a time) run their own round robin.
+
+The search itself is compiled (``layout_bnb_core``, numba): an explicit stack over flat arrays, run in
+node-limited chunks so that this module checks the deadline and the stop event between them.
 """
 from __future__ import annotations
 
-import hashlib
-import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -58,10 +63,12 @@ from typing import Callable, Sequence
 
 import numpy as np
 
+from . import layout_bnb_core as core
+
 __all__ = ["Preorder", "LayoutOptions", "SearchStatus", "SearchResult", "search_layout", "preorder_indices"]
 
-_BIG = np.int64(1) << 62
-_CACHE_LIMIT = 1_000_000  # entries; the cache is cleared past this (about 100 MB)
+_CACHE_SLOTS = 1 << 19  # nogood cache entries per preorder (16 MB); a full window forgets one
+_CHUNK = 50_000  # nodes between deadline checks (tens of milliseconds)
 
 
 class Preorder(str, Enum):
@@ -87,6 +94,7 @@ class LayoutOptions:
     identical_order: bool = True
     decomposition: bool = True
     nogood_cache: bool = True
+    dynamic_preorder: bool = True
     preorders: tuple[Preorder, ...] = (Preorder.WAT, Preorder.TAW, Preorder.TWA)
     cpsat: bool = True  # solve_layout: also run the CP-SAT portfolio (layout_cpsat.py) alongside
 
@@ -102,10 +110,6 @@ class SearchResult:
     status: SearchStatus
     offsets: list[int] | None  # in input order, when found
     nodes: int
-
-
-class _Stop(Exception):
-    pass
 
 
 class _Problem:
@@ -171,200 +175,106 @@ class _Problem:
 
 
 class _Tree:
-    """Search state for one preorder: buffers are relabelled so that label == preorder index (the
-    canonical tie-break). Arrays have one extra sentinel slot ``n`` that is never unplaced."""
+    """One preorder's compiled search (``layout_bnb_core``): buffers are relabelled so that label ==
+    preorder index (the canonical tie-break); the state persists across calls, so a node-limited
+    call can be resumed, and the nogood cache across restarts."""
 
     def __init__(self, prob: _Problem, preorder: Preorder, capacity: int, opts: LayoutOptions):
-        self.opts, self.cap = opts, int(capacity)
-        order = prob.preorder(preorder)
-        self.order = order
+        self.cap = int(capacity)
+        self.flags = _flags(opts)
+        order = self.order = prob.preorder(preorder)
         n = self.n = prob.n
         self.inv = inv = np.empty(n, np.int64)
         inv[order] = np.arange(n)
-        self.z = prob.size[order].tolist()
-        self.Z = np.append(prob.size[order], 0)
-        self.AL = np.append(prob.align[order], 1)
-        self.aligned = bool((self.AL > 1).any())
-        self.slo = [prob.slo[b] for b in order]
-        self.shi = [prob.shi[b] for b in order]
-        self.SLO = np.append(np.array(self.slo, np.int64), 0)
-        self.SHI = np.append(np.array(self.shi, np.int64), 0)
+        i64 = lambda x: np.ascontiguousarray(x, dtype=np.int64)  # noqa: E731
+        Z, AL = prob.size[order], prob.align[order]
+        SLO, SHI = i64(np.array(prob.slo)[order]), i64(np.array(prob.shi)[order])
         lower, upper = prob.lower[order], prob.upper[order]
-        self.OV = [np.sort(inv[prob.neighbours[b]]) for b in order]
-        # neighbours not within the buffer's lifetime (enclosing_first), and whether its size keeps
-        # every neighbour's alignment when they shift up by it
-        out = [ov[(lower[ov] < lower[k]) | (upper[ov] > upper[k])] for k, ov in enumerate(self.OV)]
-        self.out_left = np.append(np.array([len(o) for o in out], np.int64), 1)  # unplaced ones
-        self.in_out = [ov[(lower[k] < lower[ov]) | (upper[k] > upper[ov])] for k, ov in enumerate(self.OV)]
-        self.in_out = [x if x.size else None for x in self.in_out]
-        self.shift_ok = np.array([not self.aligned or bool((self.z[k] % self.AL[ov] == 0).all())
-                                  for k, ov in enumerate(self.OV)] + [False])
-        twin = np.full(n + 1, n, np.int64)
+        ov = [np.sort(inv[prob.neighbours[b]]) for b in order]
+        # enclosing_first: neighbours not within a buffer's lifetime ("out" of it), and the reverse
+        # lists (the buffers k is "out" of), and whether k's size keeps its neighbours' alignment
+        out_left = i64([int(((lower[o] < lower[k]) | (upper[o] > upper[k])).sum()) for k, o in enumerate(ov)])
+        io = [o[(lower[k] < lower[o]) | (upper[k] > upper[o])] for k, o in enumerate(ov)]
+        shift_ok = i64([bool((Z[k] % AL[o] == 0).all()) for k, o in enumerate(ov)])
+        twin = np.full(n, n, np.int64)
         seen: dict[tuple, int] = {}
         for k in range(n):
-            key = (int(lower[k]), int(upper[k]), self.z[k], int(self.AL[k]))
+            key = (int(lower[k]), int(upper[k]), int(Z[k]), int(AL[k]))
             if key in seen:
                 twin[k] = seen[key]
             seen[key] = k
-        self.twin = twin
-        self.has_twins = bool((twin < n).any())
-        self.stride = n + 1
         S = len(prob.sections)
         members = [np.sort(inv[np.array(m, np.int64)]) for m in prob.sections]
-        self.mem = np.concatenate(members) if members else np.zeros(0, np.int64)
-        self.mstart = np.zeros(S + 1, np.int64)
-        self.mstart[1:] = np.cumsum([len(m) for m in members])
-        self.mo = np.zeros(n + 1, np.int64)
-        self.un = np.ones(n + 1, bool)
-        self.un[n] = False
-        self.top = np.zeros(S, np.int64)
-        self.total = prob.section_total.copy()
-        self.cuts = np.zeros(max(S - 1, 0), np.int64)
+        by_slo = i64(np.argsort(SLO, kind="stable"))
+        slo_ptr = i64(np.searchsorted(SLO[by_slo], np.arange(S + 1), side="left"))
+        width = upper - lower
+        codes = {"W": core.KEY_W, "A": core.KEY_A, "T": core.KEY_T, "Z": core.KEY_Z}
+        self.P = (i64(Z), i64(AL), SLO, SHI, *_csr(ov), *_csr(io), shift_ok, twin, *_csr(members),
+                  by_slo, slo_ptr, i64(width), i64(Z * width), i64(Z), i64([codes[c] for c in preorder.value]))
+        cuts = np.zeros(max(S - 1, 0), np.int64)
         for k in range(n):
-            self.cuts[self.slo[k]:self.shi[k] - 1] += 1
-        self.sol = np.zeros(n, np.int64)
-        self.cache: dict[bytes, tuple[int, int]] = {}
-        self.nodes = 0
-        self.limit = 0
-        self.tick: Callable[[int], None] = lambda nodes: None
+            cuts[SLO[k]:SHI[k] - 1] += 1
+        self.init = (out_left, prob.section_total.copy(), cuts)
+        self.M = (np.zeros(n, np.int64), np.ones(n + 1, np.int64), out_left.copy(), np.zeros(S, np.int64),
+                  prob.section_total.copy(), cuts.copy(), np.zeros(n, np.int64), np.arange(n, dtype=np.int64))
+        self.M[1][n] = 0  # sentinel: "no twin" is never unplaced
+        trail, frames = 3 * n + S + 8, 2 * n + 8
+        self.T = (*(np.zeros(trail, np.int64) for _ in range(4)),
+                  np.zeros(len(self.P[5]) + 1, np.int64), np.zeros(len(self.P[5]) + 1, np.int64),
+                  np.zeros(int((SHI - SLO).sum()) + 1, np.int64),
+                  *(np.zeros(frames, np.int64) for _ in range(13)),
+                  np.zeros(S + 2 * n + 8, np.int64), np.zeros(S + 2 * n + 8, np.int64))
+        self.G = tuple(np.zeros(8 * n + 64, np.int64) for _ in range(3))
+        size = _CACHE_SLOTS if opts.nogood_cache else 4
+        self.C = (np.zeros(size, np.uint64), np.zeros(size, np.uint64), np.zeros(size, np.int64),
+                  np.zeros(size, np.int64))
+        self.st = np.zeros(core.ST_SIZE, np.int64)
 
-    # -- the search -------------------------------------------------------------------------------
-    def run(self, comp: np.ndarray, limit: float) -> bool:
-        """Search one independent part (input labels ``comp``); raises ``_Stop`` at the limit."""
-        self.limit = self.nodes + limit
-        labels = self.inv[comp]
-        part = np.zeros(self.n + 1, bool)
-        part[labels] = True
-        a = int(self.SLO[labels].min())
-        b = int(self.SHI[labels].max())
-        return self._subsolve(part, a, b)
+    @property
+    def nodes(self) -> int:
+        return int(self.st[core._NODES])
 
-    def _subsolve(self, part: np.ndarray, a: int, b: int) -> bool:
-        if self.opts.enclosing_first:
-            k = self._enclosing(part)
-            if k >= 0:
-                self.nodes += 1
-                return self._place(part, a, b, k, int(self.mo[k]), True)
-        return self._search(part, a, b, 0, -1)
+    @property
+    def sol(self) -> np.ndarray:
+        return self.M[6]
 
-    def _enclosing(self, part: np.ndarray) -> int:
-        un, mo = self.un, self.mo
-        for k in np.flatnonzero(part & un & (self.out_left == 0) & self.shift_ok).tolist():
-            ov = self.OV[k]
-            if (mo[ov[un[ov]]] >= mo[k]).all():
-                return k
-        return -1
+    def start(self, a: int, b: int) -> None:
+        """A fresh search of the part of sections ``[a, b)`` (the node count and cache carry on)."""
+        mo, un, out_left, top, total, cuts, _, rank = self.M
+        mo[:] = 0
+        un[:self.n] = 1
+        top[:] = 0
+        out_left[:], total[:], cuts[:] = self.init
+        rank[:] = np.arange(self.n)
+        nodes = self.st[core._NODES]
+        self.st[:] = 0
+        self.st[core._NODES] = nodes
+        self.st[[core._PA, core._PB, core._PSUB, core._PLK]] = a, b, 1, -1
 
-    def _search(self, part: np.ndarray, a: int, b: int, last_o: int, last_k: int) -> bool:
-        self.nodes += 1
-        if self.nodes > self.limit:
-            raise _Stop
-        if not self.nodes & 63:
-            self.tick(self.nodes)
-        opts, mo, un = self.opts, self.mo, self.un
-        idx = np.flatnonzero(part & un)
-        if not idx.size:
-            return True
-        m = mo[idx]
-        key = None
-        if opts.nogood_cache:
-            key = hashlib.blake2b(idx.tobytes() + m.tobytes() + b"%d,%d" % (a, b), digest_size=16).digest()
-            hit = self.cache.get(key)
-            if hit is not None and (last_o, last_k) >= hit:
-                return False
-        # candidates in (offset, preorder index) order: one integer key per buffer
-        order_key = m * self.stride + idx
-        keep = m < (m + self.Z[idx]).min() if opts.dominance else np.ones(idx.size, bool)
-        if opts.canonical_only:
-            keep &= order_key > last_o * self.stride + last_k
-            if opts.monotonic_floor and opts.section_inference:
-                keep &= m <= self.cap - self.total[a:b].max()
-        if opts.identical_order and self.has_twins:
-            keep &= ~un[self.twin[idx]]
-        order_key = np.sort(order_key[keep])
-        cand = order_key % self.stride
-        cm = order_key // self.stride
-        for k, o in zip(cand.tolist(), cm.tolist()):
-            if self._place(part, a, b, k, o, False):
-                return True
-            if opts.hatless and not un[self.OV[k]].any():
-                break
-        if key is not None:
-            old = self.cache.get(key)
-            if old is None or (last_o, last_k) < old:
-                if len(self.cache) >= _CACHE_LIMIT:
-                    self.cache.clear()
-                self.cache[key] = (last_o, last_k)
-        return False
+    def resume(self, limit: int) -> int:
+        """Run until ``limit`` nodes in all (then LIMIT) or the end of the part."""
+        while True:
+            code = core.run(self.P, self.M, self.T, self.G, self.C, self.st, self.cap, limit, self.flags)
+            if code != core.GROW:
+                return code
+            self.G = tuple(np.concatenate([g, np.zeros_like(g)]) for g in self.G)
 
-    def _place(self, part: np.ndarray, a: int, b: int, k: int, o: int, sub: bool) -> bool:
-        """Place ``k`` at ``o``, check the bounds, go on; the state is restored on return."""
-        z = self.z[k]
-        h = o + z
-        if h > self.cap:
-            return False
-        mo, un = self.mo, self.un
-        ov = self.OV[k]
-        sel = ov[un[ov] & (mo[ov] < h)]
-        old = mo[sel]
-        mo[sel] = -(-h // self.AL[sel]) * self.AL[sel] if self.aligned else h
-        un[k] = False
-        self.sol[k] = o
-        inside = self.in_out[k] if self.opts.enclosing_first else None
-        if inside is not None:
-            self.out_left[inside] -= 1
-        sa, sb = self.slo[k], self.shi[k]
-        top_old = self.top[sa:sb].copy()
-        self.top[sa:sb] = h
-        self.total[sa:sb] -= z
-        try:
-            return self._check(sa, sb, sel) and self._descend(part, a, b, k, o, sub)
-        finally:
-            self.top[sa:sb] = top_old
-            self.total[sa:sb] += z
-            un[k] = True
-            mo[sel] = old
-            if inside is not None:
-                self.out_left[inside] += 1
 
-    def _check(self, x: int, y: int, sel: np.ndarray) -> bool:
-        """Section bounds on the sections whose floor or total changed (the others passed before).
-        The monotonic floor needs no check here: the candidate filter ``mo <= C - max total`` is it."""
-        opts = self.opts
-        if sel.size:
-            x = min(x, int(self.SLO[sel].min()))
-            y = max(y, int(self.SHI[sel].max()))
-        floor = self.top[x:y]
-        if opts.unallocated_floor:
-            seg = self.mem[self.mstart[x]:self.mstart[y]]
-            umin = np.minimum.reduceat(np.where(self.un[seg], self.mo[seg], _BIG), self.mstart[x:y] - self.mstart[x])
-            floor = np.maximum(floor, np.where(umin < _BIG, umin, 0))
-        if opts.section_inference:
-            floor = floor + self.total[x:y]
-        return int(floor.max()) <= self.cap
+def _csr(lists: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    ptr = np.zeros(len(lists) + 1, np.int64)
+    ptr[1:] = np.cumsum([len(x) for x in lists])
+    idx = np.concatenate(lists).astype(np.int64) if lists and ptr[-1] else np.zeros(1, np.int64)
+    return ptr, idx
 
-    def _descend(self, part: np.ndarray, a: int, b: int, k: int, o: int, sub: bool) -> bool:
-        sa, sb = self.slo[k], self.shi[k]
-        if not self.opts.decomposition or sb - sa < 2:
-            return self._subsolve(part, a, b) if sub else self._search(part, a, b, o, k)
-        crossing = self.cuts[sa:sb - 1]  # buffers crossing each boundary, now without k
-        crossing -= 1
-        try:
-            cut = np.flatnonzero(crossing == 0)
-            if cut.size:
-                return self._split(part, a, b, (cut + sa + 1).tolist())
-            return self._subsolve(part, a, b) if sub else self._search(part, a, b, o, k)
-        finally:
-            crossing += 1
 
-    def _split(self, part: np.ndarray, a: int, b: int, cuts: list[int]) -> bool:
-        rest = part & self.un
-        pts = [a, *cuts, b]
-        for x, y in zip(pts, pts[1:]):
-            sub = rest & (self.SHI > x) & (self.SLO < y)
-            if sub.any() and not self._subsolve(sub, x, y):
-                return False
-        return True
+def _flags(opts: LayoutOptions) -> int:
+    bits = {"canonical_only": core.CANONICAL, "dominance": core.DOMINANCE,
+            "section_inference": core.SECTION_INFERENCE, "unallocated_floor": core.UNALLOCATED_FLOOR,
+            "monotonic_floor": core.MONOTONIC_FLOOR, "hatless": core.HATLESS,
+            "enclosing_first": core.ENCLOSING_FIRST, "identical_order": core.IDENTICAL_ORDER,
+            "decomposition": core.DECOMPOSITION, "nogood_cache": core.NOGOOD_CACHE,
+            "dynamic_preorder": core.DYNAMIC_PREORDER}
+    return sum(bit for name, bit in bits.items() if getattr(opts, name))
 
 
 def search_layout(lower: Sequence[int], upper: Sequence[int], size: Sequence[int], alignment: Sequence[int],
@@ -375,7 +285,8 @@ def search_layout(lower: Sequence[int], upper: Sequence[int], size: Sequence[int
     limit, ``deadline`` (``time.monotonic()``) or ``stop`` came first. With several preorders and no
     node limit, each independent part runs them round robin with node limits doubling from twice its
     size; otherwise the first preorder runs one complete search (what the option tests count).
-    ``progress(nodes)`` is called about every two seconds."""
+    The compiled search runs in chunks of ``_CHUNK`` nodes, between which the deadline and ``stop``
+    are checked; ``progress(nodes)`` is called about every two seconds."""
     if not options.preorders:
         raise ValueError("LayoutOptions.preorders must name at least one Preorder")
     sizes = np.asarray(size, dtype=np.int64)
@@ -389,7 +300,7 @@ def search_layout(lower: Sequence[int], upper: Sequence[int], size: Sequence[int
         raise ValueError(f"capacity {capacity * unit} is too large for the exact search")
     prob = _Problem(np.asarray(lower)[nz], np.asarray(upper)[nz], sizes[nz] // unit, aligns[nz] // unit)
     trees: dict[Preorder, _Tree] = {}
-    next_report = [time.monotonic() + 2.0]
+    next_report = time.monotonic() + 2.0
 
     def nodes() -> int:
         return sum(t.nodes for t in trees.values())
@@ -397,44 +308,40 @@ def search_layout(lower: Sequence[int], upper: Sequence[int], size: Sequence[int
     def halted() -> bool:
         return time.monotonic() > deadline or (stop is not None and stop.is_set())
 
-    def tick(_: int) -> None:
-        if halted():
-            raise _Stop
-        if progress is not None and time.monotonic() >= next_report[0]:
-            next_report[0] = time.monotonic() + 2.0
-            progress(nodes())
-
-    def tree(p: Preorder) -> _Tree:
-        if p not in trees:
-            trees[p] = _Tree(prob, p, capacity, options)
-            trees[p].tick = tick
-        return trees[p]
+    def run(t: _Tree, budget: float) -> int:
+        nonlocal next_report
+        end = t.nodes + budget
+        while True:
+            code = t.resume(int(min(end, t.nodes + _CHUNK)))
+            if code != core.LIMIT or t.nodes >= end or halted():
+                return code
+            if progress is not None and time.monotonic() >= next_report:
+                next_report = time.monotonic() + 2.0
+                progress(nodes())
 
     single = node_limit is not None or len(options.preorders) == 1
-    old_limit = sys.getrecursionlimit()
-    sys.setrecursionlimit(max(old_limit, 6 * prob.n + 1000))
-    try:
-        for comp in prob.components():
-            limit = 2 * len(comp)
-            solved = None
-            while solved is None:
-                limit *= 2
-                for p in options.preorders[:1] if single else options.preorders:
-                    t = tree(p)
-                    try:
-                        ok = t.run(comp, node_limit - nodes() if node_limit is not None else
-                                   float("inf") if single else limit)
-                    except _Stop:
-                        if single or halted():
-                            return SearchResult(SearchStatus.LIMIT, None, nodes())
-                        continue
-                    if not ok:
-                        return SearchResult(SearchStatus.INFEASIBLE, None, nodes())
-                    solved = t
-                    break
-            offsets[nz[comp]] = solved.sol[solved.inv[comp]] * unit
-    finally:
-        sys.setrecursionlimit(old_limit)
+    for comp in prob.components():
+        a, b = min(prob.slo[c] for c in comp), max(prob.shi[c] for c in comp)
+        limit = 2 * len(comp)
+        solved = None
+        while solved is None:
+            limit *= 2
+            for p in options.preorders[:1] if single else options.preorders:
+                if p not in trees:
+                    trees[p] = _Tree(prob, p, capacity, options)
+                t = trees[p]
+                t.start(a, b)
+                code = run(t, node_limit - nodes() if node_limit is not None else
+                           float("inf") if single else limit)
+                if code == core.LIMIT:
+                    if single or halted():
+                        return SearchResult(SearchStatus.LIMIT, None, nodes())
+                    continue
+                if code == core.INFEASIBLE:
+                    return SearchResult(SearchStatus.INFEASIBLE, None, nodes())
+                solved = t
+                break
+        offsets[nz[comp]] = solved.sol[solved.inv[comp]] * unit
     return SearchResult(SearchStatus.FOUND, offsets.tolist(), nodes())
 
 
