@@ -186,13 +186,49 @@ def test_meshes_respect_node_boundaries():
 
 def test_search_result_fits_and_agrees_with_the_cost_model():
     g = graph_of("gpt.py")
+    events = []
     t0 = time.perf_counter()
-    r = search(g, parse_cluster("cpu:4"), SearchOptions(level=Level.O1, time_limit=10))
+    r = search(g, parse_cluster("cpu:4"), SearchOptions(level=Level.O1, time_limit=10),
+               progress=lambda event, info: events.append((event, info)))
     assert time.perf_counter() - t0 < 30
     assert r.estimate.fits and r.plan.fingerprint == g.fingerprint()
     from rhino.cost.estimate import estimate
     assert estimate(g, parse_cluster("cpu:4"), r.plan).step_seconds == pytest.approx(r.estimate.step_seconds)
     assert r.best.step_seconds == min(c.step_seconds for c in r.candidates if c.fits)
+    # O1 on a small graph: every mesh priced first, then the descent goes to the fastest priced first
+    names = [e for e, _ in events]
+    assert "refine" in names and "solve" not in names[names.index("refine"):]
+    first = {i["mesh"]: i["step_seconds"] for e, i in events[:names.index("refine")] if e == "scored" and i["fits"]}
+    refined = [i["mesh"] for e, i in events if e == "refine"]
+    assert refined[0] == min(first, key=first.get)
+    one_pass = refined[:len(set(refined))]
+    assert [first[m] for m in one_pass] == sorted(first[m] for m in one_pass)
+
+
+def test_o1_refines_the_fastest_priced_candidates_first_while_its_budget_lasts():
+    from types import SimpleNamespace
+    from rhino.search.outer import Candidate, _refine_best_first
+    order = []
+
+    def cand(name, step, fits=True, refine=True, moves=False, then=None):
+        c = Candidate(Mesh(("all",), (1,)), "none", None, SimpleNamespace(step_seconds=step, fits=fits), 0.0)
+
+        def refine_once(until):
+            order.append(name)
+            if then is not None:
+                c.estimate = SimpleNamespace(step_seconds=then, fits=True)
+            return moves and order.count(name) == 1
+        c.refine = refine_once if refine else None
+        return c
+
+    cands = [cand("c", 3.0, moves=True, then=0.2), cand("nofit", 0.5, fits=False), cand("a", 1.0, moves=True),
+             cand("b", 2.0), cand("unrefinable", 0.1, refine=False)]
+    _refine_best_first(cands, SearchOptions(level=Level.O1), time.perf_counter())
+    # a round each, fastest priced first; then another for those whose round moved, by their new price
+    assert order == ["a", "b", "c", "c", "a"]
+    order.clear()
+    _refine_best_first(cands, SearchOptions(level=Level.O1, time_limit=0.1), time.perf_counter())
+    assert order == []           # under the minimum left: no refinement started
 
 
 def _shrunk(cluster_text, memory_bytes):

@@ -2,7 +2,9 @@
 
 - **O1** (``segments.solve_o1``): critical-node segments chained by dynamic programming over the
   boundary state, each solve a greedy propagation plus local search; data parallel first. Small
-  graphs (``O1_DESCENT_NODES``) also get one short round of axis-wise descent.
+  graphs (``O1_DESCENT_NODES``) also get up to ``O1_ROUNDS`` short rounds of axis-wise descent
+  (``refine_o1``): by default the outer search runs it later, a round at a time, on the meshes whose
+  plans price best first (rule ``o1_refine_best_first``); with the rule off, here, on every mesh.
 - **O2**: O1's plan, then rounds of axis-wise descent (``descent``: CP-SAT on one axis at a time)
   until a round changes nothing, then the joint ILP over all axes at once (``ilp.solve_ilp``), hinted
   with the descent's plan and given what is left of the budget; a solution is kept only if better.
@@ -14,20 +16,20 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from .descent import descend, score
+from .descent import Descent, descend, score
 from .ilp import solve_ilp
 from .segments import solve_o1
 from .options import Level, SearchOptions
 from .problem import Problem
 
-__all__ = ["LevelResult", "solve_problem", "JOINT_CANDIDATES", "O1_DESCENT_NODES"]
+__all__ = ["LevelResult", "solve_problem", "refine_o1", "JOINT_CANDIDATES", "O1_DESCENT_NODES"]
 
 #: The joint ILP over all axes is tried only up to this many candidates (measured: with 1.7k it finds
 #: no solution in 10 s on two cores; with a few hundred it closes the gap in seconds).
 JOINT_CANDIDATES = 800
-#: O1 adds one round of axis-wise descent (a CP-SAT step per axis, at most ``O1_STEP_SECONDS`` each)
-#: on graphs of at most this many nodes, where building and pricing a mesh take well under a second
-#: (larger graphs keep O1 solver-free).
+#: O1 adds up to ``O1_ROUNDS`` rounds of axis-wise descent (a CP-SAT step per axis, at most
+#: ``O1_STEP_SECONDS`` each) on graphs of at most this many nodes, where building and pricing a mesh
+#: take well under a second (larger graphs keep O1 solver-free).
 O1_DESCENT_NODES = 4000
 O1_STEP_SECONDS = 3.0
 O1_ROUNDS = 2
@@ -43,6 +45,20 @@ class LevelResult:
     o1_choice: list[int] = field(default_factory=list)   # O1's answer (O2 starts from it)
 
 
+def refine_o1(p: Problem, choice: list[int], options: SearchOptions, *, deadline: float,
+              rounds: int = O1_ROUNDS) -> Descent:
+    """O1's short axis-wise descent from ``choice`` (module docstring): ``choice`` itself unless the
+    model scores the descent's plan better."""
+    ndim = len(p.axis_keys[0][0]) if p.axis_keys and p.axis_keys[0] else 1
+    d = descend(p, start=choice, rounds=rounds, step_time_limit=O1_STEP_SECONDS,
+                deadline=min(deadline, time.perf_counter() + rounds * ndim * O1_STEP_SECONDS),
+                workers=options.workers)
+    d.steps = [dict(s, level="O1") for s in d.steps]
+    if not score(p, d.choice) < score(p, choice):
+        d.choice = list(choice)
+    return d
+
+
 def solve_problem(p: Problem, options: SearchOptions, *, deadline: float, start: list[int] | None = None,
                   critical: list[int] = ()) -> LevelResult:
     """Solve ``p`` at ``options.level`` before ``deadline`` (``time.perf_counter`` seconds)."""
@@ -53,12 +69,10 @@ def solve_problem(p: Problem, options: SearchOptions, *, deadline: float, start:
     status = f"O1 ({name})"
     steps = [{"axis": "all", "status": status, "objective": sc[1], "seconds": time.perf_counter() - now,
               "level": "O1"}]
-    if options.level is Level.O1 and p.nodes <= O1_DESCENT_NODES:
-        d1 = descend(p, start=choice, rounds=O1_ROUNDS, step_time_limit=O1_STEP_SECONDS,
-                     deadline=min(deadline, time.perf_counter() + O1_ROUNDS * ndim * O1_STEP_SECONDS),
-                     workers=options.workers)
-        steps += [dict(s, level="O1") for s in d1.steps]
-        if score(p, d1.choice) < score(p, choice):
+    if options.level is Level.O1 and p.nodes <= O1_DESCENT_NODES and not options.o1_refine_best_first:
+        d1 = refine_o1(p, choice, options, deadline=deadline)
+        steps += d1.steps
+        if d1.choice != choice:
             choice, status = d1.choice, status + " + descent"
     o1_choice = list(choice)
     if options.level is Level.O2:

@@ -13,7 +13,15 @@
    constant) and the problem is solved again (``memory_rounds`` times at most).
 3. **Recomputation**: ``recompute="auto"`` tries ``full`` recomputation only when no mesh fits without
    it; "always" tries both for every mesh.
-4. The fastest plan that fits wins. Expert presets (``experts.preset_grid``) are scored separately
+4. **O1 refinement, best first** (small graphs, rule ``o1_refine_best_first``): steps 1-3 solve and
+   price every candidate without descent; then, while O1's budget (``O1_TIME_BUDGET``) lasts, in up
+   to ``levels.O1_ROUNDS`` passes, the fitting candidates, fastest priced first, each get one round of
+   O1's axis-wise descent (``levels.refine_o1``) from where their last round ended (a candidate
+   leaves the passes when its round changes nothing); each round's plan is priced exactly and kept
+   when it is better (fits, then step time). One round per pass rather than all rounds at once: the
+   mesh that prices best before the descent is often not the best after it. With the rule off, each
+   mesh descends as it is solved, on an even share of the budget.
+5. The fastest plan that fits wins. Expert presets (``experts.preset_grid``) are scored separately
    for comparison (``rhino plan`` returns a preset instead when one is faster, and says so). When
    nothing fits, ``NoPlanFits`` names the best candidate's memory split and the smallest cluster or
    batch that would fit.
@@ -40,7 +48,7 @@ from ..sharding.mesh import Mesh
 from ..sharding.plan import ShardingPlan
 from .coarsen import Cones, build_cones
 from .ilp import memory_over, row_bytes
-from .levels import O1_DESCENT_NODES, solve_problem
+from .levels import O1_DESCENT_NODES, O1_ROUNDS, refine_o1, solve_problem
 from .segments import critical_classes
 from .options import Level, SearchOptions
 from .problem import Builder
@@ -74,15 +82,19 @@ class Candidate:
     model_peak_cap: float = 0.0          # the capacity the model planned for
     pricer: Callable | None = field(default=None, repr=False)
     finish: Callable | None = field(default=None, repr=False)   # price it (and refit memory)
+    refine: Callable | None = field(default=None, repr=False)   # O1's descent, given a deadline (step 4)
 
     def price(self) -> Estimate:
         """The cost model's estimate of the plan (computed once)."""
         if self.estimate is None or self.estimate_plan is not self.plan:
-            self.estimate = self.pricer(self.plan)
-            self.estimate_plan = self.plan
-            self.plan.meta.update({"predicted_step_seconds": self.estimate.step_seconds,
-                                   "predicted_peak_bytes": self.estimate.memory_bytes["peak"]})
+            self.keep(self.plan, self.pricer(self.plan))
         return self.estimate
+
+    def keep(self, plan: ShardingPlan, est: Estimate) -> None:
+        """Make ``plan``, priced ``est``, this candidate's plan."""
+        self.plan, self.estimate, self.estimate_plan = plan, est, plan
+        plan.meta.update({"predicted_step_seconds": est.step_seconds,
+                          "predicted_peak_bytes": est.memory_bytes["peak"]})
 
     estimate_plan: object = field(default=None, repr=False)
 
@@ -161,10 +173,9 @@ def search_mesh(graph: Graph, cluster: Cluster, mesh: Mesh, options: SearchOptio
             first = b.assemble(sol.o1_choice, f"search {options.level.value} mesh {mesh}")
             first.meta.update(meta)
             alt = cand.pricer(first)
-            if (not alt.fits, alt.step_seconds) < (not est.fits, est.step_seconds):
-                cand.plan, cand.estimate, cand.estimate_plan, est = first, alt, first, alt
-                first.meta.update({"predicted_step_seconds": alt.step_seconds,
-                                   "predicted_peak_bytes": alt.memory_bytes["peak"]})
+            if _better(alt, est):
+                cand.keep(first, alt)
+                est = alt
                 cand.status = "O1 (kept: priced faster than the O2 refinement)"
                 sol.choice = sol.o1_choice
         rounds = 0
@@ -188,7 +199,38 @@ def search_mesh(graph: Graph, cluster: Cluster, mesh: Mesh, options: SearchOptio
         say("scored", {"mesh": str(mesh), "step_seconds": est.step_seconds, "fits": est.fits,
                        "peak": est.memory_bytes["peak"]})
 
+    walk: list[list[int]] = []          # where the last descent round ended
+
+    def refine(until: float) -> bool:
+        """Step 4: one round of O1's descent from where the last ended (first: the plan as it stands),
+        kept when it prices better. True when the round changed the choice (another may help)."""
+        t1 = time.perf_counter()
+        say("refine", {"mesh": str(mesh), "recompute": recompute})
+        start = walk[-1] if walk else sol.choice
+        d = refine_o1(p, start, options, deadline=until, rounds=1)
+        cand.steps = cand.steps + d.steps
+        moved = d.choice != start
+        if moved:
+            walk.append(d.choice)
+            new = b.assemble(d.choice, f"search {options.level.value} mesh {mesh}")
+            new.meta.update(meta)
+            alt = cand.pricer(new)
+            if cand.estimate is None or _better(alt, cand.estimate):
+                cand.keep(new, alt)
+                if not cand.status.endswith(" + descent"):
+                    cand.status += " + descent"
+                cand.model_seconds = d.objective
+                cand.model_peak = p.capacity + memory_over(p, d.choice)
+                sol.choice = d.choice
+        cand.seconds += time.perf_counter() - t1
+        est = cand.estimate
+        say("scored", {"mesh": str(mesh), "step_seconds": est.step_seconds, "fits": est.fits,
+                       "peak": est.memory_bytes["peak"]})
+        return moved
+
     cand.finish = finish
+    if options.level is Level.O1 and options.o1_refine_best_first and p.nodes <= O1_DESCENT_NODES:
+        cand.refine = refine
     if cand.model_peak > MODEL_MEMORY_SLACK * p.capacity:
         # the model's rows alone are over capacity (and they err only on the safe side by a little):
         # leave the exact pricing for later, in case no mesh fits and this is the best there is
@@ -216,6 +258,7 @@ def search(graph: Graph, cluster: Cluster, options: SearchOptions = SearchOption
         cands += _run(graph, cluster, meshes, options, cones, base, fingerprint, mode, t0, say, shared)
     if options.recompute == "auto" and not any(c.fits for c in cands):
         cands += _run(graph, cluster, meshes, options, cones, base, fingerprint, "full", t0, say, shared)
+    _refine_best_first(cands, options, t0)
     fitting = [c for c in cands if c.fits]
     seconds = time.perf_counter() - t0
     if not fitting:
@@ -236,6 +279,30 @@ O1_TIME_BUDGET = 20.0
 #: A candidate whose model memory peak is over this many times capacity is not priced exactly unless
 #: nothing fits (the model's rows overestimate by under 15% in the tests).
 MODEL_MEMORY_SLACK = 1.15
+
+
+#: Step 4 starts no refinement with less of O1's budget left than this (seconds).
+O1_MIN_REFINE_SECONDS = 0.5
+
+
+def _better(a: Estimate, b: Estimate) -> bool:
+    """``a`` prices better than ``b``: it fits where ``b`` does not, or it is faster."""
+    return (not a.fits, a.step_seconds) < (not b.fits, b.step_seconds)
+
+
+def _refine_best_first(cands: list[Candidate], options: SearchOptions, t0: float) -> None:
+    """Step 4 (module docstring): passes of one descent round each over the fitting candidates, fastest
+    priced first, while O1's budget lasts."""
+    limit = min(options.time_limit, O1_TIME_BUDGET)
+    active = [c for c in cands if c.fits and c.refine is not None]
+    for _ in range(O1_ROUNDS):
+        moved = []
+        for c in sorted(active, key=lambda c: c.step_seconds):
+            if t0 + limit - time.perf_counter() < O1_MIN_REFINE_SECONDS:
+                return
+            if c.refine(t0 + limit):
+                moved.append(c)
+        active = moved
 
 
 def _peak(c: Candidate) -> float:
