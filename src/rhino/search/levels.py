@@ -3,8 +3,8 @@
 - **O1** (``segments.solve_o1``): critical-node segments chained by dynamic programming over the
   boundary state, each solve a greedy propagation plus local search; data parallel first. Small
   graphs (``O1_DESCENT_NODES``) also get up to ``O1_ROUNDS`` short rounds of axis-wise descent
-  (``refine_o1``): by default the outer search runs it later, a round at a time, on the meshes whose
-  plans price best first (rule ``o1_refine_best_first``); with the rule off, here, on every mesh.
+  (``refine_o1``): by default the outer search runs it later, a round at a time, on the mesh whose
+  plan prices best at the time (rule ``o1_refine_best_first``); with the rule off, here, on every mesh.
 - **O2**: O1's plan, then rounds of axis-wise descent (``descent``: CP-SAT on one axis at a time)
   until a round changes nothing, then the joint ILP over all axes at once (``ilp.solve_ilp``), hinted
   with the descent's plan and given what is left of the budget; a solution is kept only if better.

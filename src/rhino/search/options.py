@@ -74,8 +74,8 @@ class SearchOptions:
     # -- outer search ----------------------------------------------------------------------------
     #: O1 prices (with the cost model) only the meshes its model ranks best, this many.
     o1_priced_meshes: int = 2
-    #: O1 on small graphs: every mesh is solved and priced first, then the descent refines the plans that
-    #: price fastest, best first, while O1's budget lasts (so the likely winner gets it when time is short).
+    #: O1 on small graphs: every mesh is solved and priced first, then the descent refines, a round at a
+    #: time, the plan that prices fastest now, while O1's budget lasts (the likely winner gets it first).
     #: Off: each mesh descends as it is solved, in mesh order, with an even share of the budget.
     o1_refine_best_first: bool = True
     #: Largest number of mesh axes tried.

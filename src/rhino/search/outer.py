@@ -14,11 +14,11 @@
 3. **Recomputation**: ``recompute="auto"`` tries ``full`` recomputation only when no mesh fits without
    it; "always" tries both for every mesh.
 4. **O1 refinement, best first** (small graphs, rule ``o1_refine_best_first``): steps 1-3 solve and
-   price every candidate without descent; then, while O1's budget (``O1_TIME_BUDGET``) lasts, in up
-   to ``levels.O1_ROUNDS`` passes, the fitting candidates, fastest priced first, each get one round of
-   O1's axis-wise descent (``levels.refine_o1``) from where their last round ended (a candidate
-   leaves the passes when its round changes nothing); each round's plan is priced exactly and kept
-   when it is better (fits, then step time). One round per pass rather than all rounds at once: the
+   price every candidate without descent; then, while O1's budget (``O1_TIME_BUDGET``) lasts, the
+   fitting candidate that prices fastest now gets one round of O1's axis-wise descent
+   (``levels.refine_o1``) from where its last round ended, again and again; a candidate leaves after
+   ``levels.O1_ROUNDS`` rounds or a round that changes nothing. Each round's plan is priced exactly
+   and kept when it is better (fits, then step time). A round at a time rather than all at once: the
    mesh that prices best before the descent is often not the best after it. With the rule off, each
    mesh descends as it is solved, on an even share of the budget.
 5. The fastest plan that fits wins. Expert presets (``experts.preset_grid``) are scored separately
@@ -291,18 +291,15 @@ def _better(a: Estimate, b: Estimate) -> bool:
 
 
 def _refine_best_first(cands: list[Candidate], options: SearchOptions, t0: float) -> None:
-    """Step 4 (module docstring): passes of one descent round each over the fitting candidates, fastest
-    priced first, while O1's budget lasts."""
+    """Step 4 (module docstring): one descent round at a time for the fitting candidate that prices
+    fastest now, while O1's budget lasts."""
     limit = min(options.time_limit, O1_TIME_BUDGET)
-    active = [c for c in cands if c.fits and c.refine is not None]
-    for _ in range(O1_ROUNDS):
-        moved = []
-        for c in sorted(active, key=lambda c: c.step_seconds):
-            if t0 + limit - time.perf_counter() < O1_MIN_REFINE_SECONDS:
-                return
-            if c.refine(t0 + limit):
-                moved.append(c)
-        active = moved
+    active = [[c, 0] for c in cands if c.fits and c.refine is not None]    # [candidate, rounds run]
+    while active and t0 + limit - time.perf_counter() >= O1_MIN_REFINE_SECONDS:
+        entry = min(active, key=lambda e: e[0].step_seconds)
+        entry[1] += 1
+        if not entry[0].refine(t0 + limit) or entry[1] >= O1_ROUNDS:
+            active.remove(entry)
 
 
 def _peak(c: Candidate) -> float:
