@@ -231,3 +231,18 @@ def test_bnb_limits():
     assert time.monotonic() - t0 < 5
     with pytest.raises(ValueError, match="preorders"):
         _search(bufs, 64, LayoutOptions(preorders=()))
+
+
+def test_bnb_large_training_like_chain_within_node_budget():
+    """3,700 buffers shaped like a training graph (weights live throughout, a chain of activations,
+    saved tensors freed in reverse): found at the lower bound within 2n nodes. Per-node work is
+    incremental, so this also stays quick (timings are not asserted)."""
+    rng = random.Random(0)
+    t = 3000
+    bufs = [Buffer(("w", j), 0, t + 1, rng.randint(1, 64)) for j in range(200)]
+    bufs += [Buffer(("a", i), i, i + 2, rng.randint(1, 64)) for i in range(t)]
+    bufs += [Buffer(("g", i), i, t + 1 - i, rng.randint(1, 8)) for i in range(0, t // 2, 3)]
+    lb = lower_bound(bufs)
+    r = _search(bufs, lb, node_limit=2 * len(bufs))
+    assert r.status is SearchStatus.FOUND and r.nodes <= 2 * len(bufs)
+    assert validate_layout(bufs, {b.id: o for b, o in zip(bufs, r.offsets)}, lb) == []

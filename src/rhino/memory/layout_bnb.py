@@ -216,7 +216,8 @@ class _Tree:
             cuts[SLO[k]:SHI[k] - 1] += 1
         self.init = (out_left, prob.section_total.copy(), cuts)
         self.M = (np.zeros(n, np.int64), np.ones(n + 1, np.int64), out_left.copy(), np.zeros(S, np.int64),
-                  prob.section_total.copy(), cuts.copy(), np.zeros(n, np.int64), np.arange(n, dtype=np.int64))
+                  prob.section_total.copy(), cuts.copy(), np.zeros(n, np.int64), np.arange(n, dtype=np.int64),
+                  np.full(S, n, np.int64))
         self.M[1][n] = 0  # sentinel: "no twin" is never unplaced
         trail, frames = 3 * n + S + 8, 2 * n + 8
         self.T = (*(np.zeros(trail, np.int64) for _ in range(4)),
@@ -240,7 +241,7 @@ class _Tree:
 
     def start(self, a: int, b: int) -> None:
         """A fresh search of the part of sections ``[a, b)`` (the node count and cache carry on)."""
-        mo, un, out_left, top, total, cuts, _, rank = self.M
+        mo, un, out_left, top, total, cuts, _, rank, _ = self.M
         mo[:] = 0
         un[:self.n] = 1
         top[:] = 0

@@ -10,7 +10,7 @@ index``):
      keys ``KW``/``KA``/``KZ`` and the preorder's key codes ``pcodes``.
   M  state: ``mo``, ``un``, ``out_left``, per section ``top``/``total``, ``cuts`` (unplaced buffers
      crossing each section boundary), ``sol``, ``rank`` (the tie-break; relabelled per sub-problem
-     with ``dynamic_preorder``).
+     with ``dynamic_preorder``), per section ``wit`` (an unallocated_floor witness, a hint).
   T  the trail (one record per placement or re-ranking, with undo logs) and the frame stack.
   G  growable pools: candidates and old ranks.
   C  the nogood cache: open addressing, 4 probes, two 64-bit hashes per key; a full probe window
@@ -136,26 +136,32 @@ def _undo_to(mark, P, M, T, G, st, flags):
 
 @numba.njit(cache=True)
 def _check(x, y, cap, P, M, flags):
-    """section_inference and unallocated_floor on sections ``[x, y)`` (the ones that changed)."""
+    """section_inference and unallocated_floor on sections ``[x, y)`` (the ones that changed). The
+    lowest ``mo`` of a section's unplaced buffers is only needed when no witness (an unplaced member
+    with ``mo + total <= cap``) is known: ``wit`` keeps the last one found per section (a hint,
+    revalidated on use, never undone), so a section is rescanned only when its witness goes."""
     mem_ptr, mem_idx = P[10], P[11]
-    mo, un, top, total = M[0], M[1], M[3], M[4]
+    mo, un, top, total, wit = M[0], M[1], M[3], M[4], M[8]
     ufloor = flags & UNALLOCATED_FLOOR
     inference = flags & SECTION_INFERENCE
     if not (ufloor or inference):
         return True
     for s in range(x, y):
-        f = top[s]
-        if ufloor:
-            umin = _BIG
-            for q in range(mem_ptr[s], mem_ptr[s + 1]):
-                j = mem_idx[q]
-                if un[j] and mo[j] < umin:
-                    umin = mo[j]
-            if umin < _BIG and umin > f:
-                f = umin
-        if inference:
-            f += total[s]
-        if f > cap:
+        t = total[s] if inference else 0
+        if top[s] + t > cap:
+            return False
+        if not ufloor or total[s] == 0:  # total == 0: no unplaced member
+            continue
+        w = wit[s]
+        if un[w] and mo[w] + t <= cap:
+            continue
+        umin, w = _BIG, len(mo)
+        for q in range(mem_ptr[s], mem_ptr[s + 1]):
+            j = mem_idx[q]
+            if un[j] and mo[j] < umin:
+                umin, w = mo[j], j
+        wit[s] = w
+        if umin + t > cap:
             return False
     return True
 
@@ -163,14 +169,25 @@ def _check(x, y, cap, P, M, flags):
 @numba.njit(cache=True)
 def _enclosing(a, b, P, M):
     """enclosing_first: the lowest label of an unplaced buffer of part ``[a, b)`` that can be placed
-    at its ``mo`` without branching, or -1."""
+    at its ``mo`` without branching, or -1. The eligible buffers are tested in label order, so the
+    neighbour scan stops at the first that passes."""
     ov_ptr, ov_idx, shift_ok, by_slo, slo_ptr = P[4], P[5], P[8], P[12], P[13]
     mo, un, out_left = M[0], M[1], M[2]
-    best = -1
+    cnt = 0
     for p in range(slo_ptr[a], slo_ptr[b]):
         k = by_slo[p]
-        if not un[k] or out_left[k] or not shift_ok[k] or (best >= 0 and k > best):
-            continue
+        cnt += un[k] != 0 and out_left[k] == 0 and shift_ok[k] != 0
+    if cnt == 0:
+        return -1
+    elig = np.empty(cnt, np.int64)
+    i = 0
+    for p in range(slo_ptr[a], slo_ptr[b]):
+        k = by_slo[p]
+        if un[k] and out_left[k] == 0 and shift_ok[k]:
+            elig[i] = k
+            i += 1
+    elig.sort()
+    for k in elig:
         ok = True
         for q in range(ov_ptr[k], ov_ptr[k + 1]):
             j = ov_idx[q]
@@ -178,8 +195,8 @@ def _enclosing(a, b, P, M):
                 ok = False
                 break
         if ok:
-            best = k
-    return best
+            return k
+    return -1
 
 
 @numba.njit(cache=True)
@@ -237,7 +254,7 @@ def run(P, M, T, G, C, st, cap, limit, flags):
     f_type, f_a, f_b, f_lo, f_lk = T[7], T[8], T[9], T[10], T[11]
     f_c0, f_c1, f_ci, f_mark, f_cur = T[12], T[13], T[14], T[15], T[16]
     f_h1, f_h2, f_sig, piece_x, piece_y = T[17], T[18], T[19], T[20], T[21]
-    cand_k, cand_o, rlog = G[0], G[1], G[2]
+    cand_k, cand_o, rlog = G[0], G[1], G[2]  # cand_o: the key mo * (n + 1) + rank
     c_h1, c_h2, c_o, c_k = C
     mask = len(c_h1) - 1
     n = len(Z)
@@ -260,7 +277,7 @@ def run(P, M, T, G, C, st, cap, limit, flags):
                 if k >= 0:
                     st[_NODES] += 1
                     ct = st[_CT]
-                    cand_k[ct], cand_o[ct] = k, mo[k]
+                    cand_k[ct], cand_o[ct] = k, mo[k] * (n + 1)
                     f_type[d], f_a[d], f_b[d], f_lo[d], f_lk[d] = _FORCED, a, b, 0, -1
                     f_c0[d], f_c1[d], f_ci[d], f_mark[d], f_cur[d] = ct, ct + 1, ct, st[_TL], -1
                     f_sig[d] = np.int64(sig)
@@ -268,21 +285,38 @@ def run(P, M, T, G, C, st, cap, limit, flags):
                     action = _NEXT
                     continue
             st[_NODES] += 1
+            max_total = 0
+            if filter_mono:
+                for s in range(a, b):
+                    max_total = max(max_total, total[s])
+            # one pass over the part: the nogood key, min_top, and the candidates by every filter
+            # but dominance (which needs min_top: applied after sorting by mo)
             cnt, min_top = 0, _BIG
             h1, h2 = _mix(sig ^ np.uint64(a)), _mix(sig + np.uint64(b) * _K3)
+            c0 = ct = st[_CT]
             for p in range(slo_ptr[a], slo_ptr[b]):
                 k = by_slo[p]
-                if un[k]:
-                    cnt += 1
-                    min_top = min(min_top, mo[k] + Z[k])
-                    if nogood:
-                        h1 = _mix(h1 ^ (np.uint64(k) << np.uint64(40)) ^ np.uint64(mo[k]))
-                        h2 = (h2 + np.uint64(mo[k]) * _K1 + np.uint64(k)) * _K3
+                if not un[k]:
+                    continue
+                m, r = mo[k], rank[k]
+                cnt += 1
+                min_top = min(min_top, m + Z[k])
+                if nogood:  # additive over the set: no serial dependency between buffers
+                    h1 += _mix((np.uint64(k) << np.uint64(40)) ^ np.uint64(m))
+                    h2 += _mix(np.uint64(m) * _K1 + np.uint64(k) * _K3)
+                if canonical and (m < lo or (m == lo and r <= lk)):
+                    continue
+                if filter_mono and m > cap - max_total:
+                    continue
+                if flags & IDENTICAL_ORDER and twin[k] < n and un[twin[k]]:
+                    continue
+                cand_k[ct], cand_o[ct] = k, m * (n + 1) + r  # sort key (mo, rank)
+                ct += 1
             if cnt == 0:
                 st[_RETV] = 1
                 action = _RET
                 continue
-            h2 = _mix(h2) | np.uint64(1)
+            h1, h2 = _mix(h1), _mix(h2) | np.uint64(1)
             if nogood:
                 hit = False
                 for q in range(4):
@@ -294,30 +328,13 @@ def run(P, M, T, G, C, st, cap, limit, flags):
                     st[_RETV] = 0
                     action = _RET
                     continue
-            max_total = 0
-            if filter_mono:
-                for s in range(a, b):
-                    max_total = max(max_total, total[s])
-            c0 = ct = st[_CT]
-            for p in range(slo_ptr[a], slo_ptr[b]):
-                k = by_slo[p]
-                if not un[k]:
-                    continue
-                m, r = mo[k], rank[k]
-                if flags & DOMINANCE and m >= min_top:
-                    continue
-                if canonical and (m < lo or (m == lo and r <= lk)):
-                    continue
-                if filter_mono and m > cap - max_total:
-                    continue
-                if flags & IDENTICAL_ORDER and twin[k] < n and un[twin[k]]:
-                    continue
-                i = ct  # insertion into [c0, ct) by (mo, rank)
-                while i > c0 and (cand_o[i - 1] > m or (cand_o[i - 1] == m and rank[cand_k[i - 1]] > r)):
-                    cand_k[i], cand_o[i] = cand_k[i - 1], cand_o[i - 1]
-                    i -= 1
-                cand_k[i], cand_o[i] = k, m
-                ct += 1
+            if flags & DOMINANCE:  # compact before sorting
+                c1 = c0
+                for i in range(c0, ct):
+                    if mo[cand_k[i]] < min_top:
+                        cand_k[c1], cand_o[c1] = cand_k[i], cand_o[i]
+                        c1 += 1
+                ct = c1
             f_type[d], f_a[d], f_b[d], f_lo[d], f_lk[d] = _SEARCH, a, b, lo, lk
             f_c0[d], f_c1[d], f_ci[d], f_mark[d], f_cur[d] = c0, ct, c0, st[_TL], -1
             f_h1[d], f_h2[d], f_sig[d] = np.int64(h1), np.int64(h2), np.int64(sig)
@@ -338,7 +355,14 @@ def run(P, M, T, G, C, st, cap, limit, flags):
                     break
                 i = f_ci[f]
                 f_ci[f] = i + 1
-                k, o = cand_k[i], cand_o[i]
+                # lazy selection by the key (mo, rank): most nodes try only their first candidate
+                best = i
+                for q in range(i + 1, f_c1[f]):
+                    if cand_o[q] < cand_o[best]:
+                        best = q
+                cand_k[i], cand_k[best] = cand_k[best], cand_k[i]
+                cand_o[i], cand_o[best] = cand_o[best], cand_o[i]
+                k, o = cand_k[i], cand_o[i] // (n + 1)
                 if o + Z[k] <= cap:
                     x, y = _place(k, o, P, M, T, st, flags)
                     if _check(x, y, cap, P, M, flags):
