@@ -161,7 +161,7 @@ def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_l
             cands.append((offs, _height(bufs, offs), "cross_loss_bottom"))
     offsets, height, how = min(cands, key=lambda c: c[1])
     left = max(0.0, time_limit - (time.perf_counter() - t0))
-    if level is OptLevel.O2 and height > order_peak and left < 5 * t_greedy + 1.0:
+    if level is OptLevel.O2 and height > order_peak and left < 5 * t_greedy + 0.1:
         say(f"layout: greedy {height:,} B ({how}), lower bound {order_peak:,} B; no time left for the exact "
             f"search (its greedy start alone takes about {4 * t_greedy:.0f}s)")
     elif level is OptLevel.O2 and height > order_peak:
