@@ -30,7 +30,7 @@ from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
-from .layout_bnb import LayoutOptions, Preorder, SearchStatus, preorder_indices, search_layout
+from .layout_bnb import LayoutOptions, SearchStatus, preorder_indices, search_layout
 
 __all__ = ["Buffer", "GreedyOrder", "LayoutStatus", "LayoutResult", "LayoutOptions", "validate_layout",
            "lower_bound", "height", "greedy_layout", "solve_layout"]
@@ -199,14 +199,13 @@ def _fit(buffers: Sequence[Buffer], capacity: int, deadline: float, options: Lay
     found: list[tuple[SearchStatus, list[int] | None, str]] = []
     runs: list[CpsatRun] = []
     t0 = time.monotonic()
-
     bnb = len(buffers) <= _BNB_MAX_BUFFERS
 
     def portfolio() -> None:
         if bnb and stop.wait(0.5):  # small instances are settled by the branch and bound alone
             return
         plan = [(CpStrategy.CANONICAL, p) for p in options.preorders[:2]] + [(CpStrategy.DEFAULT, None)]
-        orders = {p: preorder_indices(lo, up, sz, p) for p, _ in [(p, 0) for _, p in plan if p is not None]}
+        orders = {p: preorder_indices(lo, up, sz, p) for _, p in plan if p is not None}
         slice_s = 2.0
         while not stop.is_set():
             for strategy, p in plan:

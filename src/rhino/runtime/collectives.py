@@ -101,28 +101,24 @@ def _average(t: torch.Tensor, n: int) -> torch.Tensor:
     return t.div_(n)
 
 
-def _storage_order(t: torch.Tensor) -> list[int] | None:
-    """The permutation of ``t``'s dims under which it is contiguous (a transposed or permuted view of
-    a dense tensor), or None when no permutation makes it so."""
+def _storage_order(t: torch.Tensor) -> list[int]:
+    """The permutation of ``t``'s dims under which it is contiguous (a transposed or permuted view of a
+    dense tensor); the identity when none makes it so."""
     perm = sorted(range(t.dim()), key=lambda d: (-t.stride(d), d))
-    return perm if t.permute(perm).is_contiguous() else None
+    return perm if t.permute(perm).is_contiguous() else list(range(t.dim()))
 
 
 def all_reduce_tensor(t: torch.Tensor, op: ReduceOp, group, n: int) -> torch.Tensor:
-    """``t`` all-reduced over ``group`` (a new tensor). The result keeps the input's layout: a transposed gradient is reduced in its storage order and
-    comes back transposed. A contiguous copy would transpose it in memory, and every element-wise
-    op downstream would then read one operand across strides (on CPUs about 20x slower)."""
+    """``t`` all-reduced over ``group`` (a new tensor) in the input's layout: a transposed gradient is
+    reduced in its storage order and comes back transposed. A contiguous copy would transpose it in
+    memory, and element-wise ops downstream would then read one operand across strides (on CPUs
+    about 20x slower)."""
     perm = _storage_order(t)
-    if perm is None:
-        out = t.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, op=_TORCH_OP[op], group=group)
-        return _average(out, n) if op is ReduceOp.AVG else out
-    base = t.permute(perm).clone(memory_format=torch.contiguous_format)
-    dist.all_reduce(base, op=_TORCH_OP[op], group=group)
+    out = t.permute(perm).clone(memory_format=torch.contiguous_format)
+    dist.all_reduce(out, op=_TORCH_OP[op], group=group)
     if op is ReduceOp.AVG:
-        _average(base, n)
-    inverse = sorted(range(len(perm)), key=perm.__getitem__)
-    return base.permute(inverse)
+        _average(out, n)
+    return out.permute(sorted(range(len(perm)), key=perm.__getitem__))
 
 
 def _reduce_scatter(t: torch.Tensor, step: ReduceScatter, group, n: int, c: int, native: bool) -> torch.Tensor:
