@@ -52,6 +52,10 @@ class Propagator:
     # lazy input -> the input whose sharding it takes once that one is decided (optimizer state
     # follows its parameter)
     follows: dict[str, str] = field(default_factory=dict)
+    # input -> the sharding it is stored in when that differs from the one its consumers see (``fixed``,
+    # default replicated): a ZeRO-3 parameter is stored split and all-gathered before use. The plan
+    # records the stored sharding; the updated state is brought back to it.
+    at_rest: dict[str, Sharding] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.actual: dict[int, Sharding] = {}
@@ -75,7 +79,7 @@ class Propagator:
                 self.lazy[inp.value] = _Lazy(input_name=inp.name)
             else:
                 sh = self.fixed.get(inp.name, rep)
-                self.inputs[inp.name] = sh
+                self.inputs[inp.name] = self.at_rest.get(inp.name, sh)
                 self.actual[inp.value] = sh
         for vid in self.graph.constants:
             self.actual[vid] = rep
@@ -121,7 +125,7 @@ class Propagator:
         if partial_at:
             opdef = lookup(node.op)
             for group in partial_inputs(node.op, opdef is not None and opdef.kind is OpKind.VIEW, len(refs),
-                                        node.args):
+                                        node.args, node.kwargs):
                 # only where the inputs are Partial already: turning a replicated input into a
                 # Partial one would leave a Partial value for later consumers to reduce again
                 if set(partial_at) == set(group):
