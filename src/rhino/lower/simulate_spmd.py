@@ -32,10 +32,13 @@ def _from_np(a, dtype: torch.dtype) -> torch.Tensor:
 
 
 def simulate_training(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tuple, steps: int) -> dict:
-    """``steps`` sharded steps in one process: {"losses", "final" (global state), "held" (rank 0 bytes),
-    "peaks" (each rank's peak of live tensor bytes in the first step, see ``_lockstep``)}."""
+    """``steps`` sharded steps in one process: {"losses" (rank 0's per step), "rank_losses" (each rank's),
+    "final" (global state, assembled), "local" (each rank's own state tensors by input name), "held" (rank 0
+    bytes), "peaks" (each rank's peak of live tensor bytes in the first step, see ``_lockstep``)}."""
     peaks = [0] * rp.plan.mesh.world
-    envs, progs, losses, local = simulate_ranks(rp, state, batch, steps, return_state=True, peaks=peaks)
+    rank_losses: list[list[float]] = [[] for _ in range(rp.plan.mesh.world)]
+    envs, progs, losses, local = simulate_ranks(rp, state, batch, steps, return_state=True, peaks=peaks,
+                                                rank_losses=rank_losses)
     mesh = rp.plan.mesh
     final = {}
     held: dict[str, int] = {}
@@ -45,12 +48,15 @@ def simulate_training(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: t
         locs = [_to_np(local[r][inp.name]) for r in range(mesh.world)]
         final[inp.name] = _from_np(simulate.assemble(locs, rp.value[inp.value], mesh), local[0][inp.name].dtype)
         held[inp.role.value] = held.get(inp.role.value, 0) + locs[0].nbytes
-    return {"losses": losses, "final": final, "held": held, "peaks": peaks}
+    return {"losses": losses, "rank_losses": rank_losses, "final": final, "local": local, "held": held,
+            "peaks": peaks}
 
 
 def simulate_ranks(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tuple, steps: int = 1,
-                   return_state: bool = False, peaks: list[int] | None = None):
-    """Returns (per-rank env of the last step: fx node name -> tensor, programs, per-step losses)."""
+                   return_state: bool = False, peaks: list[int] | None = None,
+                   rank_losses: list[list[float]] | None = None):
+    """Returns (per-rank env of the last step: fx node name -> tensor, programs, rank 0's per-step losses);
+    ``rank_losses`` (one list per rank) receives every rank's loss per step."""
     mesh = rp.plan.mesh
     world = mesh.world
     progs = [lower_rank(rp, r) for r in range(world)]
@@ -70,6 +76,8 @@ def simulate_ranks(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tupl
         envs, outs = _lockstep(progs, [[local[r][n] for n in names] for r in range(world)], mesh,
                                peaks if step == 0 else None, held)
         losses.append(float(outs[0][0]))
+        for r in range(world if rank_losses is not None else 0):
+            rank_losses[r].append(float(outs[r][0]))
         for r in range(world):
             for name, value in zip(progs[r].output_names[1:], outs[r][1:]):
                 local[r][name] = value
