@@ -186,6 +186,21 @@ def samples() -> list[tuple[str, tuple, dict]]:
     _, mean, rstd = aten.native_group_norm.default(xg, wg, bg, 4, 4, 4, 2, 1e-5)
     add("native_group_norm_backward.default", r(4, 4, 2, 2), xg, mean, rstd, wg, 4, 4, 4, 2, [True, True, True])
 
+    # batch norm (training mode over a split batch: SyncBatchNorm statistics)
+    xb, cb = r(4, 4, 2, 2), 4
+    wb, bb, rm, rv = r(cb), r(cb), r(cb), pos(cb)
+    for training in (True, False):
+        add("_native_batch_norm_legit_functional.default", xb, wb, bb, rm, rv, training, 0.1, 1e-5)
+        add("_native_batch_norm_legit.default", xb, wb, bb, rm.clone(), rv.clone(), training, 0.1, 1e-5)
+        add("native_batch_norm.default", xb, wb, bb, rm.clone(), rv.clone(), training, 0.1, 1e-5)
+    add("_native_batch_norm_legit.no_stats", xb, wb, bb, True, 0.1, 1e-5)
+    add("_native_batch_norm_legit_functional.default", r(4, 4), None, None, rm, rv, True, 0.1, 1e-5)
+    add("_native_batch_norm_legit_no_training.default", xb, wb, bb, rm, rv, 0.1, 1e-5)
+    _, sm, si = aten.native_batch_norm.default(xb, wb, bb, rm.clone(), rv.clone(), True, 0.1, 1e-5)
+    add("native_batch_norm_backward.default", r(4, 4, 2, 2), xb, wb, rm, rv, sm, si, True, 1e-5, [True, True, True])
+    add("native_batch_norm_backward.default", r(4, 4, 2, 2), xb, wb, rm, rv, None, None, False, 1e-5,
+        [True, True, True])
+
     # indexing
     add("sort.default", x3, 2)
     add("sort.default", x3, 0, True)

@@ -26,13 +26,7 @@ from rule_samples import NO_CPU_KERNEL, samples
 LIMIT_2X2 = None if os.environ.get("RHINO_RULECHECK_FULL") else 12
 
 #: Ops left out of this check, each with its reason (to be emptied, not extended).
-EXCLUDED = {
-    **NO_CPU_KERNEL,
-    **{op: "batch norm is being made exact (SyncBatchNorm semantics) in a parallel change"
-       for op in ("aten._native_batch_norm_legit_functional.default", "aten._native_batch_norm_legit.default",
-                  "aten._native_batch_norm_legit_no_training.default", "aten._native_batch_norm_legit.no_stats",
-                  "aten.native_batch_norm.default", "aten.native_batch_norm_backward.default")},
-}
+EXCLUDED = dict(NO_CPU_KERNEL)
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -12,6 +12,7 @@
   by the global element count;
 - ``convolution_backward`` with split input channels: the bias gradient (which does not depend on the
   input channels) is kept on the first coordinate of those axes only, so its Partial(sum) is exact.
+- batch norm in training mode over a split batch: all-reduced per-channel statistics (``spmd_bn``).
 Split dims of indices (embedding rows, classes) may be strided or split over several axes: an index
 is mapped to this rank's local position axis by axis, the way ``sharding.simulate`` slices.
 The emitted code is plain aten ops and ``redistribute`` calls, so ``--emit`` shows it.
@@ -27,6 +28,7 @@ from ..sharding.placement import ReduceOp, Shard
 from ..sharding.rules import PASS, split_letter
 from ..sharding.steps import AllReduce
 from .fx import resolve_op
+from .spmd_bn import BN_CUSTOM_OPS, emit_batch_norm
 from .spmd_ops import redistribute, step_args
 
 __all__ = ["CUSTOM_OPS", "emit_custom"]
@@ -37,7 +39,7 @@ _NLL_BACKWARD = ("aten.nll_loss_backward.default", "aten.nll_loss2d_backward.def
 CUSTOM_OPS = frozenset({"aten.embedding.default", "aten.embedding_dense_backward.default",
                         "aten._log_softmax.default", "aten._log_softmax_backward_data.default",
                         "aten.mse_loss_backward.default", "aten.convolution_backward.default",
-                        *_NLL, *_NLL_BACKWARD})
+                        *_NLL, *_NLL_BACKWARD, *BN_CUSTOM_OPS})
 
 
 def _axes(strategy, letters) -> list[int]:
@@ -136,6 +138,8 @@ def emit_custom(fg, node: Node, args: list, kwargs: dict, strategy, ann, rp, ran
         total = _all_reduce(fg, fg.call_function(aten.sum.dim_IntList, (grad, [dim], True)), axes, ReduceOp.SUM)
         scaled = fg.call_function(aten.mul.Tensor, (fg.call_function(aten.exp.default, (out,)), total))
         return {node.outputs[0]: fg.call_function(aten.sub.Tensor, (grad, scaled))}
+    if op in BN_CUSTOM_OPS:
+        return emit_batch_norm(fg, node, args, _axes(strategy, ann.custom), rp, _all_reduce)
     if op in _NLL or op in _NLL_BACKWARD:
         return _nll(fg, node, args, kwargs, strategy, rp, rank)
     raise AssertionError(f"no custom lowering for {op}")
