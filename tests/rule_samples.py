@@ -82,6 +82,7 @@ def samples() -> list[tuple[str, tuple, dict]]:
     add("clamp.Tensor", x, r(8), r(4, 8) + 1)
     add("fill.Tensor", x, torch.tensor(2.0, dtype=F))
     add("_to_copy.default", x, dtype=torch.float32)
+    add("_to_copy.default", x * 4, dtype=torch.int64)  # truncation: not linear
     add("bernoulli.p", x, 0.0)
     add("bernoulli.default", ints(2, 4, 8).to(F))
     add("native_dropout.default", x, 0.0, True)
