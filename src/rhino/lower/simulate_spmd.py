@@ -22,7 +22,13 @@ __all__ = ["simulate_ranks", "simulate_training", "first_divergence", "run_singl
 
 
 def _to_np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().numpy()
+    """numpy has no bfloat16: such values travel as float32 (exact) and come back rounded once."""
+    t = t.detach().cpu()
+    return (t.float() if t.dtype is torch.bfloat16 else t).numpy()
+
+
+def _from_np(a, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(np.array(a)).to(dtype)  # np.array keeps 0-d shapes
 
 
 def simulate_training(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tuple, steps: int) -> dict:
@@ -40,7 +46,7 @@ def simulate_training(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: t
         if inp.role is Role.BATCH:
             continue
         locs = [_to_np(local[r][inp.name]) for r in range(mesh.world)]
-        final[inp.name] = torch.from_numpy(np.array(simulate.assemble(locs, rp.value[inp.value], mesh)))
+        final[inp.name] = _from_np(simulate.assemble(locs, rp.value[inp.value], mesh), local[0][inp.name].dtype)
         held[inp.role.value] = held.get(inp.role.value, 0) + locs[0].nbytes
     return {"losses": losses, "rank_losses": rank_losses, "final": final, "local": local, "held": held,
             "peaks": peaks}
@@ -60,7 +66,7 @@ def simulate_ranks(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tupl
         d = {}
         for inp in graph.inputs:
             src = batch[int(inp.name.split("/")[1])] if inp.role is Role.BATCH else state[inp.name]
-            d[inp.name] = torch.from_numpy(simulate.shard(_to_np(src), rp.value[inp.value], mesh)[r].copy())
+            d[inp.name] = _from_np(simulate.shard(_to_np(src), rp.value[inp.value], mesh)[r].copy(), src.dtype)
         local.append(d)
     names = [i.name for i in graph.inputs]
     losses = []
@@ -130,11 +136,12 @@ def _lockstep(progs, inputs, mesh, peaks: list[int] | None = None, held=None):
             for r in range(world):
                 envs[r][nodes[r][i].name] = getattr(progs[r].module, nodes[r][i].target)
         elif n0.op == "call_function" and n0.target is redistribute:
+            dtype = envs[0][nodes[0][i].args[0].name].dtype
             xs = [_to_np(envs[r][nodes[r][i].args[0].name]) for r in range(world)]
             step = _step(*n0.args[1:])
             ys = simulate.apply_step(xs, step, mesh)
             for r in range(world):
-                envs[r][nodes[r][i].name] = torch.from_numpy(np.array(ys[r]))  # np.array keeps 0-d shapes
+                envs[r][nodes[r][i].name] = _from_np(ys[r], dtype)
         elif n0.op == "call_function":
             for r in range(world):
                 n = nodes[r][i]

@@ -6,7 +6,8 @@
 - ``_log_softmax`` over a split dim: the row max and the sum of exponentials are all-reduced;
   its backward all-reduces the row sum of the gradient;
 - ``nll_loss`` with split classes: targets of other ranks' classes become ``ignore_index``; a mean
-  over split rows or classes is an all-reduced sum over the all-reduced total weight (replicated).
+  over split rows or classes is an all-reduced sum over the all-reduced total weight (replicated);
+- batch norm in training mode over a split batch: all-reduced per-channel statistics (``spmd_bn``).
 The emitted code is plain aten ops and ``redistribute`` calls, so ``--emit`` shows it.
 """
 from __future__ import annotations
@@ -20,6 +21,7 @@ from ..sharding.placement import ReduceOp
 from ..sharding.rules import PASS, split_letter
 from ..sharding.steps import AllReduce
 from .fx import resolve_op
+from .spmd_bn import BN_CUSTOM_OPS, emit_batch_norm
 from .spmd_ops import redistribute, step_args
 
 __all__ = ["CUSTOM_OPS", "emit_custom"]
@@ -29,7 +31,7 @@ _NLL = ("aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default")
 _NLL_BACKWARD = ("aten.nll_loss_backward.default", "aten.nll_loss2d_backward.default")
 CUSTOM_OPS = frozenset({"aten.embedding.default", "aten.embedding_dense_backward.default",
                         "aten._log_softmax.default", "aten._log_softmax_backward_data.default",
-                        *_NLL, *_NLL_BACKWARD})
+                        *_NLL, *_NLL_BACKWARD, *BN_CUSTOM_OPS})
 
 
 def _axes(strategy, letters, contiguous: bool = True) -> list[int]:
@@ -108,6 +110,8 @@ def emit_custom(fg, node: Node, args: list, kwargs: dict, strategy, ann, rp, ran
         total = _all_reduce(fg, fg.call_function(aten.sum.dim_IntList, (grad, [dim], True)), axes, ReduceOp.SUM)
         scaled = fg.call_function(aten.mul.Tensor, (fg.call_function(aten.exp.default, (out,)), total))
         return {node.outputs[0]: fg.call_function(aten.sub.Tensor, (grad, scaled))}
+    if op in BN_CUSTOM_OPS:
+        return emit_batch_norm(fg, node, args, _axes(strategy, ann.custom, contiguous=False), rp, _all_reduce)
     if op in _NLL or op in _NLL_BACKWARD:
         return _nll(fg, node, args, kwargs, strategy, rp, rank)
     raise AssertionError(f"no custom lowering for {op}")
