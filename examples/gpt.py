@@ -79,8 +79,16 @@ def loss_fn(model, x, y):
     return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
+def autocast_loss_fn(model, x, y):
+    """Mixed precision as usually written: the forward under bf16 autocast (fp32 master weights stay
+    fp32, matmuls run in bf16), the loss in fp32."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        logits = model(x)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
 def workload(layers=2, hidden=64, heads=4, seq=32, batch=4, vocab=256, lr=3e-4, device="cpu", dtype=torch.float32,
-             attention="sdpa"):
+             attention="sdpa", autocast=False):
     torch.manual_seed(0)
     with torch.device(device):
         model = GPT(vocab, seq, hidden, heads, layers, attention).to(dtype)
@@ -97,7 +105,18 @@ def workload(layers=2, hidden=64, heads=4, seq=32, batch=4, vocab=256, lr=3e-4, 
     else:
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(vocab, (batch, seq + 1), generator=g).to(device)
-    return model, optimizer, loss_fn, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    loss = autocast_loss_fn if autocast else loss_fn
+    return model, optimizer, loss, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def gpt_autocast(**kwargs):
+    """The default GPT trained with bf16 autocast around the forward (fp32 parameters and AdamW state)."""
+    return workload(autocast=True, **kwargs)
+
+
+def gpt_bf16(**kwargs):
+    """The default GPT with bf16 parameters and optimizer state (``model.to(torch.bfloat16)``)."""
+    return workload(dtype=torch.bfloat16, **kwargs)
 
 
 def gpt2_xl(device="meta", batch=1):
@@ -112,9 +131,11 @@ def gpt3_175b(device="meta", batch=1536):
                     dtype=torch.bfloat16)
 
 
-def megatron(layers, hidden, heads, batch, device="meta", attention="math"):
+def megatron(layers, hidden, heads, batch, device="meta", attention="math", autocast=False):
     """A GPT of Megatron-LM's weak-scaling table (arXiv 2104.04473, Table 1): sequence 2048,
-    vocabulary 51200, bf16, attention scores materialised (as in 2021, before fused attention
-    kernels), on the meta device."""
+    vocabulary 51200, attention scores materialised (as in 2021, before fused attention kernels), on
+    the meta device. bf16 parameters by default; ``autocast=True``: fp32 master parameters and AdamW
+    state, the forward under bf16 autocast (how Megatron-LM trains: mixed precision)."""
+    dtype = torch.float32 if autocast else torch.bfloat16
     return workload(layers=layers, hidden=hidden, heads=heads, seq=2048, batch=batch, vocab=51200, device=device,
-                    dtype=torch.bfloat16, attention=attention)
+                    dtype=dtype, attention=attention, autocast=autocast)

@@ -102,8 +102,15 @@ def loss_fn(model, x, y):
     return F.cross_entropy(model(x).flatten(0, 1), y.flatten())
 
 
+def autocast_loss_fn(model, x, y):
+    """The forward under bf16 autocast (fp32 master weights), the loss in fp32."""
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        logits = model(x)
+    return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+
+
 def workload(layers=2, hidden=64, heads=4, n_kv_heads=None, seq=32, batch=4, vocab=256,
-             inner=None, lr=3e-4, device="cpu", dtype=torch.float32):
+             inner=None, lr=3e-4, device="cpu", dtype=torch.float32, autocast=False):
     torch.manual_seed(0)
     n_kv_heads = n_kv_heads or heads
     inner = inner or int(8 * hidden / 3)  # the usual 2/3 * 4h SwiGLU width
@@ -116,7 +123,18 @@ def workload(layers=2, hidden=64, heads=4, n_kv_heads=None, seq=32, batch=4, voc
     else:
         g = torch.Generator().manual_seed(0)
         tokens = torch.randint(vocab, (batch, seq + 1), generator=g).to(device)
-    return model, optimizer, loss_fn, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+    loss = autocast_loss_fn if autocast else loss_fn
+    return model, optimizer, loss, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def llama_autocast(**kwargs):
+    """The default LLaMA trained with bf16 autocast around the forward (fp32 parameters and AdamW state)."""
+    return workload(autocast=True, **kwargs)
+
+
+def llama_bf16(**kwargs):
+    """The default LLaMA with bf16 parameters and optimizer state (``model.to(torch.bfloat16)``)."""
+    return workload(dtype=torch.bfloat16, **kwargs)
 
 
 def llama_7b(device="meta", batch=64):

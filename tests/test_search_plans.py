@@ -2,7 +2,6 @@
 single-device training (simulated ranks, and once with real processes), and ``rhino plan``'s output."""
 import json
 import sys
-import time
 import warnings
 
 import pytest
@@ -15,9 +14,7 @@ from rhino.cli.main import main
 from rhino.cost.cluster import parse_cluster
 from rhino.ir.graph import Role
 from rhino.ir.registry import OpKind, lookup
-from rhino.lower.simulate_spmd import simulate_training
-from rhino.lower.spmd import lower_rank
-from rhino.runtime.run import _compare
+from rhino.runtime.exact import simulate_plan
 from rhino.search import Level, SearchOptions, search
 from rhino.search.report import axis_roles
 from rhino.sharding.placement import Shard
@@ -135,9 +132,7 @@ def test_moe_example_gets_its_experts_sharded():
 
 # -- every returned plan runs --------------------------------------------------------------------------
 def _runs(cap, plan):
-    rp = resolve(cap.graph, plan)
-    res = simulate_training(rp, cap.initial_state(), tuple(cap.workload.batch), 2)
-    return _compare(cap, plan, lower_rank(rp, 0), [res], 2, plan.mesh.world, time.perf_counter())
+    return simulate_plan(cap, plan, 2)[0]
 
 
 @pytest.mark.parametrize("name", EXAMPLES)

@@ -159,9 +159,9 @@ def _adam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalar
         bias_correction1 = 1 - torch.pow(beta1, step64)
         bias_correction2 = 1 - torch.pow(beta2, step64)
         step_size = lr / bias_correction1
-        # in param.dtype: torch divides by a Python float, which never promotes (a float64 0-dim tensor
-        # would promote a 0-dim parameter such as CLIP's logit_scale to float64)
-        return step, (-step_size).to(param.dtype), bias_correction2.sqrt().to(param.dtype)
+        # in the parameter's compute type: torch divides by a Python float, which never promotes (a float64
+        # 0-dim tensor would promote a 0-dim parameter such as CLIP's logit_scale to float64)
+        return step, (-step_size).to(_opmath(param.dtype)), bias_correction2.sqrt().to(_opmath(param.dtype))
 
     step, neg_step_size, bias_correction2_sqrt = _cached(
         scalars, ("adam", id(state["step"]), lr, beta1, beta2, param.dtype), bias_corrections)
@@ -178,9 +178,22 @@ def _adam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalar
         second = torch.maximum(state["max_exp_avg_sq"], exp_avg_sq)
         new_state["max_exp_avg_sq"] = second
     denom = (second.sqrt() / bias_correction2_sqrt).add(eps)
-    # torch: param.addcdiv_(exp_avg, denom, value=-step_size), i.e. param + (value * exp_avg) / denom
-    new_param = param.add((neg_step_size * exp_avg) / denom)
-    return new_param, new_state
+    # torch: param.addcdiv_(exp_avg, denom, value=-step_size), i.e. param + (value * exp_avg) / denom,
+    # computed in float32 for bf16/fp16 tensors and rounded once (the CPU kernel's opmath type)
+    return _addcdiv(param, exp_avg, denom, neg_step_size), new_state
+
+
+def _opmath(dtype: torch.dtype) -> torch.dtype:
+    """The type torch's pointwise kernels compute reduced-precision floats in (float32)."""
+    return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+
+
+def _addcdiv(param: torch.Tensor, num: torch.Tensor, den: torch.Tensor, value) -> torch.Tensor:
+    """``param + (value * num) / den`` with one rounding, as ``param.addcdiv_(num, den, value=value)``."""
+    if _opmath(param.dtype) == param.dtype:
+        return param.add((value * num) / den)
+    wide = _opmath(param.dtype)
+    return param.to(wide).add((value * num.to(wide)) / den.to(wide)).to(param.dtype)
 
 
 def _rmsprop(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalars: dict) -> tuple[torch.Tensor, dict]:
@@ -203,14 +216,14 @@ def _rmsprop(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, sca
         new_state["momentum_buffer"] = buf
         return param.add(buf, alpha=-hp["lr"]), new_state
     # torch: param.addcdiv_(grad, avg, value=-lr)
-    return param.add(grad.mul(-hp["lr"]) / avg), new_state
+    return _addcdiv(param, grad, avg, -hp["lr"]), new_state
 
 
 def _adagrad(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalars: dict) -> tuple[torch.Tensor, dict]:
     def step_and_lr():
         step = state["step"] + 1
         clr = hp["lr"] / (1 + (step.to(torch.float64) - 1) * hp["lr_decay"])
-        return step, (-clr).to(param.dtype)
+        return step, (-clr).to(_opmath(param.dtype))
 
     step, neg_clr = _cached(scalars, ("adagrad", id(state["step"]), hp["lr"], hp["lr_decay"], param.dtype),
                             step_and_lr)
@@ -220,5 +233,4 @@ def _adagrad(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, sca
     state_sum = state["sum"].addcmul(grad, grad, value=1)
     std = state_sum.sqrt().add(hp["eps"])
     # torch: param.addcdiv_(grad, std, value=-clr)
-    new_param = param.add((neg_clr * grad) / std)
-    return new_param, {"step": step, "sum": state_sum}
+    return _addcdiv(param, grad, std, neg_clr), {"step": step, "sum": state_sum}

@@ -4,13 +4,31 @@ from __future__ import annotations
 import importlib.util
 import sys
 import traceback
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
 import torch
 
-__all__ = ["Workload", "WorkloadError", "load_workload", "parse_spec"]
+__all__ = ["Workload", "WorkloadError", "load_workload", "parse_spec", "default_dtype", "DTYPES"]
+
+# ``--dtype`` names: the default dtype a workload is built under (float64 makes exactness checks sharp).
+DTYPES = {"float32": torch.float32, "float64": torch.float64}
+
+
+@contextmanager
+def default_dtype(dtype: torch.dtype | None):
+    """``torch.set_default_dtype(dtype)`` inside the block (nothing for None), restored after."""
+    if dtype is None:
+        yield
+        return
+    before = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(before)
 
 
 class WorkloadError(ValueError):
@@ -44,8 +62,15 @@ def parse_spec(spec: str) -> tuple[Path, str]:
     return Path(path), func
 
 
-def load_workload(spec: str) -> Workload:
-    """Import ``FILE`` and call ``FUNC`` (default ``workload``); validate what it returns."""
+def load_workload(spec: str, dtype: torch.dtype | None = None) -> Workload:
+    """Import ``FILE`` and call ``FUNC`` (default ``workload``); validate what it returns. ``dtype``: the
+    default dtype while the file is imported and the function runs (floating tensors it creates without
+    an explicit dtype, parameters included, get it)."""
+    with default_dtype(dtype):
+        return _load(spec)
+
+
+def _load(spec: str) -> Workload:
     path, func = parse_spec(spec)
     if not path.is_file():
         raise WorkloadError(f"workload file {str(path)!r} does not exist; pass FILE[:FUNC] with an existing .py file")

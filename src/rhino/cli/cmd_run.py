@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..capture import capture, load_workload
+from ..capture import DTYPES, capture, default_dtype, load_workload
 from ..runtime.launch import RankFailedError
 from ..sharding.plan import ShardingPlan, resolve
 from ..sharding.presets import parse_strategy, preset_plan
@@ -22,11 +22,18 @@ def add_parser(sub) -> None:
     p.add_argument("--emit", metavar="DIR", help="write each rank's program as Python to DIR")
     p.add_argument("--save-plan", metavar="FILE", help="write the plan used as JSON")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck collective fails")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="build the workload and its reference under this "
+                   "default dtype; float64 compares every rank at 1e-9 (float32: rtol 1e-4, atol 1e-5)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
+    with default_dtype(DTYPES.get(args.dtype)):
+        return _run(args)
+
+
+def _run(args) -> int:
     from ..runtime.launch import in_torchrun
     plan = _load_plan(args.plan) if args.plan else None
     if args.nproc is None and plan is not None and not in_torchrun():

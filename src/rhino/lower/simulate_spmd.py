@@ -22,14 +22,23 @@ __all__ = ["simulate_ranks", "simulate_training", "first_divergence", "run_singl
 
 
 def _to_np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().numpy()
+    """numpy has no bfloat16: such values travel as float32 (exact) and come back rounded once."""
+    t = t.detach().cpu()
+    return (t.float() if t.dtype is torch.bfloat16 else t).numpy()
+
+
+def _from_np(a, dtype: torch.dtype) -> torch.Tensor:
+    return torch.from_numpy(np.array(a)).to(dtype)  # np.array keeps 0-d shapes
 
 
 def simulate_training(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tuple, steps: int) -> dict:
-    """``steps`` sharded steps in one process: {"losses", "final" (global state), "held" (rank 0 bytes),
-    "peaks" (each rank's peak of live tensor bytes in the first step, see ``_lockstep``)}."""
+    """``steps`` sharded steps in one process: {"losses" (rank 0's per step), "rank_losses" (each rank's),
+    "final" (global state, assembled), "local" (each rank's own state tensors by input name), "held" (rank 0
+    bytes), "peaks" (each rank's peak of live tensor bytes in the first step, see ``_lockstep``)}."""
     peaks = [0] * rp.plan.mesh.world
-    envs, progs, losses, local = simulate_ranks(rp, state, batch, steps, return_state=True, peaks=peaks)
+    rank_losses: list[list[float]] = [[] for _ in range(rp.plan.mesh.world)]
+    envs, progs, losses, local = simulate_ranks(rp, state, batch, steps, return_state=True, peaks=peaks,
+                                                rank_losses=rank_losses)
     mesh = rp.plan.mesh
     final = {}
     held: dict[str, int] = {}
@@ -37,14 +46,17 @@ def simulate_training(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: t
         if inp.role is Role.BATCH:
             continue
         locs = [_to_np(local[r][inp.name]) for r in range(mesh.world)]
-        final[inp.name] = torch.from_numpy(np.array(simulate.assemble(locs, rp.value[inp.value], mesh)))
+        final[inp.name] = _from_np(simulate.assemble(locs, rp.value[inp.value], mesh), local[0][inp.name].dtype)
         held[inp.role.value] = held.get(inp.role.value, 0) + locs[0].nbytes
-    return {"losses": losses, "final": final, "held": held, "peaks": peaks}
+    return {"losses": losses, "rank_losses": rank_losses, "final": final, "local": local, "held": held,
+            "peaks": peaks}
 
 
 def simulate_ranks(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tuple, steps: int = 1,
-                   return_state: bool = False, peaks: list[int] | None = None):
-    """Returns (per-rank env of the last step: fx node name -> tensor, programs, per-step losses)."""
+                   return_state: bool = False, peaks: list[int] | None = None,
+                   rank_losses: list[list[float]] | None = None):
+    """Returns (per-rank env of the last step: fx node name -> tensor, programs, rank 0's per-step losses);
+    ``rank_losses`` (one list per rank) receives every rank's loss per step."""
     mesh = rp.plan.mesh
     world = mesh.world
     progs = [lower_rank(rp, r) for r in range(world)]
@@ -54,7 +66,7 @@ def simulate_ranks(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tupl
         d = {}
         for inp in graph.inputs:
             src = batch[int(inp.name.split("/")[1])] if inp.role is Role.BATCH else state[inp.name]
-            d[inp.name] = torch.from_numpy(simulate.shard(_to_np(src), rp.value[inp.value], mesh)[r].copy())
+            d[inp.name] = _from_np(simulate.shard(_to_np(src), rp.value[inp.value], mesh)[r].copy(), src.dtype)
         local.append(d)
     names = [i.name for i in graph.inputs]
     losses = []
@@ -64,6 +76,8 @@ def simulate_ranks(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tupl
         envs, outs = _lockstep(progs, [[local[r][n] for n in names] for r in range(world)], mesh,
                                peaks if step == 0 else None, held)
         losses.append(float(outs[0][0]))
+        for r in range(world if rank_losses is not None else 0):
+            rank_losses[r].append(float(outs[r][0]))
         for r in range(world):
             for name, value in zip(progs[r].output_names[1:], outs[r][1:]):
                 local[r][name] = value
@@ -122,11 +136,12 @@ def _lockstep(progs, inputs, mesh, peaks: list[int] | None = None, held=None):
             for r in range(world):
                 envs[r][nodes[r][i].name] = getattr(progs[r].module, nodes[r][i].target)
         elif n0.op == "call_function" and n0.target is redistribute:
+            dtype = envs[0][nodes[0][i].args[0].name].dtype
             xs = [_to_np(envs[r][nodes[r][i].args[0].name]) for r in range(world)]
             step = _step(*n0.args[1:])
             ys = simulate.apply_step(xs, step, mesh)
             for r in range(world):
-                envs[r][nodes[r][i].name] = torch.from_numpy(np.array(ys[r]))  # np.array keeps 0-d shapes
+                envs[r][nodes[r][i].name] = _from_np(ys[r], dtype)
         elif n0.op == "call_function":
             for r in range(world):
                 n = nodes[r][i]

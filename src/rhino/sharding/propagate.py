@@ -1,7 +1,8 @@
 """Greedy sharding propagation: choose each node's strategy from its inputs' shardings.
 
 Inputs: the graph, a mesh, the shardings of some graph inputs, and a set of *lazy* inputs whose
-sharding is decided by their first consumer (through chains of view ops), so that, e.g., a weight
+sharding is decided by their first consumer (through chains of view ops and dtype casts, so a weight
+cast to bf16 under autocast is split like the weight itself), so that, e.g., a weight
 takes whatever split its matmul needs. Nodes are visited in program order; for each, every
 strategy (per mesh axis: replicate, split one legal letter, or pass a Partial through a linear op)
 is scored by
@@ -24,6 +25,7 @@ from typing import Callable
 from ..ir.graph import Graph, Node, Ref, Role, STATE_ROLES
 from ..ir.registry import OpKind, annotate, call_of, call_signature, lookup
 from ..ir.annotation import letter_sizes
+from ..ir.casts import is_cast
 from .mesh import Mesh
 from .placement import Partial, Replicate, Shard, Sharding, replicated
 from .plan import ShardingPlan, node_shardings
@@ -86,8 +88,8 @@ class Propagator:
         for node in self.graph.nodes:
             refs = node.input_refs()
             opdef = lookup(node.op)
-            if (opdef is not None and opdef.kind is OpKind.VIEW and len(refs) == 1 and refs[0].id in self.lazy
-                    and len(node.outputs) == 1):
+            if (opdef is not None and (opdef.kind is OpKind.VIEW or is_cast(node)) and len(refs) == 1
+                    and refs[0].id in self.lazy and len(node.outputs) == 1):
                 self.lazy[node.outputs[0]] = _Lazy(node=node)
                 continue
             self._decide(node)
@@ -125,7 +127,7 @@ class Propagator:
         if partial_at:
             opdef = lookup(node.op)
             for group in partial_inputs(node.op, opdef is not None and opdef.kind is OpKind.VIEW, len(refs),
-                                        node.args, node.kwargs):
+                                        node.args, node.kwargs, self.graph.types[refs[0].id].dtype):
                 # only where the inputs are Partial already: turning a replicated input into a
                 # Partial one would leave a Partial value for later consumers to reduce again
                 if set(partial_at) == set(group):
