@@ -125,7 +125,11 @@ def conv_backward_rule(call: OpCall) -> Annotation:
     outs = [x_spec, wspec, (("o",),)]
     # an output the mask leaves out is unspecified (CPU may return a stray tensor for it)
     outs = tuple(o if t is not None and m else None for o, t, m in zip(outs, call.out_types, call.args[10]))
-    return Annotation((go_spec, x_spec, wspec), outs, reduced=frozenset(reduced), fixed=frozenset(fixed))
+    # split input channels: every rank computes the whole bias gradient; the custom lowering keeps it
+    # on one coordinate so that it is an exact partial sum
+    custom = frozenset({"c"}) if groups == 1 and outs[2] is not None else frozenset()
+    return Annotation((go_spec, x_spec, wspec), outs, reduced=frozenset(reduced), fixed=frozenset(fixed),
+                      custom=custom)
 
 
 def _conv_backward_flops(call: OpCall, ann: Annotation, sizes: Mapping[str, int]) -> int:
@@ -404,15 +408,28 @@ register("aten.nll_loss_backward.default aten.nll_loss2d_backward.default", L, n
 
 
 def mse_rule(call: OpCall) -> Annotation:
+    """mse_loss(x, target, reduction): elementwise (none); a split dim gives a partial sum (sum) or
+    a partial average (mean: the local means of equal shards average to the global mean)."""
     ann = elementwise(call)
-    if call.arg(2, "reduction", 1) == 0:
+    reduction = call.arg(2, "reduction", 1)
+    if reduction == 0:
         return ann
-    return Annotation(ann.inputs, ((),), reduced=frozenset(x for d in ann.outputs[0] for x in d)
-                      if ann.outputs[0] else frozenset(), sizes=ann.sizes)
+    reduced = frozenset(x for d in ann.outputs[0] for x in d) if ann.outputs[0] else frozenset()
+    return Annotation(ann.inputs, ((),), reduced=reduced, sizes=ann.sizes,
+                      reduce_kind="avg" if reduction == 1 else "sum")
+
+
+def mse_backward_rule(call: OpCall) -> Annotation:
+    """mse_loss_backward(grad, x, target, reduction) -> grad_x like x. With ``reduction=mean`` the
+    gradient is scaled by 1 / (global element count): a split dim needs the custom lowering."""
+    ann = _like_input(call, 1)
+    if call.arg(3, "reduction", 1) != 1:
+        return ann
+    return Annotation(ann.inputs, ann.outputs, sizes=ann.sizes, custom=frozenset(ann.letters()))
 
 
 register("aten.mse_loss.default", L, mse_rule, flops=3)
-register("aten.mse_loss_backward.default", L, lambda call: _like_input(call, 1), flops=3)
+register("aten.mse_loss_backward.default", L, mse_backward_rule, flops=3)
 
 
 def _like_input(call: OpCall, index: int) -> Annotation:

@@ -292,18 +292,11 @@ class Builder(MemoryRows):
         reps = [cones.cones[members[0]] for members in cones.classes]
         self.derived, self.candidates = [], []
         for rep in reps:
-            ders, chs, seen = [], [], set()
+            ders, chs = [], []
             for ch in self.choices(rep):
                 d = self.derive(rep, ch)
                 if d is None:
                     continue
-                if self.options.dedupe_candidates:
-                    # (the dicts are filled in member order, the same for every candidate of a class)
-                    key = (tuple(d.produced.values()), tuple(d.required.values()), d.compute,
-                           tuple(d.comm.values()))
-                    if key in seen:
-                        continue
-                    seen.add(key)
                 ders.append(d)
                 chs.append(ch)
             assert ders, f"cone {rep.name} has no legal strategy (the replicated one always is)"
