@@ -90,3 +90,42 @@ def test_search_shards_autocast_weights():
     assert len(big) == 5
     for n in big:
         assert any(isinstance(p, Shard) for p in res.plan.inputs[n]), (n, res.plan.inputs[n])
+
+
+@pytest.mark.parametrize("spec,strategy", [
+    ("examples/gpt.py:gpt_autocast", "dp=2,tp=2"), ("examples/gpt.py:gpt_autocast", "dp=4,zero=3"),
+    ("tests/workloads/mixed_precision.py:mlp_autocast", "tp=4"),
+    ("tests/workloads/mixed_precision.py:mlp_bf16_adamw", "dp=2,tp=2"),
+])
+def test_sharded_autocast_matches_single_device_within_bf16_tolerance(spec, strategy):
+    """Every rank's loss and state shards after 2 steps against single-device autocast (or bf16) training, at
+    ``bf16_tolerance(4)`` (in-process lockstep simulation of the ranks' real programs)."""
+    from rhino.runtime.compare import bf16_tolerance, tolerance_for
+    from rhino.runtime.exact import simulate_plan
+    cap = captured(str(ROOT / spec))
+    assert tolerance_for(cap, 4) == bf16_tolerance(4)
+    assert bf16_tolerance(4).rtol == 16 * 2.0 ** -8 and bf16_tolerance(4).normwise
+    r, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy(strategy)))
+    assert r.ok, r.first_mismatch
+    assert r.max_abs_diff > 0  # bf16 rounding differs between the sharded and the single-device step
+
+
+def test_bf16_tolerance_catches_ranks_training_on_wrong_data():
+    """The bf16 comparison is not vacuous: ranks that train on other rows than their share of the batch (as
+    if their gradients were never all-reduced with the right data) fail it."""
+    import torch
+    from rhino.lower.simulate_spmd import simulate_training
+    from rhino.lower.spmd import lower_rank
+    from rhino.runtime.run import bytes_by_role, compare_results
+    from rhino.sharding.plan import resolve
+    cap = captured(f"{MP}:mlp_autocast")
+    rp = resolve(cap.graph, preset_plan(cap.graph, parse_strategy("dp=4")))
+    x, y = cap.workload.batch
+    g = torch.Generator().manual_seed(7)
+    wrong = (torch.cat([x[:4], torch.randn(4, x.shape[1], generator=g)]), y)
+    state = cap.initial_state()
+    res = simulate_training(rp, state, wrong, 2)
+    results = {r: {"losses": res["rank_losses"][r], "local": res["local"][r],
+                   "held": bytes_by_role(cap.graph, res["local"][r])} for r in range(4)}
+    out = compare_results(cap, rp, lower_rank(rp, 0), results, 2, 0.0)
+    assert not out.ok and "differs" in out.first_mismatch
