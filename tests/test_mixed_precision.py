@@ -9,6 +9,8 @@ from conftest import ROOT
 from rhino.capture import capture, load_workload
 from rhino.check import check_captured
 from rhino.cost.cluster import parse_cluster
+from rhino.cost.memory import estimate_memory
+from rhino.sharding.plan import resolve
 from rhino.sharding.placement import Shard, local_shape
 from rhino.sharding.presets import parse_strategy, preset_plan
 
@@ -105,9 +107,37 @@ def test_sharded_autocast_matches_single_device_within_bf16_tolerance(spec, stra
     cap = captured(str(ROOT / spec))
     assert tolerance_for(cap, 4) == bf16_tolerance(4)
     assert bf16_tolerance(4).rtol == 16 * 2.0 ** -8 and bf16_tolerance(4).normwise
-    r, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy(strategy)))
+    plan = preset_plan(cap.graph, parse_strategy(strategy))
+    r, res = simulate_plan(cap, plan)
     assert r.ok, r.first_mismatch
     assert r.max_abs_diff > 0  # bf16 rounding differs between the sharded and the single-device step
+    # the memory model counts fp32 master weights and state and bf16 activations and casts as they live
+    rp = resolve(cap.graph, plan)
+    for rank, measured in enumerate(res["peaks"]):
+        assert estimate_memory(cap.graph, rp, rank).peak == pytest.approx(measured, rel=0.05), rank
+
+
+def test_cost_model_prices_bf16_gemms_and_memory_bound_casts():
+    """Under autocast every matmul reads bf16 tensors and runs at the bf16 tensor-core rate; each cast is
+    memory-bound, charged the bytes it reads (fp32) and writes (bf16)."""
+    from rhino.cost.compute import op_time, peak_dtype
+    from rhino.cost.devices import get_device
+    from rhino.ir.registry import OpKind, call_of, lookup
+    cap = captured(f"{MP}:big_autocast")
+    dev = get_device("A100-80G")
+    matmuls = casts = 0
+    for node in cap.graph.nodes:
+        d = lookup(node.op)
+        call = call_of(cap.graph, node)
+        if d is not None and d.kind is OpKind.MATMUL:
+            matmuls += 1
+            assert peak_dtype(call, dev) == "bf16", node.name
+        if node.op == "aten._to_copy.default" and call.in_types[0].numel >= 2 ** 20:
+            casts += 1
+            t = op_time(call, dev)
+            assert t.bound == "memory" and t.flops <= call.in_types[0].numel, node.name
+            assert t.bytes == call.in_types[0].nbytes + call.out_types[0].nbytes, node.name
+    assert matmuls >= 15 and casts >= 10
 
 
 def test_bf16_tolerance_catches_ranks_training_on_wrong_data():
