@@ -61,7 +61,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append((f.name.split(".")[0], r))
         print(f"{f.name}: {r['status']} height={r['height']} seconds={r['seconds']} solver={r['solver']} "
               f"nodes={r['nodes']} load={r['load']}", flush=True)
-    solved = sum(r["ok"] and r["height"] <= args.capacity for _, r in rows)
+    solved = sum(r["ok"] and r["valid"] and r["height"] <= args.capacity for _, r in rows)
     body = [f"Command, per instance: `rhino layout <dir>/X.{args.capacity}.csv --capacity {args.capacity} "
             f"--time-limit {args.time_limit:g}` (written by `benchmarks/minimalloc.py`). Instances: MiniMalloc's "
             f"`challenging` set (github google/minimalloc, Apache-2.0). Seconds are those the CLI reports "

@@ -114,11 +114,12 @@ def table(results: list[dict], published: dict) -> str:
         roam_sim = pub["roam"] / pub["pt_sim"] if "roam" in pub else nan
         roam_real = pub["roam"] / pub["pt_real"] if "roam" in pub else nan
         worse = " (worse)"
-        ours_abs = (p + r["rhino"]) / MIB
+        ours_abs = (p + r["rhino"]) / MIB if r["valid"] else nan  # a plan counts only when it validates
+        ours = f"**{mib(r['rhino'])}**"
         lines.append(
             f"| {r['model']} | {r['batch']} | {r['ops']:,} | {p / MIB:,.1f} | {mib(r['pytorch_live'])} | "
             f"{mib(r['pytorch_sim'])} | {mib(r['bestfit'])} | {mib(r['heuristic'])} | "
-            f"**{mib(r['rhino'])}**{worse if ours_abs > pub.get('roam', nan) + 0.05 else ''} | "
+            f"{ours if r['valid'] else 'INVALID (' + ours + ')'}{worse if ours_abs > pub.get('roam', nan) + 0.05 else ''} | "
             f"{mib(r['lower_bound'])} | {pub.get('roam', nan):,.1f} | "
             f"**{q['live']:.3f}**{worse if q['live'] > roam_sim + 5e-4 else ''} | {roam_sim:.3f} | "
             f"**{q['sim']:.3f}**{worse if q['sim'] > roam_real + 5e-4 else ''} | {roam_real:.3f} | "

@@ -556,7 +556,8 @@ def test_topk_index_select(shape, data):
 @FAST
 @given(shape=shapes(min_rank=2, max_rank=3, lo=2), data=st.data())
 def test_ops_without_dim_correspondence(shape, data):
-    """Ops annotated from their recorded types only (every dim fixed): the rule must still fit."""
+    """Indexing and data-movement ops (annotated from their recorded types, or with only the dims they
+    leave alone passing through): the rule must fit."""
     x, n = rand(shape), shape[0]
     idx = torch.randint(0, n, data.draw(shapes(max_rank=2)))
     check("aten.index.Tensor", x, [None, torch.randint(0, shape[1], (3,))])

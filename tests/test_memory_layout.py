@@ -88,6 +88,23 @@ def test_capacity_infeasible_and_fit():
     assert res.status is LayoutStatus.OPTIMAL and validate_layout(bufs, res.offsets, 8) == []
 
 
+def test_an_invalid_solver_layout_is_never_counted(monkeypatch, tmp_path, capsys):
+    """A solver that claims a fit with overlapping buffers is caught by the validator: the layout is
+    discarded (the status never says it fits), and ``rhino layout`` does not count it as solved."""
+    from rhino.memory import layout as layout_mod
+    bufs = _perfect_packing(3, 100)  # greedy cannot reach the bound 64
+    overlapping = {b.id: 0 for b in bufs}
+    monkeypatch.setattr(layout_mod, "_fit", lambda buffers, capacity, *a: (SearchStatus.FOUND, overlapping, "liar", 1))
+    res = solve_layout(bufs, capacity=64, time_limit=5)
+    assert res.status is LayoutStatus.UNKNOWN and res.valid and res.offsets != overlapping and res.height > 64
+    res = solve_layout(bufs, time_limit=5)  # bisection: every false fit is discarded too
+    assert res.status is LayoutStatus.FEASIBLE and res.valid and res.height > 64
+    csv = tmp_path / "packing.csv"
+    csv.write_text("id,lower,upper,size\n" + "".join(f"{b.id},{b.lower},{b.upper},{b.size}\n" for b in bufs))
+    assert main(["layout", str(csv), "--capacity", "64", "--json"]) == 1
+    assert not json.loads(capsys.readouterr().out)["ok"]
+
+
 def test_time_limit_still_returns_a_valid_layout():
     bufs = [Buffer(i, i % 7, i % 7 + 3 + i % 5, 1 + (i * 37) % 17) for i in range(120)]
     res = solve_layout(bufs, time_limit=0.2)

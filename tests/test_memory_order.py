@@ -526,3 +526,14 @@ def test_updates_early_same_optimum_less_work():
     assert off.candidates["least_peak|loss"] > on.peak  # the heuristics alone do not get there
     assert off.peak == on.peak and off.windows > 0
     assert on.peak < 0.6 * replay(p, program_order(p)).peak
+
+
+def test_plan_valid_flag_is_the_validators_verdict(monkeypatch):
+    """``MemoryPlan.valid`` is computed by the layout validator, not set: a layout it rejects is reported."""
+    _layout()
+    from rhino.memory import plan as plan_mod
+
+    p = training_problem(0, layers=4)
+    assert plan_mod.plan_memory(p, "O1").valid
+    monkeypatch.setattr(plan_mod, "validate_layout", lambda *a, **k: ["tensor 3 overlaps tensor 4"])
+    assert not plan_mod.plan_memory(p, "O1").valid

@@ -160,7 +160,7 @@ def test_fast_resolution_equals_resolve_and_memory_rows_equal_the_cost_model():
         assert mem.peak <= modelled <= 1.15 * mem.peak
 
 
-@pytest.mark.parametrize("rule", ["cones", "tie_layers", "dedupe_candidates", "optimizer_cones"])
+@pytest.mark.parametrize("rule", ["cones", "tie_layers", "optimizer_cones"])
 def test_each_rule_saves_work_and_keeps_the_optimum(rule):
     g = graph_of("mlp.py")
     mesh = Mesh(("a",), (2,))
@@ -168,8 +168,8 @@ def test_each_rule_saves_work_and_keeps_the_optimum(rule):
     _, p_off, off = _solve(g, mesh, "cpu:2", SearchOptions(**{rule: False}))
     assert on.status == off.status == "optimal"
     work_on, work_off = p_on.size(), p_off.size()
-    assert (work_on["classes"], work_on["candidates"]) < (work_off["classes"], work_off["candidates"]) or \
-        work_on == work_off
+    assert work_on["classes"] < work_off["classes"] and work_on["candidates"] < work_off["candidates"], \
+        (work_on, work_off)
     # a rule only restricts the space: off is never worse; on this model it is not better either
     assert off.objective <= on.objective * (1 + 1e-9) + 1e-12
     assert on.objective <= off.objective * 1.01

@@ -29,7 +29,8 @@ def run(args) -> int:
     res = solve_layout(bufs, args.capacity, args.time_limit, progress=lambda m: status(m, not args.json))
     valid = not validate_layout(bufs, res.offsets, args.capacity if res.status in (
         LayoutStatus.OPTIMAL, LayoutStatus.FEASIBLE) else None)
-    fits = res.status in (LayoutStatus.OPTIMAL, LayoutStatus.FEASIBLE)
+    # solved only when the independent validator passes the layout at the capacity
+    fits = res.status in (LayoutStatus.OPTIMAL, LayoutStatus.FEASIBLE) and valid
     if args.out and fits:
         write_offsets(args.out, bufs, res.offsets)
     if args.json:
@@ -37,6 +38,6 @@ def run(args) -> int:
                    "seconds": round(res.seconds, 3), "valid": valid, "buffers": len(bufs), "solver": res.solver,
                    "out": args.out if fits else None})
     else:
-        print(f"layout {res.status.value}: height={res.height} lower_bound={res.lower_bound} "
-              f"seconds={res.seconds:.2f}")
+        print(f"layout {res.status.value if valid else 'INVALID'}: height={res.height} "
+              f"lower_bound={res.lower_bound} seconds={res.seconds:.2f}")
     return 0 if fits else 1

@@ -11,7 +11,8 @@ Per rank (all ranks run the same program on equal shards, so one rank stands for
   requires (``plan_redistribution``, the very function the lowering uses, one per value and target,
   as the lowering caches them), priced by ``collectives.steps_seconds`` on the mesh axes' links;
   plus the row-statistics all-reduces the custom SPMD lowerings emit (vocabulary-parallel
-  log-softmax and nll: a few values per row), and at the end of the step the loss made replicated
+  log-softmax and nll: a few values per row; batch norm over a split batch: two values per channel,
+  once forward and once backward), and at the end of the step the loss made replicated
   and the new state brought back to its input's sharding (as ``lower_rank`` does).
 - **Overlap** (explicit assumptions, each a named option of ``StepOptions``): one compute stream and
   one communication stream per rank, collectives executed in program order on the latter.
@@ -51,7 +52,20 @@ _CUSTOM_ROW_REDUCES = {
     "aten._log_softmax_backward_data.default": 1,  # sum of the gradient over the split dim
     "aten.nll_loss_forward.default": 2,        # masked target sum and weight over ranks
     "aten.nll_loss2d_forward.default": 2,
+    # batch norm in training over a split batch (lower/spmd_bn.py): one all-reduce of [2, C] per call
+    "aten._native_batch_norm_legit_functional.default": 1, "aten._native_batch_norm_legit.no_stats": 1,
+    "aten.native_batch_norm.default": 1, "aten.native_batch_norm_backward.default": 1,
 }
+_PER_CHANNEL = {"aten._native_batch_norm_legit_functional.default", "aten._native_batch_norm_legit.no_stats",
+                "aten.native_batch_norm.default", "aten.native_batch_norm_backward.default"}
+
+
+def custom_reduce_bytes(op: str, local: tuple, itemsize: int) -> int:
+    """Bytes of one custom all-reduce of ``op`` whose first input has local shape ``local``: a value
+    per row (log-softmax, nll), or two per channel (batch norm statistics, at least float32)."""
+    if op in _PER_CHANNEL:
+        return 2 * local[1] * max(itemsize, 4)
+    return (prod(local[:-1]) if len(local) > 1 else 1) * itemsize
 
 
 @dataclass(frozen=True)
@@ -136,8 +150,7 @@ def _custom_comm(graph: Graph, node, strategy, mesh, links, rp: ResolvedPlan) ->
         return 0.0, 0
     ref = node.input_refs()[0]
     shape = rp.local_shape(ref.id) if ref.id in rp.value else graph.types[ref.id].shape
-    rows = prod(shape[:-1]) if len(shape) > 1 else 1
-    nbytes = rows * graph.types[ref.id].dtype.itemsize
+    nbytes = custom_reduce_bytes(node.op, shape, graph.types[ref.id].dtype.itemsize)
     secs = sum(step_seconds(AllReduce(a, ReduceOp.SUM), nbytes, mesh, links) for a in axes)
     return count * secs, count * len(axes)
 

@@ -125,7 +125,11 @@ def conv_backward_rule(call: OpCall) -> Annotation:
     outs = [x_spec, wspec, (("o",),)]
     # an output the mask leaves out is unspecified (CPU may return a stray tensor for it)
     outs = tuple(o if t is not None and m else None for o, t, m in zip(outs, call.out_types, call.args[10]))
-    return Annotation((go_spec, x_spec, wspec), outs, reduced=frozenset(reduced), fixed=frozenset(fixed))
+    # split input channels: every rank computes the whole bias gradient; the custom lowering keeps it
+    # on one coordinate so that it is an exact partial sum
+    custom = frozenset({"c"}) if groups == 1 and outs[2] is not None else frozenset()
+    return Annotation((go_spec, x_spec, wspec), outs, reduced=frozenset(reduced), fixed=frozenset(fixed),
+                      custom=custom)
 
 
 def _conv_backward_flops(call: OpCall, ann: Annotation, sizes: Mapping[str, int]) -> int:
@@ -254,8 +258,32 @@ def layer_norm_backward_rule(call: OpCall) -> Annotation:
                       sizes={f"one{i}": 1 for i in range(k)})
 
 
+# Batch norm in training mode with its batch (and spatial) dims split has SyncBatchNorm semantics: the
+# custom lowering (lower/spmd_bn.py) all-reduces per-channel statistics, so every rank normalises with
+# the global mean and variance and holds the global save_mean/save_invstd and running statistics.
+_BN_EVAL = "aten._native_batch_norm_legit_no_training.default"
+
+
+def bn_training(call: OpCall) -> bool:
+    """Whether a batch norm forward normalises with batch statistics (else with running ones)."""
+    if call.op == _BN_EVAL:
+        return False
+    return bool(call.args[3 if call.op.endswith(".no_stats") else 5])
+
+
+def _bn_mutates(call: OpCall) -> bool:
+    """Variants that update running statistics in place (functionalization removes them from captured
+    graphs); they keep the batch unsplit."""
+    if call.op == "aten._native_batch_norm_legit.default":
+        return True
+    return call.op == "aten.native_batch_norm.default" and bool(call.args[5]) and isinstance(call.args[3], Ref)
+
+
 def batch_norm_rule(call: OpCall) -> Annotation:
-    """Batch norm forward variants: input [n c *]; per-channel tensors [c]; statistics over n and *."""
+    """Batch norm forward variants: input [n c *]; per-channel tensors [c]; statistics over n and *.
+
+    n and the spatial dims are summed away for the statistics outputs (``+``); in training mode their
+    split is custom (all-reduced statistics, replicated statistics outputs, ``sharding.plan``)."""
     rank = call.in_types[0].rank
     sp = letters("h", rank - 2)
     x = (("n",), ("c",)) + tuple((a,) for a in sp)
@@ -264,11 +292,18 @@ def batch_norm_rule(call: OpCall) -> Annotation:
                  else tuple((f"z{i}",) for i in range(t.rank)) for t in call.out_types)
     sizes = {f"z{i}": n for t in call.out_types if t is not None and t.rank != rank
              and t.shape != (call.in_types[0].shape[1],) for i, n in enumerate(t.shape)}
-    return Annotation(tuple(ins), outs, fixed=frozenset({"n", *sp, *sizes}), sizes=sizes)
+    batch = frozenset({"n", *sp})
+    if _bn_mutates(call):
+        return Annotation(tuple(ins), outs, fixed=batch | set(sizes), sizes=sizes)
+    return Annotation(tuple(ins), outs, reduced=batch, fixed=frozenset(sizes), sizes=sizes,
+                      custom=batch if bn_training(call) else frozenset())
 
 
 def batch_norm_backward_rule(call: OpCall) -> Annotation:
-    """native_batch_norm_backward(dy, x, weight?, running_mean?, running_var?, save_mean?, save_invstd?, ...)."""
+    """native_batch_norm_backward(dy, x, weight?, running_mean?, running_var?, save_mean?, save_invstd?,
+    train, eps, mask). Weight and bias gradients sum over n and *; in training the input gradient
+    needs their global values (custom: one all-reduce, the weight and bias gradients come out
+    replicated)."""
     rank = call.in_types[0].rank
     sp = letters("h", rank - 2)
     x = (("n",), ("c",)) + tuple((a,) for a in sp)
@@ -276,8 +311,9 @@ def batch_norm_backward_rule(call: OpCall) -> Annotation:
     new = NewLetters("z")
     ins = [x, x] + [(("c",),) if t.shape == (chan,) else tuple((new(n),) for n in t.shape) for t in call.in_types[2:]]
     outs = tuple(s if t is not None else None for s, t in zip((x, (("c",),), (("c",),)), call.out_types))
-    return Annotation(tuple(ins), outs, reduced=frozenset(), fixed=frozenset({"n", *sp, *new.sizes}),
-                      sizes=new.sizes)
+    batch = frozenset({"n", *sp})
+    return Annotation(tuple(ins), outs, reduced=batch, fixed=frozenset(new.sizes), sizes=new.sizes,
+                      custom=batch if call.args[7] else frozenset())
 
 
 def group_norm_rule(call: OpCall) -> Annotation:
@@ -372,15 +408,28 @@ register("aten.nll_loss_backward.default aten.nll_loss2d_backward.default", L, n
 
 
 def mse_rule(call: OpCall) -> Annotation:
+    """mse_loss(x, target, reduction): elementwise (none); a split dim gives a partial sum (sum) or
+    a partial average (mean: the local means of equal shards average to the global mean)."""
     ann = elementwise(call)
-    if call.arg(2, "reduction", 1) == 0:
+    reduction = call.arg(2, "reduction", 1)
+    if reduction == 0:
         return ann
-    return Annotation(ann.inputs, ((),), reduced=frozenset(x for d in ann.outputs[0] for x in d)
-                      if ann.outputs[0] else frozenset(), sizes=ann.sizes)
+    reduced = frozenset(x for d in ann.outputs[0] for x in d) if ann.outputs[0] else frozenset()
+    return Annotation(ann.inputs, ((),), reduced=reduced, sizes=ann.sizes,
+                      reduce_kind="avg" if reduction == 1 else "sum")
+
+
+def mse_backward_rule(call: OpCall) -> Annotation:
+    """mse_loss_backward(grad, x, target, reduction) -> grad_x like x. With ``reduction=mean`` the
+    gradient is scaled by 1 / (global element count): a split dim needs the custom lowering."""
+    ann = _like_input(call, 1)
+    if call.arg(3, "reduction", 1) != 1:
+        return ann
+    return Annotation(ann.inputs, ann.outputs, sizes=ann.sizes, custom=frozenset(ann.letters()))
 
 
 register("aten.mse_loss.default", L, mse_rule, flops=3)
-register("aten.mse_loss_backward.default", L, lambda call: _like_input(call, 1), flops=3)
+register("aten.mse_loss_backward.default", L, mse_backward_rule, flops=3)
 
 
 def _like_input(call: OpCall, index: int) -> Annotation:

@@ -5,6 +5,7 @@ from math import ceil, prod
 
 from .annotation import Annotation, Dim
 from .registry import OpCall, OpKind, register
+from .types import DType
 from .rules import NewLetters, fixed_from_types, letters, norm_dim
 
 V = OpKind.VIEW
@@ -270,10 +271,14 @@ def _creation_shape(call: OpCall) -> tuple[int, ...]:
 
 
 def sized_creation_rule(call: OpCall) -> Annotation:
+    """A new tensor of a given size: split dims are made at their local size (the lowering rewrites
+    the size argument), except ``arange``, whose values are global positions: its dim is fixed."""
     new = NewLetters("n")
     shape = _creation_shape(call)
     ins = tuple(tuple((new(n),) for n in t.shape) for t in call.in_types)
-    return Annotation(ins, (tuple((new(n),) for n in shape),), sizes=new.sizes)
+    out = tuple((new(n),) for n in shape)
+    fixed = frozenset(d[0] for d in out) if call.op.startswith("aten.arange") else frozenset()
+    return Annotation(ins, (out,), sizes=new.sizes, fixed=fixed)
 
 
 C = OpKind.CREATION
@@ -337,9 +342,154 @@ register("aten.scatter.src aten.scatter.value aten.scatter_add.default aten.scat
          I, scatter_rule)
 register("aten.topk.default", I, topk_rule)
 register("aten.index_select.default", I, index_select_rule)
-register("aten.index.Tensor aten.index_put.default aten._unsafe_index.Tensor aten._unsafe_index_put.default "
-         "aten.index_add.default aten.masked_scatter.default aten.one_hot.default aten.repeat.default "
-         "aten.roll.default aten.flip.default aten.constant_pad_nd.default aten.diagonal.default "
-         "aten.as_strided.default aten.unfold.default aten.slice_scatter.default "
-         "aten.select_scatter.default aten.select_backward.default aten.slice_backward.default",
-         I, fixed_from_types)
+register("aten.index_put.default aten._unsafe_index_put.default aten.masked_scatter.default "
+         "aten.diagonal.default aten.as_strided.default", I, fixed_from_types)
+
+
+# Ops that move data along some dims and leave the others alone: the untouched dims pass through
+# (a batch split stays split), the touched ones are fixed.
+def _touching(call: OpCall, dims, out_index: int | None = 0) -> Annotation:
+    """The first input and output ``out_index`` (None: no output shaped like it) share every dim but
+    ``dims``, which are fixed (sized separately in input and output)."""
+    shape = call.in_types[0].shape
+    rank = len(shape)
+    touched = {norm_dim(d, rank) for d in dims}
+    names = letters("k", rank)
+    new = NewLetters("z")
+    ins = tuple((new(n),) if i in touched else (x,) for i, (x, n) in enumerate(zip(names, shape)))
+    outs = []
+    for t in call.out_types:
+        if t is None or t.rank != rank:
+            outs.append(None if t is None else tuple((new(n),) for n in t.shape))
+            continue
+        outs.append(tuple((new(n),) if i in touched else (x,) for i, (x, n) in enumerate(zip(names, t.shape))))
+    return Annotation((ins,) + tuple(tuple((new(n),) for n in t.shape) for t in call.in_types[1:]), tuple(outs),
+                      fixed=frozenset(new.sizes), sizes=new.sizes)
+
+
+def roll_rule(call: OpCall) -> Annotation:
+    dims = call.arg(2, "dims") or []
+    return _touching(call, dims) if dims else fixed_from_types(call)  # no dims: a roll of the flattened tensor
+
+
+def flip_rule(call: OpCall) -> Annotation:
+    return _touching(call, call.arg(1, "dims"))
+
+
+def pad_rule(call: OpCall) -> Annotation:
+    """constant_pad_nd(x, pad): pad names the last len(pad) / 2 dims (last dim first)."""
+    rank = call.in_types[0].rank
+    return _touching(call, range(rank - len(call.arg(1, "pad")) // 2, rank))
+
+
+def repeat_rule(call: OpCall) -> Annotation:
+    """repeat(x, repeats): dims repeated once pass through; new leading dims and repeated ones are fixed."""
+    shape = call.in_types[0].shape
+    reps = list(call.arg(1, "repeats"))
+    lead = len(reps) - len(shape)
+    names = letters("k", len(shape))
+    new = NewLetters("z")
+    ins = tuple((x,) if reps[lead + i] == 1 else (new(n),) for i, (x, n) in enumerate(zip(names, shape)))
+    out = tuple((new(n),) for n in call.out_types[0].shape[:lead]) + tuple(
+        (x,) if reps[lead + i] == 1 else (new(n * reps[lead + i]),) for i, (x, n) in enumerate(zip(names, shape)))
+    return Annotation((ins,), (out,), fixed=frozenset(new.sizes), sizes=new.sizes)
+
+
+def one_hot_rule(call: OpCall) -> Annotation:
+    """one_hot(indices [*], classes) -> [* classes]: the index dims pass through."""
+    rank = call.in_types[0].rank
+    names = _spec(letters("k", rank))
+    classes = call.out_types[0].shape[-1]
+    return Annotation((names,), (names + (("cls",),),), fixed=frozenset({"cls"}), sizes={"cls": classes})
+
+
+def scatter_into_rule(call: OpCall) -> Annotation:
+    """slice_scatter / select_scatter (x, src, dim, ...) -> like x; index_add (x, dim, index, src):
+    x and src share every dim but ``dim``."""
+    x = call.in_types[0].shape
+    dim_index = 1 if call.op == "aten.index_add.default" else 2
+    d = norm_dim(call.arg(dim_index, "dim", 0), len(x))
+    names = letters("k", len(x))
+    xs = list(_spec(names))
+    xs[d] = ("xd",)
+    src = list(_spec(names))
+    if call.op == "aten.select_scatter.default":
+        del src[d]
+    else:
+        src[d] = ("sd",)
+    sizes = {"sd": call.in_types[-1].shape[d]} if call.op != "aten.select_scatter.default" else {}
+    ins = [tuple(xs), tuple(src)]
+    if call.op == "aten.index_add.default":
+        ins = [tuple(xs), (("ix",),), tuple(src)]
+    return Annotation(tuple(ins), (tuple(xs),), fixed=frozenset({"xd", "sd", "ix"}), sizes=sizes)
+
+
+def backward_into_rule(call: OpCall) -> Annotation:
+    """slice_backward / select_backward (grad, input_sizes, dim, ...) -> zeros of input_sizes with grad
+    written in: every dim but ``dim`` passes through."""
+    size = list(call.arg(1, "input_sizes"))
+    d = norm_dim(call.arg(2, "dim"), len(size))
+    names = letters("k", len(size))
+    out = list(_spec(names))
+    out[d] = ("od",)
+    g = list(_spec(names))
+    if call.op == "aten.select_backward.default":
+        del g[d]
+    else:
+        g[d] = ("gd",)
+    sizes = {"od": size[d]}
+    if call.op == "aten.slice_backward.default":
+        sizes["gd"] = call.in_types[0].shape[d]
+    return Annotation((tuple(g),), (tuple(out),), fixed=frozenset({"od", "gd"}), sizes=sizes)
+
+
+def unfold_rule(call: OpCall) -> Annotation:
+    """unfold(x, dim, size, step) -> x with ``dim`` replaced by the window count, plus a window dim."""
+    x = call.in_types[0].shape
+    d = norm_dim(call.arg(1, "dimension"), len(x))
+    out = call.out_types[0].shape
+    names = letters("k", len(x))
+    ins = list(_spec(names))
+    ins[d] = ("ud",)
+    outs = list(_spec(names))
+    outs[d] = ("wins",)
+    return Annotation((tuple(ins),), (tuple(outs) + (("win",),),), fixed=frozenset({"ud", "wins", "win"}),
+                      sizes={"wins": out[d], "win": out[-1]})
+
+
+def index_rule(call: OpCall) -> Annotation:
+    """index / _unsafe_index (x, [idx or None per leading dim]): with the indexed dims adjacent, the
+    dims indexed by None pass through and the indexed block becomes the broadcast index shape (fixed);
+    otherwise (torch moves the block to the front) every dim is fixed."""
+    indices = call.arg(1, "indices")
+    pos = [i for i, a in enumerate(indices) if a is not None]
+    masks = any(call._types[a.id].dtype in (DType.bool, DType.uint8) for a in indices if a is not None)
+    if masks or not pos or pos != list(range(pos[0], pos[-1] + 1)):
+        return fixed_from_types(call)
+    x = call.in_types[0].shape
+    out = call.out_types[0].shape
+    names = letters("k", len(x))
+    new = NewLetters("z")
+    block = len(out) - (len(x) - len(pos))
+    bnames = [new(n) for n in out[pos[0]:pos[0] + block]]
+    xs = tuple((new(n),) if i in pos else (x_,) for i, (x_, n) in enumerate(zip(names, x)))
+    ins = [xs]
+    for a in indices:
+        if a is not None:
+            t = call._types[a.id].shape
+            ins.append(tuple((bnames[block - len(t) + i],) if n == out[pos[0] + block - len(t) + i] else (new(n),)
+                             for i, n in enumerate(t)))
+    outs = tuple((x_,) for x_ in names[:pos[0]]) + tuple((b,) for b in bnames) + tuple(
+        (x_,) for x_ in names[pos[-1] + 1:])
+    return Annotation(tuple(ins), (outs,), fixed=frozenset(new.sizes), sizes=new.sizes)
+
+
+register("aten.roll.default", I, roll_rule)
+register("aten.flip.default", I, flip_rule)
+register("aten.constant_pad_nd.default", I, pad_rule)
+register("aten.repeat.default", I, repeat_rule)
+register("aten.one_hot.default", I, one_hot_rule)
+register("aten.slice_scatter.default aten.select_scatter.default aten.index_add.default", I, scatter_into_rule)
+register("aten.slice_backward.default aten.select_backward.default", I, backward_into_rule)
+register("aten.unfold.default", I, unfold_rule)
+register("aten.index.Tensor aten._unsafe_index.Tensor", I, index_rule)

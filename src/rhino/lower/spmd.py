@@ -54,7 +54,7 @@ def _local_args(node: Node, rp: ResolvedPlan, need: dict[int, Sharding]) -> tupl
     elif op in ("aten.full.default", "aten.zeros.default", "aten.ones.default", "aten.empty.memory_format",
                 "aten.rand.default", "aten.randn.default"):
         args[0] = list(outs[0])
-    elif op.startswith("aten.new_"):
+    elif op.startswith("aten.new_") or op in ("aten.slice_backward.default", "aten.select_backward.default"):
         args[1] = list(outs[0])
     elif op == "aten.split.Tensor" and len(outs) > 1:
         dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
@@ -74,6 +74,17 @@ def _local_args(node: Node, rp: ResolvedPlan, need: dict[int, Sharding]) -> tupl
 
 
 _NLL = ("aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default")
+_SQUEEZE = ("aten.squeeze.default", "aten.squeeze.dim", "aten.squeeze.dims")
+
+
+def _squeezed(node: Node, rp: ResolvedPlan) -> list[int]:
+    """The dims a squeeze removes, from the global shapes."""
+    shape = rp.graph.types[node.args[0].id].shape
+    dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
+    if dims is None:
+        return [d for d, n in enumerate(shape) if n == 1]
+    dims = [dims] if isinstance(dims, int) else list(dims)
+    return sorted({d % len(shape) for d in dims if shape[d % len(shape)] == 1}) if shape else []
 
 
 def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu") -> SpmdProgram:
@@ -128,6 +139,8 @@ def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu") 
                 continue
         # local shards may be laid out differently from the global tensor: views become reshapes
         op = "aten.reshape.default" if node.op in ("aten.view.default", "aten._unsafe_view.default") else node.op
+        if op in _SQUEEZE:  # squeeze the dims of global size 1 only (a split dim may be 1 locally)
+            op, args, kwargs = "aten.squeeze.dims", [args[0], _squeezed(node, rp)], {}
         emit_node(fg, node, op, conv(args, need), conv(kwargs, need), env)
 
     outs = []

@@ -5,8 +5,16 @@
 - ``embedding_dense_backward`` with a split vocabulary: gradients of other ranks' rows are dropped;
 - ``_log_softmax`` over a split dim: the row max and the sum of exponentials are all-reduced;
   its backward all-reduces the row sum of the gradient;
-- ``nll_loss`` with split classes: targets of other ranks' classes become ``ignore_index``; a mean
-  over split rows or classes is an all-reduced sum over the all-reduced total weight (replicated).
+- ``nll_loss`` with split classes: targets of other ranks' classes (and ignored targets) become a local
+  ignore index; a mean over split rows or classes is an all-reduced sum over the all-reduced total
+  weight (replicated);
+- ``mse_loss_backward`` with ``reduction=mean`` over split dims: the local sum-reduced gradient divided
+  by the global element count;
+- ``convolution_backward`` with split input channels: the bias gradient (which does not depend on the
+  input channels) is kept on the first coordinate of those axes only, so its Partial(sum) is exact.
+- batch norm in training mode over a split batch: all-reduced per-channel statistics (``spmd_bn``).
+Split dims of indices (embedding rows, classes) may be strided or split over several axes: an index
+is mapped to this rank's local position axis by axis, the way ``sharding.simulate`` slices.
 The emitted code is plain aten ops and ``redistribute`` calls, so ``--emit`` shows it.
 """
 from __future__ import annotations
@@ -16,10 +24,11 @@ import operator
 import torch
 
 from ..ir.graph import Node
-from ..sharding.placement import ReduceOp
+from ..sharding.placement import ReduceOp, Shard
 from ..sharding.rules import PASS, split_letter
 from ..sharding.steps import AllReduce
 from .fx import resolve_op
+from .spmd_bn import BN_CUSTOM_OPS, emit_batch_norm
 from .spmd_ops import redistribute, step_args
 
 __all__ = ["CUSTOM_OPS", "emit_custom"]
@@ -29,31 +38,14 @@ _NLL = ("aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default")
 _NLL_BACKWARD = ("aten.nll_loss_backward.default", "aten.nll_loss2d_backward.default")
 CUSTOM_OPS = frozenset({"aten.embedding.default", "aten.embedding_dense_backward.default",
                         "aten._log_softmax.default", "aten._log_softmax_backward_data.default",
-                        *_NLL, *_NLL_BACKWARD})
+                        "aten.mse_loss_backward.default", "aten.convolution_backward.default",
+                        *_NLL, *_NLL_BACKWARD, *BN_CUSTOM_OPS})
 
 
-def _axes(strategy, letters, contiguous: bool = True) -> list[int]:
-    """Mesh axes splitting one of ``letters``; ``contiguous``: the lowering needs index offsets, so a
-    strided split is refused."""
-    out = []
-    for axis, entry in enumerate(strategy):
-        if entry is None or entry.startswith(PASS):
-            continue
-        letter, extra = split_letter(entry)
-        if letter in letters:
-            if extra != 1 and contiguous:
-                raise ValueError(f"a strided split of {letter!r} is not supported by the custom lowering")
-            out.append(axis)
-    return out
-
-
-def _range(mesh, rank: int, axes: list[int], size: int) -> tuple[int, int]:
-    """(first index, count) of this rank's contiguous piece of a dim split over ``axes`` in order."""
-    start, coords = 0, mesh.coords(rank)
-    for a in axes:
-        size //= mesh.sizes[a]
-        start += coords[a] * size
-    return start, size
+def _axes(strategy, letters) -> list[int]:
+    """Mesh axes splitting one of ``letters`` (plain or strided)."""
+    return [axis for axis, entry in enumerate(strategy)
+            if entry is not None and not entry.startswith(PASS) and split_letter(entry)[0] in letters]
 
 
 def _all_reduce(fg, x, axes, op: ReduceOp):
@@ -62,37 +54,75 @@ def _all_reduce(fg, x, axes, op: ReduceOp):
     return x
 
 
-def _local_index(fg, idx, start: int, count: int):
-    """(index - start, mask of indices outside [start, start + count))."""
-    rel = fg.call_function(aten.sub.Tensor, (idx, start))
-    outside = fg.call_function(aten.logical_or.default, (fg.call_function(aten.lt.Scalar, (rel, 0)),
-                                                         fg.call_function(aten.ge.Scalar, (rel, count))))
-    return rel, outside
+def _pieces(placements, dim: int, size: int, mesh, rank: int):
+    """For each mesh axis splitting ``dim`` (in axis order): (current size, blocks, ranks, coordinate)."""
+    coords = mesh.coords(rank)
+    for a, p in enumerate(placements):
+        if isinstance(p, Shard) and p.dim == dim:
+            yield size, p.blocks, mesh.sizes[a], coords[a]
+            size //= mesh.sizes[a]
+
+
+def local_position(i: int, placements, dim: int, size: int, mesh, rank: int) -> int | None:
+    """This rank's local position of global index ``i`` of ``dim`` (None if another rank holds it)."""
+    for cur, b, n, c in _pieces(placements, dim, size, mesh, rank):
+        block, piece = cur // b, cur // (b * n)
+        if (i % block) // piece != c:
+            return None
+        i = (i // block) * piece + i % piece
+    return i
+
+
+def _local_index(fg, idx, placements, dim: int, size: int, mesh, rank: int):
+    """(local index, mask of indices this rank does not hold), as ``local_position`` elementwise."""
+    outside = None
+    for cur, b, n, c in _pieces(placements, dim, size, mesh, rank):
+        block, piece = cur // b, cur // (b * n)
+        rem = fg.call_function(aten.remainder.Scalar, (idx, block))
+        which = fg.call_function(aten.div.Scalar_mode, (rem, piece), {"rounding_mode": "floor"})
+        other = fg.call_function(aten.ne.Scalar, (which, c))
+        outside = other if outside is None else fg.call_function(aten.logical_or.default, (outside, other))
+        major = fg.call_function(aten.div.Scalar_mode, (idx, block), {"rounding_mode": "floor"})
+        idx = fg.call_function(aten.add.Tensor, (fg.call_function(aten.mul.Scalar, (major, piece)),
+                                                 fg.call_function(aten.remainder.Scalar, (rem, piece))))
+    if outside is None:
+        outside = fg.call_function(aten.ne.Tensor, (idx, idx))
+    return idx, outside
 
 
 def emit_custom(fg, node: Node, args: list, kwargs: dict, strategy, ann, rp, rank: int) -> dict[int, object]:
     """Emit the custom lowering; returns value id -> fx node for the node's outputs."""
     mesh, graph = rp.plan.mesh, rp.graph
     op = node.op
+    ns = rp.node[node.name]
     if op == "aten.embedding.default":
-        axes = _axes(strategy, {"v"})
-        start, count = _range(mesh, rank, axes, graph.types[node.args[0].id].shape[0])
-        rel, outside = _local_index(fg, args[1], start, count)
+        rows = graph.types[node.args[0].id].shape[0]
+        rel, outside = _local_index(fg, args[1], ns.inputs[0], 0, rows, mesh, rank)
         safe = fg.call_function(aten.masked_fill.Scalar, (rel, outside, 0))
         emb = fg.call_function(aten.embedding.default, (args[0], safe, *args[2:]), kwargs)
         mask = fg.call_function(aten.unsqueeze.default, (outside, -1))
         return {node.outputs[0]: fg.call_function(aten.masked_fill.Scalar, (emb, mask, 0.0))}
     if op == "aten.embedding_dense_backward.default":
-        axes = _axes(strategy, {"v"})
-        start, count = _range(mesh, rank, axes, graph.types[node.outputs[0]].shape[0])
-        rel, outside = _local_index(fg, args[1], start, count)
+        rows, held = graph.types[node.outputs[0]].shape[0], ns.outputs[0]
+        rel, outside = _local_index(fg, args[1], held, 0, rows, mesh, rank)
         safe = fg.call_function(aten.masked_fill.Scalar, (rel, outside, 0))
         grad = fg.call_function(aten.masked_fill.Scalar,
                                 (args[0], fg.call_function(aten.unsqueeze.default, (outside, -1)), 0.0))
-        pad = args[3]
-        pad = pad - start if 0 <= pad - start < count else -1
-        out = fg.call_function(aten.embedding_dense_backward.default, (grad, safe, count, pad, args[4]))
+        pad = local_position(args[3], held, 0, rows, mesh, rank) if args[3] >= 0 else None
+        out = fg.call_function(aten.embedding_dense_backward.default,
+                               (grad, safe, rp.local_shape(node.outputs[0])[0], -1 if pad is None else pad, args[4]))
         return {node.outputs[0]: out}
+    if op == "aten.mse_loss_backward.default":
+        numel = graph.types[node.args[1].id].numel
+        call = fg.call_function(aten.mse_loss_backward.default, (args[0], args[1], args[2], 2))
+        return {node.outputs[0]: fg.call_function(aten.div.Scalar, (call, numel))}
+    if op == "aten.convolution_backward.default":
+        call = fg.call_function(resolve_op(op), tuple(args), kwargs)
+        out = {v: fg.call_function(operator.getitem, (call, i)) for i, v in enumerate(node.outputs) if v is not None}
+        if node.outputs[2] is not None:  # (every rank emits the same code: the lockstep simulation needs it)
+            keep = 0.0 if any(mesh.coords(rank)[a] for a in _axes(strategy, {"c"})) else 1.0
+            out[node.outputs[2]] = fg.call_function(aten.mul.Scalar, (out[node.outputs[2]], keep))
+        return out
     if op == "aten._log_softmax.default":
         x, dim = args[0], args[1]
         axes = _axes(strategy, ann.custom)
@@ -108,6 +138,8 @@ def emit_custom(fg, node: Node, args: list, kwargs: dict, strategy, ann, rp, ran
         total = _all_reduce(fg, fg.call_function(aten.sum.dim_IntList, (grad, [dim], True)), axes, ReduceOp.SUM)
         scaled = fg.call_function(aten.mul.Tensor, (fg.call_function(aten.exp.default, (out,)), total))
         return {node.outputs[0]: fg.call_function(aten.sub.Tensor, (grad, scaled))}
+    if op in BN_CUSTOM_OPS:
+        return emit_batch_norm(fg, node, args, _axes(strategy, ann.custom), rp, _all_reduce)
     if op in _NLL or op in _NLL_BACKWARD:
         return _nll(fg, node, args, kwargs, strategy, rp, rank)
     raise AssertionError(f"no custom lowering for {op}")
@@ -118,12 +150,16 @@ def _nll(fg, node: Node, args, kwargs, strategy, rp, rank: int) -> dict[int, obj
     backward = node.op in _NLL_BACKWARD
     x_at, target_at, red_at, ignore_at = (1, 2, 4, 5) if backward else (0, 1, 3, 4)
     args = list(args)
-    class_axes = _axes(strategy, {"c"})
-    if class_axes:
+    if _axes(strategy, {"c"}):
         x_shape = graph.types[node.args[x_at].id].shape
-        classes = x_shape[0] if len(x_shape) == 1 else x_shape[1]
-        start, count = _range(mesh, rank, class_axes, classes)
-        rel, outside = _local_index(fg, args[target_at], start, count)
+        cdim = 0 if len(x_shape) == 1 else 1
+        held = rp.node[node.name].inputs[1 if backward else 0]
+        target = args[target_at]
+        rel, outside = _local_index(fg, target, held, cdim, x_shape[cdim], mesh, rank)
+        ignored = fg.call_function(aten.eq.Scalar, (target, args[ignore_at]))
+        outside = fg.call_function(aten.logical_or.default, (outside, ignored))
+        # a local ignore index no local class has (the global one may name a local class)
+        args[ignore_at] = min(args[ignore_at], -1)
         args[target_at] = fg.call_function(aten.masked_fill.Scalar, (rel, outside, args[ignore_at]))
     if backward or args[red_at] != 1:
         call = fg.call_function(resolve_op(node.op), tuple(args), kwargs)
@@ -135,7 +171,7 @@ def _nll(fg, node: Node, args, kwargs, strategy, rp, rank: int) -> dict[int, obj
     args[red_at] = 2
     call = fg.call_function(resolve_op(node.op), tuple(args), kwargs)
     total, weight = (fg.call_function(operator.getitem, (call, i)) for i in range(2))
-    axes = _axes(strategy, {"n", "c"}, contiguous=False)
+    axes = _axes(strategy, {"n", "c"})
     total = _all_reduce(fg, total, axes, ReduceOp.SUM)
     weight = _all_reduce(fg, weight, axes, ReduceOp.SUM)
     out = {node.outputs[0]: fg.call_function(aten.div.Tensor, (total, weight))}

@@ -82,6 +82,8 @@ class LayoutResult:
     solver: str  # "greedy/<order>", "bnb", "cp-sat/canonical-<preorder>" or "cp-sat/default"
     notes: list[str] = field(default_factory=list)
     nodes: int = 0  # branch-and-bound nodes explored
+    valid: bool = False  # validate_layout found no overlap, no negative offset (and, with a capacity, the
+    #                      layout fits whenever the status says it does)
 
 
 def height(buffers: Sequence[Buffer], offsets: dict) -> int:
@@ -278,10 +280,11 @@ def solve_layout(buffers: Sequence[Buffer], capacity: int | None = None, time_li
             st, offs, name, nodes = _fit(buffers, capacity, deadline, options, say)
             status = {SearchStatus.INFEASIBLE: LayoutStatus.INFEASIBLE, SearchStatus.LIMIT: LayoutStatus.UNKNOWN,
                       SearchStatus.FOUND: LayoutStatus.FEASIBLE}[st]
-            if offs is not None:
-                assert not validate_layout(buffers, offs, capacity), validate_layout(buffers, offs, capacity)[:3]
+            if offs is not None and _accept(buffers, offs, capacity, name, say):
                 offsets, h, solver = offs, height(buffers, offs), name
                 status = LayoutStatus.OPTIMAL if h == lb else status
+            elif st is SearchStatus.FOUND:
+                status = LayoutStatus.UNKNOWN
     else:
         proven = lb  # no layout is lower than this
         unknown = lb - 1  # the highest capacity left unanswered
@@ -293,8 +296,7 @@ def solve_layout(buffers: Sequence[Buffer], capacity: int | None = None, time_li
             say(f"layout: best {h:,}, proven >= {proven:,}; trying {cap:,} for up to {share:.0f}s")
             st, offs, name, n = _fit(buffers, cap, time.monotonic() + share, options, say)
             nodes += n
-            if st is SearchStatus.FOUND:
-                assert not validate_layout(buffers, offs, cap), validate_layout(buffers, offs, cap)[:3]
+            if st is SearchStatus.FOUND and _accept(buffers, offs, cap, name, say):
                 offsets, h, solver = offs, height(buffers, offs), name
             elif st is SearchStatus.INFEASIBLE:
                 proven = cap + 1
@@ -303,7 +305,15 @@ def solve_layout(buffers: Sequence[Buffer], capacity: int | None = None, time_li
             else:
                 unknown = cap
         status = LayoutStatus.OPTIMAL if h <= proven else LayoutStatus.FEASIBLE
-    errors = validate_layout(buffers, offsets)
-    assert not errors, errors[:3]
-    say(f"layout: {status.value}, height {h:,} ({solver})")
-    return LayoutResult(status, offsets, h, lb, time.perf_counter() - t0, solver, nodes=nodes)
+    fits = status in (LayoutStatus.OPTIMAL, LayoutStatus.FEASIBLE)
+    valid = not validate_layout(buffers, offsets, capacity if fits else None)
+    say(f"layout: {status.value}, height {h:,} ({solver}){'' if valid else ', INVALID'}")
+    return LayoutResult(status, offsets, h, lb, time.perf_counter() - t0, solver, nodes=nodes, valid=valid)
+
+
+def _accept(buffers: Sequence[Buffer], offsets: dict, capacity: int, solver: str, say) -> bool:
+    """A solver's layout counts only if the validator passes it."""
+    errors = validate_layout(buffers, offsets, capacity)
+    if errors:
+        say(f"layout: {solver} returned an invalid layout at capacity {capacity:,}, discarded: {errors[:2]}")
+    return not errors

@@ -184,17 +184,18 @@ def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_l
             source, plan_order, plan_bufs, offsets, height, how = name, o, b, offs, h, name
     full = {t: 0 for t in problem.tensors}
     full.update(offsets)
-    check_order(problem, plan_order)
+    check_order(problem, plan_order)  # raises on a broken order
     errors = validate_layout(plan_bufs, offsets)
-    assert not errors, f"planned layout is invalid: {errors[:3]}"
     live_peak = replay(problem, plan_order).peak
-    assert live_peak <= height
+    valid = not errors and live_peak <= height
+    if not valid:
+        say(f"plan: INVALID layout ({errors[:2] or f'arena {height:,} B below the live peak {live_peak:,} B'})")
     secs = time.perf_counter() - t0
     say(f"plan: arena {height:,} B (order peak {live_peak:,} B) vs PyTorch {alloc.peak_reserved:,} B, in {secs:.1f}s")
     return MemoryPlan(
         order=list(plan_order), offsets=full, height=height, lower_bound=live_peak,
         pytorch_live_peak=pt_live, pytorch_peak=alloc.peak_reserved, bestfit_peak=bf_height,
-        heuristic_peak=heu_height, solve_seconds=secs, valid=True, level=level.value, source=source,
+        heuristic_peak=heu_height, solve_seconds=secs, valid=valid, level=level.value, source=source,
         order_source=res.source if source == "rhino" else source, layout_source=how,
         order_lower_bound=res.lower_bound, pytorch_peak_allocated=alloc.peak_allocated,
         stats={"baseline_seconds": t_base, "order_seconds": res.seconds, "layout_seconds": t_layout,

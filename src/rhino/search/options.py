@@ -52,8 +52,6 @@ class SearchOptions:
     tie_layers: bool = True
     #: Rounds of neighbourhood refinement in the structural hash (larger: fewer, safer ties).
     tie_radius: int = 1
-    #: Drop a cone strategy whose costs, produced and required shardings equal an earlier one's.
-    dedupe_candidates: bool = True
 
     # -- memory --------------------------------------------------------------------------------
     #: Nodes where the ILP checks per-device memory, besides the forward/backward boundary and the

@@ -30,7 +30,7 @@ from math import prod
 from ..cost.cluster import Cluster, axis_links
 from ..cost.collectives import step_seconds, steps_seconds
 from ..cost.compute import op_time
-from ..cost.step import _CUSTOM_ROW_REDUCES, loss_index, node_scale
+from ..cost.step import _CUSTOM_ROW_REDUCES, custom_reduce_bytes, loss_index, node_scale
 from ..ir.graph import Graph, Role
 from ..sharding.mesh import Mesh
 from ..sharding.placement import ReduceOp, Sharding, local_shape, replicated
@@ -199,9 +199,7 @@ class Builder(MemoryRows):
             return 0.0
         ref = node.input_refs()[0]
         t = self.graph.types[ref.id]
-        shape = local_shape(t.shape, required, self.mesh)
-        rows = prod(shape[:-1]) if len(shape) > 1 else 1
-        nbytes = rows * t.dtype.itemsize
+        nbytes = custom_reduce_bytes(node.op, local_shape(t.shape, required, self.mesh), t.dtype.itemsize)
         return count * sum(step_seconds(AllReduce(a, ReduceOp.SUM), nbytes, self.mesh, self.links) for a in axes)
 
     # -- candidates of one cone -------------------------------------------------------------------
@@ -294,18 +292,11 @@ class Builder(MemoryRows):
         reps = [cones.cones[members[0]] for members in cones.classes]
         self.derived, self.candidates = [], []
         for rep in reps:
-            ders, chs, seen = [], [], set()
+            ders, chs = [], []
             for ch in self.choices(rep):
                 d = self.derive(rep, ch)
                 if d is None:
                     continue
-                if self.options.dedupe_candidates:
-                    # (the dicts are filled in member order, the same for every candidate of a class)
-                    key = (tuple(d.produced.values()), tuple(d.required.values()), d.compute,
-                           tuple(d.comm.values()))
-                    if key in seen:
-                        continue
-                    seen.add(key)
                 ders.append(d)
                 chs.append(ch)
             assert ders, f"cone {rep.name} has no legal strategy (the replicated one always is)"

@@ -80,7 +80,8 @@ class _Info:
         opdef = lookup(node.op)
         self.kind = opdef.kind if opdef is not None else OpKind.OPAQUE
         n_in = len(self.shapes)
-        self.linear = partial_inputs(node.op, self.kind is OpKind.VIEW, n_in, node.args) if self.ann else []
+        self.linear = partial_inputs(node.op, self.kind is OpKind.VIEW, n_in, node.args, node.kwargs) \
+            if self.ann else []
         if same is not None:
             same[self.sig] = self
 

@@ -80,9 +80,23 @@ def _nll_outputs(ann, strategy, ns: NodeShardings, reduction: int) -> tuple:
                  for o in ns.outputs)
 
 
+def _replicated_statistics(ns: NodeShardings, when: bool = True) -> tuple:
+    """Batch norm with a split batch: the statistics (forward) and the weight and bias gradients
+    (training backward) are all-reduced by the lowering (``lower/spmd_bn.py``), not left partial; the
+    empty statistics of eval mode are the same on every rank."""
+    if not when:
+        return ns.outputs
+    return tuple(tuple(Replicate() if isinstance(p, Partial) else p for p in o) if o is not None else None
+                 for o in ns.outputs)
+
+
 OUTPUT_OVERRIDES = {
     "aten.nll_loss_forward.default": lambda call, ann, s, ns: _nll_outputs(ann, s, ns, call.args[3]),
     "aten.nll_loss2d_forward.default": lambda call, ann, s, ns: _nll_outputs(ann, s, ns, call.args[3]),
+    **{op: lambda call, ann, s, ns: _replicated_statistics(ns) for op in (
+        "aten._native_batch_norm_legit_functional.default", "aten._native_batch_norm_legit.no_stats",
+        "aten._native_batch_norm_legit_no_training.default", "aten.native_batch_norm.default")},
+    "aten.native_batch_norm_backward.default": lambda call, ann, s, ns: _replicated_statistics(ns, bool(ann.custom)),
 }
 
 

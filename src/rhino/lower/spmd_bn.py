@@ -1,0 +1,114 @@
+"""SPMD lowering of batch norm in training mode with a split batch (SyncBatchNorm semantics).
+
+Forward, per channel over the ``R`` ranks splitting the batch (and spatial) dims, each holding
+``n_l = N / R`` of the ``N`` values (splits are even): each rank takes the local mean ``m_l`` and
+biased variance ``v_l`` (``var_mean``, two-pass, so locally stable), shifted by a value ``K`` every rank
+holds (the running mean, or 0 without running statistics); one all-reduce (sum) of the ``[2, C]``
+tensor ``[d_l, v_l + d_l^2] / R`` with ``d_l = m_l - K`` gives the global ``d = mean - K`` and
+``E[(x - K)^2]``, so ``var = E[(x - K)^2] - d^2`` (biased). The rank normalises its shard with the
+global mean and variance (the eval-mode kernel, which computes ``x * a + b`` per channel exactly as
+the training kernel does); ``save_mean``, ``save_invstd`` and the running statistics
+(``(1 - momentum) * r + momentum * s``, with the unbiased ``var * N / (N - 1)``) are the single-device
+values, replicated.
+
+Backward: the local kernel (input gradient not requested) gives the local ``sum(dy)`` and
+``sum(dy * xhat)`` (``xhat`` from the global ``save_mean``/``save_invstd``); one all-reduce of both
+makes them global: they are the bias and weight gradients (replicated), and the input gradient is
+``(dy - sum(dy) / N - (x - mean) * invstd * sum(dy * xhat) / N) * invstd * weight``.
+"""
+from __future__ import annotations
+
+import operator
+
+import torch
+
+from ..ir.graph import Node
+from ..sharding.placement import ReduceOp
+
+__all__ = ["BN_CUSTOM_OPS", "emit_batch_norm"]
+
+aten = torch.ops.aten
+_FORWARD = ("aten._native_batch_norm_legit_functional.default", "aten._native_batch_norm_legit.no_stats",
+            "aten.native_batch_norm.default")
+_BACKWARD = "aten.native_batch_norm_backward.default"
+BN_CUSTOM_OPS = frozenset({*_FORWARD, _BACKWARD})
+
+
+def _channel_view(fg, t, rank: int):
+    """A per-channel [C] tensor viewed as [1, C, 1, ...] to broadcast against an [N, C, *] input."""
+    return fg.call_function(aten.view.default, (t, [1, -1] + [1] * (rank - 2)))
+
+
+def emit_batch_norm(fg, node: Node, args: list, axes: list[int], rp, all_reduce) -> dict[int, object]:
+    """Emit the lowering of ``node`` whose batch/spatial dims are split over mesh ``axes``;
+    ``all_reduce(fg, x, axes, op)`` emits the all-reduces. Returns value id -> fx node."""
+    graph, mesh = rp.graph, rp.plan.mesh
+    x_type = graph.types[node.args[1 if node.op == _BACKWARD else 0].id]
+    count = x_type.numel // x_type.shape[1]          # N * H * W of the global input
+    if node.op == _BACKWARD:
+        return _backward(fg, node, args, axes, x_type.rank, count, all_reduce)
+    ranks = 1
+    for a in axes:
+        ranks *= mesh.sizes[a]
+    low = x_type.dtype.name in ("float16", "bfloat16")
+    return _forward(fg, node, args, axes, x_type.rank, count, ranks, low, all_reduce)
+
+
+def _forward(fg, node: Node, args: list, axes, rank: int, count: int, ranks: int, low: bool, all_reduce) -> dict:
+    call = fg.call_function
+    if node.op.endswith(".no_stats"):
+        x, w, b, rm, rv, momentum, eps = args[0], args[1], args[2], None, None, args[4], args[5]
+    else:
+        x, w, b, rm, rv, momentum, eps = args[0], args[1], args[2], args[3], args[4], args[6], args[7]
+    dims = [0] + list(range(2, rank))
+    xs = x
+    if low:  # statistics in float32, as the kernel accumulates them
+        xs = call(aten._to_copy.default, (x,), {"dtype": torch.float32})
+    var_l, mean_l = (call(operator.getitem, (vm, i)) for vm in [call(aten.var_mean.correction, (xs, dims),
+                                                                     {"correction": 0})] for i in range(2))
+    d_l = call(aten.sub.Tensor, (mean_l, rm)) if rm is not None else mean_l
+    sq_l = call(aten.add.Tensor, (var_l, call(aten.mul.Tensor, (d_l, d_l))))
+    stats = call(aten.div.Scalar, (call(aten.stack.default, ([d_l, sq_l],)), float(ranks)))
+    stats = all_reduce(fg, stats, axes, ReduceOp.SUM)
+    d, sq = call(operator.getitem, (stats, 0)), call(operator.getitem, (stats, 1))
+    var = call(aten.sub.Tensor, (sq, call(aten.mul.Tensor, (d, d))))
+    mean = call(aten.add.Tensor, (d, rm)) if rm is not None else d
+    invstd = call(aten.rsqrt.default, (call(aten.add.Scalar, (var, eps)),))
+    y = call(operator.getitem, (call(aten._native_batch_norm_legit_no_training.default,
+                                     (x, w, b, mean, var, momentum, eps)), 0))
+    out = {node.outputs[0]: y, node.outputs[1]: mean, node.outputs[2]: invstd}
+    if len(node.outputs) > 3:  # functional variant: the new running statistics
+        unbiased = call(aten.mul.Scalar, (var, count / max(count - 1, 1)))
+        out[node.outputs[3]] = _running(fg, rm, mean, momentum)
+        out[node.outputs[4]] = _running(fg, rv, unbiased, momentum)
+    return {v: t for v, t in out.items() if v is not None}
+
+
+def _running(fg, r, s, momentum: float):
+    """``(1 - momentum) * r + momentum * s``."""
+    call = fg.call_function
+    return call(aten.add.Tensor, (call(aten.mul.Scalar, (r, 1.0 - momentum)), call(aten.mul.Scalar, (s, momentum))))
+
+
+def _backward(fg, node: Node, args: list, axes, rank: int, count: int, all_reduce) -> dict:
+    call = fg.call_function
+    dy, x, w, rm, rv, mean, invstd, _train, eps, mask = args[:10]
+    local = call(aten.native_batch_norm_backward.default, (dy, x, w, rm, rv, mean, invstd, True, eps,
+                                                           [False, True, True]))
+    dotp_l, sum_l = call(operator.getitem, (local, 1)), call(operator.getitem, (local, 2))
+    stats = all_reduce(fg, call(aten.stack.default, ([dotp_l, sum_l],)), axes, ReduceOp.SUM)
+    dotp, total = call(operator.getitem, (stats, 0)), call(operator.getitem, (stats, 1))
+    out = {}
+    if node.outputs[0] is not None and mask[0]:
+        k = call(aten.div.Scalar, (call(aten.mul.Tensor, (dotp, invstd)), -float(count)))
+        scale = invstd if w is None else call(aten.mul.Tensor, (invstd, w))
+        shift = call(aten.mul.Tensor, (call(aten.div.Scalar, (total, -float(count))), scale))
+        centred = call(aten.sub.Tensor, (x, _channel_view(fg, mean, rank)))
+        inner = call(aten.addcmul.default, (dy, centred, _channel_view(fg, k, rank)))
+        out[node.outputs[0]] = call(aten.addcmul.default, (_channel_view(fg, shift, rank), inner,
+                                                            _channel_view(fg, scale, rank)))
+    if len(node.outputs) > 1 and node.outputs[1] is not None and mask[1]:
+        out[node.outputs[1]] = dotp
+    if len(node.outputs) > 2 and node.outputs[2] is not None and mask[2]:
+        out[node.outputs[2]] = total
+    return out

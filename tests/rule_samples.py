@@ -1,0 +1,335 @@
+"""Sample calls of every registered op, for the exhaustive rule check (tests/test_rule_exhaustive.py).
+
+Shapes use dims of 2, 4 and 8 so that splits over 2 and 2 x 2 ranks (and strided ``x/2`` splits)
+are possible; floating point tensors are float64; index tensors hold valid indices (unique where the
+op's result would otherwise depend on the write order).
+"""
+from __future__ import annotations
+
+import torch
+
+F = torch.float64
+aten = torch.ops.aten
+
+#: Ops with no CPU kernel: the exhaustive check cannot run them here. Their annotation is
+#: ``sdpa_rule``, the same as the CPU kernel ``_scaled_dot_product_flash_attention_for_cpu``, which is checked.
+_CUDA_ONLY = "CUDA-only kernel (rule: sdpa_rule, checked on the CPU variant)"
+NO_CPU_KERNEL = {
+    "aten._scaled_dot_product_flash_attention.default": _CUDA_ONLY,
+    "aten._scaled_dot_product_efficient_attention.default": _CUDA_ONLY,
+}
+
+UNARY = """neg abs exp exp2 expm1 sin cos tanh sigmoid erf sign floor ceil round trunc relu gelu silu mish elu
+leaky_relu hardtanh hardswish hardsigmoid softplus clone _to_copy lift_fresh_copy alias detach isnan isinf
+nan_to_num ones_like zeros_like empty_like rand_like randn_like""".split()
+POSITIVE = "log log1p log2 sqrt rsqrt reciprocal".split()
+BINARY = """add.Tensor sub.Tensor rsub.Tensor mul.Tensor div.Tensor pow.Tensor_Tensor maximum.default minimum.default
+remainder.Tensor fmod.Tensor floor_divide.default eq.Tensor ne.Tensor lt.Tensor le.Tensor gt.Tensor
+ge.Tensor copy.default""".split()
+SCALAR = """add.Scalar sub.Scalar rsub.Scalar mul.Scalar div.Scalar pow.Tensor_Scalar remainder.Scalar fmod.Scalar
+eq.Scalar ne.Scalar lt.Scalar le.Scalar gt.Scalar ge.Scalar clamp_min.default clamp_max.default
+full_like.default fill.Scalar""".split()
+BACKWARD = """gelu_backward silu_backward hardswish_backward hardsigmoid_backward mish_backward""".split()
+
+
+def r(*shape):
+    return torch.randn(shape, dtype=F)
+
+
+def pos(*shape):
+    return torch.rand(*shape, dtype=F) + 0.5
+
+
+def ints(hi, *shape):
+    return torch.randint(0, hi, shape)
+
+
+def mask(*shape):
+    return torch.rand(*shape) > 0.5
+
+
+def perm_index(shape, dim):
+    """Indices along ``dim`` that are a permutation in every slice (unique writes)."""
+    return torch.argsort(torch.rand(*shape), dim=dim)
+
+
+def samples() -> list[tuple[str, tuple, dict]]:
+    """(op, args, kwargs) for every op the check covers (several calls for some ops)."""
+    torch.manual_seed(0)
+    out: list[tuple[str, tuple, dict]] = []
+
+    def add(op, *args, **kwargs):
+        out.append((op if op.count(".") == 2 else f"aten.{op}", args, kwargs))
+
+    x, y = r(4, 8), r(4, 8)
+    for name in UNARY:
+        add(f"{name}.default", x)
+    for name in POSITIVE:
+        add(f"{name}.default", pos(4, 8))
+    for name in BINARY:
+        if name.startswith("pow"):
+            add(name, pos(4, 8), y)
+            add(name, pos(4, 8), r(8))
+            continue
+        add(name, x, y)
+        add(name, x, r(8))  # broadcast
+    add("div.Tensor_mode", x, y, rounding_mode="floor")
+    for name in SCALAR:
+        add(name, pos(4, 8) if name.startswith("pow") else x, 1.5)
+    add("div.Scalar_mode", x, 1.5, rounding_mode="floor")
+    add("pow.Scalar", 2.0, x)
+    add("clamp.default", x, -0.5, 0.5)
+    add("clamp.Tensor", x, r(8), r(4, 8) + 1)
+    add("fill.Tensor", x, torch.tensor(2.0, dtype=F))
+    add("_to_copy.default", x, dtype=torch.float32)
+    add("_to_copy.default", x * 4, dtype=torch.int64)  # truncation: not linear
+    add("bernoulli.p", x, 0.0)
+    add("bernoulli.default", ints(2, 4, 8).to(F))
+    add("native_dropout.default", x, 0.0, True)
+    add("native_dropout_backward.default", x, mask(4, 8), 2.0)
+    m, mi = mask(4, 8), ints(8, 4, 8)
+    add("logical_not.default", m)
+    add("bitwise_not.default", mi)
+    for name in ("logical_and.default", "logical_or.default", "logical_xor.default"):
+        add(name, m, mask(4, 8))
+    for name in ("bitwise_and.Tensor", "bitwise_or.Tensor", "bitwise_xor.Tensor"):
+        add(name, mi, ints(8, 4, 8))
+    add("bitwise_and.Scalar", mi, 3)
+    add("bitwise_or.Scalar", mi, 3)
+    add("where.self", m, x, r(8))
+    add("where.ScalarSelf", m, 1.0, x)
+    add("where.ScalarOther", m, x, 1.0)
+    add("masked_fill.Scalar", x, m, 0.5)
+    add("masked_fill.Tensor", x, mask(8), torch.tensor(1.5, dtype=F))
+    add("lerp.Scalar", x, y, 0.3)
+    add("lerp.Tensor", x, y, r(8))
+    add("addcmul.default", x, y, r(8), value=0.5)
+    add("addcdiv.default", x, y, pos(4, 8), value=0.5)
+    for name in BACKWARD:
+        add(f"{name}.default", y, x)
+    add("threshold_backward.default", y, x, 0.0)
+    add("sigmoid_backward.default", y, torch.sigmoid(x))
+    add("tanh_backward.default", y, torch.tanh(x))
+    add("elu_backward.default", y, 1.0, 1.0, 1.0, False, x)
+    add("leaky_relu_backward.default", y, x, 0.01, False)
+    add("hardtanh_backward.default", y, x, -1.0, 1.0)
+    add("softplus_backward.default", y, x, 1.0, 20.0)
+    add("tril.default", r(2, 4, 8), 0)
+    add("triu.default", r(2, 4, 8), 1)
+
+    # reductions
+    x3, b3 = r(4, 2, 8), mask(4, 2, 8)
+    add("sum.default", x3)
+    add("sum.dim_IntList", x3, [1, 2])
+    add("sum.dim_IntList", x3, [0], True)
+    add("mean.default", x3)
+    add("mean.dim", x3, [0, 2])
+    add("mean.dim", x3, [2], True)
+    add("amax.default", x3, [2])
+    add("amin.default", x3, [0], True)
+    add("max.default", x3)
+    add("min.default", x3)
+    add("prod.default", pos(2, 4))
+    add("any.default", b3)
+    add("all.default", b3)
+    add("any.dim", b3, 2)
+    add("all.dim", b3, 0, True)
+    add("any.dims", b3, [0, 2])
+    add("argmax.default", x3, 2)
+    add("argmin.default", x3, 0, True)
+    add("logsumexp.default", x3, [2])
+    add("max.dim", x3, 2)
+    add("min.dim", x3, 0, True)
+    add("var.correction", x3, [2], correction=1)
+    add("std.correction", x3, [0, 2], correction=0, keepdim=True)
+    add("var_mean.correction", x3, [2], correction=1)
+    add("linalg_vector_norm.default", x3, 2, [2])
+
+    # pooling
+    x4, x5, x1 = r(2, 4, 8, 8), r(2, 4, 4, 4, 4), r(2, 4, 8)
+    add("max_pool2d_with_indices.default", x4, [2, 2], [2, 2])
+    add("max_pool3d_with_indices.default", x5, [2, 2, 2], [2, 2, 2])
+    add("avg_pool2d.default", x4, [2, 2], [2, 2])
+    add("avg_pool3d.default", x5, [2, 2, 2], [2, 2, 2])
+    add("max_pool1d.default", x1, [2], [2])
+    add("_adaptive_avg_pool2d.default", x4, [2, 2])
+    add("_adaptive_avg_pool3d.default", x5, [2, 2, 2])
+    add("adaptive_max_pool2d.default", x4, [2, 2])
+    o, idx = aten.max_pool2d_with_indices.default(x4, [2, 2], [2, 2])
+    add("max_pool2d_with_indices_backward.default", r(*o.shape), x4, [2, 2], [2, 2], [0, 0], [1, 1], False, idx)
+    o, idx = aten.max_pool3d_with_indices.default(x5, [2, 2, 2], [2, 2, 2])
+    add("max_pool3d_with_indices_backward.default", r(*o.shape), x5, [2, 2, 2], [2, 2, 2], [0, 0, 0], [1, 1, 1],
+        False, idx)
+    add("avg_pool2d_backward.default", r(2, 4, 4, 4), x4, [2, 2], [2, 2], [0, 0], False, True, None)
+    add("avg_pool3d_backward.default", r(2, 4, 2, 2, 2), x5, [2, 2, 2], [2, 2, 2], [0, 0, 0], False, True, None)
+    add("_adaptive_avg_pool2d_backward.default", r(2, 4, 2, 2), x4)
+    add("_adaptive_avg_pool3d_backward.default", r(2, 4, 2, 2, 2), x5)
+    o, idx = aten.adaptive_max_pool2d.default(x4, [2, 2])
+    add("adaptive_max_pool2d_backward.default", r(*o.shape), x4, idx)
+
+    # along one dim, norms
+    for name in ("cumsum", "cumprod", "logcumsumexp"):
+        add(f"{name}.default", x3, 2)
+        add(f"{name}.default", x3, 0)
+    add("_softmax.default", x3, 2, False)
+    add("_log_softmax.default", x3, 2, False)
+    add("_log_softmax.default", x3, 0, False)
+    add("_softmax_backward_data.default", r(4, 2, 8), torch.softmax(x3, 2), 2, F)
+    add("_log_softmax_backward_data.default", r(4, 2, 8), torch.log_softmax(x3, 2), 2, F)
+    add("_log_softmax_backward_data.default", r(4, 2, 8), torch.log_softmax(x3, 0), 0, F)
+    w, b = r(8), r(8)
+    add("native_layer_norm.default", x3, [8], w, b, 1e-5)
+    add("native_layer_norm.default", x3, [2, 8], None, None, 1e-5)
+    _, mean, rstd = aten.native_layer_norm.default(x3, [8], w, b, 1e-5)
+    add("native_layer_norm_backward.default", r(4, 2, 8), x3, [8], mean, rstd, w, b, [True, True, True])
+    xg, wg, bg = r(4, 4, 2, 2), r(4), r(4)
+    add("native_group_norm.default", xg, wg, bg, 4, 4, 4, 2, 1e-5)
+    _, mean, rstd = aten.native_group_norm.default(xg, wg, bg, 4, 4, 4, 2, 1e-5)
+    add("native_group_norm_backward.default", r(4, 4, 2, 2), xg, mean, rstd, wg, 4, 4, 4, 2, [True, True, True])
+
+    # batch norm (training mode over a split batch: SyncBatchNorm statistics)
+    xb, cb = r(4, 4, 2, 2), 4
+    wb, bb, rm, rv = r(cb), r(cb), r(cb), pos(cb)
+    for training in (True, False):
+        add("_native_batch_norm_legit_functional.default", xb, wb, bb, rm, rv, training, 0.1, 1e-5)
+        add("_native_batch_norm_legit.default", xb, wb, bb, rm.clone(), rv.clone(), training, 0.1, 1e-5)
+        add("native_batch_norm.default", xb, wb, bb, rm.clone(), rv.clone(), training, 0.1, 1e-5)
+    add("_native_batch_norm_legit.no_stats", xb, wb, bb, True, 0.1, 1e-5)
+    add("_native_batch_norm_legit_functional.default", r(4, 4), None, None, rm, rv, True, 0.1, 1e-5)
+    add("_native_batch_norm_legit_no_training.default", xb, wb, bb, rm, rv, 0.1, 1e-5)
+    _, sm, si = aten.native_batch_norm.default(xb, wb, bb, rm.clone(), rv.clone(), True, 0.1, 1e-5)
+    add("native_batch_norm_backward.default", r(4, 4, 2, 2), xb, wb, rm, rv, sm, si, True, 1e-5, [True, True, True])
+    add("native_batch_norm_backward.default", r(4, 4, 2, 2), xb, wb, rm, rv, None, None, False, 1e-5,
+        [True, True, True])
+
+    # indexing
+    add("sort.default", x3, 2)
+    add("sort.default", x3, 0, True)
+    add("sort.stable", x3, stable=True, dim=2)
+    add("topk.default", x3, 2, 2)
+    add("topk.default", x3, 2, 0)
+    emb, tok = r(8, 4), ints(8, 4, 2)
+    add("embedding.default", emb, tok)
+    add("embedding_dense_backward.default", r(4, 2, 4), tok, 8, -1, False)
+    add("embedding_dense_backward.default", r(4, 2, 4), tok, 8, 3, False)
+    add("gather.default", x, 1, ints(8, 4, 8))
+    add("gather.default", x, 0, ints(4, 2, 8))
+    pi = perm_index((4, 8), 1)
+    add("scatter.src", x, 1, pi, y)
+    add("scatter.value", x, 1, pi, 2.0)
+    add("scatter_add.default", x, 1, ints(8, 4, 8), y)
+    add("scatter_reduce.two", x, 1, pi, y, "sum")
+    add("index_select.default", x, 1, ints(8, 4))
+    add("index_select.default", x, 0, ints(4, 2))
+    rows = torch.randperm(4)[:2]
+    add("index.Tensor", x, [rows])
+    add("index.Tensor", x, [None, ints(8, 4)])
+    add("index.Tensor", x3, [ints(4, 2, 1), None, ints(8, 4)])  # indexed dims apart: the block goes first
+    add("index.Tensor", x, [mask(4)])
+    add("_unsafe_index.Tensor", x4, [None, None, ints(8, 16, 1), ints(8, 16)])  # nearest upsampling
+    add("_unsafe_index.Tensor", x, [rows])
+    add("index_put.default", x, [rows], r(2, 8))
+    add("index_put.default", x, [rows], r(2, 8), True)
+    add("_unsafe_index_put.default", x, [rows], r(2, 8))
+    add("index_add.default", x, 0, ints(4, 6), r(6, 8))
+    add("masked_scatter.default", x, m, r(4, 8))
+    add("one_hot.default", ints(8, 4, 2), 8)
+    add("repeat.default", x, [2, 1])
+    add("roll.default", x, [1], [1])
+    add("roll.default", x, [1])
+    add("repeat.default", x, [2, 1, 2])
+    add("flip.default", x, [1])
+    add("constant_pad_nd.default", x, [1, 1])
+    add("constant_pad_nd.default", x4, [1, 1, 0, 2], 0.5)
+    add("diagonal.default", r(4, 4, 2))
+    add("as_strided.default", x, [4, 4], [8, 1])
+    add("unfold.default", x, 1, 2, 2)
+    add("slice_scatter.default", x, r(4, 4), 1, 0, 4)
+    add("select_scatter.default", x, r(4), 1, 0)
+    add("select_backward.default", r(4), [4, 8], 1, 0)
+    add("select_backward.default", r(4, 8), [4, 2, 8], 1, 1)
+    add("slice_backward.default", r(4, 4), [4, 8], 1, 0, 4, 1)
+    add("slice_backward.default", r(2, 8), [4, 8], 0, 1, 4, 2)
+
+    # matmuls, convolutions, attention
+    add("mm.default", x, r(8, 4))
+    add("bmm.default", r(2, 4, 8), r(2, 8, 4))
+    add("dot.default", r(8), r(8))
+    add("mv.default", x, r(8))
+    add("addmm.default", r(4), x, r(8, 4))
+    add("addmm.default", r(4, 4), x, r(8, 4), beta=0.5, alpha=2.0)
+    add("baddbmm.default", r(2, 4, 4), r(2, 4, 8), r(2, 8, 4))
+    xc, wc = r(2, 4, 4, 4), r(4, 4, 3, 3)
+    add("convolution.default", xc, wc, r(4), [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
+    add("convolution.default", xc, r(4, 2, 3, 3), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 2)
+    add("convolution.default", xc, r(4, 2, 2, 2), r(2), [2, 2], [0, 0], [1, 1], True, [0, 0], 1)
+    add("convolution_backward.default", r(2, 4, 4, 4), xc, wc, [4], [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
+        [True, True, True])
+    add("convolution_backward.default", r(2, 4, 4, 4), xc, r(4, 2, 3, 3), None, [1, 1], [1, 1], [1, 1], False,
+        [0, 0], 2, [True, True, False])
+    q, k, v = r(2, 4, 4, 2), r(2, 4, 8, 2), r(2, 4, 8, 2)
+    sdpa = "_scaled_dot_product_flash_attention_for_cpu"
+    add(f"{sdpa}.default", q, k, v, 0.0, False)
+    add(f"{sdpa}.default", q, k, v, 0.0, False, attn_mask=r(4, 8))
+    add(f"{sdpa}.default", q, r(2, 2, 8, 2), r(2, 2, 8, 2), 0.0, False)  # grouped-query
+    out_, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, False)
+    add(f"{sdpa}_backward.default", r(2, 4, 4, 2), q, k, v, out_, lse, 0.0, False)
+
+    # losses
+    logp, tgt = torch.log_softmax(r(4, 8), 1), ints(8, 4)
+    wt = pos(8)
+    for red in (0, 1, 2):
+        add("nll_loss_forward.default", logp, tgt, None, red, -100)
+        add("nll_loss_forward.default", logp, tgt, wt, red, 1)
+        o, total = aten.nll_loss_forward.default(logp, tgt, wt, red, 1)
+        add("nll_loss_backward.default", r(*o.shape), logp, tgt, wt, red, 1, total)
+        lp2, t2 = torch.log_softmax(r(2, 4, 2, 2), 1), ints(4, 2, 2, 2)
+        add("nll_loss2d_forward.default", lp2, t2, None, red, -100)
+        o, total = aten.nll_loss2d_forward.default(lp2, t2, None, red, -100)
+        add("nll_loss2d_backward.default", r(*o.shape), lp2, t2, None, red, -100, total)
+        add("mse_loss.default", x3, r(4, 2, 8), red)
+        o = aten.mse_loss.default(x3, r(4, 2, 8), red)
+        add("mse_loss_backward.default", r(*o.shape), x3, r(4, 2, 8), red)
+
+    # views and data movement
+    add("view.default", x3, [8, 8])
+    add("view.default", x3, [4, 2, 2, 4])
+    add("view.default", r(8, 8), [2, 4, 8])
+    add("_unsafe_view.default", x3, [4, 16])
+    add("reshape.default", x3, [2, 4, 8])
+    add("permute.default", x3, [2, 0, 1])
+    add("transpose.int", x3, 0, 2)
+    add("t.default", x)
+    add("expand.default", r(4, 1), [4, 8])
+    add("expand.default", r(8), [2, 4, 8])
+    add("unsqueeze.default", x, 1)
+    add("squeeze.dim", r(4, 1, 8), 1)
+    add("squeeze.dims", r(4, 1, 8), [1])
+    add("squeeze.default", r(4, 1, 8))
+    add("slice.Tensor", x, 1, 0, 4)
+    add("slice.Tensor", x, 0, 1, 4, 2)
+    add("select.int", x3, 1, 1)
+    add("split.Tensor", x, 4, 1)
+    add("split.Tensor", x, 3, 1)
+    add("split_with_sizes.default", x, [3, 5], 1)
+    add("unbind.int", x3, 1)
+    add("cat.default", [x, y], 1)
+    add("cat.default", [x, r(4, 4)], 1)
+    add("stack.default", [x, y], 0)
+
+    # creation
+    add("full.default", [4, 8], 2.0, dtype=F)
+    add("zeros.default", [4, 8], dtype=F)
+    add("ones.default", [4, 8], dtype=F)
+    add("empty.memory_format", [4, 8], dtype=F)
+    add("rand.default", [4, 8], dtype=F)
+    add("randn.default", [4, 8], dtype=F)
+    add("arange.default", 8)
+    add("arange.start", 2, 10)
+    add("arange.start_step", 0, 16, 2)
+    add("scalar_tensor.default", 2.0, dtype=F)
+    add("new_zeros.default", x, [4, 8])
+    add("new_ones.default", x, [4, 8])
+    add("new_empty.default", x, [4, 8])
+    add("new_full.default", x, [4, 8], 2.0)
+    return out

@@ -1,0 +1,200 @@
+"""Batch norm over a split batch (SyncBatchNorm semantics), checked against single-device PyTorch in
+float64: each op's sharded outputs at 1e-12 (every rank's shard, replicas compared with each other),
+whole BatchNorm CNNs under the presets at 1e-9 (losses, parameters, buffers with the running
+statistics, optimizer state, every rank), the collectives the lowering emits, and the cost model."""
+import warnings
+
+import pytest
+import torch
+import torch.nn as nn
+
+from conftest import ROOT
+from rhino.capture import Workload, capture, default_dtype, load_workload
+from rhino.cost.cluster import axis_links, parse_cluster
+from rhino.cost.collectives import step_seconds
+from rhino.cost.memory import estimate_memory
+from rhino.cost.step import step_time
+from rhino.ir.ops_nn import bn_training
+from rhino.ir.registry import call_of
+from rhino.lower.simulate_spmd import first_divergence
+from rhino.lower.spmd import lower_rank
+from rhino.lower.spmd_ops import redistribute
+from rhino.runtime.exact import simulate_plan
+from rhino.sharding.plan import resolve
+from rhino.sharding.placement import ReduceOp
+from rhino.sharding.presets import parse_strategy, preset_plan
+from rhino.sharding.steps import AllReduce
+
+_BN = ("aten._native_batch_norm_legit_functional.default", "aten._native_batch_norm_legit.no_stats",
+       "aten._native_batch_norm_legit_no_training.default", "aten.native_batch_norm.default")
+_BN_BACKWARD = "aten.native_batch_norm_backward.default"
+_LOCAL_STEPS = ("LocalSlice", "LocalScale", "ZeroUnlessFirst")
+
+
+def _capture64(build):
+    """Capture a workload built in float64 (the default dtype restored after)."""
+    with warnings.catch_warnings(), default_dtype(torch.float64):
+        warnings.simplefilter("ignore")
+        return capture(build())
+
+
+# -- one batch norm, every split --------------------------------------------------------------------
+class _Norm(nn.Module):
+    """A batch norm after a learnt scale (so that its input gradient is needed)."""
+
+    def __init__(self, bn, scaled: bool):
+        super().__init__()
+        self.bn = bn
+        self.scale = nn.Parameter(torch.full((), 1.5)) if scaled else None
+
+    def forward(self, x):
+        return self.bn(x * self.scale if self.scale is not None else x)
+
+
+def _single_bn(make, shape, eval_mode=False, scaled=True):
+    def build():
+        torch.manual_seed(0)
+        bn = make()
+        model = _Norm(bn, scaled)
+        if bn.affine:
+            with torch.no_grad():
+                bn.weight.uniform_(0.5, 1.5)
+                bn.bias.uniform_(-0.5, 0.5)
+        if bn.track_running_stats:
+            bn.running_mean.uniform_(-1, 1)
+            bn.running_var.uniform_(0.5, 2)
+        if eval_mode:
+            model.eval()
+        g = torch.Generator().manual_seed(1)
+        x = torch.randn(*shape, generator=g) * 3 + 2   # a mean far from zero tests the statistics' precision
+        target = torch.randn(*shape, generator=g)
+        opt = torch.optim.SGD([p for p in model.parameters()] or [nn.Parameter(torch.zeros(1))], lr=0.1)
+        return Workload(model, opt, lambda m, a, t: (m(a) * t).sum(), (x.requires_grad_(False), target), "bn", "bn")
+    return _capture64(build)
+
+
+# (module, input shape, strategy of the batch norm nodes on a 2x2 mesh)
+_CASES = [
+    ("2d", lambda: nn.BatchNorm2d(4), (8, 4, 6, 6), ("n", None)),
+    ("2d", lambda: nn.BatchNorm2d(4), (8, 4, 6, 6), ("n", "n")),
+    ("2d", lambda: nn.BatchNorm2d(4), (8, 4, 6, 6), ("n", "c")),
+    ("2d", lambda: nn.BatchNorm2d(4), (8, 4, 6, 6), ("c", "n")),
+    ("2d", lambda: nn.BatchNorm2d(4), (8, 4, 6, 6), ("n", "h0")),
+    ("2d", lambda: nn.BatchNorm2d(4), (8, 4, 6, 6), ("h1", "h0")),
+    ("1d", lambda: nn.BatchNorm1d(6), (8, 6), ("n", "c")),
+    ("1d-seq", lambda: nn.BatchNorm1d(6, momentum=0.3), (4, 6, 10), ("n", "h0")),
+    ("no-affine", lambda: nn.BatchNorm2d(4, affine=False), (8, 4, 6, 6), ("n", "h0")),
+    ("no-stats", lambda: nn.BatchNorm2d(4, track_running_stats=False), (8, 4, 6, 6), ("n", "n")),
+    ("3d", lambda: nn.BatchNorm3d(2), (4, 2, 4, 2, 2), ("n", "h2")),
+    ("input", lambda: nn.BatchNorm2d(4), (8, 4, 6, 6), ("n", "h0")),   # no input gradient
+]
+
+
+@pytest.mark.parametrize("kind,make,shape,strategy", _CASES, ids=[f"{c[0]}-{'-'.join(map(str, c[3]))}" for c in _CASES])
+def test_batch_norm_split_matches_one_device_per_op(kind, make, shape, strategy):
+    """Forward and backward batch norm with the batch, spatial or channel dims split: every output of
+    every node (assembled from all ranks, replicas equal) equals one device at 1e-12."""
+    cap = _single_bn(make, shape, scaled=kind != "input")
+    g = cap.graph
+    plan = preset_plan(g, parse_strategy("dp=2,tp=2"))
+    bn = [n for n in g.nodes if n.op in _BN or n.op == _BN_BACKWARD]
+    assert len(bn) == 2
+    for n in bn:
+        plan.strategies[n.name] = strategy
+    rp = resolve(g, plan)
+    assert first_divergence(rp, cap.initial_state(), tuple(cap.workload.batch), rtol=1e-12, atol=1e-12) is None
+    if "n" in strategy:   # a split batch: the statistics are all-reduced (one forward, one backward)
+        stats = [x for x in lower_rank(rp, 0).module.graph.nodes if x.target is redistribute]
+        assert len([x for x in stats if x.args[1] == "AllReduce"]) >= 2
+
+
+def test_eval_mode_batch_norm_splits_the_batch_without_communication():
+    cap = _single_bn(lambda: nn.BatchNorm2d(4), (8, 4, 6, 6), eval_mode=True)
+    g = cap.graph
+    forward = [n for n in g.nodes if n.op in _BN]
+    assert len(forward) == 1 and not bn_training(call_of(g, forward[0]))
+    plan = preset_plan(g, parse_strategy("dp=2,tp=2"))
+    for n in g.nodes:
+        if n.op in _BN or n.op == _BN_BACKWARD:
+            plan.strategies[n.name] = ("n", "h0")
+    rp = resolve(g, plan)
+    assert first_divergence(rp, cap.initial_state(), tuple(cap.workload.batch), rtol=1e-12, atol=1e-12) is None
+    bn_nodes = {lower_rank(rp, 0).value_nodes[v] for n in g.nodes if n.op in _BN for v in n.outputs if v is not None}
+    prog = lower_rank(rp, 0).module.graph
+    for x in prog.nodes:   # nothing communicated before the forward batch norm's output
+        if x.name in bn_nodes:
+            break
+        assert x.target is not redistribute or x.args[1] in _LOCAL_STEPS, x.args
+
+
+# -- whole models -------------------------------------------------------------------------------------
+_MODELS = {"resnet": "resnet.py", "unet-bn": "unet.py:batchnorm"}
+_CAPTURED = {}
+
+
+def _model(name):
+    if name not in _CAPTURED:
+        _CAPTURED[name] = _capture64(lambda: load_workload(str(ROOT / "examples" / _MODELS[name])))
+    return _CAPTURED[name]
+
+
+@pytest.mark.parametrize("preset", ["dp=4", "dp=2,tp=2", "dp=4,zero=3"])
+@pytest.mark.parametrize("name", sorted(_MODELS))
+def test_batchnorm_cnns_under_presets_equal_one_device_in_float64(name, preset):
+    """Every rank's losses and state shards (parameters, running statistics, optimizer state) against
+    single-device training at 1e-9; the cost model's per-rank memory within 5% of the measured peak."""
+    cap = _model(name)
+    plan = preset_plan(cap.graph, parse_strategy(preset))
+    r, res = simulate_plan(cap, plan)
+    assert r.ok, r.first_mismatch
+    assert r.max_abs_diff < 1e-9
+    rp = resolve(cap.graph, plan)
+    for rank, measured in enumerate(res["peaks"]):
+        assert estimate_memory(cap.graph, rp, rank).peak == pytest.approx(measured, rel=0.05)
+
+
+@pytest.mark.parametrize("name", sorted(_MODELS))
+def test_data_parallel_batchnorm_cnn_gathers_no_activation(name):
+    """dp=4 splits every layer: the only collectives are all-reduces, of parameter gradients and of
+    batch norm statistics ([2, C], one forward and one backward per batch norm)."""
+    cap = _model(name)
+    g = cap.graph
+    rp = resolve(g, preset_plan(g, parse_strategy("dp=4")))
+    for n in g.nodes:
+        if n.op in _BN or n.op == "aten.convolution.default":
+            assert rp.plan.strategies[n.name] == ("n",), n.name
+    prog = lower_rank(rp, 0)
+    kinds = [x.args[1] for x in prog.module.graph.nodes if x.target is redistribute]
+    assert set(kinds) == {"AllReduce"}, kinds
+    n_bn = sum(n.op in _BN for n in g.nodes)
+    n_params = len(cap.param_names)
+    assert n_bn > 0
+    # statistics: 2 per batch norm; gradients: at most one per parameter (batch norm weight and bias
+    # gradients come out of the statistics all-reduce already summed); the loss: its nll mean
+    assert 2 * n_bn <= len(kinds) <= 2 * n_bn + n_params + 2
+    assert len(kinds) < 2 * n_bn + n_params
+
+
+def test_cost_model_prices_two_statistics_all_reduces_per_batch_norm():
+    """The lowering emits one [2, C] all-reduce per batch norm forward and backward; the cost model
+    prices exactly those nodes, each at one all-reduce of 2 * C values."""
+    cap = _model("resnet")
+    g = cap.graph
+    cluster = parse_cluster("8xA100-80G")
+    rp = resolve(g, preset_plan(g, parse_strategy("dp=8")))
+    links = axis_links(cluster, rp.plan.mesh)
+    st = step_time(rp, cluster.device, links)
+    prog = lower_rank(rp, 0)
+    stacked = {x for x in prog.module.graph.nodes if x.target is torch.ops.aten.stack.default}
+    stats = [x for x in prog.module.graph.nodes if x.target is redistribute and x.args[1] == "AllReduce"
+             and (x.args[0] in stacked or x.args[0].args[0] in stacked)]
+    bn = [n for n in g.nodes if n.op in _BN or n.op == _BN_BACKWARD]
+    assert len(stats) == len(bn) == 16
+    costs = {c.name: c for c in st.nodes}
+    for n in bn:
+        channels = g.types[n.input_refs()[0].id].shape[1]
+        want = step_seconds(AllReduce(0, ReduceOp.SUM), 2 * channels * 8, rp.plan.mesh, links)
+        assert costs[n.name].comm == pytest.approx(want), n.name
+    priced = sum(1 for c in st.nodes if c.comm > 0 and c.kind == "")   # custom all-reduces only
+    assert priced == len(bn)
+    assert st.collectives["AllReduce"] >= len(bn) + len(cap.param_names) - 2 * 8   # BN weight/bias: no gradient all-reduce
