@@ -9,6 +9,8 @@ from conftest import ROOT
 from rhino.capture import capture, load_workload
 from rhino.check import check_captured
 from rhino.cost.cluster import parse_cluster
+from rhino.cost.memory import estimate_memory
+from rhino.sharding.plan import resolve
 from rhino.sharding.placement import Shard, local_shape
 from rhino.sharding.presets import parse_strategy, preset_plan
 
@@ -90,3 +92,70 @@ def test_search_shards_autocast_weights():
     assert len(big) == 5
     for n in big:
         assert any(isinstance(p, Shard) for p in res.plan.inputs[n]), (n, res.plan.inputs[n])
+
+
+@pytest.mark.parametrize("spec,strategy", [
+    ("examples/gpt.py:gpt_autocast", "dp=2,tp=2"), ("examples/gpt.py:gpt_autocast", "dp=4,zero=3"),
+    ("tests/workloads/mixed_precision.py:mlp_autocast", "tp=4"),
+    ("tests/workloads/mixed_precision.py:mlp_bf16_adamw", "dp=2,tp=2"),
+])
+def test_sharded_autocast_matches_single_device_within_bf16_tolerance(spec, strategy):
+    """Every rank's loss and state shards after 2 steps against single-device autocast (or bf16) training, at
+    ``bf16_tolerance(4)`` (in-process lockstep simulation of the ranks' real programs)."""
+    from rhino.runtime.compare import bf16_tolerance, tolerance_for
+    from rhino.runtime.exact import simulate_plan
+    cap = captured(str(ROOT / spec))
+    assert tolerance_for(cap, 4) == bf16_tolerance(4)
+    assert bf16_tolerance(4).rtol == 16 * 2.0 ** -8 and bf16_tolerance(4).normwise
+    plan = preset_plan(cap.graph, parse_strategy(strategy))
+    r, res = simulate_plan(cap, plan)
+    assert r.ok, r.first_mismatch
+    assert r.max_abs_diff > 0  # bf16 rounding differs between the sharded and the single-device step
+    # the memory model counts fp32 master weights and state and bf16 activations and casts as they live
+    rp = resolve(cap.graph, plan)
+    for rank, measured in enumerate(res["peaks"]):
+        assert estimate_memory(cap.graph, rp, rank).peak == pytest.approx(measured, rel=0.05), rank
+
+
+def test_cost_model_prices_bf16_gemms_and_memory_bound_casts():
+    """Under autocast every matmul reads bf16 tensors and runs at the bf16 tensor-core rate; each cast is
+    memory-bound, charged the bytes it reads (fp32) and writes (bf16)."""
+    from rhino.cost.compute import op_time, peak_dtype
+    from rhino.cost.devices import get_device
+    from rhino.ir.registry import OpKind, call_of, lookup
+    cap = captured(f"{MP}:big_autocast")
+    dev = get_device("A100-80G")
+    matmuls = casts = 0
+    for node in cap.graph.nodes:
+        d = lookup(node.op)
+        call = call_of(cap.graph, node)
+        if d is not None and d.kind is OpKind.MATMUL:
+            matmuls += 1
+            assert peak_dtype(call, dev) == "bf16", node.name
+        if node.op == "aten._to_copy.default" and call.in_types[0].numel >= 2 ** 20:
+            casts += 1
+            t = op_time(call, dev)
+            assert t.bound == "memory" and t.flops <= call.in_types[0].numel, node.name
+            assert t.bytes == call.in_types[0].nbytes + call.out_types[0].nbytes, node.name
+    assert matmuls >= 15 and casts >= 10
+
+
+def test_bf16_tolerance_catches_ranks_training_on_wrong_data():
+    """The bf16 comparison is not vacuous: ranks that train on other rows than their share of the batch (as
+    if their gradients were never all-reduced with the right data) fail it."""
+    import torch
+    from rhino.lower.simulate_spmd import simulate_training
+    from rhino.lower.spmd import lower_rank
+    from rhino.runtime.run import bytes_by_role, compare_results
+    from rhino.sharding.plan import resolve
+    cap = captured(f"{MP}:mlp_autocast")
+    rp = resolve(cap.graph, preset_plan(cap.graph, parse_strategy("dp=4")))
+    x, y = cap.workload.batch
+    g = torch.Generator().manual_seed(7)
+    wrong = (torch.cat([x[:4], torch.randn(4, x.shape[1], generator=g)]), y)
+    state = cap.initial_state()
+    res = simulate_training(rp, state, wrong, 2)
+    results = {r: {"losses": res["rank_losses"][r], "local": res["local"][r],
+                   "held": bytes_by_role(cap.graph, res["local"][r])} for r in range(4)}
+    out = compare_results(cap, rp, lower_rank(rp, 0), results, 2, 0.0)
+    assert not out.ok and "differs" in out.first_mismatch

@@ -128,7 +128,7 @@ def compare_results(cap: Captured, rp: ResolvedPlan, prog0, results: dict[int, d
     """A ``RunResult`` from the ranks' results (rank -> {"losses", "local", ...}; under torchrun only this
     rank's): every given rank's losses and state shards against single-device training."""
     plan = rp.plan
-    tol = tol or tolerance_for(cap)
+    tol = tol or tolerance_for(cap, plan.mesh.world)
     ref = reference_run(cap, steps)
     ranks = sorted(results)
     first = results[ranks[0]]

@@ -58,6 +58,10 @@ class Propagator:
     # default replicated): a ZeRO-3 parameter is stored split and all-gathered before use. The plan
     # records the stored sharding; the updated state is brought back to it.
     at_rest: dict[str, Sharding] = field(default_factory=dict)
+    # rule ``reduce_before_widening``: a Partial input of an op whose output is of a wider dtype is reduced
+    # before it, not passed through (under autocast the row-parallel matmul's bf16 output is all-reduced,
+    # as Megatron-LM does, instead of the fp32 sum it is added to: half the bytes); see ``_widens``
+    reduce_before_widening: bool = True
 
     def __post_init__(self) -> None:
         self.actual: dict[int, Sharding] = {}
@@ -72,6 +76,7 @@ class Propagator:
         self.output_state = {o.value: o.name for o in self.graph.outputs if o.role in STATE_ROLES}
         self.users = self.graph.users()
         self._ns_cache: dict[tuple, object] = {}   # (call signature, strategy) -> NodeShardings | error
+        self._to_optimizer = self._optimizer_bound()
 
     # -- public ---------------------------------------------------------------------------
     def run(self) -> ShardingPlan:
@@ -108,6 +113,33 @@ class Propagator:
         return lz.input_name if self.state_input.get(lz.input_name) and \
             self.state_input[lz.input_name].role is Role.PARAM else None
 
+    def _widens(self, node: Node, partial_refs: list[Ref]) -> bool:
+        """Whether ``node``'s output is of a wider dtype than one of its Partial inputs (a bf16 matmul result
+        added to an fp32 residual stream under autocast, or cast to fp32), unless the node forms a parameter's
+        gradient (``_optimizer_bound``): that is reduced in its wider type, as DDP reduces fp32 ``.grad``."""
+        outs = [v for v in node.outputs if v is not None]
+        if not outs:
+            return False
+        wide = max(self.graph.types[v].dtype.itemsize for v in outs)
+        if not any(self.graph.types[r.id].dtype.itemsize < wide for r in partial_refs):
+            return False
+        return node.name not in self._to_optimizer
+
+    def _optimizer_bound(self) -> set[str]:
+        """Names of the optimizer nodes (they read optimizer state or make new state) and of the element-wise
+        ops and views whose every user is one of them (the casts and sums that form a parameter's gradient)."""
+        opt_in = {i.value for i in self.graph.inputs if i.role is Role.OPT_STATE}
+        out = {n.name for n in self.graph.nodes
+               if any(r.id in opt_in for r in n.input_refs()) or any(v in self.output_state for v in n.outputs)}
+        for n in reversed(self.graph.nodes):
+            d = lookup(n.op)
+            if n.name in out or d is None or d.kind not in (OpKind.ELEMENTWISE, OpKind.VIEW):
+                continue
+            users = [u for v in n.outputs if v is not None for u in self.users.get(v, [])]
+            if users and all(u.name in out for u in users):
+                out.add(n.name)
+        return out
+
     # -- deciding a node ------------------------------------------------------------------
     def _options(self, node: Node, ann, sizes, axis: int) -> list:
         n = self.mesh.sizes[axis]
@@ -124,7 +156,7 @@ class Propagator:
         opts += self._strided_options(refs, ann, sizes, axis, letters)
         partial_at = [k for k, r in enumerate(refs)
                       if r.id in self.actual and isinstance(self.actual[r.id][axis], Partial)]
-        if partial_at:
+        if partial_at and not (self.reduce_before_widening and self._widens(node, [refs[k] for k in partial_at])):
             opdef = lookup(node.op)
             for group in partial_inputs(node.op, opdef is not None and opdef.kind is OpKind.VIEW, len(refs),
                                         node.args, node.kwargs, self.graph.types[refs[0].id].dtype):
