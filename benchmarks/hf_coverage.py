@@ -28,7 +28,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 PRESETS = ("dp=2,tp=2", "dp=4,zero=3")
 CLUSTER = "8xA100-80G"
-COMMAND = "python benchmarks/hf_coverage.py --out /tmp/hf.json && python benchmarks/hf_coverage.py --table /tmp/hf.json"
+COMMAND = ("python benchmarks/hf_coverage.py --time-limit 20 --out /tmp/hf.json && "
+           "python benchmarks/hf_coverage.py --table /tmp/hf.json")
 
 
 def _plan(name: str, level: str, limit: float) -> dict:
@@ -78,8 +79,8 @@ def table(rows: list[dict]) -> str:
            "float64, 2 steps, vs eager PyTorch. *dp=2,tp=2* / *dp=4,zero=3*: 2 sharded steps in float64, every",
            "rank's program run in one process in lockstep, every rank's loss and every rank's shard of every",
            "parameter and optimizer-state tensor compared with eager PyTorch (tolerance 1e-9; the cell gives",
-           f"the largest absolute difference). *plan*: `rhino plan` on `{CLUSTER}` (O1, presets compared) for",
-           "the float32 workload: mesh, predicted step time.",
+           f"the largest absolute difference). *plan*: `rhino plan` on `{CLUSTER}` (O1, 20 s limit, presets",
+           "compared) for the float32 workload: mesh, predicted step time.",
            "",
            f"    {COMMAND}",
            "",
