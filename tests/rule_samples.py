@@ -122,6 +122,11 @@ def samples() -> list[tuple[str, tuple, dict]]:
     add("sum.default", x3)
     add("sum.dim_IntList", x3, [1, 2])
     add("sum.dim_IntList", x3, [0], True)
+    add("sum.dim_IntList", x3, [])
+    add("sum.dim_IntList", b3, [2])  # a count: bool in, int64 partial sums out
+    add("sum.default", ints(8, 4, 8))
+    add("mean.dim", x3, [-1, -3], True, dtype=F)
+    add("var.correction", x3, None, correction=0)
     add("mean.default", x3)
     add("mean.dim", x3, [0, 2])
     add("mean.dim", x3, [2], True)
@@ -212,6 +217,7 @@ def samples() -> list[tuple[str, tuple, dict]]:
     add("embedding.default", emb, tok)
     add("embedding_dense_backward.default", r(4, 2, 4), tok, 8, -1, False)
     add("embedding_dense_backward.default", r(4, 2, 4), tok, 8, 3, False)
+    add("embedding_dense_backward.default", r(4, 2, 4), tok, 8, -1, True)  # scaled by global counts
     add("gather.default", x, 1, ints(8, 4, 8))
     add("gather.default", x, 0, ints(4, 2, 8))
     pi = perm_index((4, 8), 1)
@@ -263,6 +269,8 @@ def samples() -> list[tuple[str, tuple, dict]]:
     add("convolution.default", xc, wc, r(4), [1, 1], [1, 1], [1, 1], False, [0, 0], 1)
     add("convolution.default", xc, r(4, 2, 3, 3), None, [1, 1], [1, 1], [1, 1], False, [0, 0], 2)
     add("convolution.default", xc, r(4, 2, 2, 2), r(2), [2, 2], [0, 0], [1, 1], True, [0, 0], 1)
+    add("convolution.default", r(2, 4, 8), r(8, 4, 3), r(8), [2], [1], [1], False, [0], 1)
+    add("convolution.default", xc, r(4, 4, 3, 3), None, [2, 2], [1, 1], [1, 1], True, [1, 1], 1)
     add("convolution_backward.default", r(2, 4, 4, 4), xc, wc, [4], [1, 1], [1, 1], [1, 1], False, [0, 0], 1,
         [True, True, True])
     add("convolution_backward.default", r(2, 4, 4, 4), xc, r(4, 2, 3, 3), None, [1, 1], [1, 1], [1, 1], False,
@@ -271,6 +279,7 @@ def samples() -> list[tuple[str, tuple, dict]]:
     sdpa = "_scaled_dot_product_flash_attention_for_cpu"
     add(f"{sdpa}.default", q, k, v, 0.0, False)
     add(f"{sdpa}.default", q, k, v, 0.0, False, attn_mask=r(4, 8))
+    add(f"{sdpa}.default", q, r(2, 4, 4, 2), r(2, 4, 4, 2), 0.0, True, scale=0.3)
     add(f"{sdpa}.default", q, r(2, 2, 8, 2), r(2, 2, 8, 2), 0.0, False)  # grouped-query
     out_, lse = aten._scaled_dot_product_flash_attention_for_cpu.default(q, k, v, 0.0, False)
     add(f"{sdpa}_backward.default", r(2, 4, 4, 2), q, k, v, out_, lse, 0.0, False)
@@ -290,6 +299,10 @@ def samples() -> list[tuple[str, tuple, dict]]:
         add("mse_loss.default", x3, r(4, 2, 8), red)
         o = aten.mse_loss.default(x3, r(4, 2, 8), red)
         add("mse_loss_backward.default", r(*o.shape), x3, r(4, 2, 8), red)
+
+    add("nll_loss_forward.default", logp[0], tgt[0], wt, 1, -100)  # one row, no batch dim
+    o, total = aten.nll_loss_forward.default(logp[0], tgt[0], wt, 1, -100)
+    add("nll_loss_backward.default", r(), logp[0], tgt[0], wt, 1, -100, total)
 
     # views and data movement
     add("view.default", x3, [8, 8])

@@ -198,3 +198,49 @@ def test_cost_model_prices_two_statistics_all_reduces_per_batch_norm():
     priced = sum(1 for c in st.nodes if c.comm > 0 and c.kind == "")   # custom all-reduces only
     assert priced == len(bn)
     assert st.collectives["AllReduce"] >= len(bn) + len(cap.param_names) - 2 * 8   # BN weight/bias: no gradient all-reduce
+
+
+# -- search ---------------------------------------------------------------------------------------------
+def _bn_unet_64():
+    """The BatchNorm U-Net at batch 64 (64x64 images) on the meta device: compute dominates the per-step
+    all-reduces, so data parallelism is the fastest plan."""
+    import sys
+    sys.path.insert(0, str(ROOT / "examples"))
+    import unet
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        return capture(Workload(*unet.batchnorm(batch=64, image=64, width=16, device="meta"), "unet-bn", "unet-bn")).graph
+
+
+def _non_data_parallel(graph, plan):
+    """Forward convolutions and batch norms whose batch is not split on every mesh axis."""
+    rp = resolve(graph, plan)
+    bad = []
+    for n in graph.nodes:
+        if n.op == "aten.convolution.default" or n.op in _BN:
+            x = rp.node[n.name].inputs[0]
+            if [getattr(p, "dim", None) for p in x] != [0] * plan.mesh.ndim:
+                bad.append((n.name, plan.strategies.get(n.name)))
+    return bad
+
+
+@pytest.mark.parametrize("level", ["O1", "O2"])
+def test_search_returns_data_parallelism_for_a_batchnorm_unet_on_8_gpus(level):
+    """Issue #13: with batch norm splittable, ``rhino plan`` on 8xA100-80G splits every convolution's
+    and batch norm's batch on every mesh axis; at O1 the search itself finds it (rule ``dp_follow``:
+    without it the greedy starts leave data parallelism at the first batch norm)."""
+    from rhino.cli.cmd_plan import plan_workload
+    from rhino.search import Level, SearchOptions, search
+    from rhino.search.report import axis_roles
+    g = _bn_unet_64()
+    cluster = parse_cluster("8xA100-80G")
+    plan, report = plan_workload(g, cluster, level=level, time_limit=8 if level == "O1" else 15)
+    assert _non_data_parallel(g, plan) == []
+    roles = axis_roles(resolve(g, plan))
+    assert all("data parallel" in x and "tensor parallel" not in x for x in roles), roles
+    d = report.to_dict()
+    assert d["source"] == "search"   # the searched plan, not a preset that priced faster
+    if level == "O1":
+        off = search(g, cluster, SearchOptions(level=Level.O1, time_limit=8, dp_follow=False))
+        assert _non_data_parallel(g, off.plan) != []
+        assert off.estimate.step_seconds > d["step_seconds"]

@@ -358,7 +358,11 @@ def embedding_rule(call: OpCall) -> Annotation:
 
 def embedding_backward_rule(call: OpCall) -> Annotation:
     """embedding_dense_backward(grad [*, d], indices [*], num_weights, padding_idx, scale); a split
-    vocabulary keeps the gradient rows of each rank's slice (custom lowering)."""
+    vocabulary keeps the gradient rows of each rank's slice (custom lowering); with ``scale_grad_by_freq``
+    the counts of each index are global, so the index dims and the vocabulary stay whole."""
+    if call.arg(4, "scale_grad_by_freq", False):  # scaled by global index counts: only ``d`` may split
+        ann = parse("*^ d, *^ -> v^ d", call.ranks, sizes={"v": call.args[2]})
+        return Annotation(ann.inputs, ann.outputs, fixed=ann.fixed, sizes=ann.sizes)
     ann = parse("*+ d, *+ -> v d", call.ranks, sizes={"v": call.args[2]})
     return Annotation(ann.inputs, ann.outputs, reduced=ann.reduced, sizes=ann.sizes, custom=frozenset({"v"}))
 

@@ -8,6 +8,8 @@
 - **O2**: O1's plan, then rounds of axis-wise descent (``descent``: CP-SAT on one axis at a time)
   until a round changes nothing, then the joint ILP over all axes at once (``ilp.solve_ilp``), hinted
   with the descent's plan and given what is left of the budget; a solution is kept only if better.
+- Both also return the data-parallel split followed through the graph (``segments``,
+  rule ``dp_follow``), which the outer search prices exactly beside the answer.
 
 Both return the model's view of the result; the caller prices the plan exactly (``cost.estimate``).
 """
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 
 from .descent import Descent, descend, score
 from .ilp import solve_ilp
-from .segments import solve_o1
+from .segments import followed_data_parallel, solve_o1
 from .options import Level, SearchOptions
 from .problem import Problem
 
@@ -43,6 +45,7 @@ class LevelResult:
     status: str
     steps: list[dict] = field(default_factory=list)
     o1_choice: list[int] = field(default_factory=list)   # O1's answer (O2 starts from it)
+    followed: list[int] | None = None   # data parallel, followed (``segments``): priced beside the answer
 
 
 def refine_o1(p: Problem, choice: list[int], options: SearchOptions, *, deadline: float,
@@ -89,4 +92,4 @@ def solve_problem(p: Problem, options: SearchOptions, *, deadline: float, start:
             if j.choice and score(p, j.choice) < score(p, choice):
                 choice, status = j.choice, "O2 joint"
     over, obj = score(p, choice)
-    return LevelResult(choice, obj, int(over), status, steps, o1_choice)
+    return LevelResult(choice, obj, int(over), status, steps, o1_choice, followed_data_parallel(p, options))

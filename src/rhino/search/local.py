@@ -175,12 +175,15 @@ def _is_rep(x) -> bool:
     return type(x).__name__ == "Replicate"
 
 
-def propagate(p: Problem, seed: list[int], frozen: list[int], order: list[int]) -> list[int]:
+def propagate(p: Problem, seed: list[int], frozen: list[int], order: list[int], follow: bool = False) -> list[int]:
     """Greedy propagation (one pass): classes in ``order`` each take the candidate that is cheapest
     given the classes already visited -- their own time plus the redistributions on values shared
     with visited classes -- ignoring the classes not visited yet (they adapt when their turn comes).
     Graph inputs other than the batch are visited lazily, after their first consumer, so a weight
-    takes the sharding its matmul wants. Memory is ignored (``local_search`` repairs it)."""
+    takes the sharding its matmul wants. Memory is ignored (``local_search`` repairs it).
+    ``follow``: the redistributions first, then the time (lexicographically), counting a value's
+    redistributions for the uses placed so far as soon as its producer is placed: each class takes its
+    inputs as they arrive wherever a candidate can, so the seed's splits propagate as far as they go."""
     choice = list(seed)
     visited = set(frozen)
     consumers: dict[int, set[int]] = {}
@@ -212,31 +215,35 @@ def propagate(p: Problem, seed: list[int], frozen: list[int], order: list[int]) 
         best_c, best = choice[k], None
         for c in range(p.n_cands[k]):
             f, bw, o = p.compute[k][c]
-            cost = m * (f + bw + o + sum(p.comm[k][c].values()))
+            own = m * (f + bw + o + sum(p.comm[k][c].values()))
+            cost = 0.0
             choice[k] = c
             for i in inc[k]:
                 term = p.terms[i]
                 involved = {term.producer} | {uc for uc, _ in term.uses}
-                if all(j == k or j in visited for j in involved):
+                # following: a value is priced as soon as its producer is placed, for the uses placed
+                if (term.producer == k or term.producer in visited) if follow else \
+                        all(j == k or j in visited for j in involved):
                     sig = term.sigma[choice[term.producer]]
                     taus = set(term.fixed)
                     for uc, need in term.uses:
                         if uc == k or uc in visited:
                             taus.update(need[choice[uc]])
                     cost += term.mult * sum(term.cost[sig][t] for t in taus)
-            if best is None or cost < best:
-                best_c, best = c, cost
+            key = (cost, own) if follow else (cost + own, 0.0)
+            if best is None or key < best:
+                best_c, best = c, key
         choice[k] = best_c
         visited.add(k)
     return choice
 
 
-def local_search(p: Problem, start: list[int], order: list[int] | None = None, frozen: list[int] = ()
-                 ) -> tuple[list[int], tuple[float, float]]:
-    """``propagate`` from ``start`` (the ``frozen`` classes kept), then ``improve`` for time alone, then
-    for (memory over capacity, time)."""
+def local_search(p: Problem, start: list[int], order: list[int] | None = None, frozen: list[int] = (),
+                 follow: bool = False) -> tuple[list[int], tuple[float, float]]:
+    """``propagate`` from ``start`` (the ``frozen`` classes kept; ``follow`` as there), then ``improve``
+    for time alone, then for (memory over capacity, time)."""
     order = order if order is not None else list(range(len(p.n_cands)))
-    choice = propagate(p, start, list(frozen), order)
+    choice = propagate(p, start, list(frozen), order, follow)
     choice, sc = improve(p, choice, order=order, ignore_memory=True)
     ev = Evaluator(p, choice)
     if ev.score()[0] <= 0:

@@ -68,6 +68,10 @@ class SearchOptions:
     #: Data parallel first: when the data-parallel plan fits on a mesh axis that spans nodes, that axis
     #: stays data parallel (batch splits, optionally sharded optimizer state) and only the others are searched.
     dp_first: bool = True
+    #: Data parallel, followed: the batch split propagated taking every value as it arrives where a
+    #: candidate can (redistribution first, then time), improved, and priced beside the solver's plan
+    #: on every mesh that is priced; the faster is kept (``segments``, ``outer``).
+    dp_follow: bool = True
 
     # -- outer search ----------------------------------------------------------------------------
     #: O1 prices (with the cost model) only the meshes its model ranks best, this many.

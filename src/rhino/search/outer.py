@@ -21,7 +21,9 @@
    and kept when it is better (fits, then step time). A round at a time rather than all at once: the
    mesh that prices best before the descent is often not the best after it. With the rule off, each
    mesh descends as it is solved, on an even share of the budget.
-5. The fastest plan that fits wins. Expert presets (``experts.preset_grid``) are scored separately
+5. Rule ``dp_follow``: each priced mesh's data-parallel split followed through the graph
+   (``segments.followed_data_parallel``) replaces the mesh's plan when it prices faster.
+6. The fastest plan that fits wins. Expert presets (``experts.preset_grid``) are scored separately
    for comparison (``rhino plan`` returns a preset instead when one is faster, and says so). When
    nothing fits, ``NoPlanFits`` names the best candidate's memory split and the smallest cluster or
    batch that would fit.
@@ -83,6 +85,7 @@ class Candidate:
     pricer: Callable | None = field(default=None, repr=False)
     finish: Callable | None = field(default=None, repr=False)   # price it (and refit memory)
     refine: Callable | None = field(default=None, repr=False)   # O1's descent, given a deadline (step 4)
+    alternative: tuple | None = field(default=None, repr=False)  # (plan, Estimate): data parallel, followed
 
     def price(self) -> Estimate:
         """The cost model's estimate of the plan (computed once)."""
@@ -178,6 +181,12 @@ def search_mesh(graph: Graph, cluster: Cluster, mesh: Mesh, options: SearchOptio
                 est = alt
                 cand.status = "O1 (kept: priced faster than the O2 refinement)"
                 sol.choice = sol.o1_choice
+        if sol.followed and sol.followed != sol.choice and memory_over(p, sol.followed) <= 0:
+            # rule dp_follow: the data-parallel split followed through the graph, priced now and kept at
+            # the end if it prices faster than what the solver and the refinement found (``search``)
+            dp = b.assemble(sol.followed, f"search {options.level.value} mesh {mesh}")
+            dp.meta.update(meta)
+            cand.alternative = (dp, cand.pricer(dp))
         rounds = 0
         while not est.fits and rounds < options.memory_rounds and sol.choice:
             rounds += 1
@@ -259,6 +268,7 @@ def search(graph: Graph, cluster: Cluster, options: SearchOptions = SearchOption
     if options.recompute == "auto" and not any(c.fits for c in cands):
         cands += _run(graph, cluster, meshes, options, cones, base, fingerprint, "full", t0, say, shared)
     _refine_best_first(cands, options, t0)
+    _keep_alternatives(cands)
     fitting = [c for c in cands if c.fits]
     seconds = time.perf_counter() - t0
     if not fitting:
@@ -300,6 +310,14 @@ def _refine_best_first(cands: list[Candidate], options: SearchOptions, t0: float
         entry[1] += 1
         if not entry[0].refine(t0 + limit) or entry[1] >= O1_ROUNDS:
             active.remove(entry)
+
+
+def _keep_alternatives(cands: list[Candidate]) -> None:
+    """Rule ``dp_follow``: a candidate's followed data-parallel plan replaces its plan if it prices better."""
+    for c in cands:
+        if c.alternative is not None and c.estimate is not None and _better(c.alternative[1], c.estimate):
+            c.keep(*c.alternative)
+            c.status = "data parallel, followed (priced faster than the solver's plan)"
 
 
 def _peak(c: Candidate) -> float:

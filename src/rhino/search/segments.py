@@ -21,16 +21,23 @@ multiply the starts.
 **Rules.** Repeated layers: one set of classes per layer kind (``tie_layers``). Data parallel first
 (``dp_first``): one more start splits the batch over every axis it divides and propagates that;
 when it fits, it is usually what the boundary states compete against. The best of all starts wins.
+
+**Data parallel, followed** (``dp_follow``, ``followed_data_parallel``): the batch split propagated
+keeping every value as it arrives wherever a candidate can (``local.propagate(follow=True)``), as it
+is (not improved: the point is the pure data-parallel plan). Not a start that competes on the model's score: the outer search prices it exactly beside
+the winner and keeps the faster (``outer.search_mesh``). It keeps pure data parallelism in view where
+one layer's own cost (a batch norm's statistics all-reduce) makes the greedy step leave it for a
+split whose gathers come later.
 """
 from __future__ import annotations
 
 from ..ir.graph import Graph
 from .coarsen import ConeKind, Cones
-from .local import local_search, seed_data_parallel
+from .local import local_search, propagate, seed_data_parallel
 from .options import SearchOptions
 from .problem import Problem
 
-__all__ = ["critical_classes", "solve_o1"]
+__all__ = ["critical_classes", "solve_o1", "followed_data_parallel"]
 
 
 def critical_classes(graph: Graph, cones: Cones, boundary: int) -> list[int]:
@@ -99,3 +106,13 @@ def solve_o1(p: Problem, options: SearchOptions, critical: list[int], start: lis
         if best is None or sc < best[1]:
             best = (choice, sc, name)
     return best
+
+
+def followed_data_parallel(p: Problem, options: SearchOptions) -> list[int] | None:
+    """The data-parallel split followed through the graph (module docstring); None when
+    the rule is off or there is no batch."""
+    if not (options.dp_first and options.dp_follow and p.batch_classes):
+        return None
+    order = sorted(range(len(p.n_cands)), key=lambda k: p.positions[k] if p.positions else k)
+    seed = seed_data_parallel(p, p.batch_classes, p.axis_keys)
+    return propagate(p, seed, list(p.batch_classes), order, follow=True)

@@ -155,7 +155,7 @@ class Propagator:
         if partial_at and not (self.reduce_before_widening and self._widens(node, [refs[k] for k in partial_at])):
             opdef = lookup(node.op)
             for group in partial_inputs(node.op, opdef is not None and opdef.kind is OpKind.VIEW, len(refs),
-                                        node.args):
+                                        node.args, node.kwargs):
                 # only where the inputs are Partial already: turning a replicated input into a
                 # Partial one would leave a Partial value for later consumers to reduce again
                 if set(partial_at) == set(group):
