@@ -244,3 +244,22 @@ def test_search_returns_data_parallelism_for_a_batchnorm_unet_on_8_gpus(level):
         off = search(g, cluster, SearchOptions(level=Level.O1, time_limit=8, dp_follow=False))
         assert _non_data_parallel(g, off.plan) != []
         assert off.estimate.step_seconds > d["step_seconds"]
+
+
+def test_bfloat16_batch_norm_over_a_split_batch_matches_one_device():
+    """A bf16 model: statistics and per-channel arithmetic in float32 as the kernels do, outputs in the
+    dtypes one device gives; equal within the bf16 tolerance of ``runtime.compare``."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.Conv2d(8, 4, 1))
+    model = model.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 3, 6, 6, generator=g).to(torch.bfloat16)
+    t = torch.randn(8, 4, 6, 6, generator=g).to(torch.bfloat16)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cap = capture(Workload(model, opt, lambda m, a, b: ((m(a) - b) ** 2).mean(), (x, t), "bf16", "bf16"))
+    plan = preset_plan(cap.graph, parse_strategy("dp=4"))
+    assert all(plan.strategies[n.name] == ("n",) for n in cap.graph.nodes if n.op in _BN or n.op == _BN_BACKWARD)
+    r, _ = simulate_plan(cap, plan)
+    assert r.ok, r.first_mismatch

@@ -671,8 +671,11 @@ def test_convolution(a):
     out = call.out_types[0].shape
     assert out[1] == a["out_ch"]
     assert flops_of(call) == _conv_closed_form_flops(a["x"], a["w"], out, a["transposed"], a["groups"])
-    # grouped convs keep channels whole; plain ones sum over input channels
-    assert ann.reduced == ({"c"} if a["groups"] == 1 else frozenset())
+    # plain convs sum over input channels; grouped ones over a group's input channels, which stay whole
+    # (only the group letter may be split)
+    assert ann.reduced == ({"c"} if a["groups"] == 1 else {"cg"})
+    if a["groups"] > 1:
+        assert {"cg", "og"} <= ann.fixed and "g" not in ann.fixed
     mask = [True, True, a["bias"]]
     grad = rand(out)
     call, _ = check("aten.convolution_backward.default", grad, x, w, [a["out_ch"]] if a["bias"] else None,

@@ -159,7 +159,9 @@ def _adam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalar
         bias_correction1 = 1 - torch.pow(beta1, step64)
         bias_correction2 = 1 - torch.pow(beta2, step64)
         step_size = lr / bias_correction1
-        return step, (-step_size).to(_opmath(param.dtype)), bias_correction2.sqrt()
+        # in the parameter's compute type: torch divides by a Python float, which never promotes (a float64
+        # 0-dim tensor would promote a 0-dim parameter such as CLIP's logit_scale to float64)
+        return step, (-step_size).to(_opmath(param.dtype)), bias_correction2.sqrt().to(_opmath(param.dtype))
 
     step, neg_step_size, bias_correction2_sqrt = _cached(
         scalars, ("adam", id(state["step"]), lr, beta1, beta2, param.dtype), bias_corrections)

@@ -6,7 +6,8 @@ model with parameters, buffers and batch as inputs, ``torch.autograd.grad``
 gives the gradients (the same aten backward ops eager autograd runs), and the
 functional optimizer of ``optim.py`` computes the new state. If the trace has
 in-place ops (BatchNorm running statistics, ``relu_``, ...), a second trace
-through ``torch.func.functionalize`` replaces them by pure ops.
+through ``torch.func.functionalize`` replaces them by pure ops. Ops whose fake kernel refuses
+inputs the real kernel accepts trace through the fallbacks of ``fallbacks.py``.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from ..ir.graph import Graph, Role
 from ..ir.verify import verify
 from .amp import autocast_on
+from .fallbacks import fake_fallbacks
 from .optim import ParamUpdate, apply_update, initial_state, plan_updates, state_name
 from .to_ir import fx_to_ir
 from .workload import Workload, WorkloadError
@@ -104,7 +106,7 @@ def capture(workload: Workload, verify_graph: bool = True) -> Captured:
     step = _make_step(wrapper, workload, updates, param_names, frozen_names, buffer_names, opt_names, counts,
                       share)
 
-    with warnings.catch_warnings(), _quiet_logger("torch._subclasses.fake_tensor"):
+    with warnings.catch_warnings(), _quiet_logger("torch._subclasses.fake_tensor"), fake_fallbacks():
         warnings.simplefilter("ignore")
         gm = _trace(step, flat, workload)
         gm = _functionalize(gm, flat)

@@ -22,8 +22,9 @@ The model (what ``estimate_memory`` assumes):
   into a copy (local size under the required sharding), one per value and target sharding as the
   lowering caches them: made just before the first node that needs it (while its source is live),
   freed after the last one (a temporary). A source whose last reader is such a redistribution is
-  freed as soon as the copy exists, before the node runs. Allocator fragmentation, workspaces inside ops and communication buffers are not
-  modelled.
+  freed as soon as the copy exists, before the node runs. A view of a copy aliases the copy: the copy
+  lives to the view's last use. Allocator fragmentation, workspaces inside ops and communication
+  buffers are not modelled.
 
 Categories: the forward/backward boundary is the node producing the loss (following views back to
 the storage they alias). An *optimizer node* reads an optimizer-state input or produces a new state
@@ -164,9 +165,11 @@ def estimate_memory(graph: Graph, resolved_plan=None, rank: int = 0) -> MemoryEs
     # before the first node that needs it, live until the last one; key -> [first, last, bytes]
     copies: dict[tuple, list[int]] = {}
     pre_last: dict[int, int] = {}   # storage -> last node before which it is read to make a copy
+    via_copy: dict[int, tuple] = {}  # a view of a copy (ZeRO-3's transposed gathered weight) -> the copy
     for i, node in enumerate(nodes):
         refs = [r.id for r in node.input_refs()]
         node_refs.append(refs)
+        first_copy = None
         need = resolved_plan.node[node.name].inputs if resolved_plan is not None else None
         rroots = []
         for k, r in enumerate(refs):
@@ -183,12 +186,21 @@ def estimate_memory(graph: Graph, resolved_plan=None, rank: int = 0) -> MemoryEs
                     pre_last[rr] = max(pre_last.get(rr, -1), i)
                 else:
                     c[1] = i
+                if k == 0:
+                    first_copy = (r, req)
+                continue
+            if r in via_copy:  # a view of a copy keeps the copy alive, not its source
+                copies[via_copy[r]][1] = i
+                if k == 0:
+                    first_copy = via_copy[r]
                 continue
             if last[rr] < i:  # state inputs already live to ``end``
                 last[rr] = i
         node_roots.append(rroots)
         base_opt[i] = any(r in opt_inputs for r in refs) or any(v in state_out for v in node.outputs if v is not None)
         view = is_view[i] = _is_view(node.op, view_cache) and bool(rroots)
+        if view and first_copy is not None:
+            via_copy.update({v: first_copy for v in node.outputs if v is not None})
         for v in node.outputs:
             if v is None:
                 continue
@@ -204,6 +216,8 @@ def estimate_memory(graph: Graph, resolved_plan=None, rank: int = 0) -> MemoryEs
         if o.value not in root:
             raise ValueError(f"graph output {o.name} refers to value {o.value}, which no node defines")
         last[root[o.value]] = end
+        if o.value in via_copy:
+            copies[via_copy[o.value]][1] = n - 1
     # a storage whose last reader is a redistribution is freed as soon as the copy exists
     freed_early: dict[int, int] = {}
     for rr, i in pre_last.items():

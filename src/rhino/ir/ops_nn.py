@@ -66,7 +66,9 @@ def _conv_sizes(x: tuple, w: tuple, stride, padding, dilation, transposed, out_p
 def conv_rule(call: OpCall) -> Annotation:
     """convolution(input, weight, bias?, stride, padding, dilation, transposed, output_padding, groups).
 
-    Spatial dims are fixed (no halo exchange); with groups > 1 channels are fixed too.
+    Spatial dims are fixed (no halo exchange). With groups > 1 the channel dims are (g cg) and (g og):
+    only the group letter ``g`` may be split (each rank convolves whole groups; the lowering passes its
+    local group count), so a depthwise convolution splits along channels.
     Weight layout: [O, C/g, k...] (transposed: [C, O/g, k...]).
     """
     x, w = call.shape_of(0), call.shape_of(1)
@@ -80,17 +82,22 @@ def conv_rule(call: OpCall) -> Annotation:
         c, o = "c", "o"
         wspec = [(c,), (o,)] if transposed else [(o,), (c,)]
         fixed = set(sp_in + ks + sp_out)
-    else:  # grouped: channels fixed, weight's channel dims sized separately
-        c, o = "c", "o"
-        wspec = [("wc",), ("wo",)] if transposed else [("wo",), ("wc",)]
-        fixed = set(sp_in + ks + sp_out + ["c", "o", "wc", "wo"])
-        sizes["o"] = out_ch
-    ins = [((("n",), (c,)) + tuple((s,) for s in sp_in)), tuple(wspec) + tuple((k,) for k in ks)]
+    else:  # grouped: whole groups per rank
+        c, o = ("g", "cg"), ("g", "og")
+        wspec = [c, ("og",)] if transposed else [o, ("cg",)]
+        fixed = set(sp_in + ks + sp_out + ["cg", "og"])
+        sizes.update(g=groups, cg=x[1] // groups, og=out_ch // groups)
+    ins = [((("n",), c) + tuple((s,) for s in sp_in)), tuple(_dim(d) for d in wspec) + tuple((k,) for k in ks)]
     if has_bias:
-        ins.append(((o,),))
-    out = (("n",), (o,)) + tuple((s,) for s in sp_out)
-    return Annotation(tuple(ins), (out,), reduced=frozenset({c} if groups == 1 else set()),
+        ins.append((_dim(o),))
+    out = (("n",), _dim(o)) + tuple((s,) for s in sp_out)
+    return Annotation(tuple(ins), (out,), reduced=frozenset({"c"} if groups == 1 else {"cg"}),
                       fixed=frozenset(fixed), sizes=sizes, additive=frozenset({2} if has_bias else set()))
+
+
+def _dim(d) -> tuple:
+    """A dim spec from a letter or a tuple of letters (a merged dim)."""
+    return d if isinstance(d, tuple) else (d,)
 
 
 def _conv_flops(call: OpCall, ann: Annotation, sizes: Mapping[str, int]) -> int:
@@ -112,24 +119,30 @@ def conv_backward_rule(call: OpCall) -> Annotation:
     n_sp = len(x) - 2
     sp_in, ks, sp_out = letters("h", n_sp), letters("kk", n_sp), letters("ho", n_sp)
     fixed = set(sp_in + ks + sp_out)
+    sizes = {}
     if groups == 1:
-        wspec = (("c",), ("o",)) if transposed else (("o",), ("c",))
+        c, o = ("c",), ("o",)
+        wspec = (c, o) if transposed else (o, c)
         reduced = {"n", "o", "c"}
-    else:
-        wspec = (("wc",), ("wo",)) if transposed else (("wo",), ("wc",))
-        fixed |= {"c", "o", "wc", "wo"}
-        reduced = {"n"}
+    else:  # whole groups per rank (see conv_rule)
+        w = call.shape_of(2)
+        out_ch = w[1] * groups if transposed else w[0]
+        c, o = ("g", "cg"), ("g", "og")
+        wspec = (c, ("og",)) if transposed else (o, ("cg",))
+        fixed |= {"cg", "og"}
+        reduced = {"n", "cg", "og"}
+        sizes = {"g": groups, "cg": x[1] // groups, "og": out_ch // groups}
     wspec = wspec + tuple((k,) for k in ks)
-    go_spec = (("n",), ("o",)) + tuple((s,) for s in sp_out)
-    x_spec = (("n",), ("c",)) + tuple((s,) for s in sp_in)
-    outs = [x_spec, wspec, (("o",),)]
+    go_spec = (("n",), o) + tuple((s,) for s in sp_out)
+    x_spec = (("n",), c) + tuple((s,) for s in sp_in)
+    outs = [x_spec, wspec, (o,)]
     # an output the mask leaves out is unspecified (CPU may return a stray tensor for it)
     outs = tuple(o if t is not None and m else None for o, t, m in zip(outs, call.out_types, call.args[10]))
     # split input channels: every rank computes the whole bias gradient; the custom lowering keeps it
-    # on one coordinate so that it is an exact partial sum
+    # on one coordinate so that it is an exact partial sum (a group split gives each rank its own groups')
     custom = frozenset({"c"}) if groups == 1 and outs[2] is not None else frozenset()
     return Annotation((go_spec, x_spec, wspec), outs, reduced=frozenset(reduced), fixed=frozenset(fixed),
-                      custom=custom)
+                      sizes=sizes, custom=custom)
 
 
 def _conv_backward_flops(call: OpCall, ann: Annotation, sizes: Mapping[str, int]) -> int:

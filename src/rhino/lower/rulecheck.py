@@ -129,7 +129,8 @@ def _axis_options(call: RecordedCall, n: int) -> list:
     opts: list = [None] + letters + [f"{x}/2" for x in letters if sizes[x] % (2 * n) == 0]
     n_in = len(call.inputs)
     kind = lookup(call.op).kind
-    for group in partial_inputs(call.op, kind is OpKind.VIEW, n_in, call.node.args, call.node.kwargs):
+    for group in partial_inputs(call.op, kind is OpKind.VIEW, n_in, call.node.args, call.node.kwargs,
+                                call.inputs[0].dtype if call.inputs else None):
         if all(call.inputs[k].is_floating_point() for k in group):
             opts.append(PASS if (len(group) == n_in and n_in > 1) or n_in == 1 else PASS + str(group[0]))
     return opts

@@ -64,8 +64,13 @@ def _local_args(node: Node, rp: ResolvedPlan, need: dict[int, Sharding]) -> tupl
         args[1] = [o[dim] for o in outs]
     elif op == "aten.embedding_dense_backward.default":
         args[2] = outs[0][0]
-    elif op == "aten.convolution_backward.default" and outs[2] is not None:
-        args[3] = [outs[2][0]]
+    elif op == "aten.convolution.default" and args[8] != 1:  # whole groups per rank: local group count
+        args[8] = args[8] * local_in(node.args[0])[1] // rp.graph.types[node.args[0].id].shape[1]
+    elif op == "aten.convolution_backward.default":
+        if outs[2] is not None:
+            args[3] = [outs[2][0]]
+        if args[9] != 1:
+            args[9] = args[9] * local_in(node.args[1])[1] // rp.graph.types[node.args[1].id].shape[1]
     elif op == "aten.native_group_norm.default":
         args[3] = local_in(node.args[0])[0]
     elif op == "aten.native_group_norm_backward.default":

@@ -39,31 +39,43 @@ def _channel_view(fg, t, rank: int):
     return fg.call_function(aten.view.default, (t, [1, -1] + [1] * (rank - 2)))
 
 
+def _dtype(graph, v):
+    """torch dtype of an IR value id or Ref (None for anything else)."""
+    vid = getattr(v, "id", v)
+    return getattr(torch, graph.types[vid].dtype.value) if isinstance(vid, int) else None
+
+
+def _cast(fg, t, have, want):
+    """``t`` (of dtype ``have``) as ``want``; no op when they agree."""
+    if t is None or have is None or want is None or have == want:
+        return t
+    return fg.call_function(aten._to_copy.default, (t,), {"dtype": want})
+
+
 def emit_batch_norm(fg, node: Node, args: list, axes: list[int], rp, all_reduce) -> dict[int, object]:
     """Emit the lowering of ``node`` whose batch/spatial dims are split over mesh ``axes``;
-    ``all_reduce(fg, x, axes, op)`` emits the all-reduces. Returns value id -> fx node."""
+    ``all_reduce(fg, x, axes, op)`` emits the all-reduces. Returns value id -> fx node. Reduced-precision
+    inputs get their statistics and per-channel arithmetic in float32 (the kernels accumulate in it);
+    every output takes the dtype the op gives it on one device."""
     graph, mesh = rp.graph, rp.plan.mesh
     x_type = graph.types[node.args[1 if node.op == _BACKWARD else 0].id]
     count = x_type.numel // x_type.shape[1]          # N * H * W of the global input
+    acc = torch.float32 if x_type.dtype.name in ("float16", "bfloat16") else getattr(torch, x_type.dtype.value)
     if node.op == _BACKWARD:
-        return _backward(fg, node, args, axes, x_type.rank, count, all_reduce)
+        return _backward(fg, node, args, axes, x_type.rank, count, acc, graph, all_reduce)
     ranks = 1
     for a in axes:
         ranks *= mesh.sizes[a]
-    low = x_type.dtype.name in ("float16", "bfloat16")
-    return _forward(fg, node, args, axes, x_type.rank, count, ranks, low, all_reduce)
+    return _forward(fg, node, args, axes, x_type.rank, count, ranks, acc, graph, all_reduce)
 
 
-def _forward(fg, node: Node, args: list, axes, rank: int, count: int, ranks: int, low: bool, all_reduce) -> dict:
+def _forward(fg, node: Node, args: list, axes, rank: int, count: int, ranks: int, acc, graph, all_reduce) -> dict:
     call = fg.call_function
-    if node.op.endswith(".no_stats"):
-        x, w, b, rm, rv, momentum, eps = args[0], args[1], args[2], None, None, args[4], args[5]
-    else:
-        x, w, b, rm, rv, momentum, eps = args[0], args[1], args[2], args[3], args[4], args[6], args[7]
+    at = (0, 1, 2, None, None, 4, 5) if node.op.endswith(".no_stats") else (0, 1, 2, 3, 4, 6, 7)
+    x, w, b, rm, rv, momentum, eps = (None if i is None else args[i] for i in at)
+    cast = [None if i is None else _cast(fg, args[i], _dtype(graph, node.args[i]), acc) for i in at[:5]]
+    xs, w, b, rm, rv = cast
     dims = [0] + list(range(2, rank))
-    xs = x
-    if low:  # statistics in float32, as the kernel accumulates them
-        xs = call(aten._to_copy.default, (x,), {"dtype": torch.float32})
     var_l, mean_l = (call(operator.getitem, (vm, i)) for vm in [call(aten.var_mean.correction, (xs, dims),
                                                                      {"correction": 0})] for i in range(2))
     d_l = call(aten.sub.Tensor, (mean_l, rm)) if rm is not None else mean_l
@@ -81,7 +93,8 @@ def _forward(fg, node: Node, args: list, axes, rank: int, count: int, ranks: int
         unbiased = call(aten.mul.Scalar, (var, count / max(count - 1, 1)))
         out[node.outputs[3]] = _running(fg, rm, mean, momentum)
         out[node.outputs[4]] = _running(fg, rv, unbiased, momentum)
-    return {v: t for v, t in out.items() if v is not None}
+    return {v: _cast(fg, t, acc if k else None, _dtype(graph, v)) for k, (v, t) in enumerate(out.items())
+            if v is not None}
 
 
 def _running(fg, r, s, momentum: float):
@@ -90,14 +103,15 @@ def _running(fg, r, s, momentum: float):
     return call(aten.add.Tensor, (call(aten.mul.Scalar, (r, 1.0 - momentum)), call(aten.mul.Scalar, (s, momentum))))
 
 
-def _backward(fg, node: Node, args: list, axes, rank: int, count: int, all_reduce) -> dict:
+def _backward(fg, node: Node, args: list, axes, rank: int, count: int, acc, graph, all_reduce) -> dict:
     call = fg.call_function
     dy, x, w, rm, rv, mean, invstd, _train, eps, mask = args[:10]
     local = call(aten.native_batch_norm_backward.default, (dy, x, w, rm, rv, mean, invstd, True, eps,
                                                            [False, True, True]))
-    dotp_l, sum_l = call(operator.getitem, (local, 1)), call(operator.getitem, (local, 2))
+    dotp_l, sum_l = (_cast(fg, call(operator.getitem, (local, i)), _dtype(graph, node.args[5]), acc) for i in (1, 2))
     stats = all_reduce(fg, call(aten.stack.default, ([dotp_l, sum_l],)), axes, ReduceOp.SUM)
     dotp, total = call(operator.getitem, (stats, 0)), call(operator.getitem, (stats, 1))
+    mean, invstd, w = (_cast(fg, args[i], _dtype(graph, node.args[i]), acc) for i in (5, 6, 2))
     out = {}
     if node.outputs[0] is not None and mask[0]:
         k = call(aten.div.Scalar, (call(aten.mul.Tensor, (dotp, invstd)), -float(count)))
@@ -111,4 +125,4 @@ def _backward(fg, node: Node, args: list, axes, rank: int, count: int, all_reduc
         out[node.outputs[1]] = dotp
     if len(node.outputs) > 2 and node.outputs[2] is not None and mask[2]:
         out[node.outputs[2]] = total
-    return out
+    return {v: _cast(fg, t, acc, _dtype(graph, v)) for v, t in out.items()}

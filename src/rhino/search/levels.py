@@ -9,7 +9,8 @@
   until a round changes nothing, then the joint ILP over all axes at once (``ilp.solve_ilp``), hinted
   with the descent's plan and given what is left of the budget; a solution is kept only if better.
 - Both also return the data-parallel split followed through the graph (``segments``,
-  rule ``dp_follow``), which the outer search prices exactly beside the answer.
+  rule ``dp_follow``) unless the model scores it worse than the answer; the outer search prices it
+  exactly beside the answer.
 
 Both return the model's view of the result; the caller prices the plan exactly (``cost.estimate``).
 """
@@ -92,4 +93,7 @@ def solve_problem(p: Problem, options: SearchOptions, *, deadline: float, start:
             if j.choice and score(p, j.choice) < score(p, choice):
                 choice, status = j.choice, "O2 joint"
     over, obj = score(p, choice)
-    return LevelResult(choice, obj, int(over), status, steps, o1_choice, followed_data_parallel(p, options))
+    followed = followed_data_parallel(p, options)
+    if followed is not None and score(p, followed) > (over, obj):
+        followed = None     # the model scores it worse: not worth an exact pricing
+    return LevelResult(choice, obj, int(over), status, steps, o1_choice, followed)

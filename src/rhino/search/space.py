@@ -80,7 +80,8 @@ class _Info:
         opdef = lookup(node.op)
         self.kind = opdef.kind if opdef is not None else OpKind.OPAQUE
         n_in = len(self.shapes)
-        self.linear = partial_inputs(node.op, self.kind is OpKind.VIEW, n_in, node.args, node.kwargs) \
+        self.linear = partial_inputs(node.op, self.kind is OpKind.VIEW, n_in, node.args, node.kwargs,
+                                     self.call.in_types[0].dtype if self.call.in_types else None) \
             if self.ann else []
         if same is not None:
             same[self.sig] = self

@@ -116,6 +116,7 @@ def preset_plan(graph: Graph, spec: StrategySpec) -> ShardingPlan:
     dp = mesh.names.index("dp") if "dp" in mesh.names else None
     tp = mesh.names.index("tp") if "tp" in mesh.names else None
     fixed: dict[str, Sharding] = {}
+    at_rest: dict[str, Sharding] = {}
     lazy: set[str] = set()
     by_param: dict[str, str] = {}
     for inp in graph.inputs:
@@ -132,14 +133,16 @@ def preset_plan(graph: Graph, spec: StrategySpec) -> ShardingPlan:
         elif dp is not None and spec.zero and inp.role is Role.OPT_STATE and len(shape) >= 1:
             fixed[inp.name] = _split_first_divisible(shape, mesh.sizes[dp], dp, mesh.ndim)
         elif dp is not None and spec.zero >= 3 and inp.role is Role.PARAM:
-            fixed[inp.name] = _split_first_divisible(shape, mesh.sizes[dp], dp, mesh.ndim)
+            # stored split, used whole: consumers see it replicated (all-gathered before use), so the
+            # compute stays data parallel; only the stored value (and its update) is split
+            at_rest[inp.name] = _split_first_divisible(shape, mesh.sizes[dp], dp, mesh.ndim)
         if inp.role is Role.OPT_STATE:
             by_param[inp.name] = inp.name.split("/")[1]
     if tp is not None and spec.zero:
         raise ValueError("zero together with tp is not supported by the presets yet; use zero with dp only")
     rule = _megatron_rule(tp, spec.sp) if tp is not None else None
     follows = {name: by_param[name] for name in lazy if name in by_param}
-    prop = Propagator(graph, mesh, fixed, lazy, rule, follows)
+    prop = Propagator(graph, mesh, fixed, lazy, rule, follows, at_rest)
     plan = prop.run()
     plan.fingerprint = graph.fingerprint()
     plan.strategy_string = str(spec)
@@ -184,28 +187,36 @@ def _megatron_rule(tp: int, sequence_parallel: bool):
 
 _RESHAPES = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default")
 _SPLITS = ("aten.split.Tensor", "aten.split_with_sizes.default")
+_TRANSPOSES = ("aten.transpose.int",)
 
 
 def _chunks_downstream(graph: Graph, users: dict, node, width: int) -> int:
-    """If the matmul's output (through reshapes that keep the last dim) is split into k equal chunks
-    along its last dim (a fused QKV or gate/up projection), k; else 1. ``users``: ``graph.users()``."""
+    """If the matmul's output (through reshapes that keep the last dim, and transposes, which move it:
+    Mamba's in_proj output is transposed to channels-first before its split) is split into k equal
+    chunks along that dim (a fused QKV or gate/up projection), k; else 1. ``users``: ``graph.users()``."""
     vid = node.outputs[0]
+    col = graph.types[vid].rank - 1   # where the matmul's output column dim is now
     for _ in range(4):
         nxt = users.get(vid, [])
         if len(nxt) != 1:
             return 1
         user = nxt[0]
-        if user.op in _RESHAPES and graph.types[user.outputs[0]].shape[-1] == graph.types[vid].shape[-1]:
-            vid = user.outputs[0]
+        rank = graph.types[vid].rank
+        if (user.op in _RESHAPES and col == rank - 1
+                and graph.types[user.outputs[0]].shape[-1] == graph.types[vid].shape[-1]):
+            vid, col = user.outputs[0], graph.types[user.outputs[0]].rank - 1
+            continue
+        if user.op in _TRANSPOSES:
+            a, b = (int(x) % rank for x in user.args[1:3])
+            vid, col = user.outputs[0], b if col == a else a if col == b else col
             continue
         if user.op in _SPLITS:
-            rank = graph.types[vid].rank
             dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
-            if dim % rank != rank - 1:
+            if dim % rank != col:
                 return 1
             k = len([v for v in user.outputs])
-            size = graph.types[vid].shape[-1]
+            size = graph.types[vid].shape[col]
             return k if k > 1 and size % k == 0 and all(
-                graph.types[v].shape[-1] == size // k for v in user.outputs if v is not None) else 1
+                graph.types[v].shape[col] == size // k for v in user.outputs if v is not None) else 1
         return 1
     return 1

@@ -54,6 +54,10 @@ class Propagator:
     # lazy input -> the input whose sharding it takes once that one is decided (optimizer state
     # follows its parameter)
     follows: dict[str, str] = field(default_factory=dict)
+    # input -> the sharding it is stored in when that differs from the one its consumers see (``fixed``,
+    # default replicated): a ZeRO-3 parameter is stored split and all-gathered before use. The plan
+    # records the stored sharding; the updated state is brought back to it.
+    at_rest: dict[str, Sharding] = field(default_factory=dict)
     # rule ``reduce_before_widening``: a Partial input of an op whose output is of a wider dtype is reduced
     # before it, not passed through (under autocast the row-parallel matmul's bf16 output is all-reduced,
     # as Megatron-LM does, instead of the fp32 sum it is added to: half the bytes); see ``_widens``
@@ -82,7 +86,7 @@ class Propagator:
                 self.lazy[inp.value] = _Lazy(input_name=inp.name)
             else:
                 sh = self.fixed.get(inp.name, rep)
-                self.inputs[inp.name] = sh
+                self.inputs[inp.name] = self.at_rest.get(inp.name, sh)
                 self.actual[inp.value] = sh
         for vid in self.graph.constants:
             self.actual[vid] = rep
@@ -155,7 +159,7 @@ class Propagator:
         if partial_at and not (self.reduce_before_widening and self._widens(node, [refs[k] for k in partial_at])):
             opdef = lookup(node.op)
             for group in partial_inputs(node.op, opdef is not None and opdef.kind is OpKind.VIEW, len(refs),
-                                        node.args, node.kwargs):
+                                        node.args, node.kwargs, self.graph.types[refs[0].id].dtype):
                 # only where the inputs are Partial already: turning a replicated input into a
                 # Partial one would leave a Partial value for later consumers to reduce again
                 if set(partial_at) == set(group):
