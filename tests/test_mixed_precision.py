@@ -27,7 +27,7 @@ def captured(spec: str):
 
 
 SMALL = ["mlp_autocast", "mlp_autocast_sgd", "mlp_bf16_adam", "mlp_bf16_adamw", "mlp_bf16_sgd", "mlp_bf16_rmsprop",
-         "mlp_bf16_rmsprop_plain", "mlp_bf16_adagrad", "cast_chain"]
+         "mlp_bf16_rmsprop_plain", "mlp_bf16_adagrad", "cast_chain", "mlp_autocast_cuda"]
 
 
 @pytest.mark.parametrize("spec", [f"{MP}:{f}" for f in SMALL] +
@@ -159,3 +159,14 @@ def test_bf16_tolerance_catches_ranks_training_on_wrong_data():
                    "held": bytes_by_role(cap.graph, res["local"][r])} for r in range(4)}
     out = compare_results(cap, rp, lower_rank(rp, 0), results, 2, 0.0)
     assert not out.ok and "differs" in out.first_mismatch
+
+
+def test_cuda_autocast_is_captured_on_the_cpu():
+    """``torch.autocast("cuda")`` in a workload acts on the fake CPU tensors capture traces: its matmuls are
+    captured in float16 (CUDA's default autocast dtype) and bfloat16, not left in fp32."""
+    from rhino.ir.registry import OpKind, lookup
+    cap = captured(f"{MP}:mlp_autocast_cuda")
+    g = cap.graph
+    dtypes = [g.types[n.outputs[0]].dtype.value for n in g.nodes
+              if lookup(n.op) is not None and lookup(n.op).kind is OpKind.MATMUL]
+    assert "float16" in dtypes and "bfloat16" in dtypes and "float32" not in dtypes

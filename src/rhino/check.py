@@ -1,12 +1,14 @@
 """``rhino check``: a captured step against plain PyTorch, step by step."""
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 
 import torch
 
 from .capture import Captured
+from .capture.amp import autocast_on
 from .capture.optim import state_name
 from .lower import StepProgram
 
@@ -28,10 +30,14 @@ class CheckResult:
 
 
 def eager_steps(model, optimizer, loss_fn, batch, steps: int) -> list[torch.Tensor]:
+    """``steps`` eager training steps; on the CPU an autocast region written for an accelerator acts on
+    the CPU, as in capture (``capture.amp.autocast_on``)."""
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
     losses = []
     for _ in range(steps):
         optimizer.zero_grad(set_to_none=True)
-        loss = loss_fn(model, *batch)
+        with autocast_on("cpu") if on_cpu else contextlib.nullcontext():
+            loss = loss_fn(model, *batch)
         loss.backward()
         optimizer.step()
         losses.append(loss.detach().clone())

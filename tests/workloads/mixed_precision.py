@@ -109,3 +109,19 @@ def big_autocast(layers=2, hidden=8192, batch=8, seq=512):
         return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
     return m, torch.optim.AdamW(m.parameters(), lr=1e-4), loss, (x, y)
+
+
+def mlp_autocast_cuda():
+    """Autocast written for a GPU (``torch.autocast("cuda")``, dtype left to CUDA's default float16 for the
+    first layer, bf16 for the second); capture and the check's eager reference run it on the CPU."""
+    torch.manual_seed(0)
+    m = MLP()
+
+    def loss(model, x, y):
+        with torch.autocast("cuda"):
+            h = model.norm(model.up(x))
+        with torch.autocast(device_type="cuda", dtype=torch.bfloat16):
+            logits = model.down(F.gelu(h))
+        return F.cross_entropy(logits.float(), y)
+
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-2), loss, _data()

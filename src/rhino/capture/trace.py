@@ -27,6 +27,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
 from ..ir.graph import Graph, Role
 from ..ir.verify import verify
+from .amp import autocast_on
 from .fallbacks import fake_fallbacks
 from .optim import ParamUpdate, apply_update, initial_state, plan_updates, state_name
 from .to_ir import fx_to_ir
@@ -230,7 +231,8 @@ def _quiet_logger(name: str):
 
 def _trace(step, flat, workload: Workload) -> torch.fx.GraphModule:
     try:
-        return make_fx(step, tracing_mode="fake")(*flat)
+        with autocast_on("cpu"):  # tracing runs on fake CPU tensors: a CUDA autocast region acts on them
+            return make_fx(step, tracing_mode="fake")(*flat)
     except _DATA_DEPENDENT as exc:
         raise CaptureError(f"tracing stopped at {_user_frame(exc, workload)}: Python control flow or a "
                            f"shape depends on a tensor's value (.item(), bool(tensor), boolean indexing), "
