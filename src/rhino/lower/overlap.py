@@ -16,15 +16,16 @@ call, placed just before the node that needs it. This pass rewrites each communi
   ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``; PyTorch docs of
   ``torch.nn.parallel.DistributedDataParallel``), so that the first gradients travel while the
   rest of the backward runs;
-- **stored state (ZeRO-3 parameters)**: a step whose input is a graph input (a parameter stored
-  sharded) is gathered ``prefetch_depth`` uses ahead: its start is issued when the gather
+- **stored state (ZeRO-3 parameters)**: a gather whose input is a graph input (a parameter stored
+  sharded) is issued ``prefetch_depth`` uses ahead: its start is issued when the gather
   ``prefetch_depth`` places before it (in order of first use) is waited for, as FSDP2 prefetches the
   next module's all-gather; and with ``reshard_after_forward`` a gathered parameter is gathered
   again for a later group of uses (FSDP2's default ``reshard_after_forward=True``): the uses of one
   gathered value (following views such as ``t`` that keep its storage alive) are split wherever
   another gathered parameter is used in between, and each later group gets its own copy of the
   gather (and of the views), so the gathered copy of the forward is freed after its last forward
-  use instead of living until the backward.
+  use instead of living until the backward. (A reduction of a graph input, a gradient accumulated
+  outside the program, starts at once and is bucketed like any other.)
 
 The pass only moves and groups communication; what is computed is unchanged. Each element of a
 bucketed reduction is reduced over the same ranks as alone (bit-identical on 2 ranks; see
@@ -45,6 +46,7 @@ __all__ = ["OverlapOptions", "overlap_program", "BUCKETABLE"]
 
 MB = 1 << 20
 BUCKETABLE = frozenset({"AllReduce", "ReduceScatter"})
+REDUCTIONS = BUCKETABLE
 
 
 @dataclass(frozen=True)
@@ -62,7 +64,8 @@ class OverlapStats:
     collectives: int = 0              # communication steps made asynchronous
     buckets: int = 0                  # collectives issued for them (a bucket counts once)
     regathers: int = 0                # extra gathers of stored state (reshard after forward)
-    bucket_bytes: list[int] = field(default_factory=list)
+    bucket_bytes: list[int] = field(default_factory=list)    # per issued collective
+    bucket_members: list[int] = field(default_factory=list)  # tensors in it
 
 
 def _is_redistribute(n: torch.fx.Node) -> bool:
@@ -122,7 +125,7 @@ def _reshard(g: torch.fx.Graph, stats: OverlapStats) -> None:
     order = {n: i for i, n in enumerate(g.nodes)}
     tops = [n for n in g.nodes if _is_redistribute(n) and _state_root(n) is not None
             and any(not _is_redistribute(u) for u in n.users)]
-    tops = [t for t in tops if _chain_has_comm(t)]
+    tops = [t for t in tops if _chain_has_comm(t) and not _chain_reduces(t)]
     uses = {t: sorted(_uses(t), key=lambda cv: order[cv[0]]) for t in tops}
     marks = sorted((order[c], t) for t in tops for c, _ in uses[t])
     for t in tops:
@@ -137,6 +140,15 @@ def _reshard(g: torch.fx.Graph, stats: OverlapStats) -> None:
         for group in groups[1:]:
             _copy_for(g, t, group)
             stats.regathers += 1
+
+
+def _chain_reduces(t: torch.fx.Node) -> bool:
+    x = t
+    while _is_redistribute(x):
+        if x.args[1] in REDUCTIONS:
+            return True
+        x = x.args[0]
+    return False
 
 
 def _chain_has_comm(t: torch.fx.Node) -> bool:
@@ -172,6 +184,12 @@ def _copy_for(g: torch.fx.Graph, top: torch.fx.Node, group) -> None:
     with g.inserting_before(group[0][0]):
         for c, v in group:
             c.replace_input_with(v, copy(v))
+    dead = [n for n in inside if n not in copies.values() and not n.users]
+    while dead:                              # views the copies replaced (they would keep the gather alive)
+        n = dead.pop()
+        parents = [a for a in n.all_input_nodes if a in inside]
+        g.erase_node(n)
+        dead.extend(a for a in parents if not a.users and a not in dead)
 
 
 # ----------------------------------------------------------------------------- start / wait
@@ -241,6 +259,7 @@ def _convert(g: torch.fx.Graph, bucket: list[_Comm], anchor: torch.fx.Node, stat
     stats.collectives += len(bucket)
     stats.buckets += 1
     stats.bucket_bytes.append(sum(c.nbytes or 0 for c in bucket))
+    stats.bucket_members.append(len(bucket))
     return w
 
 
@@ -251,10 +270,18 @@ def _make_async(g: torch.fx.Graph, opts: OverlapOptions, stats: OverlapStats) ->
         if not _is_comm(n):
             continue
         feed, src = _local_feed(n)
-        if _state_root(n) is not None and not any(_is_comm(x) for x in _chain(n)):
+        if _state_root(n) is not None and not any(_is_comm(x) for x in _chain(n)) and n.args[1] not in REDUCTIONS:
             stored.append((n, feed))
-        elif _is_comm(src) or src.op == "placeholder":
+        elif _is_comm(src):
             chained.append(n)
+        elif src.op == "placeholder":         # a reduction of an input (a gradient accumulated outside)
+            last = [m for m in g.nodes if m.op in ("placeholder", "get_attr")][-1]
+            prev = last
+            for x in feed:
+                prev.append(x)
+                prev = x
+            free.append(n)
+            n.meta["rhino_anchor"] = prev
         else:
             prev = src
             for x in feed:                   # move the local steps feeding it up to the producer
@@ -262,7 +289,8 @@ def _make_async(g: torch.fx.Graph, opts: OverlapOptions, stats: OverlapStats) ->
                 prev = x
             free.append(n)
     order = {n: i for i, n in enumerate(g.nodes)}
-    comms = [_Comm(n, n.args[0], _first_user(n, order), (tuple(n.args[1:]), _dtype(n)), _nbytes(n)) for n in free]
+    comms = [_Comm(n, n.meta.pop("rhino_anchor", n.args[0]), _first_user(n, order), (tuple(n.args[1:]), _dtype(n)),
+                   _nbytes(n)) for n in free]
     for bucket in _buckets(comms, order, opts):
         _convert(g, bucket, max((c.anchor for c in bucket), key=order.__getitem__), stats)
     _prefetch(g, stored, opts, stats)

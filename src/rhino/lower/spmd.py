@@ -109,7 +109,7 @@ def _after_step(shape: tuple[int, ...], step, sizes) -> tuple[int, ...]:
     return tuple(out)
 
 
-def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu",
+def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu", *,
                overlap: bool | OverlapOptions = False) -> SpmdProgram:
     """Rank ``rank``'s program. ``overlap``: communication asynchronous and bucketed (``lower.overlap``;
     ``True`` for the default ``OverlapOptions``); else every step blocks where it is needed."""

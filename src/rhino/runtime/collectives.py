@@ -73,11 +73,15 @@ def slice_piece(t: torch.Tensor, dim: int, blocks: int, n: int, c: int) -> torch
     return piece.clone(memory_format=torch.contiguous_format)
 
 
+def _pieces_view(t: torch.Tensor, dim: int, blocks: int, n: int, what: str) -> torch.Tensor:
+    """``[n, *piece]`` (a view where the layout allows): entry j is ``slice_piece(t, dim, blocks, n, j)``."""
+    m = _piece_len(t, dim, blocks, n, what)
+    return t.unflatten(dim, (blocks, n, m)).movedim(dim + 1, 0).flatten(dim + 1, dim + 2)
+
+
 def _stack_pieces(t: torch.Tensor, dim: int, blocks: int, n: int, what: str) -> torch.Tensor:
     """``[n, *piece]``, a fresh contiguous copy: entry j is ``slice_piece(t, dim, blocks, n, j)``."""
-    m = _piece_len(t, dim, blocks, n, what)
-    stacked = t.unflatten(dim, (blocks, n, m)).movedim(dim + 1, 0).flatten(dim + 1, dim + 2)
-    return stacked.clone(memory_format=torch.contiguous_format)
+    return _pieces_view(t, dim, blocks, n, what).clone(memory_format=torch.contiguous_format)
 
 
 def join_pieces(stacked: torch.Tensor, dim: int, blocks: int) -> torch.Tensor:
@@ -285,7 +289,7 @@ def _start_all_reduce(tensors: list[torch.Tensor], op: ReduceOp, group, n: int) 
         views = [flat]
     else:
         offsets, total = _flat_layout(tensors, [t.numel() for t in tensors])
-        flat = torch.zeros(total, dtype=tensors[0].dtype, device=tensors[0].device)
+        flat = torch.empty(total, dtype=tensors[0].dtype, device=tensors[0].device)
         views = [flat[o:o + m.numel()].view(m.shape) for o, m in zip(offsets, moved)]
         for v, m in zip(views, moved):
             v.copy_(m)
@@ -301,23 +305,33 @@ def _start_all_reduce(tensors: list[torch.Tensor], op: ReduceOp, group, n: int) 
 def _start_reduce_scatter(tensors: list[torch.Tensor], step: ReduceScatter, group, n: int) -> Pending:
     """One ``reduce_scatter_single`` over ``[n, sum of pieces]``: row j holds every tensor's piece j
     (as FSDP2 packs its reduce-scatter), so row c, split back, is this rank's piece of each tensor."""
-    stacks = [_stack_pieces(t, step.dim, step.blocks, n, "reduce-scatter") for t in tensors]
-    sizes = [s[0].numel() for s in stacks]
-    offsets, total = _flat_layout(tensors, sizes)
     if len(tensors) == 1:
-        send = stacks[0].view(n, -1)
+        send = _stack_pieces(tensors[0], step.dim, step.blocks, n, "reduce-scatter")
+        shapes, offsets = [tuple(send.shape[1:])], [0]
+        send = send.view(n, -1)
     else:
-        send = torch.zeros(n, total, dtype=tensors[0].dtype, device=tensors[0].device)
-        for s, o, m in zip(stacks, offsets, sizes):
-            send[:, o:o + m].copy_(s.view(n, m))
+        views = [_pieces_view(t, step.dim, step.blocks, n, "reduce-scatter") for t in tensors]
+        shapes = [tuple(v.shape[1:]) for v in views]
+        offsets, total = _flat_layout(tensors, [v[0].numel() for v in views])
+        send = torch.empty(n, total, dtype=tensors[0].dtype, device=tensors[0].device)
+        for v, o in zip(views, offsets):
+            send[:, o:o + v[0].numel()].view(v.shape).copy_(v)
+        del views
     out = torch.empty(send.shape[1], dtype=send.dtype, device=send.device)
     work = _reduce_scatter_single(out, send.reshape(-1), op=_TORCH_OP[step.op], group=group, async_op=True)
 
     def finish():
         if step.op is ReduceOp.AVG:
             _average(out, n)
-        return [out[o:o + m].view(s.shape[1:]) for s, o, m in zip(stacks, offsets, sizes)]
+        return [out[o:o + _numel(s)].view(s) for s, o in zip(shapes, offsets)]
     return Pending(work, finish)
+
+
+def _numel(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
 
 
 def _start_all_gather(t: torch.Tensor, step: AllGather, group, n: int) -> Pending:
