@@ -341,7 +341,8 @@ class Deferred:
     """The recorded construction of a workload: ``materialize(t)`` is the real value of one of its
     tensors (bitwise what the plain workload function gives), built alone."""
 
-    def __init__(self, log: _Log, refs: dict[int, tuple[torch.Tensor, _View]]) -> None:
+    def __init__(self, log: _Log, refs: dict[int, tuple[torch.Tensor, _View]], workload: Workload) -> None:
+        self.workload = workload              # on meta tensors
         self._log = log
         self._refs = refs                     # id(meta tensor) -> (the meta tensor, kept alive; its view)
         self.replays = 0
@@ -420,7 +421,7 @@ def _to_meta(w: Workload, log: _Log) -> tuple[Workload, Deferred]:
             refs[id(m)] = (m, log.view_of(t))
         return memo[id(t)]
 
-    deferred = Deferred(log, refs)
+    deferred = Deferred(log, refs, w)
     for module in w.model.modules():
         for name, p in module._parameters.items():
             if p is not None:
