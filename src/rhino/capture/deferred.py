@@ -40,6 +40,7 @@ import torch
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
                                            FakeTensorMode, unset_fake_temporarily)
 from torch.multiprocessing.reductions import StorageWeakRef
+from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
@@ -369,11 +370,29 @@ class Deferred:
         return len(self._log.entries)
 
 
+def _other_device(x) -> bool:
+    return isinstance(x, torch.device) and x.type != "cpu" or isinstance(x, str) and \
+        x.split(":")[0] in ("meta", "cuda", "mps", "xpu", "hpu")
+
+
+class _CpuDevices(TorchFunctionMode):
+    """Every device a torch function is asked for is the CPU (``torch.tensor(data, device="meta")`` under
+    ``with torch.device("meta")`` would drop its data before the dispatcher sees it)."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _other_device(kwargs.get("device")):
+            kwargs = {**kwargs, "device": _CPU}
+        if func is torch.Tensor.to:
+            args = tuple(_CPU if _other_device(a) else a for a in args)
+        return func(*args, **kwargs)
+
+
 def record(fn: Callable[[], Any]) -> tuple[Any, _Log]:
     """Run ``fn()`` under fake tensors with the recorder; (its result, with fake tensors; the log)."""
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     recorder = _Recorder(fake_mode)
-    with fake_mode, recorder:
+    with fake_mode, recorder, _CpuDevices():
         result = fn()
     return result, recorder.log
 
