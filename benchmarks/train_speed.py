@@ -290,6 +290,7 @@ def main(argv=None) -> int:
     p.add_argument("--blocking", action="store_true", help="also time rhino's blocking program")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory phase")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--out", metavar="MD", help="also write the table as a section of this markdown file")
     args = p.parse_args(argv)
     load = os.getloadavg()
     ranks = launch(_rank_main, 2, args.model or ["gpt", "llama"], args.pair or list(PAIRS), args.rounds,
@@ -310,21 +311,42 @@ def main(argv=None) -> int:
     if args.json:
         print(json.dumps({"env": env, "rows": rows}, indent=1))
         return 0
-    print(f"torch {env['torch']}, 2 gloo processes x 1 thread on {env['cpus']} CPUs, {args.rounds} interleaved "
-          f"rounds of {args.steps} steps, medians; 1-min load {load[0]:.2f} before, {env['loadavg_after'][0]:.2f} after")
-    print()
-    print("| model | plan | baseline | rhino ms | baseline ms | rhino / baseline | (fastest rounds) | "
-          "rhino blocking ms | peak MB rhino / baseline | rhino live-meter MB | final loss diff |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+    lines = _table(env, rows, args)
+    print("\n".join(lines))
+    if args.out:
+        from rhino.benchmarks_doc import replace_section
+        replace_section(args.out, "Training speed: rhino vs DDP, FSDP2 and DTensor TP", "\n".join(lines))
+    return 0
+
+
+def _table(env: dict, rows: list[dict], args) -> list[str]:
+    load = env["loadavg_before"]
+    cmd = " ".join(["python benchmarks/train_speed.py"] + sys.argv[1:])
+    lines = [f"Command: `{cmd}`. torch {env['torch']}, 2 gloo processes x 1 thread on {env['cpus']} CPUs; GPT and "
+             "LLaMA examples at 4 layers, hidden 256, 8 heads, seq 128, batch 8, vocab 1024; "
+             f"{args.rounds} interleaved rounds of {args.steps} steps after {WARMUP} warm-up steps, medians of "
+             f"rank 0's step times (between barriers). 1-minute load average {load[0]:.1f} before and "
+             f"{env['loadavg_after'][0]:.1f} after (the machine is shared: other processes ran; the ratios are "
+             "side by side in one run, and the fastest-round ratio is less hurt by bursts of load).", "",
+             "rhino: `lower_rank(..., overlap=True)` (asynchronous bucketed collectives, ZeRO-3 re-gathers with "
+             "one-ahead prefetch, `lower/overlap.py`), called with its inputs released (`release_inputs`). "
+             "Baselines: see the module docstring of `benchmarks/train_speed.py`. Peak MB: bytes held by "
+             "PyTorch's CPU allocator (profiler memory events, everything the runner allocated from before it was "
+             "built) at the peak of its second step, largest rank; rhino live-meter: `LiveBytesMeter` on the plainly "
+             "called program (old and new state both held at the end). Final loss diff: |rhino - baseline| of the "
+             "global-batch loss after the same steps (float32).", "",
+             "| model | plan | baseline | rhino ms | baseline ms | rhino / baseline | (fastest rounds) | "
+             "rhino blocking ms | peak MB rhino / baseline | rhino live-meter MB | final loss diff |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         b = r["baseline"]
         mem = (f"{r['peak_bytes']['rhino'] / 2**20:.1f} / {r['peak_bytes'][b] / 2**20:.1f}"
                if "peak_bytes" in r else "-")
         live = f"{r['rhino_live_meter'] / 2**20:.1f}" if "rhino_live_meter" in r else "-"
         blk = f"{r['ms']['rhino blocking']:.1f}" if "rhino blocking" in r["ms"] else "-"
-        print(f"| {r['model']} | {r['strategy']} | {b} | {r['ms']['rhino']:.1f} | {r['ms'][b]:.1f} | "
-              f"{r['ratio']:.2f} | {r['ratio_of_mins']:.2f} | {blk} | {mem} | {live} | {r['loss_diff']:.1e} |")
-    return 0
+        lines.append(f"| {r['model']} | {r['strategy']} | {b} | {r['ms']['rhino']:.1f} | {r['ms'][b]:.1f} | "
+                     f"{r['ratio']:.2f} | {r['ratio_of_mins']:.2f} | {blk} | {mem} | {live} | {r['loss_diff']:.1e} |")
+    return lines
 
 
 if __name__ == "__main__":
