@@ -26,14 +26,15 @@ __all__ = ["simulate_plan", "simulate_rank_steps"]
 
 
 def simulate_plan(cap: Captured, plan: ShardingPlan, steps: int = 2,
-                  tol: Tolerance | None = None) -> tuple[RunResult, dict]:
-    """(the comparison, {"losses" (rank 0's), "rank_losses", "local" (each rank's state by input name),
+                  tol: Tolerance | None = None, overlap: bool = False) -> tuple[RunResult, dict]:
+    """``overlap``: the ranks run the overlapped programs (``RankStep(..., overlap=True)``) instead of the
+    blocking ones. Returns (the comparison, {"losses" (rank 0's), "rank_losses", "local" (each rank's state by input name),
     "held" (rank 0's state bytes by role), "peaks" (each rank's peak live bytes in the first step)})."""
     start = time.perf_counter()
     rp = resolve(cap.graph, plan)
     micro = microbatch_graph(cap, plan.microbatches) if plan.microbatches > 1 else None
     world = plan.mesh.world
-    rank_steps = [RankStep(cap.graph, plan, r, micro_graph=micro) for r in range(world)]
+    rank_steps = [RankStep(cap.graph, plan, r, overlap=overlap, micro_graph=micro) for r in range(world)]
     full = cap.initial_state()
     state = [{i.name: shard_tensor(full[i.name], rp.value[i.value], plan.mesh, r).clone()
               for i in cap.graph.inputs if i.role is not Role.BATCH} for r in range(world)]

@@ -25,8 +25,10 @@ graphs differ only in the batch dim and in numbers (a clear error otherwise).
 **Recomputation**: ``plan.recompute != "none"`` goes through ``with_recompute`` (the recompute part's
 graph transform plugs in there) before anything is lowered.
 
-**Overlap**: ``overlap=True`` asks the lowering for asynchronous bucketed collectives; until the overlap
-pass lands the programs are the blocking ones (the flag is accepted and recorded, results identical).
+**Overlap**: ``overlap=True`` lowers every program with asynchronous bucketed collectives
+(``lower.overlap``; results identical to the blocking programs); with micro-batches the gradient
+reductions are in the update program, where they all start at once (DDP's ``no_sync`` then one
+reduction per bucket).
 """
 from __future__ import annotations
 
@@ -125,7 +127,7 @@ class RankStep:
         if m == 1:
             g, p = with_recompute(graph, plan)
             self.rp = resolve(g, dataclasses.replace(p, fingerprint=""))
-            self.programs = [lower_rank(self.rp, rank, self.device)]
+            self.programs = [lower_rank(self.rp, rank, self.device, overlap=overlap)]
             self.state_names = [i.name for i in g.inputs if i.role is not Role.BATCH]
             return
         if micro_graph is None:
@@ -172,7 +174,8 @@ class RankStep:
         self.update_state = [i.name for i in g.inputs if i.role is not Role.BATCH and i.value in u_reads]
         update = Part(upd_nodes, [(n, state_in[n]) for n in self.update_state] + grads,
                       [(n, out_value[n], rp.value[state_in[n]]) for n in split.update_state_outputs])
-        self.programs = [lower_rank(rp, self.rank, self.device, part) for part in (first, later, update)]
+        self.programs = [lower_rank(rp, self.rank, self.device, part, overlap=self.overlap)
+                         for part in (first, later, update)]
         self.state_names = [i.name for i in g.inputs if i.role is not Role.BATCH]
 
     def local_batch(self, batch: tuple) -> tuple:

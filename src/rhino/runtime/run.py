@@ -39,14 +39,15 @@ class RunResult:
 
 
 def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, steps: int, timeout_s: float,
-               measure: bool = False, micro_json: str | None = None):
+               measure: bool = False, micro_json: str | None = None, overlap: bool = False):
     graph = Graph.from_json(graph_json)
     plan = ShardingPlan.from_json(plan_json)
     rp = resolve(graph, plan)
     mesh = plan.mesh
     groups = build_groups(mesh, timeout_s)
     set_context(mesh, ctx.rank, groups)
-    step_fn = RankStep(graph, plan, ctx.rank, ctx.device, micro_graph=Graph.from_json(micro_json) if micro_json else None)
+    step_fn = RankStep(graph, plan, ctx.rank, ctx.device, overlap=overlap,
+                       micro_graph=Graph.from_json(micro_json) if micro_json else None)
     local = {inp.name: shard_tensor(state[inp.name].to(ctx.device), rp.value[inp.value], mesh, ctx.rank)
              for inp in graph.inputs if inp.role is not Role.BATCH}
     batch_local = step_fn.local_batch(batch)
@@ -78,11 +79,12 @@ def bytes_by_role(graph: Graph, local: dict) -> dict[str, int]:
 
 
 def run_plan(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, timeout_s: float = 60.0,
-             measure: bool = False, tol: Tolerance | None = None) -> RunResult:
+             measure: bool = False, tol: Tolerance | None = None, overlap: bool = False) -> RunResult:
     """Run ``steps`` steps of ``plan`` on ``nproc`` local processes (gloo) and compare every rank's loss
     and state shards with single-device training (``tol``: by default from the state's dtype, see
     ``runtime.compare.tolerance_for``); each rank runs its ``RankStep``. With ``plan.microbatches > 1`` the
     reference is PyTorch's gradient-accumulation loop (``runtime.compare.accumulation_steps``).
+    ``overlap``: the ranks run the overlapped programs (``lower.overlap``) instead of the blocking ones.
 
     ``measure``: the first step counts each rank's peak of live tensor bytes (``LiveBytesMeter``) and
     the later steps are timed between barriers (``RunResult.step_seconds``: slowest rank per step).
@@ -101,7 +103,7 @@ def run_plan(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, time
     state = cap.initial_state()
     batch = tuple(b.detach() for b in cap.workload.batch)
     args = (graph.to_json(), plan.to_json(), state, batch, steps, timeout_s, measure,
-            micro.to_json() if micro is not None else None)
+            micro.to_json() if micro is not None else None, overlap)
     if in_torchrun():
         results = {int(__import__("os").environ["RANK"]): run_from_env(_rank_main, *args, timeout_s=timeout_s)}
     else:
