@@ -1,0 +1,235 @@
+"""Recomputation as a graph transform (pure Python, never imports torch).
+
+``remat(graph, mode) -> (graph', origin)`` rewrites a captured training step so that forward values
+are recomputed in the backward pass instead of kept, as ``cost.recompute`` defines the modes; the
+per-rank programs run ``graph'`` (``lower_rank`` on ``remat_plan``'s plan) and the cost model prices
+``graph'`` (``remat_effect``: the same liveness estimate on the transformed program). It lives in
+``cost/``, not ``ir/``: it needs the loss boundary and node roles (``cost.step``), the activation
+spans (``cost.memory``) and the segments ``cost.recompute.full_segments`` picks, and imports only
+point down the pipeline.
+
+Formulation. Forward nodes are ``0..b`` (``b``: the loss node, ``cost.step.loss_index``); every node
+after ``b`` (backward and optimizer, ``cost.step.optimizer_nodes``) is a *reader*. The forward is
+cut after the nodes ``p_1 < .. < p_{K-1}`` of ``full_segments`` (segment ``s`` holds the nodes
+``(p_s, p_{s+1}]``). A forward storage (a node's non-view output; a view follows the storage it
+aliases) is **kept** when
+
+- a forward node of a later segment reads it (it crosses a cut: the checkpoints), or
+- it is made in the last segment (whose backward comes first: rerunning it saves nothing at the
+  forward/backward crossover), or
+- its producer draws random numbers (``registry.is_random``: dropout masks are never redrawn) or is
+  opaque (unknown to the registry), or it is a graph output (the loss, new buffers), or
+- ``selective`` only: its producer's kind is in ``KEEP_KINDS`` (matmul, conv, attention, index,
+  loss: the expensive ops).
+
+Every other forward storage a reader needs is **dropped**: the reader reads a copy. The copies of
+segment ``s`` are the nodes of ``s`` that make the dropped values its readers need (and,
+transitively, the dropped values those nodes read), in forward order, inserted once, just before
+the first reader that needs one of them (one segment at a time). A copy reads kept values from the
+forward and dropped ones from earlier copies; an output no one reads is left undefined (``None``).
+Dropped values only depend on kept values and on dropped values of the same segment (a value a
+later segment reads is kept), so a segment's copies never need another segment's.
+"""
+from __future__ import annotations
+
+from bisect import bisect_left
+from dataclasses import replace
+
+from ..ir.graph import Graph, Node, Ref
+from ..ir.registry import OpKind, is_random, lookup
+from ..sharding.plan import ResolvedPlan, ShardingPlan, resolve
+from .memory import MemoryEstimate, estimate_memory
+from .recompute import KEEP_KINDS, Recompute, RecomputeEffect, full_segments
+from .step import StepOptions, loss_index, step_time
+
+__all__ = ["remat", "remat_plan", "remat_effect", "RECOMPUTE_SUFFIX"]
+
+#: Suffix of a copy's node name (``origin`` maps it back to the original node).
+RECOMPUTE_SUFFIX = "_rc"
+
+
+def _map_refs(obj, m: dict[int, int]):
+    if isinstance(obj, Ref):
+        return Ref(m[obj.id]) if obj.id in m else obj
+    if isinstance(obj, list):
+        return [_map_refs(x, m) for x in obj]
+    if isinstance(obj, tuple):
+        return tuple(_map_refs(x, m) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _map_refs(v, m) for k, v in obj.items()}
+    return obj
+
+
+def _roots(graph: Graph, upto: int) -> tuple[dict[int, int], dict[int, int]]:
+    """(storage root of each value, producing node index of each value) for nodes ``0..upto``; a view
+    aliases its first tensor input (the rule of ``cost.memory``)."""
+    root = {i.value: i.value for i in graph.inputs}
+    root.update({v: v for v in graph.constants})
+    made: dict[int, int] = {}
+    for i, node in enumerate(graph.nodes[:upto + 1]):
+        d = lookup(node.op)
+        refs = node.input_refs()
+        view = d is not None and d.kind is OpKind.VIEW and refs
+        for v in node.outputs:
+            if v is not None:
+                root[v] = root[refs[0].id] if view else v
+                made[v] = i
+    return root, made
+
+
+def _kept(graph: Graph, mode: Recompute, b: int, cuts: list[int], root: dict[int, int],
+          made: dict[int, int]) -> set[int]:
+    """Forward storages the backward reads from the forward (see the module docstring)."""
+    seg = [bisect_left(cuts, i) for i in range(b + 1)]
+    last = len(cuts)
+    keep = {o.value for o in graph.outputs if o.value in made} | {root[o.value] for o in graph.outputs
+                                                                  if o.value in root}
+    for i, node in enumerate(graph.nodes[:b + 1]):
+        d = lookup(node.op)
+        own = [v for v in node.outputs if v is not None and root[v] == v]
+        if seg[i] == last or d is None or d.kind is OpKind.OPAQUE or is_random(node.op) or \
+                (mode is Recompute.SELECTIVE and d.kind in KEEP_KINDS):
+            keep.update(own)
+        for r in node.input_refs():
+            s = root.get(r.id, r.id)
+            if s in made and seg[made[s]] < seg[i]:
+                keep.add(s)   # crosses a cut
+    return keep
+
+
+def remat(graph: Graph, mode: Recompute | str, mem: MemoryEstimate | None = None) -> tuple[Graph, dict[str, str]]:
+    """``(graph', origin)``: ``graph`` with the forward values ``mode`` drops recomputed before the
+    backward reads them (module docstring); ``origin[copy name] = original node name``. ``mem``: the
+    estimate whose activation spans place the cuts (default: ``estimate_memory(graph)``, global
+    sizes, so every rank and the cost model cut the same program)."""
+    mode = Recompute(mode)
+    b = loss_index(graph)
+    if mode is Recompute.NONE or b < 0:
+        return graph, {}
+    mem = mem if mem is not None else estimate_memory(graph)
+    cuts = list(full_segments(mem).positions)
+    root, made = _roots(graph, b)
+    keep = _kept(graph, mode, b, cuts, root, made)
+
+    def dropped(v: int) -> bool:
+        return v in made and root[v] not in keep
+
+    # which values to recompute: those readers need, and transitively what their producers need
+    want: set[int] = set()
+    first: dict[int, int] = {}      # segment -> index of its first reader
+    stack = []
+    for j in range(b + 1, len(graph.nodes)):
+        for r in graph.nodes[j].input_refs():
+            if dropped(r.id):
+                s = bisect_left(cuts, made[r.id])
+                first[s] = min(first.get(s, j), j)
+                stack.append(r.id)
+    while stack:
+        v = stack.pop()
+        if v in want:
+            continue
+        want.add(v)
+        stack.extend(r.id for r in graph.nodes[made[v]].input_refs() if dropped(r.id))
+    if not want:
+        return graph, {}
+    return _rewrite(graph, b, cuts, made, want, first)
+
+
+def _rewrite(graph: Graph, b: int, cuts: list[int], made: dict[int, int], want: set[int],
+             first: dict[int, int]) -> tuple[Graph, dict[str, str]]:
+    new = Graph(dict(graph.types), list(graph.inputs), [], list(graph.outputs), dict(graph.constants),
+                dict(graph.meta))
+    names = {n.name for n in graph.nodes}
+    copy_of: dict[int, int] = {}
+    origin: dict[str, str] = {}
+    by_segment: dict[int, list[int]] = {}
+    for i in sorted({made[v] for v in want}):
+        s = bisect_left(cuts, i)
+        assert s in first, f"recomputed node {graph.nodes[i].name} has no reader in its segment"
+        by_segment.setdefault(s, []).append(i)
+    insert_at: dict[int, list[int]] = {}
+    for s in sorted(by_segment):
+        insert_at.setdefault(first[s], []).extend(by_segment[s])
+    for j, node in enumerate(graph.nodes):
+        for i in insert_at.get(j, ()):
+            orig = graph.nodes[i]
+            outs = []
+            for v in orig.outputs:
+                if v is not None and v in want:
+                    copy_of[v] = new.new_value(graph.types[v])
+                    outs.append(copy_of[v])
+                else:
+                    outs.append(None)
+            name = orig.name + RECOMPUTE_SUFFIX
+            while name in names:
+                name += "_"
+            names.add(name)
+            origin[name] = orig.name
+            new.nodes.append(Node(name, orig.op, _map_refs(orig.args, copy_of), _map_refs(orig.kwargs, copy_of),
+                                  outs, orig.multi))
+        if j > b:
+            node = Node(node.name, node.op, _map_refs(node.args, copy_of), _map_refs(node.kwargs, copy_of),
+                        list(node.outputs), node.multi)
+        new.nodes.append(node)
+    _drop_unread_forward(new, b, want)
+    return new, origin
+
+
+def _drop_unread_forward(graph: Graph, b: int, want: set[int]) -> None:
+    """Recomputed forward outputs only the backward read are now read by nobody: mark them absent
+    (``None``) and drop forward nodes left without a read output (they ran only for the backward). One
+    reverse pass: readers come after producers."""
+    reads: dict[int, int] = {}
+    for o in graph.outputs:
+        reads[o.value] = reads.get(o.value, 0) + 1
+    for node in graph.nodes[b + 1:]:
+        for r in node.input_refs():
+            reads[r.id] = reads.get(r.id, 0) + 1
+    kept: list[Node] = []
+    for node in reversed(graph.nodes[:b + 1]):
+        unread = {v for v in node.outputs if v in want and not reads.get(v)}
+        if unread and all(v is None or v in unread for v in node.outputs):
+            continue
+        if unread:
+            node = Node(node.name, node.op, node.args, node.kwargs,
+                        [None if v in unread else v for v in node.outputs], node.multi)
+        for r in node.input_refs():
+            reads[r.id] = reads.get(r.id, 0) + 1
+        kept.append(node)
+    graph.nodes[:b + 1] = kept[::-1]
+
+
+def remat_plan(plan: ShardingPlan, origin: dict[str, str]) -> ShardingPlan:
+    """``plan`` for the transformed graph: every copy runs with its original node's strategy. The
+    fingerprint is cleared (the plan was checked against the original graph)."""
+    strategies = dict(plan.strategies)
+    for new, old in origin.items():
+        if old in plan.strategies:
+            strategies[new] = plan.strategies[old]
+    return replace(plan, strategies=strategies, fingerprint="")
+
+
+def remat_effect(rp: ResolvedPlan, mem: MemoryEstimate, nodes, mode: Recompute | str, device, links,
+                 options: StepOptions = StepOptions(), rank: int = 0) -> RecomputeEffect:
+    """The effect of ``mode`` priced on the transformed program: ``memory`` is ``estimate_memory`` of
+    ``remat(graph)`` under the mapped plan, ``saved`` its activation bytes; the extra compute and
+    blocking communication are those of the copies in ``step_time`` of that program. ``mem`` and
+    ``nodes`` (``StepTime.nodes``) describe the original program."""
+    mode = Recompute(mode)
+    total = mem.activations
+    graph = rp.graph
+    whole = estimate_memory(graph)
+    new, origin = remat(graph, mode, whole)
+    if not origin:
+        return RecomputeEffect(mode, total, total, 0.0, 0.0, notes=[f"{mode.value} recomputation: nothing to "
+                                                                    f"recompute"], memory=mem)
+    rp2 = resolve(new, remat_plan(rp.plan, origin))
+    mem2 = estimate_memory(new, rp2, rank)
+    st2 = step_time(rp2, device, links, options)
+    copies = [c for c in st2.nodes if c.name in origin]
+    k = full_segments(whole).k
+    return RecomputeEffect(
+        mode, total, mem2.activations, sum(c.compute for c in copies), sum(c.flops for c in copies),
+        k, [f"{mode.value} recomputation: {len(copies)} forward nodes rerun in {k} segments, keeps "
+            f"{mem2.activations / max(1, total):.0%} of the activations"],
+        extra_comm_seconds=sum(c.comm for c in copies), memory=mem2)
