@@ -81,7 +81,8 @@ def _describe(event: str, info: dict) -> str | None:
 
 def _preset_plan(graph, strategy: str):
     spec = parse_strategy(strategy)
-    plan = preset_plan(graph, StrategySpec(dp=spec.dp, tp=spec.tp, zero=spec.zero, sp=spec.sp))
+    plan = preset_plan(graph, StrategySpec(dp=spec.dp, tp=spec.tp, zero=spec.zero, sp=spec.sp,
+                                           microbatches=spec.microbatches, recompute=spec.recompute))
     return plan, spec.recompute
 
 
@@ -104,6 +105,7 @@ def plan_workload(graph, cluster, *, level: str = "O2", time_limit: float = 60.0
                           "predicted_step_seconds": est.step_seconds,
                           "predicted_peak_bytes": est.memory_bytes["peak"]})
     plan.meta["source"] = source
+    plan.recompute = recompute  # what the runtime executes (the plan file's "recompute")
     rp = resolve(graph, plan)
     if source == "search":
         est = estimate(graph, cluster, rp, recompute=recompute)
