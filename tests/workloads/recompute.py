@@ -28,12 +28,12 @@ def llama():
 
 def gpt_activations():
     """GPT with a batch large enough that activations dominate the step's memory."""
-    return _example("gpt").workload(layers=4, batch=16, dtype=torch.float64)
+    return _example("gpt").workload(layers=2, batch=32, dtype=torch.float64)
 
 
 def resnet_activations():
-    """The ResNet example at batch 32: activations dominate the step's memory."""
-    return _example("resnet").workload(batch=32)
+    """The ResNet example at batch 16: activations dominate the step's memory."""
+    return _example("resnet").workload(batch=16)
 
 
 class DropoutMLP(nn.Module):

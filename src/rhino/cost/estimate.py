@@ -35,8 +35,8 @@ from .cluster import Cluster, axis_links, make_cluster
 from .compute import Profile
 from .memory import estimate_memory
 from .pipeline import Schedule, pipeline_time
-from .recompute import Recompute, apply_recompute
-from .remat import remat_effect
+from .recompute import Recompute, apply_recompute, remat_effect
+
 from .step import StepOptions, step_time
 
 __all__ = ["Estimate", "estimate", "estimate_strategy", "stage_cluster", "matmul_dtype"]

@@ -13,7 +13,8 @@ uses); ``apply_recompute`` is the fast analytic reading of the same rules (the s
   activations are kept, and during the backward pass one segment's activations are rematerialised
   at a time. With ``c`` the smallest cut in the middle 80% of the forward pass (between
   transformer layers: the residual stream) and ``A`` the activation bytes, saved ~ ``K c + A / K``,
-  minimised at ``K = sqrt(A / c)`` (rounded, at least 1). The ``K - 1`` cuts: for ``k = 1..K-1``,
+  minimised at ``K = sqrt(A / c)`` (rounded, at least 1). Cuts count every value a later forward
+  node reads (a checkpoint keeps it even if the backward did not need it). The ``K - 1`` cuts: for ``k = 1..K-1``,
   the forward position with the smallest cut among those whose activation bytes made so far are
   within ``A / 2K`` of ``k A / K`` (equal segments, cut where the least crosses). Extra work: the
   forward nodes of the first ``K - 1`` segments once more, with their blocking (tensor-parallel)
@@ -33,27 +34,16 @@ training step sits at the forward/backward crossover, where all saved activation
 """
 from __future__ import annotations
 
-from bisect import bisect_left
 from dataclasses import dataclass, field
-from enum import Enum
-from math import isqrt
 
 from ..ir.graph import Graph
-from ..ir.registry import OpKind, is_random, lookup
-from .memory import MemoryEstimate
-from .step import NodeCost
+from ..sharding.plan import ResolvedPlan, resolve
+from .memory import MemoryEstimate, estimate_memory
+from .remat import KEEP_KINDS, Recompute, Segments, forward_cuts, full_segments, remat, remat_plan
+from .step import NodeCost, StepOptions, step_time
 
-__all__ = ["Recompute", "RecomputeEffect", "Segments", "apply_recompute", "forward_cuts", "full_segments",
-           "KEEP_KINDS"]
-
-#: Op kinds whose outputs selective recomputation keeps.
-KEEP_KINDS = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.INDEX, OpKind.LOSS, OpKind.OPAQUE})
-
-
-class Recompute(str, Enum):
-    NONE = "none"
-    FULL = "full"
-    SELECTIVE = "selective"
+__all__ = ["Recompute", "RecomputeEffect", "Segments", "apply_recompute", "remat_effect", "forward_cuts",
+           "full_segments", "KEEP_KINDS"]
 
 
 @dataclass
@@ -73,94 +63,50 @@ class RecomputeEffect:
         return self.saved / self.activations if self.activations else 1.0
 
 
-def forward_cuts(mem: MemoryEstimate) -> list[int]:
-    """``cuts[p]``: activation bytes produced at or before forward node ``p`` and read by a forward
-    node after ``p`` (what a checkpoint after ``p`` must keep)."""
-    b = mem.boundary
-    if b < 0:
-        return []
-    diff = [0] * (b + 2)
-    for born, last_fwd, size in mem.activation_spans:
-        if born < 0 or last_fwd <= born:
-            continue
-        diff[born] += size
-        diff[min(last_fwd, b + 1)] -= size
-    cuts, run = [], 0
-    for p in range(b + 1):
-        run += diff[p]
-        cuts.append(run)
-    return cuts
-
-
-@dataclass(frozen=True)
-class Segments:
-    """How ``full`` (and ``selective``) cut the forward pass: ``k`` segments, the representative cut
-    ``cut`` (bytes), and ``positions``: the forward node indices after which it is cut (ascending)."""
-
-    k: int
-    cut: int
-    positions: tuple[int, ...]
-
-
-def full_segments(mem: MemoryEstimate) -> Segments:
-    """The segments of the module docstring (``K = sqrt(A / c)``, cuts at the least-crossed positions
-    near equal activation bytes)."""
-    total = sum(s for _, _, s in mem.activation_spans)
-    b = mem.boundary
-    if total == 0 or b < 0:
-        return Segments(1, 0, ())
-    cuts = forward_cuts(mem)
-    lo, hi = b // 10, max(b // 10 + 1, b - b // 10)
-    middle = [c for c in cuts[lo:hi] if c > 0]
-    c = min(middle) if middle else total
-    k = max(1, isqrt(max(1, total // max(1, c))))
-    made = [0] * (b + 1)   # activation bytes made at or before each forward node
-    for born, _, size in mem.activation_spans:
-        if 0 <= born <= b:
-            made[born] += size
-    for p in range(1, b + 1):
-        made[p] += made[p - 1]
-    positions: list[int] = []
-    for j in range(1, k):
-        target, half = j * total / k, total / (2 * k)
-        near = [p for p in range((positions[-1] + 1) if positions else 0, b) if abs(made[p] - target) <= half]
-        if near:
-            positions.append(min(near, key=lambda p: (cuts[p], abs(made[p] - target))))
-    return Segments(k, c, tuple(positions))
-
-
-def _kept_analytic(graph: Graph, mem: MemoryEstimate, seg: Segments, mode: "Recompute") -> tuple[int, set[int]]:
-    """(activation bytes kept, forward nodes rerun) as ``cost.remat`` decides, read from the spans."""
-    pos, last = seg.positions, len(seg.positions)
-    kept, rerun = 0, set()
-    for born, last_fwd, size in mem.activation_spans:
-        d = lookup(graph.nodes[born].op) if born >= 0 else None
-        s = bisect_left(pos, born) if born >= 0 else last
-        keep = (s == last or bisect_left(pos, last_fwd) > s or d is None or d.kind is OpKind.OPAQUE
-                or is_random(graph.nodes[born].op) or (mode is Recompute.SELECTIVE and d.kind in KEEP_KINDS))
-        if keep:
-            kept += size
-        else:
-            rerun.add(born)
-    if mode is Recompute.FULL:  # the whole forward of the recomputed segments
-        end = pos[-1] if pos else -1
-        rerun = {i for i in range(end + 1) if not is_random(graph.nodes[i].op)}
-    return kept, rerun
-
-
 def apply_recompute(graph: Graph, mem: MemoryEstimate, nodes: list[NodeCost], mode: Recompute | str) -> RecomputeEffect:
-    """The effect of ``mode`` given the step's per-node costs (``StepTime.nodes``), read analytically
-    from the activation spans (fast: the search calls it; ``cost.remat.remat_effect`` prices the
-    rewritten program itself)."""
+    """The effect of ``mode`` given the step's per-node costs (``StepTime.nodes``) without a plan (the
+    search's reading, fast): ``cost.remat`` rewrites the graph once at global sizes; the storages its
+    backward reads from the forward, at ``mem``'s sizes, are the saved bytes; the extra work is the
+    rerun nodes' (``remat_effect`` prices a plan's rewritten program itself)."""
     mode = Recompute(mode)
     total = sum(s for _, _, s in mem.activation_spans)
     if mode is Recompute.NONE or total == 0 or mem.boundary < 0:
         return RecomputeEffect(mode, total, total, 0.0, 0.0)
-    seg = full_segments(mem)
-    saved, rerun = _kept_analytic(graph, mem, seg, mode)
-    secs = sum(nodes[i].compute for i in rerun)
-    flops = sum(nodes[i].flops for i in rerun)
-    comm = sum(nodes[i].comm for i in rerun if nodes[i].kind == "blocking")
-    return RecomputeEffect(mode, total, saved, secs, flops, seg.k,
-                           [f"{mode.value} recomputation: {seg.k} segments, cut {seg.cut} B, keeps "
-                            f"{saved / total:.0%} of the activations"], extra_comm_seconds=comm)
+    whole = estimate_memory(graph)
+    new, origin = remat(graph, mode, whole)
+    kept = set(estimate_memory(new).activation_values)   # storages the rewritten backward reads
+    saved = sum(size for (_, _, size), v in zip(mem.activation_spans + mem.forward_only_spans,
+                                                 mem.activation_values + mem.forward_only_values) if v in kept)
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    rerun = [nodes[index[o]] for o in origin.values()]
+    seg = full_segments(whole)
+    return RecomputeEffect(mode, total, saved, sum(c.compute for c in rerun), sum(c.flops for c in rerun), seg.k,
+                           [f"{mode.value} recomputation: {len(rerun)} forward nodes rerun in {seg.k} segments, "
+                            f"keeps {saved / total:.0%} of the activations"],
+                           extra_comm_seconds=sum(c.comm for c in rerun if c.kind == "blocking"))
+
+
+def remat_effect(rp: ResolvedPlan, mem: MemoryEstimate, nodes, mode: Recompute | str, device, links,
+                 options: StepOptions = StepOptions(), rank: int = 0) -> RecomputeEffect:
+    """The effect of ``mode`` priced on the transformed program: ``memory`` is ``estimate_memory`` of
+    ``remat(graph)`` under the mapped plan, ``saved`` its activation bytes; the extra compute and
+    blocking communication are those of the copies in ``step_time`` of that program. ``mem`` and
+    ``nodes`` (``StepTime.nodes``) describe the original program."""
+    mode = Recompute(mode)
+    total = mem.activations
+    graph = rp.graph
+    whole = estimate_memory(graph)
+    new, origin = remat(graph, mode, whole)
+    if not origin:
+        return RecomputeEffect(mode, total, total, 0.0, 0.0, notes=[f"{mode.value} recomputation: nothing to "
+                                                                    f"recompute"], memory=mem)
+    rp2 = resolve(new, remat_plan(rp.plan, origin))
+    mem2 = estimate_memory(new, rp2, rank)
+    st2 = step_time(rp2, device, links, options)
+    copies = [c for c in st2.nodes if c.name in origin]
+    k = full_segments(whole).k
+    return RecomputeEffect(
+        mode, total, mem2.activations, sum(c.compute for c in copies), sum(c.flops for c in copies),
+        k, [f"{mode.value} recomputation: {len(copies)} forward nodes rerun in {k} segments, keeps "
+            f"{mem2.activations / max(1, total):.0%} of the activations"],
+        extra_comm_seconds=sum(c.comm for c in copies), memory=mem2)

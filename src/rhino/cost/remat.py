@@ -3,10 +3,10 @@
 ``remat(graph, mode) -> (graph', origin)`` rewrites a captured training step so that forward values
 are recomputed in the backward pass instead of kept, as ``cost.recompute`` defines the modes; the
 per-rank programs run ``graph'`` (``lower_rank`` on ``remat_plan``'s plan) and the cost model prices
-``graph'`` (``remat_effect``: the same liveness estimate on the transformed program). It lives in
+``graph'`` (``cost.recompute.remat_effect``: the same liveness estimate on the transformed program). It lives in
 ``cost/``, not ``ir/``: it needs the loss boundary and node roles (``cost.step``), the activation
-spans (``cost.memory``) and the segments ``cost.recompute.full_segments`` picks, and imports only
-point down the pipeline.
+spans (``cost.memory``), and imports only point down the pipeline. ``full_segments`` (here) picks
+the segments for both the transform and the cost model's reading of it (``cost.recompute``).
 
 Formulation. Forward nodes are ``0..b`` (``b``: the loss node, ``cost.step.loss_index``); every node
 after ``b`` (backward and optimizer, ``cost.step.optimizer_nodes``) is a *reader*. The forward is
@@ -20,7 +20,9 @@ aliases) is **kept** when
 - its producer draws random numbers (``registry.is_random``: dropout masks are never redrawn) or is
   opaque (unknown to the registry), or it is a graph output (the loss, new buffers), or
 - ``selective`` only: its producer's kind is in ``KEEP_KINDS`` (matmul, conv, attention, index,
-  loss: the expensive ops).
+  loss: the expensive ops), or its producer reads a kept value the backward did not read before
+  (recomputing it would keep more than it frees: a residual add reading a matmul output only the add
+  read), decided in forward order.
 
 Every other forward storage a reader needs is **dropped**: the reader reads a copy. The copies of
 segment ``s`` are the nodes of ``s`` that make the dropped values its readers need (and,
@@ -33,19 +35,129 @@ later segment reads is kept), so a segment's copies never need another segment's
 from __future__ import annotations
 
 from bisect import bisect_left
-from dataclasses import replace
+from dataclasses import dataclass, replace
+from enum import Enum
+from math import isqrt
 
 from ..ir.graph import Graph, Node, Ref
 from ..ir.registry import OpKind, is_random, lookup
-from ..sharding.plan import ResolvedPlan, ShardingPlan, resolve
+from ..sharding.plan import ShardingPlan
 from .memory import MemoryEstimate, estimate_memory
-from .recompute import KEEP_KINDS, Recompute, RecomputeEffect, full_segments
-from .step import StepOptions, loss_index, step_time
+from .step import loss_index
 
-__all__ = ["remat", "remat_plan", "remat_effect", "RECOMPUTE_SUFFIX"]
+__all__ = ["Recompute", "KEEP_KINDS", "Segments", "forward_cuts", "full_segments", "remat", "remat_plan",
+           "RECOMPUTE_SUFFIX"]
 
 #: Suffix of a copy's node name (``origin`` maps it back to the original node).
 RECOMPUTE_SUFFIX = "_rc"
+#: How many segment counts ``full_segments`` tries between 1 and ``2 sqrt(A / c)``.
+_K_TRIES = 16
+
+#: Op kinds whose outputs selective recomputation keeps.
+KEEP_KINDS = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.INDEX, OpKind.LOSS, OpKind.OPAQUE})
+
+
+class Recompute(str, Enum):
+    NONE = "none"
+    FULL = "full"
+    SELECTIVE = "selective"
+
+
+def forward_cuts(mem: MemoryEstimate, spans: list[tuple[int, int, int]] | None = None) -> list[int]:
+    """``cuts[p]``: bytes of the ``spans`` (default: the activations) produced at or before forward node
+    ``p`` and read by a forward node after ``p`` (what a checkpoint after ``p`` must keep)."""
+    b = mem.boundary
+    if b < 0:
+        return []
+    diff = [0] * (b + 2)
+    for born, last_fwd, size in (mem.activation_spans if spans is None else spans):
+        if born < 0 or last_fwd <= born:
+            continue
+        diff[born] += size
+        diff[min(last_fwd, b + 1)] -= size
+    cuts, run = [], 0
+    for p in range(b + 1):
+        run += diff[p]
+        cuts.append(run)
+    return cuts
+
+
+@dataclass(frozen=True)
+class Segments:
+    """How ``full`` (and ``selective``) cut the forward pass: ``k`` segments, the representative cut
+    ``cut`` (bytes), and ``positions``: the forward node indices after which it is cut (ascending)."""
+
+    k: int
+    cut: int
+    positions: tuple[int, ...]
+
+
+def full_segments(mem: MemoryEstimate) -> Segments:
+    """The segments of the module docstring (``K = sqrt(A / c)``, cuts at the least-crossed positions
+    near equal activation bytes)."""
+    total = sum(s for _, _, s in mem.activation_spans)
+    b = mem.boundary
+    if total == 0 or b < 0:
+        return Segments(1, 0, ())
+    cuts = forward_cuts(mem, mem.activation_spans + mem.forward_only_spans)  # all a later forward node reads
+    lo, hi = b // 10, max(b // 10 + 1, b - b // 10)
+    middle = [c for c in cuts[lo:hi] if c > 0]
+    c = min(middle) if middle else total
+    k = max(1, isqrt(max(1, total // max(1, c))))
+    made = [0] * (b + 1)   # activation bytes made at or before each forward node
+    for born, _, size in mem.activation_spans:
+        if 0 <= born <= b:
+            made[born] += size
+    for p in range(1, b + 1):
+        made[p] += made[p - 1]
+    tries = sorted({max(1, round(2 * k * t / _K_TRIES)) for t in range(1, _K_TRIES + 1)} | {k})
+    best = min(tries, key=lambda j: (_peak_of(mem, _positions(made, cuts, total, j, b)), j))
+    positions = _positions(made, cuts, total, best, b)
+    return Segments(len(positions) + 1, c, tuple(positions))
+
+
+def _positions(made: list[int], cuts: list[int], total: int, k: int, b: int) -> list[int]:
+    """Cut positions for ``k`` segments: each next cut at the least-crossed position whose activation
+    bytes made so far are within ``A / 2k`` of the previous cut's plus ``A / k`` (the first position
+    past that window when a single node jumps over it)."""
+    positions: list[int] = []
+    step, half = total / k, total / (2 * k)
+    target, best = step, None
+    for p in range(b):
+        if target >= total - half:
+            break
+        if made[p] < target - half:
+            continue
+        if made[p] <= target + half or best is None:
+            if best is None or (cuts[p], abs(made[p] - target)) < (cuts[best], abs(made[best] - target)):
+                best = p
+            if made[p] <= target + half:
+                continue
+        positions.append(best)
+        target, best = made[best] + step, None
+    if best is not None:
+        positions.append(best)
+    return positions
+
+
+def _peak_of(mem: MemoryEstimate, positions: list[int]) -> int:
+    """Forward bytes live at the worst moment with these cuts: every checkpoint (a span crossing a cut)
+    and the last segment's activations at the loss, or while segment ``s`` is recomputed the
+    checkpoints made up to it and its dropped activations."""
+    n = len(positions) + 1
+    kept, dropped = [0] * n, [0] * n
+    for spans, act in ((mem.activation_spans, True), (mem.forward_only_spans, False)):
+        for born, last_fwd, size in spans:
+            s = bisect_left(positions, born)
+            if s < n - 1 and positions[s] < last_fwd:
+                kept[s] += size
+            elif act:
+                dropped[s] += size
+    worst, run = 0, 0
+    for s in range(n - 1):
+        run += kept[s]
+        worst = max(worst, run + dropped[s])
+    return max(worst, run + kept[-1] + dropped[-1])
 
 
 def _map_refs(obj, m: dict[int, int]):
@@ -94,7 +206,26 @@ def _kept(graph: Graph, mode: Recompute, b: int, cuts: list[int], root: dict[int
             s = root.get(r.id, r.id)
             if s in made and seg[made[s]] < seg[i]:
                 keep.add(s)   # crosses a cut
+    if mode is Recompute.SELECTIVE:
+        _keep_costly_cheap(graph, b, root, made, keep)
     return keep
+
+
+def _keep_costly_cheap(graph: Graph, b: int, root: dict[int, int], made: dict[int, int], keep: set[int]) -> None:
+    """``selective``: a cheap value is recomputed only from what the backward keeps anyway (values it
+    already read, state, batch, constants) and other recomputed values; one that needs a value the
+    backward did not keep (a matmul output only an add read) is kept instead, in forward order."""
+    saved = {root[r.id] for node in graph.nodes[b + 1:] for r in node.input_refs() if r.id in root}
+    saved |= {root[o.value] for o in graph.outputs if o.value in root}
+    for node in graph.nodes[:b + 1]:
+        own = [v for v in node.outputs if v is not None and root[v] == v and v not in keep]
+        if not own:
+            continue
+        for r in node.input_refs():
+            s = root[r.id]
+            if s in made and s in keep and s not in saved:
+                keep.update(own)
+                break
 
 
 def remat(graph: Graph, mode: Recompute | str, mem: MemoryEstimate | None = None) -> tuple[Graph, dict[str, str]]:
@@ -201,35 +332,12 @@ def _drop_unread_forward(graph: Graph, b: int, want: set[int]) -> None:
 
 def remat_plan(plan: ShardingPlan, origin: dict[str, str]) -> ShardingPlan:
     """``plan`` for the transformed graph: every copy runs with its original node's strategy. The
-    fingerprint is cleared (the plan was checked against the original graph)."""
+    fingerprint is cleared (the plan was checked against the original graph) and ``recompute`` is
+    ``none`` (the transformed graph recomputes by itself)."""
     strategies = dict(plan.strategies)
     for new, old in origin.items():
         if old in plan.strategies:
             strategies[new] = plan.strategies[old]
-    return replace(plan, strategies=strategies, fingerprint="")
+    return replace(plan, strategies=strategies, fingerprint="", recompute=Recompute.NONE.value)
 
 
-def remat_effect(rp: ResolvedPlan, mem: MemoryEstimate, nodes, mode: Recompute | str, device, links,
-                 options: StepOptions = StepOptions(), rank: int = 0) -> RecomputeEffect:
-    """The effect of ``mode`` priced on the transformed program: ``memory`` is ``estimate_memory`` of
-    ``remat(graph)`` under the mapped plan, ``saved`` its activation bytes; the extra compute and
-    blocking communication are those of the copies in ``step_time`` of that program. ``mem`` and
-    ``nodes`` (``StepTime.nodes``) describe the original program."""
-    mode = Recompute(mode)
-    total = mem.activations
-    graph = rp.graph
-    whole = estimate_memory(graph)
-    new, origin = remat(graph, mode, whole)
-    if not origin:
-        return RecomputeEffect(mode, total, total, 0.0, 0.0, notes=[f"{mode.value} recomputation: nothing to "
-                                                                    f"recompute"], memory=mem)
-    rp2 = resolve(new, remat_plan(rp.plan, origin))
-    mem2 = estimate_memory(new, rp2, rank)
-    st2 = step_time(rp2, device, links, options)
-    copies = [c for c in st2.nodes if c.name in origin]
-    k = full_segments(whole).k
-    return RecomputeEffect(
-        mode, total, mem2.activations, sum(c.compute for c in copies), sum(c.flops for c in copies),
-        k, [f"{mode.value} recomputation: {len(copies)} forward nodes rerun in {k} segments, keeps "
-            f"{mem2.activations / max(1, total):.0%} of the activations"],
-        extra_comm_seconds=sum(c.comm for c in copies), memory=mem2)
