@@ -20,7 +20,7 @@ from rhino.cost.cluster import parse_cluster
 from rhino.cost.estimate import estimate
 from rhino.cost.memory import estimate_memory
 from rhino.cost.recompute import KEEP_KINDS, apply_recompute, full_segments
-from rhino.cost.remat import remat, remat_plan
+from rhino.cost.remat import remat, remat_plan, remat_resolved
 from rhino.cost.step import NodeCost, loss_index
 from rhino.ir.registry import OpKind, is_random, lookup
 from rhino.ir.verify import verify
@@ -193,7 +193,15 @@ def test_estimate_prices_the_rewritten_program():
         plan = preset_plan(g, parse_strategy(f"dp=2,recompute={mode}"))
         new, origin = remat(g, mode)
         est = estimate(g, cluster, plan)
-        assert est.memory_bytes["peak"] == estimate_memory(new, resolve(new, remat_plan(plan, origin))).peak
+        rp = resolve(new, remat_plan(plan, origin))
+        fast = remat_resolved(resolve(g, plan), new, origin)   # what estimate uses instead of resolving again
+        assert fast.value == rp.value
+        for node in new.nodes:
+            a, b = fast.node[node.name], rp.node[node.name]
+            assert a.inputs == b.inputs
+            assert [p for v, p in zip(node.outputs, a.outputs) if v is not None] == \
+                [p for v, p in zip(node.outputs, b.outputs) if v is not None]
+        assert est.memory_bytes["peak"] == estimate_memory(new, rp).peak
         none = estimate(g, cluster, plan, recompute="none")
         assert est.recompute_seconds > 0 and est.step_seconds > none.step_seconds
         if mode == "full":

@@ -129,7 +129,7 @@ def estimate(graph: Graph, cluster: Cluster, plan: ShardingPlan | ResolvedPlan |
     mem = estimate_memory(graph, rp)
     # recomputation priced on the rewritten program the runtime runs (cost.remat)
     rc = apply_recompute(graph, mem, st.nodes, recompute) if recompute is Recompute.NONE else \
-        remat_effect(rp, mem, st.nodes, recompute, cluster.device, links, options)
+        remat_effect(rp, mem, st.nodes, recompute)
     pl = pipeline_time(graph, rp, st, mem, rc, cluster, links, pp=pp, microbatches=microbatches,
                        schedule=schedule, options=options)
     memory = dict(pl.memory_at_peak)   # bytes of each category live at the peak

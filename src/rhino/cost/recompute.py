@@ -37,10 +37,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ..ir.graph import Graph
-from ..sharding.plan import ResolvedPlan, resolve
+from ..sharding.plan import ResolvedPlan
 from .memory import MemoryEstimate, estimate_memory
-from .remat import KEEP_KINDS, Recompute, Segments, forward_cuts, full_segments, remat, remat_plan
-from .step import NodeCost, StepOptions, step_time
+from .remat import KEEP_KINDS, Recompute, Segments, forward_cuts, full_segments, remat, remat_resolved
+from .step import NodeCost
 
 __all__ = ["Recompute", "RecomputeEffect", "Segments", "apply_recompute", "remat_effect", "forward_cuts",
            "full_segments", "KEEP_KINDS"]
@@ -72,41 +72,39 @@ def apply_recompute(graph: Graph, mem: MemoryEstimate, nodes: list[NodeCost], mo
     total = sum(s for _, _, s in mem.activation_spans)
     if mode is Recompute.NONE or total == 0 or mem.boundary < 0:
         return RecomputeEffect(mode, total, total, 0.0, 0.0)
-    whole = estimate_memory(graph)
-    new, origin = remat(graph, mode, whole)
+    new, origin = remat(graph, mode)
     kept = set(estimate_memory(new).activation_values)   # storages the rewritten backward reads
     saved = sum(size for (_, _, size), v in zip(mem.activation_spans + mem.forward_only_spans,
                                                  mem.activation_values + mem.forward_only_values) if v in kept)
     index = {n.name: i for i, n in enumerate(graph.nodes)}
     rerun = [nodes[index[o]] for o in origin.values()]
-    seg = full_segments(whole)
-    return RecomputeEffect(mode, total, saved, sum(c.compute for c in rerun), sum(c.flops for c in rerun), seg.k,
-                           [f"{mode.value} recomputation: {len(rerun)} forward nodes rerun in {seg.k} segments, "
+    k = new.meta.get("recompute", {}).get("segments", 1)
+    return RecomputeEffect(mode, total, saved, sum(c.compute for c in rerun), sum(c.flops for c in rerun), k,
+                           [f"{mode.value} recomputation: {len(rerun)} forward nodes rerun in {k} segments, "
                             f"keeps {saved / total:.0%} of the activations"],
                            extra_comm_seconds=sum(c.comm for c in rerun if c.kind == "blocking"))
 
 
-def remat_effect(rp: ResolvedPlan, mem: MemoryEstimate, nodes, mode: Recompute | str, device, links,
-                 options: StepOptions = StepOptions(), rank: int = 0) -> RecomputeEffect:
-    """The effect of ``mode`` priced on the transformed program: ``memory`` is ``estimate_memory`` of
-    ``remat(graph)`` under the mapped plan, ``saved`` its activation bytes; the extra compute and
-    blocking communication are those of the copies in ``step_time`` of that program. ``mem`` and
-    ``nodes`` (``StepTime.nodes``) describe the original program."""
+def remat_effect(rp: ResolvedPlan, mem: MemoryEstimate, nodes: list[NodeCost], mode: Recompute | str,
+                 rank: int = 0) -> RecomputeEffect:
+    """The effect of ``mode`` priced on the rewritten program of a plan: ``memory`` is
+    ``estimate_memory`` of ``remat(graph)`` under the mapped plan (``saved``: its activation bytes);
+    the extra compute is the copies' (each runs its original's strategy: ``nodes``, the original
+    program's ``StepTime.nodes``) and the extra blocking communication their originals' (a copy reading
+    a checkpoint in another sharding reuses the forward's redistribution, so this slightly overcounts)."""
     mode = Recompute(mode)
     total = mem.activations
     graph = rp.graph
-    whole = estimate_memory(graph)
-    new, origin = remat(graph, mode, whole)
+    new, origin = remat(graph, mode)
     if not origin:
         return RecomputeEffect(mode, total, total, 0.0, 0.0, notes=[f"{mode.value} recomputation: nothing to "
                                                                     f"recompute"], memory=mem)
-    rp2 = resolve(new, remat_plan(rp.plan, origin))
-    mem2 = estimate_memory(new, rp2, rank)
-    st2 = step_time(rp2, device, links, options)
-    copies = [c for c in st2.nodes if c.name in origin]
-    k = full_segments(whole).k
+    mem2 = estimate_memory(new, remat_resolved(rp, new, origin), rank)
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    rerun = [nodes[index[o]] for o in origin.values()]
+    k = new.meta.get("recompute", {}).get("segments", 1)
     return RecomputeEffect(
-        mode, total, mem2.activations, sum(c.compute for c in copies), sum(c.flops for c in copies),
-        k, [f"{mode.value} recomputation: {len(copies)} forward nodes rerun in {k} segments, keeps "
+        mode, total, mem2.activations, sum(c.compute for c in rerun), sum(c.flops for c in rerun),
+        k, [f"{mode.value} recomputation: {len(rerun)} forward nodes rerun in {k} segments, keeps "
             f"{mem2.activations / max(1, total):.0%} of the activations"],
-        extra_comm_seconds=sum(c.comm for c in copies), memory=mem2)
+        extra_comm_seconds=sum(c.comm for c in rerun if c.kind == "blocking"), memory=mem2)

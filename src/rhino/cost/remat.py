@@ -34,6 +34,7 @@ later segment reads is kept), so a segment's copies never need another segment's
 """
 from __future__ import annotations
 
+import weakref
 from bisect import bisect_left
 from dataclasses import dataclass, replace
 from enum import Enum
@@ -41,15 +42,18 @@ from math import isqrt
 
 from ..ir.graph import Graph, Node, Ref
 from ..ir.registry import OpKind, is_random, lookup
-from ..sharding.plan import ShardingPlan
+from ..sharding.plan import ResolvedPlan, ShardingPlan
 from .memory import MemoryEstimate, estimate_memory
 from .step import loss_index
 
 __all__ = ["Recompute", "KEEP_KINDS", "Segments", "forward_cuts", "full_segments", "remat", "remat_plan",
-           "RECOMPUTE_SUFFIX"]
+           "remat_resolved", "RECOMPUTE_SUFFIX"]
 
 #: Suffix of a copy's node name (``origin`` maps it back to the original node).
 RECOMPUTE_SUFFIX = "_rc"
+# the last rewrites by graph identity (graphs are not mutated once captured; the search and ``estimate``
+# price many plans of one graph)
+_CACHE: dict[tuple, tuple] = {}
 #: How many segment counts ``full_segments`` tries between 1 and ``2 sqrt(A / c)``.
 _K_TRIES = 16
 
@@ -237,8 +241,22 @@ def remat(graph: Graph, mode: Recompute | str, mem: MemoryEstimate | None = None
     b = loss_index(graph)
     if mode is Recompute.NONE or b < 0:
         return graph, {}
-    mem = mem if mem is not None else estimate_memory(graph)
-    cuts = list(full_segments(mem).positions)
+    if mem is not None:
+        return _remat(graph, mode, b, mem)
+    key = (id(graph), len(graph.nodes), mode)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is graph:
+        return hit[1]
+    out = _remat(graph, mode, b, estimate_memory(graph))
+    if len(_CACHE) >= 4:
+        _CACHE.clear()
+    _CACHE[key] = (weakref.ref(graph), out)
+    return out
+
+
+def _remat(graph: Graph, mode: Recompute, b: int, mem: MemoryEstimate) -> tuple[Graph, dict[str, str]]:
+    seg = full_segments(mem)
+    cuts = list(seg.positions)
     root, made = _roots(graph, b)
     keep = _kept(graph, mode, b, cuts, root, made)
 
@@ -263,7 +281,9 @@ def remat(graph: Graph, mode: Recompute | str, mem: MemoryEstimate | None = None
         stack.extend(r.id for r in graph.nodes[made[v]].input_refs() if dropped(r.id))
     if not want:
         return graph, {}
-    return _rewrite(graph, b, cuts, made, want, first)
+    new, origin = _rewrite(graph, b, cuts, made, want, first)
+    new.meta["recompute"] = {"mode": mode.value, "segments": seg.k}
+    return new, origin
 
 
 def _rewrite(graph: Graph, b: int, cuts: list[int], made: dict[int, int], want: set[int],
@@ -339,5 +359,23 @@ def remat_plan(plan: ShardingPlan, origin: dict[str, str]) -> ShardingPlan:
         if old in plan.strategies:
             strategies[new] = plan.strategies[old]
     return replace(plan, strategies=strategies, fingerprint="", recompute=Recompute.NONE.value)
+
+
+def remat_resolved(rp: ResolvedPlan, new: Graph, origin: dict[str, str]) -> ResolvedPlan:
+    """``resolve(new, remat_plan(rp.plan, origin))`` without re-deriving: a copy has its original's
+    strategy and input types, so its required and produced shardings are its original's (a node's
+    entry for an output the rewrite left undefined is its original's, where ``resolve`` may say None)."""
+    nodes = {n.name: n for n in rp.graph.nodes}
+    value = {i.value: rp.value[i.value] for i in new.inputs}
+    value.update({v: rp.value[v] for v in new.constants})
+    node = {}
+    for c in new.nodes:
+        o = origin.get(c.name, c.name)
+        node[c.name] = rp.node[o]
+        for v, ov in zip(c.outputs, nodes[o].outputs):
+            if v is not None:
+                value[v] = rp.value[ov]
+    return ResolvedPlan(remat_plan(rp.plan, origin), new, value, node)
+
 
 
