@@ -76,6 +76,13 @@ class MemoryEstimate:
     boundary: int = -1
     # ``estimate_memory(..., windows=...)``: per window of node indices [lo, hi), (peak bytes, breakdown there)
     window_peaks: list[tuple[int, dict[str, int]]] = field(default_factory=list)
+    # the other storages made at or before the loss node and read by a later forward node (not saved for
+    # backward), as (producer index, last forward use, bytes): with the activations, what a cut of the
+    # forward pass must keep (``cost.recompute.full_segments``)
+    forward_only_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    # the storage (value id) of each span, in the same order
+    activation_values: list[int] = field(default_factory=list)
+    forward_only_values: list[int] = field(default_factory=list)
 
     @property
     def state(self) -> int:
@@ -315,14 +322,16 @@ def estimate_memory(graph: Graph, resolved_plan=None, rank: int = 0,
     tmp_live = tmp_max = 0
     for i in range(n):
         pre = live + alloc_pre[i]          # the copies for node i are made while their sources live
-        seen(i, pre)
+        if windows:
+            seen(i, pre)
         if pre > peak:
             peak, peak_i = pre, i
         tmp_live += alloc_pre[i]
         tmp_max = max(tmp_max, tmp_live)
         tmp_live -= free_tmp_pre[i]
         during = pre - free_pre[i] + alloc[i]
-        seen(i, during)
+        if windows:
+            seen(i, during)
         if during > peak:
             peak, peak_i = during, i
         tmp_live += alloc_tmp[i]
@@ -345,15 +354,23 @@ def estimate_memory(graph: Graph, resolved_plan=None, rank: int = 0,
             if first <= at <= lst:
                 out[_TMP] += nbytes
         return {name: out[k] for k, name in enumerate(CATEGORIES)}
-    spans = []
+    spans, fwd_spans, span_values, fwd_values = [], [], [], []
     for s, b in born.items():
+        if b < 0 or b > boundary:
+            continue
+        last_fwd = max([u for u in uses.get(s, ()) if u <= boundary], default=b)
         if cat[s] == _ACT:
-            spans.append((b, max([u for u in uses.get(s, ()) if u <= boundary], default=b), sizes[s]))
+            spans.append((b, last_fwd, sizes[s]))
+            span_values.append(s)
+        elif last_fwd > b:
+            fwd_spans.append((b, last_fwd, sizes[s]))
+            fwd_values.append(s)
     return MemoryEstimate(
         params=totals[_PARAMS], gradients=totals[_GRAD], optimizer=totals[_OPT], buffers=totals[_BUF],
         activations=totals[_ACT], temporaries=tmp_max, peak=peak,
         peak_node=nodes[peak_i].name if peak_i >= 0 else "", batch=totals[_BATCH],
         updated_state=totals[_NEW], timeline=timeline,
         breakdown=breakdown(peak_i), activation_spans=spans,
-        boundary=boundary if boundary < n else -1,
+        boundary=boundary if boundary < n else -1, forward_only_spans=fwd_spans,
+        activation_values=span_values, forward_only_values=fwd_values,
         window_peaks=[(max(b, 0), breakdown(i)) for b, i in wpeak])

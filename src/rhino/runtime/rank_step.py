@@ -22,8 +22,8 @@ are numbers in the captured graph), so it is lowered from the step **captured ag
 (``microbatch_graph``), with the plan applied by node name; ``same_structure`` checks that the two
 graphs differ only in the batch dim and in numbers (a clear error otherwise).
 
-**Recomputation**: ``plan.recompute != "none"`` goes through ``with_recompute`` (the recompute part's
-graph transform plugs in there) before anything is lowered.
+**Recomputation**: ``plan.recompute != "none"`` rewrites the step with ``cost.remat.remat``
+(``with_recompute``) before anything is lowered (with micro-batches, the step at batch B/m).
 
 **Overlap**: ``overlap=True`` lowers every program with asynchronous bucketed collectives
 (``lower.overlap``; results identical to the blocking programs); with micro-batches the gradient
@@ -42,6 +42,7 @@ from ..capture import Captured, capture, default_dtype
 from ..ir.graph import Graph, Ref, Role
 from ..lower.spmd import Part, SpmdProgram, lower_rank
 from ..cost.accumulate import split_step
+from ..cost.remat import remat, remat_plan
 from ..sharding.placement import Partial, ReduceOp, replicated
 from ..sharding.plan import PlanError, ResolvedPlan, ShardingPlan, resolve
 
@@ -53,13 +54,13 @@ Executor = Callable[[SpmdProgram, list], list]
 
 
 def with_recompute(graph: Graph, plan: ShardingPlan) -> tuple[Graph, ShardingPlan]:
-    """The graph and plan the runtime executes for ``plan.recompute`` (identity for ``"none"``).
-
-    Hook for the recomputation transform (``remat(graph, mode) -> (graph', origin)``, design11.md
-    interface 4): the transformed graph, and the plan with each copied node given its origin's strategy."""
+    """The graph and plan the runtime executes for ``plan.recompute`` (identity for ``"none"``): the
+    recomputing program of ``cost.remat.remat`` (the one the cost model prices), each copied node with
+    its original's strategy (``remat_plan``)."""
     if plan.recompute == "none":
         return graph, plan
-    raise ValueError(f"recompute={plan.recompute} is not executed by the runtime yet; use recompute=none")
+    new, origin = remat(graph, plan.recompute)
+    return new, remat_plan(plan, origin)
 
 
 def microbatch_graph(cap: Captured, microbatches: int) -> Graph:
