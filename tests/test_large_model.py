@@ -1,12 +1,16 @@
 """A model whose fp32 parameters + Adam state S are more than twice what one rank may hold (B = S/2) trains on
 4 processes, each rank building only its own shards (deferred initialisation) and staying below B.
 
-Workload: ``tests/workloads/wide_mlp.py`` (15 layers of width 4096: 235M parameters, S = 3.0 GB). Each rank:
+Workload: ``tests/workloads/wide_mlp.py`` (24 layers of width 4096: 403M parameters, S = 4.8 GB). Each rank:
 deferred load -> capture (meta) -> plan from the strategy -> ``local_state`` -> its per-rank program
-(``lower_rank`` with overlap, as ``RankStep`` runs it) -> 2 steps. The program is called boxed (its argument list is cleared on entry, so each
-state tensor is freed after its last use and the old state does not stay alive next to the new one).
-Peak RSS is ``ru_maxrss`` inside the rank: the whole process, torch's baseline (~0.3 GB) included.
-Takes about a minute per strategy on 2 cores.
+(``lower_rank`` with overlap, as ``RankStep`` runs it) -> 2 steps. The program is called boxed (its argument
+list is cleared on entry, so each state tensor is freed after its last use and the old state does not stay
+alive next to the new one); ``return_freed_memory`` makes freed tensors leave the RSS.
+Peak RSS is ``ru_maxrss`` inside the rank: the whole process, torch's baseline (~0.3 GiB) included. Why S is
+this large: a rank needs S/3 at least (its quarter of parameters, moments and gradients, 16 bytes per
+parameter / 4), so B - S/3 = S/6 must hold the baseline and one layer's transients (gathered weight,
+prefetched weight, full-size gradient and its reduce-scatter copy: 4 x 64 MiB under zero=3).
+About 1-2.5 minutes per strategy on 2 cores (4 processes), 8 GiB of RAM in all.
 """
 from __future__ import annotations
 
