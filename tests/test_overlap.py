@@ -226,3 +226,23 @@ def test_gloo_overlapped_equals_blocking_bit_for_bit_and_one_device():
         res = compare_results(cap, rp, lower_rank(rp, 0), results, 2, time.perf_counter())
         assert res.ok, (s, res.first_mismatch)
         assert res.max_abs_diff < 1e-9
+
+
+def test_released_inputs_free_the_old_state_during_the_update():
+    from rhino.lower.overlap import release_inputs
+    from rhino.lower.spmd_ops import set_context
+    from rhino.runtime.groups import MeshGroups
+    cap = _cap("mlp", torch.float32, inputs=256, hidden=512, layers=6, batch=8)
+    rp = resolve(cap.graph, preset_plan(cap.graph, parse_strategy("dp=1")))
+    prog = lower_rank(rp, 0, overlap=True)
+    boxed = release_inputs(prog)
+    set_context(rp.plan.mesh, 0, MeshGroups(rp.plan.mesh, 0, [[((0,), None)]]))
+    state = cap.initial_state()
+    names = [i.name for i in cap.graph.inputs if i.role is not Role.BATCH]
+    batch = list(cap.workload.batch)
+    with torch.no_grad():
+        want = prog.module(*([state[n] for n in names] + batch))
+        args = [state[n].clone() for n in names] + batch
+        got = boxed.module(args)
+    assert args == []
+    assert all(torch.equal(a, b) for a, b in zip(want, got))

@@ -23,6 +23,8 @@ TFLOP/s also count the recomputed forward (what Megatron-LM reports).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 
 from ..ir.graph import Graph
@@ -168,8 +170,7 @@ def estimate_strategy(graph: Graph, cluster: Cluster, strategy: str | StrategySp
     stage = StrategySpec(dp=spec.dp, tp=spec.tp, zero=spec.zero, sp=spec.sp)
     plan = preset_plan(graph, stage) if stage.world > 1 else ShardingPlan(mesh_for(stage), {}, {})
     if profile is not None:
-        options = StepOptions(options.overlap_gradient_reduction, options.prefetch_parameters, options.allow_tf32,
-                              profile)
+        options = dataclasses.replace(options, profile=profile)
     return estimate(graph, cluster, plan, pp=spec.pp, microbatches=spec.microbatches, recompute=spec.recompute,
                     schedule=schedule, options=options, strategy=str(spec))
 

@@ -42,7 +42,7 @@ import torch.fx
 
 from .spmd_ops import COMM_KINDS, redistribute, start, wait
 
-__all__ = ["OverlapOptions", "overlap_program", "BUCKETABLE"]
+__all__ = ["OverlapOptions", "overlap_program", "release_inputs", "BUCKETABLE"]
 
 MB = 1 << 20
 BUCKETABLE = frozenset({"AllReduce", "ReduceScatter"})
@@ -356,3 +356,36 @@ def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     for old, n in env.items():
         n.meta.update(old.meta)
     return new
+
+
+# ----------------------------------------------------------------------------- releasing the inputs
+
+def _release(args: list) -> None:
+    """Drop the caller's references to a step's inputs (the program holds its own until their last use)."""
+    args.clear()
+
+
+def release_inputs(prog):
+    """``prog`` as a program called with ONE list of its inputs, which it empties once it has read them
+    (the boxed calling convention of ``torch._inductor``'s compiled functions). A caller that keeps no
+    other reference to the old state (e.g. ``args = [state.pop(n) for n in names]``) then frees each
+    old parameter and optimizer moment at its last use in the update, as PyTorch's in-place optimizers
+    overwrite theirs, instead of holding the old and the new state together at the end of the step."""
+    gm = torch.fx.GraphModule(prog.module, _copy_graph(prog.module.graph))
+    g = gm.graph
+    phs = [n for n in g.nodes if n.op == "placeholder"]
+    with g.inserting_before(phs[0]):
+        boxed = g.placeholder("inputs")
+    last = boxed
+    for i, ph in enumerate(phs):
+        with g.inserting_after(last):
+            item = g.call_function(operator.getitem, (boxed, i))
+        item.meta.update(ph.meta)
+        ph.replace_all_uses_with(item)
+        g.erase_node(ph)
+        last = item
+    with g.inserting_after(last):
+        g.call_function(_release, (boxed,))
+    g.lint()
+    gm.recompile()
+    return replace(prog, module=gm)
