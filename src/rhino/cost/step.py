@@ -22,7 +22,9 @@ Per rank (all ranks run the same program on equal shards, so one rank stands for
   groups them (production order, same single step and dtype, ``first_bucket_mb`` for the first bucket
   that fills, ``bucket_cap_mb`` after: DDP's defaults); a bucket is one collective of its summed bytes
   (one latency), issued when its last gradient exists, running while later backward nodes compute;
-  the optimizer nodes that read it wait for it. ``prefetch_parameters``: a redistribution of a state
+  the optimizer nodes that read it wait for it; before a reduce-scatter bucket is issued the compute
+  stream waits for the previous one (one in flight, as FSDP2 and the runtime bound the full-size
+  gradients pending). ``prefetch_parameters``: a redistribution of a state
   input (ZeRO-3 parameter all-gather) is issued when the previous one is waited for (one use ahead,
   as FSDP2 prefetches), the first when it is needed; with ``reshard_after_forward`` a state input
   redistributed before the loss is redistributed again for its uses after it (FSDP2's default, the
@@ -256,6 +258,7 @@ def step_time(rp: ResolvedPlan, device: DeviceSpec, links: list[AxisLink],
     t_compute = 0.0      # compute stream clock
     t_comm = 0.0         # communication stream clock
     last_wait: float | None = None   # when the previous prefetched gather was waited for
+    last_scatter = 0.0               # when the previous reduce-scatter bucket completes
     pending: dict[int, float] = {}  # node index -> time its overlapped inputs are ready
     total_compute = fb_compute = opt_compute = flops = comm_total = 0.0
     costs: list[NodeCost] = []
@@ -303,7 +306,12 @@ def step_time(rp: ResolvedPlan, device: DeviceSpec, links: list[AxisLink],
             node_comm += csecs
         pending[i] = t_compute
         for b in closing.get(i, []):         # a bucket's last gradient exists: issue it
+            if b.kind == "ReduceScatter":    # one reduce-scatter in flight: wait for the previous one
+                t_compute = max(t_compute, last_scatter)
+                pending[i] = t_compute
             t_comm = b.issue(t_comm, t_compute)
+            if b.kind == "ReduceScatter":
+                last_scatter = b.done
             by_kind["gradient"] += b.seconds
             comm_total += b.seconds
             counts[b.kind] = counts.get(b.kind, 0) + 1

@@ -24,7 +24,9 @@ call, placed just before the node that needs it. This pass rewrites each communi
   gathered value (following views such as ``t`` that keep its storage alive) are split wherever
   another gathered parameter is used in between, and each later group gets its own copy of the
   gather (and of the views), so the gathered copy of the forward is freed after its last forward
-  use instead of living until the backward. (A reduction of a graph input, a gradient accumulated
+  use instead of living until the backward; a reduce-scatter bucket holds its full-size packed
+  gradients until it completes, so at most ``reduce_scatters_in_flight`` are pending: the previous
+  one is waited for before the next starts (as FSDP2 does). (A reduction of a graph input, a gradient accumulated
   outside the program, starts at once and is bucketed like any other.)
 
 The pass only moves and groups communication; what is computed is unchanged. Each element of a
@@ -56,6 +58,7 @@ class OverlapOptions:
     bucket_cap_mb: float = 25.0       # DDP bucket_cap_mb default
     first_bucket_mb: float = 1.0      # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
     prefetch_depth: int = 1           # FSDP2 prefetches one module ahead
+    reduce_scatters_in_flight: int = 1  # FSDP2 waits for the previous reduce-scatter before the next
     reshard_after_forward: bool = True  # FSDP2 default
 
 
@@ -291,12 +294,34 @@ def _make_async(g: torch.fx.Graph, opts: OverlapOptions, stats: OverlapStats) ->
     order = {n: i for i, n in enumerate(g.nodes)}
     comms = [_Comm(n, n.meta.pop("rhino_anchor", n.args[0]), _first_user(n, order), (tuple(n.args[1:]), _dtype(n)),
                    _nbytes(n)) for n in free]
+    scatters: list[torch.fx.Node] = []
     for bucket in _buckets(comms, order, opts):
-        _convert(g, bucket, max((c.anchor for c in bucket), key=order.__getitem__), stats)
+        w = _convert(g, bucket, max((c.anchor for c in bucket), key=order.__getitem__), stats)
+        if bucket[0].key[0][0] == "ReduceScatter":
+            scatters.append(w)
+    _bound_in_flight(g, scatters, opts.reduce_scatters_in_flight)
     _prefetch(g, stored, opts, stats)
     for n in chained:                        # behind another collective: start when its input is there
         order = {m: i for i, m in enumerate(g.nodes)}
         _convert(g, [_Comm(n, n.args[0], _first_user(n, order), (), _nbytes(n))], n.args[0], stats)
+
+
+def _bound_in_flight(g: torch.fx.Graph, waits: list[torch.fx.Node], limit: int) -> None:
+    """Wait for reduce-scatter k - ``limit`` just before reduce-scatter k starts (if not waited before):
+    a pending reduce-scatter holds its full-size packed input, its result is 1/n of it, so bounding the
+    number in flight bounds the full-size gradients alive to about ``limit`` buckets (FSDP2 keeps one
+    reduce-scatter in flight for the same reason)."""
+    if limit < 1:
+        raise ValueError("reduce_scatters_in_flight must be at least 1")
+    order = {n: i for i, n in enumerate(g.nodes)}
+    for k in range(limit, len(waits)):
+        w, nxt = waits[k - limit], waits[k].args[0]
+        if order[w] > order[nxt] > order[w.args[0]]:
+            items = sorted(w.users, key=order.__getitem__)
+            nxt.prepend(w)
+            for item in items:
+                nxt.prepend(item)
+            order = {n: i for i, n in enumerate(g.nodes)}
 
 
 def _chain(n: torch.fx.Node) -> list[torch.fx.Node]:
