@@ -109,6 +109,18 @@ def workload(layers=2, hidden=64, heads=4, seq=32, batch=4, vocab=256, lr=3e-4, 
     return model, optimizer, loss, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
+def batches(seq=32, batch=4, vocab=256, corpus=64, seed=1):
+    """Training data for ``rhino train``: global batches shaped like ``workload()``'s, drawn by a seeded,
+    shuffling ``DataLoader`` from a fixed random corpus of ``corpus`` sequences, epoch after epoch."""
+    from torch.utils.data import DataLoader, TensorDataset
+    tokens = torch.randint(vocab, (corpus, seq + 1), generator=torch.Generator().manual_seed(seed))
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch, shuffle=True,
+                        drop_last=True, generator=torch.Generator().manual_seed(seed))
+    while True:
+        for x, y in loader:
+            yield x, y
+
+
 def gpt_autocast(**kwargs):
     """The default GPT trained with bf16 autocast around the forward (fp32 parameters and AdamW state)."""
     return workload(autocast=True, **kwargs)
