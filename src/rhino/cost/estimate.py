@@ -98,22 +98,26 @@ def stage_cluster(cluster: Cluster, stage_world: int) -> Cluster:
 
 
 def estimate(graph: Graph, cluster: Cluster, plan: ShardingPlan | ResolvedPlan | None = None, *, pp: int = 1,
-             microbatches: int = 1, recompute: str | Recompute = Recompute.NONE,
+             microbatches: int | None = None, recompute: str | Recompute | None = None,
              schedule: str | Schedule = Schedule.ONE_F_ONE_B, options: StepOptions = StepOptions(),
              strategy: str = "") -> Estimate:
-    """Predict one training step of ``graph`` under ``plan`` (None: one replicated device per stage)."""
-    recompute, schedule = Recompute(recompute), Schedule(schedule)
-    if pp < 1 or microbatches < 1:
-        raise ValueError("pp and microbatches must be positive integers")
-    if pp > 1 and microbatches < pp:
-        raise ValueError(f"pp={pp} needs at least {pp} micro-batches to keep every stage busy; "
-                         f"set microbatches >= {pp}")
+    """Predict one training step of ``graph`` under ``plan`` (None: one replicated device per stage).
+    ``microbatches`` / ``recompute`` left as None take the plan's own (``ShardingPlan.microbatches``,
+    ``.recompute``)."""
     if isinstance(plan, ResolvedPlan):
         rp = plan
     else:
         if plan is None:
             plan = ShardingPlan(Mesh(("dp",), (1,)), {}, {})
         rp = resolve(graph, plan)
+    microbatches = rp.plan.microbatches if microbatches is None else microbatches
+    recompute = Recompute(rp.plan.recompute if recompute is None else recompute)
+    schedule = Schedule(schedule)
+    if pp < 1 or microbatches < 1:
+        raise ValueError("pp and microbatches must be positive integers")
+    if pp > 1 and microbatches < pp:
+        raise ValueError(f"pp={pp} needs at least {pp} micro-batches to keep every stage busy; "
+                         f"set microbatches >= {pp}")
     mesh = rp.plan.mesh
     if mesh.world * pp != cluster.world:
         raise ValueError(f"the plan uses {mesh.world} devices x pp={pp} = {mesh.world * pp}, but cluster {cluster} "

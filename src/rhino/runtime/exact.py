@@ -17,7 +17,7 @@ from ..lower.simulate_spmd import simulate_training
 from ..lower.spmd import lower_rank
 from ..sharding.plan import ShardingPlan, resolve
 from .compare import Tolerance, state_dtype
-from .run import RunResult, bytes_by_role, compare_results
+from .run import RunResult, bytes_by_role, check_executable, compare_results
 
 __all__ = ["simulate_plan"]
 
@@ -26,6 +26,7 @@ def simulate_plan(cap: Captured, plan: ShardingPlan, steps: int = 2,
                   tol: Tolerance | None = None) -> tuple[RunResult, dict]:
     """(the comparison, ``simulate_training``'s result: losses, local state, peaks per rank)."""
     start = time.perf_counter()
+    check_executable(plan)
     rp = resolve(cap.graph, plan)
     state = cap.initial_state()
     with default_dtype(torch.float64 if state_dtype(cap) is torch.float64 else None):

@@ -83,6 +83,13 @@ def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, 
     return {"losses": losses, "local": own, "held": held, "times": times, "peak": peak, "peak_node": peak_node}
 
 
+def check_executable(plan: ShardingPlan) -> None:
+    """ValueError for plan fields the runtime does not execute yet."""
+    if plan.microbatches > 1 or plan.recompute != "none":
+        raise ValueError(f"microbatches={plan.microbatches}, recompute={plan.recompute} are not executed by the "
+                         f"runtime yet; use microbatches=1 and recompute=none")
+
+
 def bytes_by_role(graph: Graph, local: dict) -> dict[str, int]:
     """Bytes of a rank's local state tensors by role (parameter, buffer, optimizer state)."""
     out: dict[str, int] = {}
@@ -105,6 +112,7 @@ def run_plan(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, time
     its own shards against single-device training and returns the result.
     """
     start = time.perf_counter()
+    check_executable(plan)
     graph = cap.graph
     rp: ResolvedPlan = resolve(graph, plan)
     if plan.mesh.world != nproc:

@@ -13,7 +13,8 @@ __all__ = ["plan_workload"]
 
 def _preset_plan(graph, strategy: str):
     spec = parse_strategy(strategy)
-    plan = preset_plan(graph, StrategySpec(dp=spec.dp, tp=spec.tp, zero=spec.zero, sp=spec.sp))
+    plan = preset_plan(graph, StrategySpec(dp=spec.dp, tp=spec.tp, zero=spec.zero, sp=spec.sp,
+                                           microbatches=spec.microbatches, recompute=spec.recompute))
     return plan, spec.recompute
 
 
@@ -36,6 +37,7 @@ def plan_workload(graph, cluster, *, level: str = "O2", time_limit: float = 60.0
                           "predicted_step_seconds": est.step_seconds,
                           "predicted_peak_bytes": est.memory_bytes["peak"]})
     plan.meta["source"] = source
+    plan.recompute = recompute  # what the runtime executes (the plan file's "recompute")
     rp = resolve(graph, plan)
     if source == "search":
         est = estimate(graph, cluster, rp, recompute=recompute)

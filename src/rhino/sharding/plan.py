@@ -16,7 +16,8 @@ from .mesh import Mesh
 from .placement import Partial, Replicate, Shard, Sharding, format_sharding, local_shape, parse_placement, replicated
 from .rules import NodeShardings, StrategyError, shardings_for
 
-__all__ = ["ShardingPlan", "ResolvedPlan", "resolve", "PLAN_FORMAT", "PlanError", "OUTPUT_OVERRIDES"]
+__all__ = ["ShardingPlan", "ResolvedPlan", "resolve", "PLAN_FORMAT", "PlanError", "OUTPUT_OVERRIDES", "RECOMPUTE_MODES",
+           "check_step_fields"]
 
 PLAN_FORMAT = 1
 
@@ -33,6 +34,11 @@ class ShardingPlan:
     fingerprint: str = ""
     strategy_string: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
+    microbatches: int = 1                        # gradient accumulation: micro-batches per step
+    recompute: str = "none"                      # "none" | "full" | "selective" (cost.recompute.Recompute)
+
+    def __post_init__(self) -> None:
+        check_step_fields(self.microbatches, self.recompute)
 
     def to_json(self) -> str:
         return json.dumps({
@@ -40,7 +46,7 @@ class ShardingPlan:
             "mesh": {"names": list(self.mesh.names), "sizes": list(self.mesh.sizes)},
             "inputs": {k: [str(p) for p in v] for k, v in self.inputs.items()},
             "strategies": {k: list(v) for k, v in self.strategies.items()},
-            "pipeline": {"stages": 1, "microbatches": 1}, "recompute": "none",
+            "pipeline": {"stages": 1, "microbatches": self.microbatches}, "recompute": self.recompute,
             "meta": self.meta,
         }, indent=1)
 
@@ -53,9 +59,25 @@ class ShardingPlan:
         if d.get("format") != PLAN_FORMAT:
             raise PlanError(f"plan format {d.get('format')!r} is not supported (expected {PLAN_FORMAT})")
         mesh = Mesh(tuple(d["mesh"]["names"]), tuple(d["mesh"]["sizes"]))
+        pipeline = d.get("pipeline") or {}
+        if pipeline.get("stages", 1) != 1:
+            raise PlanError(f"the plan has {pipeline['stages']} pipeline stages; the runtime runs one stage only")
         return cls(mesh, {k: tuple(parse_placement(p) for p in v) for k, v in d["inputs"].items()},
                    {k: tuple(v) for k, v in d["strategies"].items()}, d.get("fingerprint", ""),
-                   d.get("strategy", ""), d.get("meta", {}))
+                   d.get("strategy", ""), d.get("meta", {}), pipeline.get("microbatches", 1),
+                   d.get("recompute", "none"))
+
+
+#: the recomputation modes (``cost.recompute.Recompute``'s values; sharding/ does not import cost/)
+RECOMPUTE_MODES = ("none", "full", "selective")
+
+
+def check_step_fields(microbatches, recompute) -> None:
+    """``PlanError`` unless ``microbatches`` is a positive int and ``recompute`` one of ``RECOMPUTE_MODES``."""
+    if isinstance(microbatches, bool) or not isinstance(microbatches, int) or microbatches < 1:
+        raise PlanError(f"microbatches must be a positive integer, got {microbatches!r}")
+    if recompute not in RECOMPUTE_MODES:
+        raise PlanError(f"recompute must be one of {', '.join(RECOMPUTE_MODES)}, got {recompute!r}")
 
 
 @dataclass

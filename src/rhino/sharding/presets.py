@@ -108,10 +108,8 @@ def _split_first_divisible(shape, n: int, axis: int, ndim: int) -> Sharding:
 
 def preset_plan(graph: Graph, spec: StrategySpec) -> ShardingPlan:
     """The expert plan for ``spec`` on this graph."""
-    if spec.pp > 1 or spec.microbatches > 1:
-        raise ValueError("pipeline parallelism (pp, microbatches) is not supported by the sharded runtime yet")
-    if spec.recompute != "none":
-        raise ValueError("recompute is not supported by the sharded runtime yet; drop the recompute key")
+    if spec.pp > 1:
+        raise ValueError("pipeline parallelism (pp > 1) is not supported by the sharded runtime yet; drop the pp key")
     mesh = mesh_for(spec)
     dp = mesh.names.index("dp") if "dp" in mesh.names else None
     tp = mesh.names.index("tp") if "tp" in mesh.names else None
@@ -146,6 +144,7 @@ def preset_plan(graph: Graph, spec: StrategySpec) -> ShardingPlan:
     plan = prop.run()
     plan.fingerprint = graph.fingerprint()
     plan.strategy_string = str(spec)
+    plan.microbatches, plan.recompute = spec.microbatches, spec.recompute
     return plan
 
 
