@@ -16,7 +16,7 @@ from ..sharding import simulate
 from ..sharding.plan import ResolvedPlan
 from .fx import constant_tensor, convert_arg, resolve_op
 from .spmd import lower_rank
-from .spmd_ops import _step, redistribute
+from .spmd_ops import _step, redistribute, start, wait
 
 __all__ = ["simulate_ranks", "simulate_training", "first_divergence", "run_single_values", "simulate_peak_bytes"]
 
@@ -31,14 +31,15 @@ def _from_np(a, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(np.array(a)).to(dtype)  # np.array keeps 0-d shapes
 
 
-def simulate_training(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tuple, steps: int) -> dict:
+def simulate_training(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tuple, steps: int,
+                      overlap=False) -> dict:
     """``steps`` sharded steps in one process: {"losses" (rank 0's per step), "rank_losses" (each rank's),
     "final" (global state, assembled), "local" (each rank's own state tensors by input name), "held" (rank 0
     bytes), "peaks" (each rank's peak of live tensor bytes in the first step, see ``_lockstep``)}."""
     peaks = [0] * rp.plan.mesh.world
     rank_losses: list[list[float]] = [[] for _ in range(rp.plan.mesh.world)]
     envs, progs, losses, local = simulate_ranks(rp, state, batch, steps, return_state=True, peaks=peaks,
-                                                rank_losses=rank_losses)
+                                                rank_losses=rank_losses, overlap=overlap)
     mesh = rp.plan.mesh
     final = {}
     held: dict[str, int] = {}
@@ -54,12 +55,13 @@ def simulate_training(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: t
 
 def simulate_ranks(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tuple, steps: int = 1,
                    return_state: bool = False, peaks: list[int] | None = None,
-                   rank_losses: list[list[float]] | None = None):
+                   rank_losses: list[list[float]] | None = None, overlap=False):
     """Returns (per-rank env of the last step: fx node name -> tensor, programs, rank 0's per-step losses);
-    ``rank_losses`` (one list per rank) receives every rank's loss per step."""
+    ``rank_losses`` (one list per rank) receives every rank's loss per step. ``overlap``: run the
+    overlapped programs (``lower_rank(..., overlap=...)``; a start computes its bucket at once)."""
     mesh = rp.plan.mesh
     world = mesh.world
-    progs = [lower_rank(rp, r) for r in range(world)]
+    progs = [lower_rank(rp, r, overlap=overlap) for r in range(world)]
     graph = rp.graph
     local = []
     for r in range(world):
@@ -135,6 +137,20 @@ def _lockstep(progs, inputs, mesh, peaks: list[int] | None = None, held=None):
         elif n0.op == "get_attr":
             for r in range(world):
                 envs[r][nodes[r][i].name] = getattr(progs[r].module, nodes[r][i].target)
+        elif n0.op == "call_function" and n0.target is start:   # overlapped program: a bucket, at once
+            step = _step(*n0.args[1:])
+            results = [[] for _ in range(world)]
+            for k, x0 in enumerate(n0.args[0]):
+                dtype = envs[0][x0.name].dtype
+                ys = simulate.apply_step([_to_np(envs[r][nodes[r][i].args[0][k].name]) for r in range(world)],
+                                         step, mesh)
+                for r in range(world):
+                    results[r].append(_from_np(ys[r], dtype))
+            for r in range(world):
+                envs[r][nodes[r][i].name] = results[r]
+        elif n0.op == "call_function" and n0.target is wait:
+            for r in range(world):
+                envs[r][nodes[r][i].name] = envs[r][nodes[r][i].args[0].name]
         elif n0.op == "call_function" and n0.target is redistribute:
             dtype = envs[0][nodes[0][i].args[0].name].dtype
             xs = [_to_np(envs[r][nodes[r][i].args[0].name]) for r in range(world)]

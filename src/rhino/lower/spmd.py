@@ -24,6 +24,8 @@ from ..ir.registry import annotate, call_of
 from ..sharding.rules import PASS, split_letter
 from .spmd_custom import CUSTOM_OPS, emit_custom
 from .spmd_ops import redistribute, step_args
+from .overlap import OverlapOptions, overlap_program
+from ..sharding.steps import AllGather, AllToAll, LocalSlice, ReduceScatter
 
 __all__ = ["SpmdProgram", "lower_rank"]
 
@@ -38,6 +40,7 @@ class SpmdProgram:
     collectives: dict[str, int] = field(default_factory=dict)
     value_nodes: dict[int, str] = field(default_factory=dict)  # IR value id -> fx node holding its local shard
     value_numels: dict[int, int] = field(default_factory=dict)  # IR value id -> global element count
+    overlap: object = None         # lower.overlap.OverlapStats when the program was overlapped
 
 
 def _local_args(node: Node, rp: ResolvedPlan, need: dict[int, Sharding]) -> tuple[list, dict]:
@@ -92,7 +95,24 @@ def _squeezed(node: Node, rp: ResolvedPlan) -> list[int]:
     return sorted({d % len(shape) for d in dims if shape[d % len(shape)] == 1}) if shape else []
 
 
-def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu") -> SpmdProgram:
+def _after_step(shape: tuple[int, ...], step, sizes) -> tuple[int, ...]:
+    """A local shape after one redistribution step."""
+    out = list(shape)
+    n = sizes[step.axis]
+    if isinstance(step, AllGather):
+        out[step.dim] *= n
+    elif isinstance(step, (ReduceScatter, LocalSlice)):
+        out[step.dim] //= n
+    elif isinstance(step, AllToAll):
+        out[step.src_dim] *= n
+        out[step.dst_dim] //= n
+    return tuple(out)
+
+
+def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu", *,
+               overlap: bool | OverlapOptions = False) -> SpmdProgram:
+    """Rank ``rank``'s program. ``overlap``: communication asynchronous and bucketed (``lower.overlap``;
+    ``True`` for the default ``OverlapOptions``); else every step blocks where it is needed."""
     graph, mesh = rp.graph, rp.plan.mesh
     device = torch.device(device)
     fg = torch.fx.Graph()
@@ -113,8 +133,11 @@ def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu") 
             t = graph.types[vid]
             steps = plan_redistribution(t.shape, have, want, mesh)
             x = env[vid]
+            shape = local_shape(t.shape, have, mesh)
             for step in steps:
                 x = fg.call_function(redistribute, (x,) + step_args(step))
+                x.meta["rhino_local"] = (shape, t.dtype.value)   # the step's input (lower.overlap buckets)
+                shape = _after_step(shape, step, mesh.sizes)
                 if is_communication(step):
                     kind = type(step).__name__
                     stats["collectives"][kind] = stats["collectives"].get(kind, 0) + 1
@@ -155,6 +178,9 @@ def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu") 
         outs.append(moved(o.value, want))
     fg.output(outs)
     gm = torch.fx.GraphModule(root, fg)
-    return SpmdProgram(gm, rank, [i.name for i in graph.inputs], [o.name for o in graph.outputs],
+    prog = SpmdProgram(gm, rank, [i.name for i in graph.inputs], [o.name for o in graph.outputs],
                        stats["bytes"], stats["collectives"], {v: n.name for v, n in env.items()},
                        {v: graph.types[v].numel for v in env})
+    if overlap:
+        prog = overlap_program(prog, overlap if isinstance(overlap, OverlapOptions) else None)
+    return prog

@@ -1,6 +1,10 @@
 """The functions a per-rank program calls for communication. The runtime sets the context (mesh,
 rank, process groups) once; the emitted code names each step and its parameters, e.g.
-``redistribute(x, 'AllGather', 1, 0, 3)`` = all-gather dim 0 (3 blocks) along mesh axis 1."""
+``redistribute(x, 'AllGather', 1, 0, 3)`` = all-gather dim 0 (3 blocks) along mesh axis 1.
+
+Overlapped programs (``lower.overlap``) split a communication step into ``start([x, ...], kind, axis,
+*params)``, which issues it on one or more tensors (a bucket) and returns a handle, and ``wait(handle)``,
+which returns the list of results; ``COMM_KINDS`` are the step kinds that communicate."""
 from __future__ import annotations
 
 import torch
@@ -10,7 +14,9 @@ from ..sharding.placement import ReduceOp
 from ..sharding.steps import (AllGather, AllReduce, AllToAll, LocalScale, LocalSlice, ReduceScatter, Step,
                               ZeroUnlessFirst)
 
-__all__ = ["set_context", "redistribute", "step_args"]
+__all__ = ["set_context", "redistribute", "step_args", "start", "wait", "COMM_KINDS"]
+
+COMM_KINDS = frozenset({"AllReduce", "ReduceScatter", "AllGather", "AllToAll"})
 
 _CTX: dict = {}
 
@@ -60,3 +66,15 @@ def redistribute(x: torch.Tensor, kind: str, axis: int, *params) -> torch.Tensor
     from ..runtime.collectives import apply_step
     return apply_step(x, _step(kind, axis, *params), _CTX["mesh"], _CTX["rank"], _CTX["groups"],
                       native=_CTX.get("native"))
+
+
+def start(xs: list, kind: str, axis: int, *params):
+    """Issue one communication step on every tensor of ``xs`` (one bucket); ``wait`` the handle."""
+    from ..runtime.collectives import start_step
+    return start_step(list(xs), _step(kind, axis, *params), _CTX["mesh"], _CTX["rank"], _CTX["groups"],
+                      native=_CTX.get("native"))
+
+
+def wait(handle) -> list:
+    """The results of a ``start``, one per tensor, once the collective has completed."""
+    return handle.wait()

@@ -22,6 +22,14 @@ Collectives, per step (``n`` = axis size; an axis of size 1 needs no communicati
 torch 2.13. Any other backend gets the emulations, built from ``all_reduce`` and ``all_gather`` only.
 ``apply_step(..., native=False)`` forces the emulations (tests run both paths).
 
+Asynchronous form (``start_step``, used by the overlapped programs of ``lower.overlap``): the same
+collectives issued with ``async_op=True``; a ``Pending`` holds the work handle and finishes the local
+result (interleaving, averaging, layout) in ``wait()``. Several tensors of one all-reduce or
+reduce-scatter may share one flat buffer (a bucket, as DDP's gradient buckets and FSDP2's packed
+reduce-scatter): each element is still reduced over the same ranks, so results equal the per-tensor
+ones (bit for bit on 2 ranks, where a sum of two terms has one order; gloo's ring on more ranks may
+add an element's terms in another order when its offset in the buffer moves it to another chunk).
+
 Results never alias the input tensor.
 """
 from __future__ import annotations
@@ -32,10 +40,10 @@ import torch.distributed as dist
 from ..sharding.mesh import Mesh
 from ..sharding.placement import Partial, ReduceOp, Replicate, Shard, Sharding, local_shape
 from ..sharding.steps import (AllGather, AllReduce, AllToAll, LocalScale, LocalSlice, ReduceScatter,
-                              Step, ZeroUnlessFirst)
+                              Step, ZeroUnlessFirst, is_communication)
 from .groups import MeshGroups
 
-__all__ = ["NATIVE_BACKENDS", "apply_step", "all_reduce_tensor", "shard_tensor", "gather_tensor", "slice_piece",
+__all__ = ["NATIVE_BACKENDS", "apply_step", "start_step", "Pending", "all_reduce_tensor", "shard_tensor", "gather_tensor", "slice_piece",
            "join_pieces"]
 
 NATIVE_BACKENDS = frozenset({"nccl", "gloo"})
@@ -65,11 +73,15 @@ def slice_piece(t: torch.Tensor, dim: int, blocks: int, n: int, c: int) -> torch
     return piece.clone(memory_format=torch.contiguous_format)
 
 
+def _pieces_view(t: torch.Tensor, dim: int, blocks: int, n: int, what: str) -> torch.Tensor:
+    """``[n, *piece]`` (a view where the layout allows): entry j is ``slice_piece(t, dim, blocks, n, j)``."""
+    m = _piece_len(t, dim, blocks, n, what)
+    return t.unflatten(dim, (blocks, n, m)).movedim(dim + 1, 0).flatten(dim + 1, dim + 2)
+
+
 def _stack_pieces(t: torch.Tensor, dim: int, blocks: int, n: int, what: str) -> torch.Tensor:
     """``[n, *piece]``, a fresh contiguous copy: entry j is ``slice_piece(t, dim, blocks, n, j)``."""
-    m = _piece_len(t, dim, blocks, n, what)
-    stacked = t.unflatten(dim, (blocks, n, m)).movedim(dim + 1, 0).flatten(dim + 1, dim + 2)
-    return stacked.clone(memory_format=torch.contiguous_format)
+    return _pieces_view(t, dim, blocks, n, what).clone(memory_format=torch.contiguous_format)
 
 
 def join_pieces(stacked: torch.Tensor, dim: int, blocks: int) -> torch.Tensor:
@@ -231,3 +243,134 @@ def gather_tensor(local: torch.Tensor, sharding: Sharding, mesh: Mesh, rank: int
         elif not isinstance(p, Replicate):
             raise ValueError(f"unknown placement {p!r}")
     return t.clone() if t is local else t
+
+
+# ----------------------------------------------------------------------------- asynchronous, bucketed
+
+# Each tensor of a bucket starts at a multiple of this many bytes in the flat buffer: the alignment of
+# PyTorch's CPU allocator (c10 ``gAlignment`` = 64), so a bucket member is laid out as a fresh tensor
+# would be and vectorised kernels downstream see the same alignment as after a per-tensor collective.
+BUCKET_ALIGN_BYTES = 64
+
+
+class Pending:
+    """An issued collective: ``wait()`` blocks on its work handle (None when it already completed)
+    and returns this rank's results, one per input tensor, as the blocking ``apply_step`` would."""
+
+    def __init__(self, work, finish) -> None:
+        self._work, self._finish = work, finish
+
+    def wait(self) -> list[torch.Tensor]:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        finish, self._finish = self._finish, None
+        assert finish is not None, "a collective was waited on twice"
+        return finish()
+
+
+def _flat_layout(tensors: list[torch.Tensor], sizes: list[int]) -> tuple[list[int], int]:
+    """Offsets (elements) of each member in a flat buffer, each aligned to ``BUCKET_ALIGN_BYTES``."""
+    align = max(1, BUCKET_ALIGN_BYTES // tensors[0].element_size())
+    offsets, at = [], 0
+    for size in sizes:
+        offsets.append(at)
+        at += -(-size // align) * align
+    return offsets, at
+
+
+def _start_all_reduce(tensors: list[torch.Tensor], op: ReduceOp, group, n: int) -> Pending:
+    """One ``all_reduce`` over a flat buffer holding every tensor in its storage order (see
+    ``all_reduce_tensor``); each result is a view of the buffer in its input's layout."""
+    perms = [_storage_order(t) for t in tensors]
+    moved = [t.permute(p) for t, p in zip(tensors, perms)]
+    if len(tensors) == 1:
+        flat = moved[0].clone(memory_format=torch.contiguous_format)
+        views = [flat]
+    else:
+        offsets, total = _flat_layout(tensors, [t.numel() for t in tensors])
+        flat = torch.empty(total, dtype=tensors[0].dtype, device=tensors[0].device)
+        views = [flat[o:o + m.numel()].view(m.shape) for o, m in zip(offsets, moved)]
+        for v, m in zip(views, moved):
+            v.copy_(m)
+    work = dist.all_reduce(flat, op=_TORCH_OP[op], group=group, async_op=True)
+
+    def finish():
+        if op is ReduceOp.AVG:
+            _average(flat, n)
+        return [v.permute(sorted(range(len(p)), key=p.__getitem__)) for v, p in zip(views, perms)]
+    return Pending(work, finish)
+
+
+def _start_reduce_scatter(tensors: list[torch.Tensor], step: ReduceScatter, group, n: int) -> Pending:
+    """One ``reduce_scatter_single`` over ``[n, sum of pieces]``: row j holds every tensor's piece j
+    (as FSDP2 packs its reduce-scatter), so row c, split back, is this rank's piece of each tensor."""
+    if len(tensors) == 1:
+        send = _stack_pieces(tensors[0], step.dim, step.blocks, n, "reduce-scatter")
+        shapes, offsets = [tuple(send.shape[1:])], [0]
+        send = send.view(n, -1)
+    else:
+        views = [_pieces_view(t, step.dim, step.blocks, n, "reduce-scatter") for t in tensors]
+        shapes = [tuple(v.shape[1:]) for v in views]
+        offsets, total = _flat_layout(tensors, [v[0].numel() for v in views])
+        send = torch.empty(n, total, dtype=tensors[0].dtype, device=tensors[0].device)
+        for v, o in zip(views, offsets):
+            send[:, o:o + v[0].numel()].view(v.shape).copy_(v)
+        del views
+    out = torch.empty(send.shape[1], dtype=send.dtype, device=send.device)
+    work = _reduce_scatter_single(out, send.reshape(-1), op=_TORCH_OP[step.op], group=group, async_op=True)
+
+    def finish():
+        if step.op is ReduceOp.AVG:
+            _average(out, n)
+        return [out[o:o + _numel(s)].view(s) for s, o in zip(shapes, offsets)]
+    return Pending(work, finish)
+
+
+def _numel(shape) -> int:
+    out = 1
+    for s in shape:
+        out *= s
+    return out
+
+
+def _start_all_gather(t: torch.Tensor, step: AllGather, group, n: int) -> Pending:
+    _piece_len(t, step.dim, step.blocks, 1, "all-gather")
+    t = t.contiguous()
+    out = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)
+    work = _all_gather_single(out, t.reshape(-1), group=group, async_op=True)
+    return Pending(work, lambda: [join_pieces(out.view(n, *t.shape), step.dim, step.blocks)])
+
+
+def _start_all_to_all(t: torch.Tensor, step: AllToAll, group, n: int) -> Pending:
+    _piece_len(t, step.src_dim, step.src_blocks, 1, "all-to-all")
+    send = _stack_pieces(t, step.dst_dim, step.dst_blocks, n, "all-to-all")
+    recv = torch.empty_like(send)
+    work = dist.all_to_all_single(recv, send, group=group, async_op=True)
+    return Pending(work, lambda: [join_pieces(recv, step.src_dim, step.src_blocks)])
+
+
+def start_step(tensors: list[torch.Tensor], step: Step, mesh: Mesh, rank: int, groups: MeshGroups,
+               *, native: bool | None = None) -> Pending:
+    """Issue ``step`` on every tensor of ``tensors`` without waiting (``async_op=True``): several
+    tensors of one all-reduce or reduce-scatter travel in one flat buffer (a bucket). Results equal
+    ``apply_step`` on each tensor: the reduction of an element is the same sum over the same ranks.
+    Steps with no native asynchronous form here (local steps, axes of size 1, the emulated
+    collectives, an all-to-all within one dim) run at once and return a completed ``Pending``."""
+    if not tensors:
+        raise ValueError("start_step needs at least one tensor")
+    n = mesh.sizes[step.axis] if 0 <= step.axis < mesh.ndim else 0
+    group = groups.group(rank, step.axis) if n > 1 and is_communication(step) else None
+    if native is None and group is not None:
+        native = dist.get_backend(group) in NATIVE_BACKENDS
+    if group is not None and native:
+        if isinstance(step, AllReduce):
+            return _start_all_reduce(tensors, step.op, group, n)
+        if isinstance(step, ReduceScatter):
+            return _start_reduce_scatter(tensors, step, group, n)
+        if isinstance(step, AllGather) and len(tensors) == 1:
+            return _start_all_gather(tensors[0], step, group, n)
+        if isinstance(step, AllToAll) and len(tensors) == 1 and step.src_dim != step.dst_dim:
+            return _start_all_to_all(tensors[0], step, group, n)
+    done = [apply_step(t, step, mesh, rank, groups, native=native) for t in tensors]
+    return Pending(None, lambda: done)

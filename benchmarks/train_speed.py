@@ -1,0 +1,319 @@
+"""Training speed: rhino's per-rank programs vs PyTorch's own DDP, FSDP2 and DTensor tensor parallelism.
+
+Side by side in one run on 2 local gloo processes (1 torch thread each), the same model (the example's
+initial weights), optimizer (the example's, with its parameter groups) and batch:
+
+| rhino plan      | PyTorch baseline                                                                      |
+|-----------------|---------------------------------------------------------------------------------------|
+| ``dp=2``        | ``DistributedDataParallel`` (defaults: 25 MB buckets, 1 MB first bucket, overlap)      |
+| ``dp=2,zero=3`` | FSDP2 ``fully_shard`` on a CPU device mesh, per block and root (torchtitan's wrapping) |
+| ``tp=2``        | DTensor ``parallelize_module``: ``ColwiseParallel`` on q/k/v (GPT: the fused QKV) and  |
+|                 | the MLP's up/gate, ``RowwiseParallel`` on the attention output and MLP down (torchtitan's |
+|                 | plan); embeddings, norms and LM head replicated                                      |
+
+GPT's fused QKV weight is colwise-split with its rows ordered ``[q_0 k_0 v_0 | q_1 k_1 v_1]`` (Megatron's
+interleaved layout) and the attention runs on the local heads: the same model up to a fixed permutation
+of the QKV rows. rhino runs ``lower_rank(..., overlap=True)`` (asynchronous, bucketed collectives,
+``lower/overlap.py``); ``--blocking`` adds the blocking program as a third runner.
+
+Timing: after warm-up, ``--rounds`` rounds; in each, every runner of a pair runs a block of steps
+between barriers (the order alternates from round to round), so load from other processes hits all
+alike; reported are medians of rank 0's per-step times and rhino / PyTorch.
+
+Peak memory ("peak bytes"): the same count for every runner: bytes allocated by PyTorch's CPU allocator
+(every tensor storage, from the profiler's memory events) from before the runner is built (its model,
+state and optimizer included) through its second step; the peak during the second step, largest over
+the ranks. rhino's ``LiveBytesMeter`` count (program values + held state) is reported beside it.
+
+    python benchmarks/train_speed.py [--rounds 5] [--steps 3] [--model gpt|llama] [--pair dp|zero3|tp] [--json]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import gc
+import importlib.util
+import json
+import os
+import statistics
+import sys
+import time
+import types
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+TARGET = 1.10
+SIZE = dict(layers=4, hidden=256, heads=8, seq=128, batch=8, vocab=1024)
+PAIRS = {"dp": ("dp=2", "DDP"), "zero3": ("dp=2,zero=3", "FSDP2"), "tp": ("tp=2", "DTensor TP")}
+WARMUP = 2
+
+
+def _example(name: str):
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", ROOT / "examples" / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _local_batch(batch, rank: int, world: int, split: bool):
+    return tuple(b.chunk(world)[rank].contiguous() if split else b for b in batch)
+
+
+# ----------------------------------------------------------------------------- PyTorch baselines
+
+def _same_optimizer(opt: torch.optim.Optimizer, old_names: dict, model: torch.nn.Module) -> torch.optim.Optimizer:
+    """The optimizer's class and parameter groups, over ``model``'s (possibly replaced) parameters."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    groups = []
+    for g in opt.param_groups:
+        hyper = {k: v for k, v in g.items() if k != "params"}
+        groups.append({**hyper, "params": [params[old_names[id(p)]] for p in g["params"]]})
+    return type(opt)(groups)
+
+
+class TorchRunner:
+    def __init__(self, kind: str, workload, rank: int, world: int) -> None:
+        model, opt, self.loss_fn, batch = workload
+        model, opt = copy.deepcopy((model, opt))
+        names = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+        self.batch = _local_batch(batch, rank, world, split=kind != "tp")
+        if kind == "dp":
+            from torch.nn.parallel import DistributedDataParallel
+            self.model = DistributedDataParallel(model)
+        elif kind == "zero3":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            mesh = init_device_mesh("cpu", (world,))
+            for block in model.blocks:
+                fully_shard(block, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            self.model = model
+            opt = _same_optimizer(opt, names, model)
+        else:
+            self.model = _tensor_parallel(model, world)
+            opt = _same_optimizer(opt, names, model)
+        self.opt = opt
+
+    def step(self) -> float:
+        self.opt.zero_grad(set_to_none=True)
+        loss = self.loss_fn(self.model, *self.batch)
+        loss.backward()
+        self.opt.step()
+        return float(loss.detach())
+
+
+def _gpt_tp_attention(self, x):
+    """GPT attention on this rank's heads: the colwise-split QKV holds [q_r k_r v_r]."""
+    b, t, h = x.shape
+    local = self.proj.weight.shape[1] if not hasattr(self.proj.weight, "to_local") else \
+        self.proj.weight.to_local().shape[1]
+    heads = self.heads * local // h
+    q, k, v = self.qkv(x).split(local, dim=-1)
+    q, k, v = (z.view(b, t, heads, local // heads).transpose(1, 2) for z in (q, k, v))
+    y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    return self.proj(y.transpose(1, 2).reshape(b, t, local))
+
+
+def _interleave_qkv(linear: torch.nn.Linear, tp: int) -> None:
+    """Rows [q k v] -> [q_0 k_0 v_0 | q_1 k_1 v_1 ...] so that a colwise split gives each rank its heads."""
+    h = linear.weight.shape[0] // 3
+    idx = torch.cat([torch.arange(j * h + r * h // tp, j * h + (r + 1) * h // tp)
+                     for r in range(tp) for j in range(3)])
+    with torch.no_grad():
+        linear.weight.copy_(linear.weight[idx])
+        if linear.bias is not None:
+            linear.bias.copy_(linear.bias[idx])
+
+
+def _tensor_parallel(model: torch.nn.Module, tp: int) -> torch.nn.Module:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    mesh = init_device_mesh("cpu", (tp,))
+    for block in model.blocks:
+        if hasattr(block.attn, "qkv"):          # GPT
+            _interleave_qkv(block.attn.qkv, tp)
+            block.attn.forward = types.MethodType(_gpt_tp_attention, block.attn)
+            plan = {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+                    "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel()}
+        else:                                   # LLaMA
+            block.attn.heads //= tp
+            block.attn.n_kv_heads //= tp
+            plan = {"attn.wq": ColwiseParallel(), "attn.wk": ColwiseParallel(), "attn.wv": ColwiseParallel(),
+                    "attn.wo": RowwiseParallel(), "mlp.w1": ColwiseParallel(), "mlp.w3": ColwiseParallel(),
+                    "mlp.w2": RowwiseParallel()}
+        parallelize_module(block, mesh, plan)
+    return model
+
+
+# ----------------------------------------------------------------------------- rhino
+
+class RhinoRunner:
+    def __init__(self, cap, strategy: str, rank: int, overlap: bool) -> None:
+        from rhino.ir.graph import Role
+        from rhino.lower.spmd import lower_rank
+        from rhino.lower.spmd_ops import set_context
+        from rhino.runtime.collectives import shard_tensor
+        from rhino.runtime.groups import build_groups
+        from rhino.sharding.plan import resolve
+        from rhino.sharding.presets import parse_strategy, preset_plan
+        plan = preset_plan(cap.graph, parse_strategy(strategy))
+        rp = resolve(cap.graph, plan)
+        self.groups = build_groups(plan.mesh)
+        self.mesh, self.rank = plan.mesh, rank
+        set_context(plan.mesh, rank, self.groups)
+        self.prog = lower_rank(rp, rank, overlap=overlap)
+        state, batch = cap.initial_state(), tuple(cap.workload.batch)
+        self.names = [i.name for i in cap.graph.inputs if i.role is not Role.BATCH]
+        self.local = {n: shard_tensor(state[n], rp.value[i.value], plan.mesh, rank)
+                      for i in cap.graph.inputs for n in [i.name] if i.role is not Role.BATCH}
+        self.batch = [shard_tensor(batch[int(i.name.split("/")[1])], rp.value[i.value], plan.mesh, rank)
+                      for i in cap.graph.inputs if i.role is Role.BATCH]
+
+    def args(self) -> list:
+        return [self.local[n] for n in self.names] + self.batch
+
+    def step(self) -> float:
+        from rhino.lower.spmd_ops import set_context
+        set_context(self.mesh, self.rank, self.groups)
+        with torch.no_grad():
+            outs = self.prog.module(*self.args())
+        for name, value in zip(self.prog.output_names[1:], outs[1:]):
+            self.local[name] = value
+        return float(outs[0])
+
+    def live_peak(self) -> int:
+        from rhino.lower.spmd_ops import set_context
+        from rhino.runtime.measure import LiveBytesMeter
+        set_context(self.mesh, self.rank, self.groups)
+        meter = LiveBytesMeter(self.prog.module, [self.local[n] for n in self.names])
+        with torch.no_grad():
+            outs = meter.run(*self.args())
+        for name, value in zip(self.prog.output_names[1:], outs[1:]):
+            self.local[name] = value
+        return meter.peak
+
+
+# ----------------------------------------------------------------------------- measuring
+
+def _allocated_peak(build) -> int:
+    """Peak bytes held by the CPU allocator during a runner's second step, counting everything the
+    runner allocated since before it was built (profiler memory events)."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+    gc.collect()
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        runner = build()
+        runner.step()
+        dist.barrier()
+        with record_function("rhino_bench_step"):
+            runner.step()
+    events = prof.profiler.kineto_results.events()
+    mark = next(e for e in events if e.name() == "rhino_bench_step")
+    t0, t1 = mark.start_ns(), mark.end_ns()
+    live = peak = 0
+    for t, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
+        live += nbytes
+        if t0 <= t <= t1:
+            peak = max(peak, live)
+    del runner
+    return peak
+
+
+def _block(runner, n: int) -> tuple[float, float]:
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(n):
+        loss = runner.step()
+    dist.barrier()
+    return (time.perf_counter() - t0) / n, loss
+
+
+def _rank_main(ctx, models: list[str], pairs: list[str], rounds: int, steps: int, blocking: bool,
+               memory: bool) -> list[dict]:
+    from rhino.capture import capture
+    from rhino.capture.workload import Workload
+    torch.set_num_threads(1)
+    out = []
+    for name in models:
+        mod = _example(name)
+        w = Workload(*mod.workload(**SIZE), str(ROOT / "examples" / f"{name}.py"), "workload")
+        cap = capture(w)
+        workload = (w.model, w.optimizer, w.loss_fn, tuple(w.batch))
+        for pair in pairs:
+            strategy, baseline = PAIRS[pair]
+            runners = {"rhino": RhinoRunner(cap, strategy, ctx.rank, overlap=True),
+                       baseline: TorchRunner(pair, workload, ctx.rank, ctx.world_size)}
+            if blocking:
+                runners["rhino blocking"] = RhinoRunner(cap, strategy, ctx.rank, overlap=False)
+            for r in runners.values():
+                for _ in range(WARMUP):
+                    r.step()
+            times = {k: [] for k in runners}
+            losses = {}
+            keys = list(runners)
+            for rnd in range(rounds):
+                for k in (keys if rnd % 2 == 0 else keys[::-1]):
+                    t, losses[k] = _block(runners[k], steps)
+                    times[k].append(t)
+            row = {"model": name, "strategy": strategy, "baseline": baseline,
+                   "ms": {k: statistics.median(v) * 1e3 for k, v in times.items()},
+                   "ms_rounds": {k: [x * 1e3 for x in v] for k, v in times.items()},
+                   "final_loss": losses, "steps_each": WARMUP + rounds * steps,
+                   "overlap": vars(runners["rhino"].prog.overlap) if runners["rhino"].prog.overlap else None}
+            if memory:
+                row["peak_bytes"] = {
+                    "rhino": _allocated_peak(lambda: RhinoRunner(cap, strategy, ctx.rank, overlap=True)),
+                    baseline: _allocated_peak(lambda: TorchRunner(pair, workload, ctx.rank, ctx.world_size))}
+                row["rhino_live_meter"] = runners["rhino"].live_peak()
+            del runners
+            out.append(row)
+    return out
+
+
+def main(argv=None) -> int:
+    from rhino.runtime.launch import launch
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--steps", type=int, default=3, help="steps per block")
+    p.add_argument("--model", action="append", choices=["gpt", "llama"])
+    p.add_argument("--pair", action="append", choices=sorted(PAIRS))
+    p.add_argument("--blocking", action="store_true", help="also time rhino's blocking program")
+    p.add_argument("--no-memory", action="store_true", help="skip the peak-memory phase")
+    p.add_argument("--json", action="store_true")
+    args = p.parse_args(argv)
+    load = os.getloadavg()
+    ranks = launch(_rank_main, 2, args.model or ["gpt", "llama"], args.pair or list(PAIRS), args.rounds,
+                   args.steps, args.blocking, not args.no_memory, timeout_s=1800)
+    rows = ranks[0]
+    for row, other in zip(rows, ranks[1]):
+        if "peak_bytes" in row:
+            row["peak_bytes"] = {k: max(v, other["peak_bytes"][k]) for k, v in row["peak_bytes"].items()}
+            row["rhino_live_meter"] = max(row["rhino_live_meter"], other["rhino_live_meter"])
+        row["ratio"] = row["ms"]["rhino"] / row["ms"][row["baseline"]]
+    env = {"torch": torch.__version__, "cpus": os.cpu_count(), "threads_per_rank": 1, "loadavg_before": load,
+           "loadavg_after": os.getloadavg(), "size": SIZE, "rounds": args.rounds, "steps_per_block": args.steps}
+    if args.json:
+        print(json.dumps({"env": env, "rows": rows}, indent=1))
+        return 0
+    print(f"torch {env['torch']}, 2 gloo processes x 1 thread on {env['cpus']} CPUs, {args.rounds} interleaved "
+          f"rounds of {args.steps} steps, medians; 1-min load {load[0]:.2f} before, {env['loadavg_after'][0]:.2f} after")
+    print()
+    print("| model | plan | baseline | rhino ms | baseline ms | rhino / baseline | rhino blocking ms | "
+          "peak MB rhino / baseline | rhino live-meter MB |")
+    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    for r in rows:
+        b = r["baseline"]
+        mem = (f"{r['peak_bytes']['rhino'] / 2**20:.1f} / {r['peak_bytes'][b] / 2**20:.1f}"
+               if "peak_bytes" in r else "-")
+        live = f"{r['rhino_live_meter'] / 2**20:.1f}" if "rhino_live_meter" in r else "-"
+        blk = f"{r['ms']['rhino blocking']:.1f}" if "rhino blocking" in r["ms"] else "-"
+        print(f"| {r['model']} | {r['strategy']} | {b} | {r['ms']['rhino']:.1f} | {r['ms'][b]:.1f} | "
+              f"{r['ratio']:.2f} | {blk} | {mem} | {live} |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
