@@ -63,15 +63,16 @@ def parse_spec(spec: str) -> tuple[Path, str]:
     return Path(path), func
 
 
-def load_workload(spec: str, dtype: torch.dtype | None = None) -> Workload:
+def load_workload(spec: str, dtype: torch.dtype | None = None, call: Callable | None = None) -> Workload:
     """Import ``FILE`` and call ``FUNC`` (default ``workload``); validate what it returns. ``dtype``: the
     default dtype while the file is imported and the function runs (floating tensors it creates without
-    an explicit dtype, parameters included, get it)."""
+    an explicit dtype, parameters included, get it). ``call(fn)``, if given, runs the function in place
+    of ``fn()`` (deferred initialisation records it, ``capture/deferred.py``)."""
     with default_dtype(dtype):
-        return _load(spec)
+        return _load(spec, call)
 
 
-def _load(spec: str) -> Workload:
+def _load(spec: str, call: Callable | None = None) -> Workload:
     path, func = parse_spec(spec)
     if not path.is_file():
         raise WorkloadError(f"workload file {str(path)!r} does not exist; pass FILE[:FUNC] with an existing .py file")
@@ -91,7 +92,7 @@ def _load(spec: str) -> Workload:
     if not callable(fn):
         raise WorkloadError(f"{path} has no function {func!r}; define it or pass FILE:FUNC")
     try:
-        result = fn()
+        result = call(fn) if call is not None else fn()
     except Exception as exc:  # noqa: BLE001 -- user code: report where it failed, then stop
         raise WorkloadError(f"{path}:{func}() failed: {_where(exc, path)}") from None
     w = _validate(result, path, func)

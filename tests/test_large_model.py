@@ -1,0 +1,86 @@
+"""A model whose fp32 parameters + Adam state S are more than twice what one rank may hold (B = S/2) trains on
+4 processes, each rank building only its own shards (deferred initialisation) and staying below B.
+
+Workload: ``tests/workloads/wide_mlp.py`` (15 layers of width 4096: 235M parameters, S = 3.0 GB). Each rank:
+deferred load -> capture (meta) -> plan from the strategy -> ``local_state`` -> its per-rank program
+(``lower_rank``) -> 2 steps. The program is called boxed (its argument list is cleared on entry, so each
+state tensor is freed after its last use and the old state does not stay alive next to the new one).
+Peak RSS is ``ru_maxrss`` inside the rank: the whole process, torch's baseline (~0.3 GB) included.
+Takes about a minute per strategy on 2 cores.
+"""
+from __future__ import annotations
+
+import math
+import resource
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch.fx.graph import _BoxedCodeGen
+
+from rhino.ir.graph import Role
+from rhino.lower.spmd import lower_rank
+from rhino.lower.spmd_ops import set_context
+from rhino.runtime.groups import build_groups
+from rhino.runtime.init import build_rank_state, return_freed_memory
+from rhino.runtime.launch import launch
+
+SPEC = str(Path(__file__).parent / "workloads" / "wide_mlp.py")
+STEPS = 2
+
+
+def _peak_rss() -> int:
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+def _train(ctx, spec: str, strategy: str, steps: int) -> dict:
+    torch.set_num_threads(1)
+    return_freed_memory()
+    rs = build_rank_state(spec, strategy, ctx.rank)
+    state_rss = _peak_rss()
+    graph, mesh = rs.cap.graph, rs.rp.plan.mesh
+    full_state = sum(graph.types[i.value].numel * graph.types[i.value].dtype.itemsize
+                     for i in graph.inputs if i.role is not Role.BATCH)
+    local_bytes = sum(t.numel() * t.element_size() for t in rs.state.values())
+    set_context(mesh, ctx.rank, build_groups(mesh, 600))
+    prog = lower_rank(rs.rp, ctx.rank)
+    prog.module.graph.set_codegen(_BoxedCodeGen())
+    prog.module.recompile()
+    names = [i.name for i in graph.inputs if i.role is not Role.BATCH]
+    losses = []
+    for _ in range(steps):
+        args = [rs.state.pop(n) for n in names] + list(rs.batch)
+        outs = prog.module(args)
+        losses.append(float(outs[0]))
+        rs.state.update(zip(prog.output_names[1:], outs[1:]))
+        del outs
+    return {"losses": losses, "peak_rss": _peak_rss(), "state_rss": state_rss, "full_state": full_state,
+            "local_bytes": local_bytes}
+
+
+def _check(strategy: str) -> None:
+    results = launch(_train, 4, SPEC, strategy, STEPS, timeout_s=600)
+    full = results[0]["full_state"]
+    budget = full / 2
+    gib = lambda b: f"{b / 2**30:.3f} GiB"  # noqa: E731
+    report = ", ".join(f"rank {r}: peak {gib(x['peak_rss'])} (after init {gib(x['state_rss'])}, "
+                       f"state {gib(x['local_bytes'])})" for r, x in enumerate(results))
+    assert full > 2.5e9, f"the full state is only {gib(full)}"
+    for r, x in enumerate(results):
+        assert len(x["losses"]) == STEPS and all(math.isfinite(v) for v in x["losses"]), x["losses"]
+        assert x["losses"] == results[0]["losses"], f"rank {r}'s losses differ from rank 0's"
+        assert x["peak_rss"] < budget, f"{strategy}: budget {gib(budget)} of full state {gib(full)}; {report}"
+    print(f"{strategy}: full state {gib(full)}, budget {gib(budget)}; {report}")
+
+
+def test_tp4_trains_below_half_the_state():
+    _check("tp=4")
+
+
+@pytest.mark.xfail(strict=True, reason="zero=3 keeps every gathered parameter alive from the forward to the "
+                   "backward (the forward's transposed views of the gathered weights feed the backward's "
+                   "matmuls): measured peak 1.7+ GiB per rank for a 1.4 GiB budget; see the init report")
+def test_zero3_trains_below_half_the_state():
+    _check("dp=4,zero=3")
