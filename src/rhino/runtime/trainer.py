@@ -31,7 +31,7 @@ from ..capture import Captured, Workload, capture, default_dtype, load_workload
 from ..ir.graph import Role
 from ..sharding.plan import ShardingPlan, resolve
 from ..sharding.presets import parse_strategy, preset_plan
-from .collectives import gather_tensor, shard_tensor
+from .collectives import gather_tensor
 from .data import batch_stream, check_batch, rank_batch, samples_in
 from .groups import build_groups
 from .launch import current_context, in_torchrun, init_from_env, launch
@@ -70,7 +70,7 @@ class Trainer:
         self.rank, self.world = self.ctx.rank, self.ctx.world_size
         self.device = self.ctx.device
         with default_dtype(dtype):
-            self.workload, self._source = _load(workload)
+            self.workload, self._source = _load(workload, dtype)
             say("capturing the training step ...")
             self.cap: Captured = capture(self.workload)
             self.plan = self._plan(plan, strategy, cluster, level, time_limit, say)
@@ -122,18 +122,10 @@ class Trainer:
         return ShardingPlan.from_json(box[0])
 
     def _local_state(self) -> dict[str, torch.Tensor]:
-        if self._source is not None:
-            from .init import local_state
-            return local_state(self.cap, self.rp, self.rank, self._source)
-        # an in-memory model with real tensors: this process holds it already; keep this rank's slices
-        full = self.cap.initial_state()
-        mesh = self.plan.mesh
-        out = {}
-        for inp in self.cap.graph.inputs:
-            if inp.role is not Role.BATCH:
-                out[inp.name] = shard_tensor(full.pop(inp.name), self.rp.value[inp.value], mesh, self.rank) \
-                    .clone().to(self.device)
-        return out
+        """This rank's shards, one full tensor at a time (replayed from the recording, or copied from an
+        in-memory model that this process holds anyway)."""
+        from .init import local_state
+        return local_state(self.cap, self.rp, self.rank, self._source, self.device)
 
     # ------------------------------------------------------------------ training
     def next_batch(self) -> tuple:
@@ -149,10 +141,8 @@ class Trainer:
                 from None
 
     def example_batch(self) -> tuple:
-        if self._source is not None:
-            from .init import example_batch
-            return example_batch(self._source)
-        return tuple(self.workload.batch)
+        from .init import example_batch
+        return example_batch(self._source, self.workload)
 
     def step(self, batch=None) -> float:
         """One training step on a global batch (``None``: the next one); returns the loss (same on every rank)."""
@@ -189,11 +179,11 @@ def _join(timeout_s: float):
                      "init_process_group first, or use rhino.train(..., nproc=N) to start local processes")
 
 
-def _load(workload) -> tuple[Workload, object | None]:
+def _load(workload, dtype: torch.dtype | None) -> tuple[Workload, object | None]:
     """(the workload, the deferred source that materialises its tensors, or None for real tensors)."""
     if isinstance(workload, (str, Path)) or callable(workload) and not isinstance(workload, torch.nn.Module):
         from ..capture.deferred import load_deferred
-        return load_deferred(workload)
+        return load_deferred(workload, dtype)
     if isinstance(workload, Workload):
         w = workload
     elif isinstance(workload, (tuple, list)) and len(workload) == 4:
