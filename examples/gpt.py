@@ -87,11 +87,13 @@ def autocast_loss_fn(model, x, y):
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
-def workload(layers=2, hidden=64, heads=4, seq=32, batch=4, vocab=256, lr=3e-4, device="cpu", dtype=torch.float32,
+def workload(layers=2, hidden=64, heads=4, seq=32, batch=4, vocab=256, lr=3e-4, device="cpu", dtype=None,
              attention="sdpa", autocast=False):
     torch.manual_seed(0)
     with torch.device(device):
-        model = GPT(vocab, seq, hidden, heads, layers, attention).to(dtype)
+        model = GPT(vocab, seq, hidden, heads, layers, attention)
+        if dtype is not None:  # default: the default dtype (float64 under --dtype float64)
+            model = model.to(dtype)
 
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
