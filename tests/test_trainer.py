@@ -132,3 +132,19 @@ def test_rhino_train_errors_are_one_sentence(tmp_path):
     out = subprocess.run([sys.executable, "-m", "rhino.cli.main", "train", MLP, "--strategy", "dp=2",
                           "--nproc", "4", "--steps", "1"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 2 and "has 2 devices but the job has 4 processes" in out.stderr, out.stderr[-1000:]
+
+
+def test_rhino_train_under_torchrun_matches_the_local_launcher(tmp_path):
+    """The same command as one rank per process of a torchrun job: same losses as ``rhino train --nproc``."""
+    args = ["train", MLP, "--strategy", "dp=2", "--steps", "3", "--dtype", "float64", "--json"]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    job = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "rhino.cli.main", "--", *args,
+                          "--log", str(tmp_path / "log.jsonl")], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert job.returncode == 0, job.stderr[-2000:]
+    local = subprocess.run([sys.executable, "-m", "rhino.cli.main", *args], capture_output=True, text=True,
+                           cwd=ROOT, timeout=600)
+    assert local.returncode == 0, local.stderr[-2000:]
+    a, b = json.loads(job.stdout.strip().splitlines()[-1]), json.loads(local.stdout)
+    assert a["nproc"] == 2 and a["losses"] == b["losses"]
+    lines = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3] and [x["loss"] for x in lines] == a["losses"]

@@ -47,13 +47,17 @@ def run(args) -> int:
                   timeout_s=args.timeout, log=args.log)
     except RankFailedError as exc:
         raise ValueError(str(exc)) from None
-    if args.json:
+    _report(r, args.json)
+    return 0
+
+
+def _report(r, as_json: bool) -> None:
+    if as_json:
         emit_json(r.to_dict())
     else:
         print(f"trained {r.steps} steps on mesh {r.mesh}: loss {r.losses[0]:.6g} -> {r.losses[-1]:.6g}, "
               f"{r.step_seconds * 1e3:.1f} ms per step, {r.samples_per_second:.1f} samples/s, "
               f"peak live {r.peak_live_bytes / 2**20:.1f} MiB, peak RSS {r.peak_rss_bytes / 2**20:.0f} MiB")
-    return 0
 
 
 def _default_nproc(args) -> int:
@@ -73,22 +77,11 @@ def _default_nproc(args) -> int:
 
 
 def _run_torchrun(args) -> int:
-    """One rank of a torchrun job: train; rank 0 prints the summary."""
-    import time
-    from statistics import median
-    from ..runtime.trainer import Trainer, peak_rss_bytes
-    rank = int(os.environ["RANK"])
-    say = (lambda m: status(f"rhino train: {m}")) if rank == 0 else (lambda m: None)
-    trainer = Trainer(args.workload, args.plan, strategy=args.strategy, cluster=args.cluster, level=args.level,
-                      dtype=DTYPES.get(args.dtype), overlap=not args.no_overlap, timeout_s=args.timeout, progress=say)
-    losses, times = [], []
-    for step in range(args.steps):
-        t0 = time.perf_counter()
-        losses.append(trainer.step())
-        times.append(time.perf_counter() - t0)
-        say(f"step {step + 1}/{args.steps}  loss {losses[-1]:.6g}  {times[-1] * 1e3:.1f} ms")
-    if rank == 0 and args.json:
-        step_s = median(times[1:] or times)
-        emit_json({"nproc": trainer.world, "mesh": str(trainer.plan.mesh), "steps": args.steps, "losses": losses,
-                   "step_seconds": step_s, "peak_rss_bytes": peak_rss_bytes()})
+    """One rank of a torchrun job: every rank trains; rank 0 prints the summary."""
+    from ..runtime.trainer import train_torchrun
+    r = train_torchrun(args.workload, plan=args.plan, strategy=args.strategy, cluster=args.cluster,
+                       level=args.level, steps=args.steps, dtype=DTYPES.get(args.dtype), overlap=not args.no_overlap,
+                       timeout_s=args.timeout, log=args.log)
+    if r is not None:
+        _report(r, args.json)
     return 0

@@ -34,10 +34,10 @@ from ..sharding.presets import parse_strategy, preset_plan
 from .collectives import gather_tensor
 from .data import batch_stream, check_batch, rank_batch, samples_in
 from .groups import build_groups
-from .launch import current_context, in_torchrun, init_from_env, launch
+from .launch import current_context, in_torchrun, init_from_env, launch, shutdown
 from ..lower.spmd_ops import set_context
 
-__all__ = ["Trainer", "TrainResult", "train", "peak_rss_bytes"]
+__all__ = ["Trainer", "TrainResult", "train", "train_torchrun", "train_rank", "summarize", "peak_rss_bytes"]
 
 # Steps left out of the median step time: the first steps pay one-time costs (allocator growth, lazy
 # initialisation of collectives). Chosen from runs of the examples: step 1 is 1.5-3x later ones, step 2 not.
@@ -240,16 +240,39 @@ def train(workload: str, nproc: int, *, plan: str | None = None, strategy: str |
         raise ValueError("nproc and steps must be at least 1")
     _check_world(nproc, plan, strategy, cluster)
     start = time.perf_counter()
-    results = launch(_train_rank, nproc, workload, plan, strategy, cluster, level, steps, dtype, overlap,
+    results = launch(train_rank, nproc, workload, plan, strategy, cluster, level, steps, dtype, overlap,
                      timeout_s, log, progress, measure_live, timeout_s=timeout_s)
+    return summarize(results, measure_live, time.perf_counter() - start)
+
+
+def train_torchrun(workload: str, *, plan: str | None = None, strategy: str | None = None,
+                   cluster: str | None = None, level: str = "O1", steps: int = 10, dtype: torch.dtype | None = None,
+                   overlap: bool = True, timeout_s: float = 300.0, log: str | None = None, progress: bool = True,
+                   measure_live: bool = True) -> TrainResult | None:
+    """``train`` as one rank of a ``torchrun`` job: every rank trains; rank 0 returns the summary (others None)."""
+    start = time.perf_counter()
+    ctx = init_from_env(timeout_s)
+    _check_world(ctx.world_size, plan, strategy, cluster)
+    try:
+        mine = train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, overlap, timeout_s, log,
+                          progress, measure_live)
+        results = [None] * ctx.world_size
+        dist.all_gather_object(results, mine)
+    finally:
+        shutdown()
+    return summarize(results, measure_live, time.perf_counter() - start) if ctx.rank == 0 else None
+
+
+def summarize(results: list[dict], measure_live: bool, seconds: float) -> TrainResult:
+    """One ``TrainResult`` from every rank's ``train_rank`` result (in rank order)."""
     first = results[0]
     per_step = [max(ts) for ts in zip(*[r["times"] for r in results])]
     timed = per_step[WARMUP_STEPS + (1 if measure_live else 0):] or per_step
     step_s = median(timed)
-    return TrainResult(nproc, first["mesh"], first["strategy"], steps, first["losses"], step_s,
+    return TrainResult(len(results), first["mesh"], first["strategy"], len(per_step), first["losses"], step_s,
                        first["samples"] / step_s if step_s > 0 else 0.0,
                        max(r["peak_live"] for r in results), max(r["rss"] for r in results),
-                       time.perf_counter() - start, per_step, [r["state_bytes"] for r in results])
+                       seconds, per_step, [r["state_bytes"] for r in results])
 
 
 def _check_world(nproc: int, plan, strategy, cluster) -> None:
@@ -270,7 +293,7 @@ def _check_world(nproc: int, plan, strategy, cluster) -> None:
                          f"pass --nproc {world} or another {'plan' if strategy is None else 'strategy'}")
 
 
-def _train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, overlap, timeout_s, log, progress,
+def train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, overlap, timeout_s, log, progress,
                 measure_live):
     import os
     os.environ.setdefault("LOCAL_RANK", str(ctx.local_rank))
