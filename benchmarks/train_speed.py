@@ -14,7 +14,8 @@ initial weights), optimizer (the example's, with its parameter groups) and batch
 GPT's fused QKV weight is colwise-split with its rows ordered ``[q_0 k_0 v_0 | q_1 k_1 v_1]`` (Megatron's
 interleaved layout) and the attention runs on the local heads: the same model up to a fixed permutation
 of the QKV rows. rhino runs ``lower_rank(..., overlap=True)`` (asynchronous, bucketed collectives,
-``lower/overlap.py``); ``--blocking`` adds the blocking program as a third runner.
+``lower/overlap.py``) called with its inputs released (``release_inputs``: the old state is freed as the
+update consumes it); ``--blocking`` adds the blocking program (called plainly) as a third runner.
 
 Timing: after warm-up, ``--rounds`` rounds; in each, every runner of a pair runs a block of steps
 between barriers (the order alternates from round to round), so load from other processes hits all
@@ -154,6 +155,7 @@ def _tensor_parallel(model: torch.nn.Module, tp: int) -> torch.nn.Module:
 class RhinoRunner:
     def __init__(self, cap, strategy: str, rank: int, overlap: bool) -> None:
         from rhino.ir.graph import Role
+        from rhino.lower.overlap import release_inputs
         from rhino.lower.spmd import lower_rank
         from rhino.lower.spmd_ops import set_context
         from rhino.runtime.collectives import shard_tensor
@@ -166,6 +168,7 @@ class RhinoRunner:
         self.mesh, self.rank = plan.mesh, rank
         set_context(plan.mesh, rank, self.groups)
         self.prog = lower_rank(rp, rank, overlap=overlap)
+        self.boxed = release_inputs(self.prog).module if overlap else None
         state, batch = cap.initial_state(), tuple(cap.workload.batch)
         self.names = [i.name for i in cap.graph.inputs if i.role is not Role.BATCH]
         self.local = {n: shard_tensor(state[n], rp.value[i.value], plan.mesh, rank)
@@ -180,7 +183,11 @@ class RhinoRunner:
         from rhino.lower.spmd_ops import set_context
         set_context(self.mesh, self.rank, self.groups)
         with torch.no_grad():
-            outs = self.prog.module(*self.args())
+            if self.boxed is not None:       # the old state is freed as the update consumes it
+                args = [self.local.pop(n) for n in self.names] + self.batch
+                outs = self.boxed(args)
+            else:
+                outs = self.prog.module(*self.args())
         for name, value in zip(self.prog.output_names[1:], outs[1:]):
             self.local[name] = value
         return float(outs[0])
@@ -283,36 +290,63 @@ def main(argv=None) -> int:
     p.add_argument("--blocking", action="store_true", help="also time rhino's blocking program")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory phase")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--out", metavar="MD", help="also write the table as a section of this markdown file")
     args = p.parse_args(argv)
     load = os.getloadavg()
     ranks = launch(_rank_main, 2, args.model or ["gpt", "llama"], args.pair or list(PAIRS), args.rounds,
                    args.steps, args.blocking, not args.no_memory, timeout_s=1800)
     rows = ranks[0]
     for row, other in zip(rows, ranks[1]):
+        if row["strategy"] != "tp=2":        # the baseline's loss is its rank's half of the batch: average
+            b = row["baseline"]
+            row["final_loss"][b] = (row["final_loss"][b] + other["final_loss"][b]) / 2
         if "peak_bytes" in row:
             row["peak_bytes"] = {k: max(v, other["peak_bytes"][k]) for k, v in row["peak_bytes"].items()}
             row["rhino_live_meter"] = max(row["rhino_live_meter"], other["rhino_live_meter"])
         row["ratio"] = row["ms"]["rhino"] / row["ms"][row["baseline"]]
+        row["ratio_of_mins"] = min(row["ms_rounds"]["rhino"]) / min(row["ms_rounds"][row["baseline"]])
+        row["loss_diff"] = abs(row["final_loss"]["rhino"] - row["final_loss"][row["baseline"]])
     env = {"torch": torch.__version__, "cpus": os.cpu_count(), "threads_per_rank": 1, "loadavg_before": load,
            "loadavg_after": os.getloadavg(), "size": SIZE, "rounds": args.rounds, "steps_per_block": args.steps}
     if args.json:
         print(json.dumps({"env": env, "rows": rows}, indent=1))
         return 0
-    print(f"torch {env['torch']}, 2 gloo processes x 1 thread on {env['cpus']} CPUs, {args.rounds} interleaved "
-          f"rounds of {args.steps} steps, medians; 1-min load {load[0]:.2f} before, {env['loadavg_after'][0]:.2f} after")
-    print()
-    print("| model | plan | baseline | rhino ms | baseline ms | rhino / baseline | rhino blocking ms | "
-          "peak MB rhino / baseline | rhino live-meter MB |")
-    print("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    lines = _table(env, rows, args)
+    print("\n".join(lines))
+    if args.out:
+        from rhino.benchmarks_doc import replace_section
+        replace_section(args.out, "Training speed: rhino vs DDP, FSDP2 and DTensor TP", "\n".join(lines))
+    return 0
+
+
+def _table(env: dict, rows: list[dict], args) -> list[str]:
+    load = env["loadavg_before"]
+    cmd = " ".join(["python benchmarks/train_speed.py"] + sys.argv[1:])
+    lines = [f"Command: `{cmd}`. torch {env['torch']}, 2 gloo processes x 1 thread on {env['cpus']} CPUs; GPT and "
+             "LLaMA examples at 4 layers, hidden 256, 8 heads, seq 128, batch 8, vocab 1024; "
+             f"{args.rounds} interleaved rounds of {args.steps} steps after {WARMUP} warm-up steps, medians of "
+             f"rank 0's step times (between barriers). 1-minute load average {load[0]:.1f} before and "
+             f"{env['loadavg_after'][0]:.1f} after (the machine is shared: other processes ran; the ratios are "
+             "side by side in one run, and the fastest-round ratio is less hurt by bursts of load).", "",
+             "rhino: `lower_rank(..., overlap=True)` (asynchronous bucketed collectives, ZeRO-3 re-gathers with "
+             "one-ahead prefetch, `lower/overlap.py`), called with its inputs released (`release_inputs`). "
+             "Baselines: see the module docstring of `benchmarks/train_speed.py`. Peak MB: bytes held by "
+             "PyTorch's CPU allocator (profiler memory events, everything the runner allocated from before it was "
+             "built) at the peak of its second step, largest rank; rhino live-meter: `LiveBytesMeter` on the plainly "
+             "called program (old and new state both held at the end). Final loss diff: |rhino - baseline| of the "
+             "global-batch loss after the same steps (float32).", "",
+             "| model | plan | baseline | rhino ms | baseline ms | rhino / baseline | (fastest rounds) | "
+             "rhino blocking ms | peak MB rhino / baseline | rhino live-meter MB | final loss diff |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         b = r["baseline"]
         mem = (f"{r['peak_bytes']['rhino'] / 2**20:.1f} / {r['peak_bytes'][b] / 2**20:.1f}"
                if "peak_bytes" in r else "-")
         live = f"{r['rhino_live_meter'] / 2**20:.1f}" if "rhino_live_meter" in r else "-"
         blk = f"{r['ms']['rhino blocking']:.1f}" if "rhino blocking" in r["ms"] else "-"
-        print(f"| {r['model']} | {r['strategy']} | {b} | {r['ms']['rhino']:.1f} | {r['ms'][b]:.1f} | "
-              f"{r['ratio']:.2f} | {blk} | {mem} | {live} |")
-    return 0
+        lines.append(f"| {r['model']} | {r['strategy']} | {b} | {r['ms']['rhino']:.1f} | {r['ms'][b]:.1f} | "
+                     f"{r['ratio']:.2f} | {r['ratio_of_mins']:.2f} | {blk} | {mem} | {live} | {r['loss_diff']:.1e} |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -15,6 +15,7 @@ import torch.nn as nn
 
 from rhino.capture import capture, load_workload
 from rhino.capture.deferred import DeferredInitError, load_deferred
+from rhino.capture.workload import _validate
 from rhino.ir.graph import Role
 from rhino.runtime.collectives import shard_tensor
 from rhino.runtime.init import build_rank_state, example_batch, local_batch, local_state
@@ -83,7 +84,6 @@ def test_hf_models_materialise_bitwise():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             w, d, plain, rng_same = _load_both(lambda: load_deferred(fn), fn)
-        from rhino.capture.workload import _validate
         bad = _compare(_validate(plain, Path("hf"), name), w, d)
         if bad or not rng_same:
             failed[name] = bad[:3] + ([] if rng_same else ["rng"])
@@ -139,7 +139,6 @@ def _odd_workload(device="cpu", dtype=torch.float32):
 def test_construction_features_bitwise(dtype):
     w, d, plain, rng_same = _load_both(lambda: load_deferred(lambda: _odd_workload(dtype=dtype)),
                                        lambda: _odd_workload(dtype=dtype))
-    from rhino.capture.workload import _validate
     plain = _validate(plain, Path("odd"), "odd")
     assert _compare(plain, w, d) == []
     assert rng_same
@@ -151,7 +150,6 @@ def test_construction_features_bitwise(dtype):
 def test_meta_built_workload_gets_the_cpu_values():
     w, d, plain, _ = _load_both(lambda: load_deferred(lambda: _odd_workload(device="meta")),
                                 lambda: _odd_workload(device="cpu"))
-    from rhino.capture.workload import _validate
     assert _compare(_validate(plain, Path("odd"), "odd"), w, d) == []
 
 

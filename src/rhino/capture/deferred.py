@@ -222,7 +222,8 @@ def _in_layout(t: torch.Tensor, v: _View) -> torch.UntypedStorage:
     """``t``'s storage when ``t`` has the recorded geometry, else a copy of ``t`` laid out as recorded."""
     if (tuple(t.shape), tuple(t.stride()), t.storage_offset()) == (v.size, v.stride, v.offset):
         return t.untyped_storage()
-    nbytes = (v.offset + sum((n - 1) * s for n, s in zip(v.size, v.stride)) + 1) * t.element_size()
+    extent = 0 if 0 in v.size else sum((n - 1) * s for n, s in zip(v.size, v.stride)) + 1
+    nbytes = (v.offset + extent) * t.element_size()
     storage = torch.empty(nbytes, dtype=torch.uint8).untyped_storage()
     torch.empty(0, dtype=v.dtype).set_(storage, v.offset, v.size, v.stride).copy_(t)
     return storage
@@ -293,23 +294,21 @@ class _Recorder(TorchDispatchMode):
             raise DeferredInitError(f"{func} draws from a {g.device.type} generator; deferred initialisation "
                                     f"replays CPU generators only: build the workload on the CPU")
         rng = ("kwarg", g.get_state()) if g is not None else ("default", torch.get_rng_state())
-        scratch = {id(t) for t in written}
+        scratch = {self.log.view_of(t): t.untyped_storage().nbytes() for t in written}
         end = len(self.log.entries)
 
-        def real(x, ref):
-            if isinstance(ref, _View) and id(x) in scratch:
-                storage = torch.zeros(x.untyped_storage().nbytes(), dtype=torch.uint8).untyped_storage()
+        def real(ref):
+            if isinstance(ref, _View) and ref in scratch:   # overwritten: only its geometry matters
+                storage = torch.zeros(scratch[ref], dtype=torch.uint8).untyped_storage()
                 return torch.empty(0, dtype=ref.dtype).set_(storage, ref.offset, ref.size, ref.stride)
-            return self._value(ref, end) if isinstance(ref, (_View, _Const)) else x
+            return self._value(ref, end)
 
         with unset_fake_temporarily(), torch.no_grad(), default_dtype(entry.default_dtype):
-            real_args = [real(x, r) for x, r in zip(args, entry.args)]
-            real_kwargs = {k: real(v, entry.kwargs[k]) for k, v in kwargs.items()}
-            func(*real_args, **real_kwargs)
+            func(*tree_map(real, entry.args), **tree_map(real, entry.kwargs))
         return rng
 
-    def _value(self, ref, end: int) -> torch.Tensor:
-        """The real value of a logged argument at log position ``end``."""
+    def _value(self, ref, end: int):
+        """The real value of a logged argument at log position ``end`` (anything but a tensor: as is)."""
         if isinstance(ref, _Const):
             return ref.value.clone()
         if not isinstance(ref, _View):
@@ -321,7 +320,7 @@ class _Recorder(TorchDispatchMode):
         """``func`` computed on real values (its result depends on them); tensors it returns are logged
         as constants."""
         end = len(self.log.entries)
-        value = lambda r: self._value(r, end) if isinstance(r, (_View, _Const)) else r  # noqa: E731
+        value = lambda r: self._value(r, end)  # noqa: E731
         with unset_fake_temporarily(), torch.no_grad(), default_dtype(entry.default_dtype):
             out = func(*tree_map(value, entry.args), **tree_map(value, entry.kwargs))
         flat, spec = tree_flatten(out)

@@ -7,8 +7,8 @@
    the overlap assumptions of ``StepOptions`` (gradient reduction overlaps the rest of the backward
    pass; ZeRO-3 parameter gathers are prefetched; everything else blocks).
 2. **Memory** (``memory.estimate_memory``): liveness over the per-rank program, by category.
-3. **Recomputation** (``recompute.py``): ``full`` or ``selective`` change the saved activations
-   and add forward compute.
+3. **Recomputation** (``recompute.py``, ``remat.py``): ``full`` or ``selective`` change the saved
+   activations and add forward compute; priced on the rewritten program the runtime executes.
 4. **Pipelines and micro-batches** (``pipeline.py``, analytic): ``pp`` stages and ``microbatches``
    per step with a 1F1B or GPipe schedule: bubble, stage-boundary transfers, in-flight activations.
 
@@ -23,6 +23,8 @@ TFLOP/s also count the recomputed forward (what Megatron-LM reports).
 """
 from __future__ import annotations
 
+import dataclasses
+
 from dataclasses import dataclass, field
 
 from ..ir.graph import Graph
@@ -35,7 +37,8 @@ from .cluster import Cluster, axis_links, make_cluster
 from .compute import Profile
 from .memory import estimate_memory
 from .pipeline import Schedule, pipeline_time
-from .recompute import Recompute, apply_recompute
+from .recompute import Recompute, apply_recompute, remat_effect
+
 from .step import StepOptions, step_time
 
 __all__ = ["Estimate", "estimate", "estimate_strategy", "stage_cluster", "matmul_dtype"]
@@ -126,7 +129,9 @@ def estimate(graph: Graph, cluster: Cluster, plan: ShardingPlan | ResolvedPlan |
     links = axis_links(sub, mesh)
     st = step_time(rp, cluster.device, links, options)
     mem = estimate_memory(graph, rp)
-    rc = apply_recompute(graph, mem, st.nodes, recompute)
+    # recomputation priced on the rewritten program the runtime runs (cost.remat)
+    rc = apply_recompute(graph, mem, st.nodes, recompute) if recompute is Recompute.NONE else \
+        remat_effect(rp, mem, st.nodes, recompute)
     pl = pipeline_time(graph, rp, st, mem, rc, cluster, links, pp=pp, microbatches=microbatches,
                        schedule=schedule, options=options)
     memory = dict(pl.memory_at_peak)   # bytes of each category live at the peak
@@ -168,8 +173,7 @@ def estimate_strategy(graph: Graph, cluster: Cluster, strategy: str | StrategySp
     stage = StrategySpec(dp=spec.dp, tp=spec.tp, zero=spec.zero, sp=spec.sp)
     plan = preset_plan(graph, stage) if stage.world > 1 else ShardingPlan(mesh_for(stage), {}, {})
     if profile is not None:
-        options = StepOptions(options.overlap_gradient_reduction, options.prefetch_parameters, options.allow_tf32,
-                              profile)
+        options = dataclasses.replace(options, profile=profile)
     return estimate(graph, cluster, plan, pp=spec.pp, microbatches=spec.microbatches, recompute=spec.recompute,
                     schedule=schedule, options=options, strategy=str(spec))
 

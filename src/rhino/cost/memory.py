@@ -74,6 +74,13 @@ class MemoryEstimate:
     # and pipeline models need to know about the forward pass; ``boundary`` is the loss node's index
     activation_spans: list[tuple[int, int, int]] = field(default_factory=list)
     boundary: int = -1
+    # the other storages made at or before the loss node and read by a later forward node (not saved for
+    # backward), as (producer index, last forward use, bytes): with the activations, what a cut of the
+    # forward pass must keep (``cost.recompute.full_segments``)
+    forward_only_spans: list[tuple[int, int, int]] = field(default_factory=list)
+    # the storage (value id) of each span, in the same order
+    activation_values: list[int] = field(default_factory=list)
+    forward_only_values: list[int] = field(default_factory=list)
 
     @property
     def state(self) -> int:
@@ -329,14 +336,22 @@ def estimate_memory(graph: Graph, resolved_plan=None, rank: int = 0) -> MemoryEs
     for (first, lst, nbytes) in copies.values():
         if first <= peak_i <= lst:
             at_peak[_TMP] += nbytes
-    spans = []
+    spans, fwd_spans, span_values, fwd_values = [], [], [], []
     for s, b in born.items():
+        if b < 0 or b > boundary:
+            continue
+        last_fwd = max([u for u in uses.get(s, ()) if u <= boundary], default=b)
         if cat[s] == _ACT:
-            spans.append((b, max([u for u in uses.get(s, ()) if u <= boundary], default=b), sizes[s]))
+            spans.append((b, last_fwd, sizes[s]))
+            span_values.append(s)
+        elif last_fwd > b:
+            fwd_spans.append((b, last_fwd, sizes[s]))
+            fwd_values.append(s)
     return MemoryEstimate(
         params=totals[_PARAMS], gradients=totals[_GRAD], optimizer=totals[_OPT], buffers=totals[_BUF],
         activations=totals[_ACT], temporaries=tmp_max, peak=peak,
         peak_node=nodes[peak_i].name if peak_i >= 0 else "", batch=totals[_BATCH],
         updated_state=totals[_NEW], timeline=timeline,
         breakdown={name: at_peak[k] for k, name in enumerate(CATEGORIES)}, activation_spans=spans,
-        boundary=boundary if boundary < n else -1)
+        boundary=boundary if boundary < n else -1, forward_only_spans=fwd_spans,
+        activation_values=span_values, forward_only_values=fwd_values)

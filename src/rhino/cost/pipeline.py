@@ -61,14 +61,16 @@ class PipelineTime:
 
 def scaled_memory(mem: MemoryEstimate, rc: RecomputeEffect, pp: int, m: int, schedule: Schedule) -> dict[str, int]:
     """Per-category bytes live at the peak of one stage's rank (see the module docstring)."""
-    at = dict(mem.breakdown)
+    exact = rc.memory is not None and rc.memory is not mem  # the recomputing program's own estimate
+    at = dict(rc.memory.breakdown if exact else mem.breakdown)
+    keep = 1.0 if exact else rc.keep_fraction
     in_flight = 1 if pp == 1 else (min(pp, m) if schedule is Schedule.ONE_F_ONE_B else m)
     out = {}
     for cat, v in at.items():
         if cat in ("params", "optimizer", "buffers", "gradients", "updated_state"):
             out[cat] = v / pp
         elif cat == "activations":
-            out[cat] = v * rc.keep_fraction * in_flight / (pp * m)
+            out[cat] = v * keep * in_flight / (pp * m)
         else:  # temporaries, batch
             out[cat] = v / m
     if m > 1:  # the accumulation buffer holds every gradient across micro-batches

@@ -14,14 +14,21 @@ Per rank (all ranks run the same program on equal shards, so one rank stands for
   log-softmax and nll: a few values per row; batch norm over a split batch: two values per channel,
   once forward and once backward), and at the end of the step the loss made replicated
   and the new state brought back to its input's sharding (as ``lower_rank`` does).
-- **Overlap** (explicit assumptions, each a named option of ``StepOptions``): one compute stream and
-  one communication stream per rank, collectives executed in program order on the latter.
-  ``overlap_gradient_reduction``: a redistribution of a value produced after the loss that is read by
-  an optimizer node (gradient all-reduce / reduce-scatter) starts as soon as the gradient exists and
-  runs while later backward nodes compute; the optimizer node that reads it waits for it (DDP/ZeRO
-  bucketed overlap, at the granularity of whole tensors). ``prefetch_parameters``: a redistribution
-  of a state input (ZeRO-3 parameter all-gather) may start as early as the communication stream is
-  free (FSDP prefetch). Every other redistribution blocks: the compute stream waits for it (tensor-
+- **Overlap** (explicit assumptions, each a named option of ``StepOptions``; they describe the
+  overlapped per-rank programs of ``lower/overlap.py``, which the runtime runs): one compute stream and
+  one communication stream per rank, collectives executed in issue order on the latter.
+  ``overlap_gradient_reduction``: redistributions of values produced after the loss and read by
+  optimizer nodes (gradient all-reduce / reduce-scatter) are grouped into buckets as the runtime
+  groups them (production order, same single step and dtype, ``first_bucket_mb`` for the first bucket
+  that fills, ``bucket_cap_mb`` after: DDP's defaults); a bucket is one collective of its summed bytes
+  (one latency), issued when its last gradient exists, running while later backward nodes compute;
+  the optimizer nodes that read it wait for it; before a reduce-scatter bucket is issued the compute
+  stream waits for the previous one (one in flight, as FSDP2 and the runtime bound the full-size
+  gradients pending). ``prefetch_parameters``: a redistribution of a state
+  input (ZeRO-3 parameter all-gather) is issued when the previous one is waited for (one use ahead,
+  as FSDP2 prefetches), the first when it is needed; with ``reshard_after_forward`` a state input
+  redistributed before the loss is redistributed again for its uses after it (FSDP2's default, the
+  runtime's re-gather). Every other redistribution blocks: the compute stream waits for it (tensor-
   parallel all-reduces sit on the critical path, as in Megatron-LM).
 - The step time is when both streams are done; exposed communication = step time - compute.
 """
@@ -34,9 +41,9 @@ from ..ir.graph import Graph, Role
 from ..ir.registry import OpKind, annotate, call_of, lookup
 from ..sharding.placement import ReduceOp, replicated
 from ..sharding.plan import ResolvedPlan
-from ..sharding.redistribute import plan_redistribution
+from ..sharding.redistribute import local_numel, plan_redistribution
 from ..sharding.rules import PASS, split_letter
-from ..sharding.steps import AllReduce, Step, is_communication
+from ..sharding.steps import AllReduce, ReduceScatter, Step, is_communication
 from .cluster import AxisLink
 from .collectives import step_seconds, steps_seconds
 from .compute import Profile, op_time
@@ -74,6 +81,9 @@ class StepOptions:
     prefetch_parameters: bool = True
     allow_tf32: bool = False
     profile: Profile | None = None
+    bucket_cap_mb: float = 25.0          # lower/overlap.py OverlapOptions: DDP's bucket_cap_mb default
+    first_bucket_mb: float = 1.0         # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
+    reshard_after_forward: bool = True   # ZeRO-3 parameters gathered again for the backward (FSDP2 default)
 
 
 @dataclass
@@ -155,6 +165,64 @@ def _custom_comm(graph: Graph, node, strategy, mesh, links, rp: ResolvedPlan) ->
     return count * secs, count * len(axes)
 
 
+@dataclass
+class _Bucket:
+    """Gradient redistributions priced as one collective (``lower/overlap.py``'s buckets)."""
+
+    step: Step
+    members: list = field(default_factory=list)   # (value id, wanted sharding)
+    nbytes: int = 0
+    close: int = -1                               # index of the node producing its last gradient
+    seconds: float = 0.0
+    done: float | None = None
+
+    @property
+    def kind(self) -> str:
+        return type(self.step).__name__
+
+    def issue(self, t_comm: float, now: float) -> float:
+        self.done = max(t_comm, now) + self.seconds
+        return self.done
+
+
+def _gradient_buckets(rp: ResolvedPlan, boundary: int, opt: set[int], state_in: set[int], prod_of: dict,
+                      links, options: StepOptions) -> list[_Bucket]:
+    """Gradient redistributions (one all-reduce or reduce-scatter step each) grouped as the runtime
+    groups them: production order, same step and dtype, capped at ``first_bucket_mb`` until a bucket
+    first fills, then at ``bucket_cap_mb``. Gradients needing other steps are left to the caller."""
+    graph, mesh = rp.graph, rp.plan.mesh
+    members: dict[tuple, tuple] = {}
+    for i in sorted(opt):
+        node = graph.nodes[i]
+        for ref, req in zip(node.input_refs(), rp.node[node.name].inputs):
+            src = prod_of.get(ref.id)
+            have = rp.value[ref.id]
+            if ref.id in state_in or src is None or src <= boundary or have == req or (ref.id, req) in members:
+                continue
+            t = graph.types[ref.id]
+            steps = plan_redistribution(t.shape, have, req, mesh)
+            if len(steps) == 1 and isinstance(steps[0], (AllReduce, ReduceScatter)):
+                nbytes = local_numel(t.shape, have, mesh) * t.dtype.itemsize
+                members[(ref.id, req)] = (src, steps[0], t.dtype, nbytes)
+    out: list[_Bucket] = []
+    cur: _Bucket | None = None
+    cur_dtype, first = None, True
+    for key, (src, step, dtype, nbytes) in sorted(members.items(), key=lambda kv: kv[1][0]):
+        cap = (options.first_bucket_mb if first else options.bucket_cap_mb) * 2 ** 20
+        joins = cur is not None and cur.step == step and cur_dtype == dtype
+        if joins and cur.nbytes + nbytes > cap:
+            joins, first = False, False
+        if not joins:
+            cur, cur_dtype = _Bucket(step), dtype
+            out.append(cur)
+        cur.members.append(key)
+        cur.nbytes += nbytes
+        cur.close = max(cur.close, src)
+    for b in out:
+        b.seconds = step_seconds(b.step, b.nbytes, mesh, links)
+    return out
+
+
 def step_time(rp: ResolvedPlan, device: DeviceSpec, links: list[AxisLink],
               options: StepOptions = StepOptions()) -> StepTime:
     """Compute, communication and overlap of one step of ``rp`` (see the module docstring)."""
@@ -167,21 +235,30 @@ def step_time(rp: ResolvedPlan, device: DeviceSpec, links: list[AxisLink],
     counts: dict[str, int] = {}
     by_kind = {"blocking": 0.0, "gradient": 0.0, "prefetch": 0.0}
 
-    def moved(vid: int, want) -> float:
+    def moved(vid: int, want, phase: int = 0) -> float:
         have = rp.value[vid]
-        if have == want or (vid, want) in cache:
-            return 0.0  # the lowering redistributes a value once per target sharding
+        if have == want or (vid, want, phase) in cache:
+            return 0.0  # the lowering redistributes a value once per target sharding (and phase)
         t = graph.types[vid]
         steps: list[Step] = plan_redistribution(t.shape, have, want, mesh)
         for s in steps:
             if is_communication(s):
                 counts[type(s).__name__] = counts.get(type(s).__name__, 0) + 1
         secs = steps_seconds(steps, t.shape, t.dtype.itemsize, have, mesh, links)
-        cache[(vid, want)] = secs
+        cache[(vid, want, phase)] = secs
         return secs
 
+    buckets = _gradient_buckets(rp, boundary, opt, state_in, prod_of, links, options) \
+        if options.overlap_gradient_reduction else []
+    bucket_of = {key: b for b in buckets for key in b.members}
+    closing: dict[int, list[_Bucket]] = {}
+    for b in buckets:
+        closing.setdefault(b.close, []).append(b)
+        cache.update({(vid, want, 0): 0.0 for vid, want in b.members})   # priced once, as one collective
     t_compute = 0.0      # compute stream clock
     t_comm = 0.0         # communication stream clock
+    last_wait: float | None = None   # when the previous prefetched gather was waited for
+    last_scatter = 0.0               # when the previous reduce-scatter bucket completes
     pending: dict[int, float] = {}  # node index -> time its overlapped inputs are ready
     total_compute = fb_compute = opt_compute = flops = comm_total = 0.0
     costs: list[NodeCost] = []
@@ -191,18 +268,24 @@ def step_time(rp: ResolvedPlan, device: DeviceSpec, links: list[AxisLink],
         ready = t_compute
         node_comm = 0.0
         kind = ""
+        prefetched = False
         for ref, req in zip(node.input_refs(), ns.inputs):
-            secs = moved(ref.id, req)
+            if (ref.id, req) in bucket_of:
+                b = bucket_of[(ref.id, req)]
+                if b.done is None:                # (not reached: a bucket closes before its readers)
+                    t_comm = b.issue(t_comm, t_compute)
+                ready = max(ready, b.done)
+                continue
+            prefetch = options.prefetch_parameters and ref.id in state_in
+            phase = int(prefetch and options.reshard_after_forward and i > boundary)
+            secs = moved(ref.id, req, phase)
             if secs <= 0:
                 continue
             node_comm += secs
             src = prod_of.get(ref.id)
-            if options.prefetch_parameters and ref.id in state_in:
-                kind = "prefetch"
-                t_comm = t_comm + secs          # may start whenever the stream is free
-            elif options.overlap_gradient_reduction and i in opt and src is not None and src > boundary:
-                kind = "gradient"
-                t_comm = max(t_comm, pending.get(src, 0.0)) + secs
+            if prefetch:
+                kind, prefetched = "prefetch", True
+                t_comm = max(t_comm, t_compute if last_wait is None else last_wait) + secs
             else:
                 kind = "blocking"
                 t_comm = max(t_comm, t_compute) + secs
@@ -213,6 +296,8 @@ def step_time(rp: ResolvedPlan, device: DeviceSpec, links: list[AxisLink],
             counts["AllReduce"] = counts.get("AllReduce", 0) + ccount
         t = node_compute(graph, node, strategy, mesh, device, allow_tf32=options.allow_tf32, profile=options.profile)
         start = ready
+        if prefetched:
+            last_wait = start
         t_compute = start + t.seconds
         if csecs:  # the custom all-reduces sit inside the node: compute waits for them
             t_comm = max(t_comm, t_compute) + csecs
@@ -220,7 +305,19 @@ def step_time(rp: ResolvedPlan, device: DeviceSpec, links: list[AxisLink],
             by_kind["blocking"] += csecs
             node_comm += csecs
         pending[i] = t_compute
-        comm_total += node_comm
+        for b in closing.get(i, []):         # a bucket's last gradient exists: issue it
+            if b.kind == "ReduceScatter":    # one reduce-scatter in flight: wait for the previous one
+                t_compute = max(t_compute, last_scatter)
+                pending[i] = t_compute
+            t_comm = b.issue(t_comm, t_compute)
+            if b.kind == "ReduceScatter":
+                last_scatter = b.done
+            by_kind["gradient"] += b.seconds
+            comm_total += b.seconds
+            counts[b.kind] = counts.get(b.kind, 0) + 1
+            node_comm += b.seconds
+            kind = kind or "gradient"
+        comm_total += node_comm - sum(b.seconds for b in closing.get(i, []))
         total_compute += t.seconds
         flops += t.flops
         if i in opt:

@@ -19,7 +19,7 @@ from .graph import Graph, Node, Ref
 from .types import TensorType
 
 __all__ = ["OpKind", "OpDef", "OpCall", "register", "lookup", "is_known", "annotate", "call_signature", "flops_of",
-           "bytes_of", "REGISTRY"]
+           "bytes_of", "is_random", "REGISTRY"]
 
 
 class OpKind(str, Enum):
@@ -100,6 +100,18 @@ def lookup(op: str) -> OpDef | None:
 
 def is_known(op: str) -> bool:
     return lookup(op) is not None
+
+
+# aten ops that draw from the RNG (their kinds say what their shapes do: elementwise, creation)
+_RANDOM_NAMES = frozenset({"rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm",
+                           "bernoulli", "native_dropout", "normal", "uniform", "multinomial", "poisson",
+                           "exponential", "geometric", "cauchy", "log_normal"})
+
+
+def is_random(op: str) -> bool:
+    """Whether ``op`` draws random numbers (running it twice gives different values)."""
+    parts = op.split(".")
+    return len(parts) >= 2 and parts[0] == "aten" and parts[1].rstrip("_") in _RANDOM_NAMES
 
 
 def call_of(graph: Graph, node: Node) -> OpCall:

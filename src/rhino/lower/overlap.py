@@ -24,7 +24,9 @@ call, placed just before the node that needs it. This pass rewrites each communi
   gathered value (following views such as ``t`` that keep its storage alive) are split wherever
   another gathered parameter is used in between, and each later group gets its own copy of the
   gather (and of the views), so the gathered copy of the forward is freed after its last forward
-  use instead of living until the backward. (A reduction of a graph input, a gradient accumulated
+  use instead of living until the backward; a reduce-scatter bucket holds its full-size packed
+  gradients until it completes, so at most ``reduce_scatters_in_flight`` are pending: the previous
+  one is waited for before the next starts (as FSDP2 does). (A reduction of a graph input, a gradient accumulated
   outside the program, starts at once and is bucketed like any other.)
 
 The pass only moves and groups communication; what is computed is unchanged. Each element of a
@@ -42,7 +44,7 @@ import torch.fx
 
 from .spmd_ops import COMM_KINDS, redistribute, start, wait
 
-__all__ = ["OverlapOptions", "overlap_program", "BUCKETABLE"]
+__all__ = ["OverlapOptions", "overlap_program", "release_inputs", "BUCKETABLE"]
 
 MB = 1 << 20
 BUCKETABLE = frozenset({"AllReduce", "ReduceScatter"})
@@ -56,6 +58,7 @@ class OverlapOptions:
     bucket_cap_mb: float = 25.0       # DDP bucket_cap_mb default
     first_bucket_mb: float = 1.0      # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
     prefetch_depth: int = 1           # FSDP2 prefetches one module ahead
+    reduce_scatters_in_flight: int = 1  # FSDP2 waits for the previous reduce-scatter before the next
     reshard_after_forward: bool = True  # FSDP2 default
 
 
@@ -291,12 +294,34 @@ def _make_async(g: torch.fx.Graph, opts: OverlapOptions, stats: OverlapStats) ->
     order = {n: i for i, n in enumerate(g.nodes)}
     comms = [_Comm(n, n.meta.pop("rhino_anchor", n.args[0]), _first_user(n, order), (tuple(n.args[1:]), _dtype(n)),
                    _nbytes(n)) for n in free]
+    scatters: list[torch.fx.Node] = []
     for bucket in _buckets(comms, order, opts):
-        _convert(g, bucket, max((c.anchor for c in bucket), key=order.__getitem__), stats)
+        w = _convert(g, bucket, max((c.anchor for c in bucket), key=order.__getitem__), stats)
+        if bucket[0].key[0][0] == "ReduceScatter":
+            scatters.append(w)
+    _bound_in_flight(g, scatters, opts.reduce_scatters_in_flight)
     _prefetch(g, stored, opts, stats)
     for n in chained:                        # behind another collective: start when its input is there
         order = {m: i for i, m in enumerate(g.nodes)}
         _convert(g, [_Comm(n, n.args[0], _first_user(n, order), (), _nbytes(n))], n.args[0], stats)
+
+
+def _bound_in_flight(g: torch.fx.Graph, waits: list[torch.fx.Node], limit: int) -> None:
+    """Wait for reduce-scatter k - ``limit`` just before reduce-scatter k starts (if not waited before):
+    a pending reduce-scatter holds its full-size packed input, its result is 1/n of it, so bounding the
+    number in flight bounds the full-size gradients alive to about ``limit`` buckets (FSDP2 keeps one
+    reduce-scatter in flight for the same reason)."""
+    if limit < 1:
+        raise ValueError("reduce_scatters_in_flight must be at least 1")
+    order = {n: i for i, n in enumerate(g.nodes)}
+    for k in range(limit, len(waits)):
+        w, nxt = waits[k - limit], waits[k].args[0]
+        if order[w] > order[nxt] > order[w.args[0]]:
+            items = sorted(w.users, key=order.__getitem__)
+            nxt.prepend(w)
+            for item in items:
+                nxt.prepend(item)
+            order = {n: i for i, n in enumerate(g.nodes)}
 
 
 def _chain(n: torch.fx.Node) -> list[torch.fx.Node]:
@@ -356,3 +381,36 @@ def _copy_graph(graph: torch.fx.Graph) -> torch.fx.Graph:
     for old, n in env.items():
         n.meta.update(old.meta)
     return new
+
+
+# ----------------------------------------------------------------------------- releasing the inputs
+
+def _release(args: list) -> None:
+    """Drop the caller's references to a step's inputs (the program holds its own until their last use)."""
+    args.clear()
+
+
+def release_inputs(prog):
+    """``prog`` as a program called with ONE list of its inputs, which it empties once it has read them
+    (the boxed calling convention of ``torch._inductor``'s compiled functions). A caller that keeps no
+    other reference to the old state (e.g. ``args = [state.pop(n) for n in names]``) then frees each
+    old parameter and optimizer moment at its last use in the update, as PyTorch's in-place optimizers
+    overwrite theirs, instead of holding the old and the new state together at the end of the step."""
+    gm = torch.fx.GraphModule(prog.module, _copy_graph(prog.module.graph))
+    g = gm.graph
+    phs = [n for n in g.nodes if n.op == "placeholder"]
+    with g.inserting_before(phs[0]):
+        boxed = g.placeholder("inputs")
+    last = boxed
+    for i, ph in enumerate(phs):
+        with g.inserting_after(last):
+            item = g.call_function(operator.getitem, (boxed, i))
+        item.meta.update(ph.meta)
+        ph.replace_all_uses_with(item)
+        g.erase_node(ph)
+        last = item
+    with g.inserting_after(last):
+        g.call_function(_release, (boxed,))
+    g.lint()
+    gm.recompile()
+    return replace(prog, module=gm)

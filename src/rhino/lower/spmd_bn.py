@@ -85,16 +85,22 @@ def _forward(fg, node: Node, args: list, axes, rank: int, count: int, ranks: int
     d, sq = call(operator.getitem, (stats, 0)), call(operator.getitem, (stats, 1))
     var = call(aten.sub.Tensor, (sq, call(aten.mul.Tensor, (d, d))))
     mean = call(aten.add.Tensor, (d, rm)) if rm is not None else d
-    invstd = call(aten.rsqrt.default, (call(aten.add.Scalar, (var, eps)),))
-    y = call(operator.getitem, (call(aten._native_batch_norm_legit_no_training.default,
-                                     (x, w, b, mean, var, momentum, eps)), 0))
-    out = {node.outputs[0]: y, node.outputs[1]: mean, node.outputs[2]: invstd}
-    if len(node.outputs) > 3:  # functional variant: the new running statistics
-        unbiased = call(aten.mul.Scalar, (var, count / max(count - 1, 1)))
-        out[node.outputs[3]] = _running(fg, rm, mean, momentum)
-        out[node.outputs[4]] = _running(fg, rv, unbiased, momentum)
-    return {v: _cast(fg, t, acc if k else None, _dtype(graph, v)) for k, (v, t) in enumerate(out.items())
-            if v is not None}
+    # only the outputs the graph defines: a recomputed copy (cost.remat) may need the statistics alone,
+    # and an emitted value nobody reads would stay alive to the end of the program
+    outs = list(node.outputs) + [None] * (5 - len(node.outputs))
+    out = {}
+    if outs[0] is not None:
+        out[outs[0]] = call(operator.getitem, (call(aten._native_batch_norm_legit_no_training.default,
+                                                    (x, w, b, mean, var, momentum, eps)), 0))
+    if outs[1] is not None:
+        out[outs[1]] = mean
+    if outs[2] is not None:
+        out[outs[2]] = call(aten.rsqrt.default, (call(aten.add.Scalar, (var, eps)),))
+    if outs[3] is not None:  # functional variant: the new running statistics
+        out[outs[3]] = _running(fg, rm, mean, momentum)
+    if outs[4] is not None:
+        out[outs[4]] = _running(fg, rv, call(aten.mul.Scalar, (var, count / max(count - 1, 1))), momentum)
+    return {v: _cast(fg, t, acc if v != outs[0] else None, _dtype(graph, v)) for v, t in out.items()}
 
 
 def _running(fg, r, s, momentum: float):

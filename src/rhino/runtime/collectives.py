@@ -305,8 +305,10 @@ def _start_all_reduce(tensors: list[torch.Tensor], op: ReduceOp, group, n: int) 
 def _start_reduce_scatter(tensors: list[torch.Tensor], step: ReduceScatter, group, n: int) -> Pending:
     """One ``reduce_scatter_single`` over ``[n, sum of pieces]``: row j holds every tensor's piece j
     (as FSDP2 packs its reduce-scatter), so row c, split back, is this rank's piece of each tensor."""
-    if len(tensors) == 1:
-        send = _stack_pieces(tensors[0], step.dim, step.blocks, n, "reduce-scatter")
+    if len(tensors) == 1:                    # sent as it is when its pieces are already laid out in order
+        send = _pieces_view(tensors[0], step.dim, step.blocks, n, "reduce-scatter")
+        if not send.is_contiguous():
+            send = send.clone(memory_format=torch.contiguous_format)
         shapes, offsets = [tuple(send.shape[1:])], [0]
         send = send.view(n, -1)
     else:

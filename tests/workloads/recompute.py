@@ -1,0 +1,56 @@
+"""Workloads for the recomputation tests: the examples built in float64 (GPT and LLaMA pin their dtype),
+activation-heavy sizes (where the step's peak sits at the forward/backward crossover), and a model with
+dropout (random outputs are never recomputed)."""
+import importlib.util
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
+
+
+def _example(name):
+    spec = importlib.util.spec_from_file_location(f"rhino_recompute_example_{name}", EXAMPLES / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def gpt():
+    return _example("gpt").workload(dtype=torch.float64)
+
+
+def llama():
+    return _example("llama").workload(dtype=torch.float64)
+
+
+def gpt_activations():
+    """GPT with a batch large enough that activations dominate the step's memory."""
+    return _example("gpt").workload(layers=2, batch=32, dtype=torch.float64)
+
+
+def resnet_activations():
+    """The ResNet example at batch 16: activations dominate the step's memory."""
+    return _example("resnet").workload(batch=16)
+
+
+class DropoutMLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(16, 16) for _ in range(4))
+        self.head = nn.Linear(16, 4)
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + F.dropout(torch.tanh(layer(x)), p=0.25, training=True)
+        return self.head(x)
+
+
+def dropout_mlp():
+    torch.manual_seed(0)
+    model = DropoutMLP()
+    g = torch.Generator().manual_seed(1)
+    batch = (torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, x, y: F.cross_entropy(m(x), y), batch
