@@ -148,3 +148,15 @@ def test_rhino_train_under_torchrun_matches_the_local_launcher(tmp_path):
     assert a["nproc"] == 2 and a["losses"] == b["losses"]
     lines = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3] and [x["loss"] for x in lines] == a["losses"]
+
+
+def test_rhino_train_with_microbatches_and_recompute_equals_the_whole_batch_loop():
+    """dp=2 with 2 micro-batches and full recomputation: GPT has no BatchNorm and no ignored targets, so the
+    accumulated step equals whole-batch training (float64, every step)."""
+    out = subprocess.run([sys.executable, "-m", "rhino.cli.main", "train", GPT, "--strategy",
+                          "dp=2,microbatches=2,recompute=full", "--steps", "4", "--dtype", "float64", "--json"],
+                         capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    r = json.loads(out.stdout)
+    for step, (got, ref) in enumerate(zip(r["losses"], _plain_losses(GPT, 4))):
+        assert abs(got - ref) <= 1e-9 * max(1.0, abs(ref)), (step, got, ref)

@@ -85,7 +85,7 @@ class Trainer:
         self.state = self._local_state()
         say("lowering the per-rank programs ...")
         from .rank_step import RankStep
-        self.program = RankStep(self.cap.graph, self.plan, self.rank, self.device, overlap=overlap)
+        self.program = RankStep(self.cap, self.plan, self.rank, self.device, overlap=overlap)
         self._stream = None
         self.steps_done = 0
 
