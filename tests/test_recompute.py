@@ -70,10 +70,10 @@ def _root_of(graph):
     return root
 
 
-def _keepable(graph, mode):
-    """Forward storages the rules of cost/remat.py let the backward read from the forward."""
+def _keepable(graph, mode, cuts):
+    """Forward storages the rules of cost/remat.py let the backward read from the forward (with the
+    rewrite's cuts)."""
     b = loss_index(graph)
-    cuts = full_segments(estimate_memory(graph)).positions
     seg = lambda i: bisect_left(cuts, i)  # noqa: E731
     root = _root_of(graph)
     made = {v: i for i, n in enumerate(graph.nodes[:b + 1]) for v in n.outputs if v is not None}
@@ -106,7 +106,7 @@ def test_transform_keeps_only_what_the_mode_keeps(name, mode):
     assert origin or (mode == "selective" and name == "mlp"), "nothing recomputed"  # mlp: relu reads addmm only
     b = loss_index(g)
     assert loss_index(new) <= b   # forward nodes only ran for the backward may go; none is added
-    ok, made, root = _keepable(g, mode)
+    ok, made, root = _keepable(g, mode, new.meta["recompute"]["cuts"] if origin else [])
     by_name = {n.name: n for n in g.nodes}
     position = {n.name: i for i, n in enumerate(new.nodes)}
     for i, node in enumerate(new.nodes):
