@@ -9,7 +9,9 @@ from conftest import ROOT
 from rhino.capture import capture, default_dtype, load_workload
 from rhino.cost.cluster import parse_cluster
 from rhino.cost.estimate import estimate, estimate_strategy
-from rhino.sharding.plan import PlanError, ShardingPlan
+from rhino.runtime.compare import TOLERANCES, compare_ranks, reference_run
+from rhino.runtime.exact import simulate_plan
+from rhino.sharding.plan import PlanError, ShardingPlan, resolve
 from rhino.sharding.presets import parse_strategy, preset_plan
 
 MLP = str(ROOT / "examples" / "mlp.py")
@@ -69,3 +71,87 @@ def test_estimate_prices_a_plan_files_microbatches_like_the_strategy_string(mlp)
     assert from_plan.memory_bytes == from_string.memory_bytes
     assert from_plan.step_seconds == pytest.approx(from_string.step_seconds, rel=1e-12)
     assert from_plan.memory_bytes != one.memory_bytes
+
+
+# -- micro-batches executed ---------------------------------------------------------------------------------
+MB = str(ROOT / "tests" / "workloads" / "microbatch.py")
+_CAPS: dict = {}
+
+
+def _mb(name):
+    """An example at batch 8 (16), captured in float64."""
+    if name not in _CAPS:
+        _CAPS[name] = _cap(f"{MB}:{name}")
+    return _CAPS[name]
+
+
+def test_the_step_splits_into_gradients_and_one_update(mlp):
+    from rhino.cost.step import optimizer_nodes
+    from rhino.cost.accumulate import split_step
+    s = split_step(mlp.graph)
+    names = [n.name for n in mlp.graph.nodes]
+    assert set(s.grad_nodes) | set(s.update_nodes) == set(names)
+    assert {names[i] for i in optimizer_nodes(mlp.graph)} <= set(s.update_nodes)
+    # one gradient per trained parameter, shaped like it, crosses the cut; no batch-shaped value does
+    params = {mlp.graph.types[i.value].shape for i in mlp.graph.inputs if i.name in mlp.param_names}
+    assert len(s.boundary) == len(mlp.param_names)
+    assert {mlp.graph.types[v].shape for v in s.boundary} == params
+    assert s.grad_state_outputs == [] and set(s.update_state_outputs) >= set(mlp.param_names)
+
+
+def test_batchnorm_buffers_are_updated_per_micro_batch():
+    from rhino.cost.accumulate import split_step
+    cap = _mb("resnet")
+    s = split_step(cap.graph)
+    assert set(s.grad_state_outputs) == set(cap.buffer_names)  # running stats and num_batches_tracked
+
+
+@pytest.mark.parametrize("name, strategy", [("mlp", "dp=2,tp=2,microbatches=4"), ("gpt", "dp=2,microbatches=4"),
+                                            ("resnet", "dp=2,microbatches=4")])
+def test_micro_batches_match_the_accumulation_loop_on_every_rank(name, strategy):
+    """Every rank's losses and state shards after 2 steps against PyTorch's accumulation loop at 1e-9
+    (float64; lockstep simulation of the ranks' RankStep programs), and the cost model's peak memory of
+    the micro-batched step within 5% of each rank's measured peak of live bytes. A sample of the 8 x 2
+    table of docs/benchmarks.md (real processes), to keep the suite fast. ResNet has BatchNorm: statistics
+    per micro-batch, running statistics carried, so it must differ from whole-batch training."""
+    cap = _mb(name)
+    plan = preset_plan(cap.graph, parse_strategy(strategy))
+    r, res = simulate_plan(cap, plan)
+    assert r.ok, r.first_mismatch
+    assert r.max_abs_diff < 1e-9
+    assert len(r.reference_losses) == 2
+    predicted = estimate(cap.graph, parse_cluster(f"cpu:{plan.mesh.world}"), plan).memory_bytes["peak"]
+    for rank, measured in enumerate(res["peaks"]):
+        assert predicted == pytest.approx(measured, rel=0.05), f"rank {rank}: predicted {predicted}, measured {measured}"
+    # against whole-batch single-device training: equal for GPT (a mean over samples, nothing couples
+    # samples), not for ResNet (BatchNorm statistics per micro-batch): the comparison can fail
+    if name in ("gpt", "resnet"):
+        rp = resolve(cap.graph, plan)
+        ranks = {k: {"losses": res["rank_losses"][k], "local": res["local"][k]} for k in range(2)}
+        whole = compare_ranks(rp, ranks, reference_run(cap, 2), TOLERANCES[torch.float64])
+        assert whole.ok == (name == "gpt"), whole.first_mismatch
+        assert whole.compared == 2 * (2 + len(reference_run(cap, 1).state))
+
+
+def test_micro_batch_errors_are_one_clear_sentence(mlp):
+    from rhino.runtime.rank_step import RankStep
+    cap = _mb("mlp")  # batch 8
+    with pytest.raises(ValueError, match="micro-batch of the batch cannot be split"):
+        RankStep(cap, preset_plan(cap.graph, parse_strategy("dp=4,microbatches=4")), 0)
+    with pytest.raises(ValueError, match="does not split into 3 micro-batches"):
+        RankStep(cap, preset_plan(cap.graph, parse_strategy("dp=2,microbatches=3")), 0)
+    with pytest.raises(ValueError, match="give RankStep the Captured step"):
+        RankStep(cap.graph, preset_plan(cap.graph, parse_strategy("dp=2,microbatches=4")), 0)
+    with pytest.raises(ValueError, match="differs from the whole-batch step"):
+        from rhino.runtime.rank_step import same_structure
+        same_structure(cap.graph, mlp.graph, 4)  # batch 32 is not batch 8 / 4
+
+
+def test_rhino_run_with_micro_batches_on_two_processes(capsys):
+    """A real 2-process run (gloo): dp=2 with 4 micro-batches against the accumulation loop in float64."""
+    from rhino.cli.main import main
+    code = main(["run", f"{MB}:mlp", "--nproc", "2", "--strategy", "dp=2,microbatches=4", "--dtype", "float64",
+                 "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["ok"], out["first_mismatch"]
+    assert out["max_abs_diff"] < 1e-9 and len(out["losses"]) == 2

@@ -16,7 +16,8 @@ def add_parser(sub) -> None:
     p.add_argument("--nproc", type=int, help="number of processes (devices); under torchrun: its world size; "
                    "with --plan: the plan's device count by default")
     g = p.add_mutually_exclusive_group(required=True)
-    g.add_argument("--strategy", help="expert preset, e.g. dp=4 or dp=2,tp=2,sp=on")
+    g.add_argument("--strategy", help="expert preset, e.g. dp=4, dp=2,tp=2,sp=on or dp=2,microbatches=4 (gradient "
+                   "accumulation: the reference is PyTorch's accumulation loop)")
     g.add_argument("--plan", help="a plan file (JSON) made for this workload")
     p.add_argument("--steps", type=int, default=2, help="training steps (default 2)")
     p.add_argument("--emit", metavar="DIR", help="write each rank's program as Python to DIR")
@@ -57,7 +58,7 @@ def _run(args) -> int:
     if args.save_plan:
         write_atomic(args.save_plan, plan.to_json())
     if args.emit:
-        _emit(rp, args.emit)
+        _emit(cap, rp, args.emit)
     status(f"running {args.steps} steps on {args.nproc} processes, mesh {plan.mesh} ...", not args.json)
     from ..runtime.run import run_plan
     try:
@@ -87,15 +88,21 @@ def _load_plan(path_text: str) -> ShardingPlan:
     return ShardingPlan.from_json(path.read_text())
 
 
-def _emit(rp, directory: str) -> None:
-    from ..lower.spmd import lower_rank
+def _emit(cap, rp, directory: str) -> None:
+    """Each rank's programs as Python: ``rank{r}.py``; with micro-batches ``rank{r}_grad_first.py`` (the
+    first micro-batch), ``rank{r}_grad.py`` (the later ones, accumulating) and ``rank{r}_update.py``."""
+    from ..runtime.rank_step import RankStep, microbatch_graph
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
+    m = rp.plan.microbatches
+    micro = microbatch_graph(cap, m) if m > 1 else None
     for rank in range(rp.plan.mesh.world):
-        prog = lower_rank(rp, rank)
-        header = (f"# Rhino per-rank program: rank {rank} of mesh {rp.plan.mesh} "
-                  f"(coordinates {rp.plan.mesh.coords(rank)})\n"
-                  f"# strategy: {rp.plan.strategy_string or 'plan file'}; communication per step: "
-                  f"{prog.comm_bytes} bytes, collectives {prog.collectives}\n"
-                  f"# redistribute(x, kind, mesh_axis, ...) is rhino.lower.spmd_ops.redistribute.\n")
-        write_atomic(out / f"rank{rank}.py", header + prog.module.code)
+        progs = RankStep(cap.graph, rp.plan, rank, micro_graph=micro).programs
+        names = [""] if m == 1 else ["_grad_first", "_grad", "_update"]
+        for suffix, prog in zip(names, progs):
+            header = (f"# Rhino per-rank program: rank {rank} of mesh {rp.plan.mesh} "
+                      f"(coordinates {rp.plan.mesh.coords(rank)})\n"
+                      f"# strategy: {rp.plan.strategy_string or 'plan file'}; communication per run: "
+                      f"{prog.comm_bytes} bytes, collectives {prog.collectives}\n"
+                      f"# redistribute(x, kind, mesh_axis, ...) is rhino.lower.spmd_ops.redistribute.\n")
+            write_atomic(out / f"rank{rank}{suffix}.py", header + prog.module.code)

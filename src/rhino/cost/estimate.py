@@ -34,6 +34,7 @@ from ..sharding.mesh import Mesh
 from ..sharding.plan import ResolvedPlan, ShardingPlan, resolve
 from ..sharding.presets import StrategySpec, mesh_for, parse_strategy, preset_plan
 from .cluster import Cluster, axis_links, make_cluster
+from .accumulate import accumulation_windows
 from .compute import Profile
 from .memory import estimate_memory
 from .pipeline import Schedule, pipeline_time
@@ -128,12 +129,13 @@ def estimate(graph: Graph, cluster: Cluster, plan: ShardingPlan | ResolvedPlan |
     sub = stage_cluster(cluster, mesh.world) if pp > 1 else cluster
     links = axis_links(sub, mesh)
     st = step_time(rp, cluster.device, links, options)
-    mem = estimate_memory(graph, rp)
+    windows, accumulators = accumulation_windows(graph, rp) if pp == 1 and microbatches > 1 else ((), None)
+    mem = estimate_memory(graph, rp, windows=windows)
     # recomputation priced on the rewritten program the runtime runs (cost.remat)
     rc = apply_recompute(graph, mem, st.nodes, recompute) if recompute is Recompute.NONE else \
         remat_effect(rp, mem, st.nodes, recompute)
     pl = pipeline_time(graph, rp, st, mem, rc, cluster, links, pp=pp, microbatches=microbatches,
-                       schedule=schedule, options=options)
+                       schedule=schedule, options=options, accumulators=accumulators)
     memory = dict(pl.memory_at_peak)   # bytes of each category live at the peak
     memory["peak"] = int(pl.peak_bytes)
     capacity = cluster.device.memory_bytes

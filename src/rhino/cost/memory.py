@@ -74,9 +74,11 @@ class MemoryEstimate:
     # and pipeline models need to know about the forward pass; ``boundary`` is the loss node's index
     activation_spans: list[tuple[int, int, int]] = field(default_factory=list)
     boundary: int = -1
+    # ``estimate_memory(..., windows=...)``: per window of node indices [lo, hi), (peak bytes, breakdown there)
+    window_peaks: list[tuple[int, dict[str, int]]] = field(default_factory=list)
     # the other storages made at or before the loss node and read by a later forward node (not saved for
     # backward), as (producer index, last forward use, bytes): with the activations, what a cut of the
-    # forward pass must keep (``cost.recompute.full_segments``)
+    # forward pass must keep (``cost.remat.segment_choices``)
     forward_only_spans: list[tuple[int, int, int]] = field(default_factory=list)
     # the storage (value id) of each span, in the same order
     activation_values: list[int] = field(default_factory=list)
@@ -103,8 +105,11 @@ def _is_view(op: str, cache: dict[str, bool]) -> bool:
     return v
 
 
-def estimate_memory(graph: Graph, resolved_plan=None, rank: int = 0) -> MemoryEstimate:
-    """Liveness-based memory of ``graph`` on ``rank`` (local sizes when ``resolved_plan`` is given)."""
+def estimate_memory(graph: Graph, resolved_plan=None, rank: int = 0,
+                    windows: list[tuple[int, int]] = ()) -> MemoryEstimate:
+    """Liveness-based memory of ``graph`` on ``rank`` (local sizes when ``resolved_plan`` is given).
+    ``windows``: node index ranges [lo, hi) whose own peak and breakdown are reported too
+    (``MemoryEstimate.window_peaks``; gradient accumulation prices its two programs with them)."""
     if not isinstance(graph, Graph):
         raise ValueError(f"estimate_memory expects a rhino Graph, got {type(graph).__name__}")
     if resolved_plan is not None:
@@ -308,15 +313,25 @@ def estimate_memory(graph: Graph, resolved_plan=None, rank: int = 0) -> MemoryEs
             free_tmp_pre[i] += sz
     timeline: list[int] = []
     peak, peak_i = live, -1
+    wpeak = [(-1, lo) for lo, _ in windows]   # (bytes, node index) per window
+
+    def seen(i: int, value: int) -> None:
+        for k, (lo, hi) in enumerate(windows):
+            if lo <= i < hi and value > wpeak[k][0]:
+                wpeak[k] = (value, i)
     tmp_live = tmp_max = 0
     for i in range(n):
         pre = live + alloc_pre[i]          # the copies for node i are made while their sources live
+        if windows:
+            seen(i, pre)
         if pre > peak:
             peak, peak_i = pre, i
         tmp_live += alloc_pre[i]
         tmp_max = max(tmp_max, tmp_live)
         tmp_live -= free_tmp_pre[i]
         during = pre - free_pre[i] + alloc[i]
+        if windows:
+            seen(i, during)
         if during > peak:
             peak, peak_i = during, i
         tmp_live += alloc_tmp[i]
@@ -327,15 +342,18 @@ def estimate_memory(graph: Graph, resolved_plan=None, rank: int = 0) -> MemoryEs
 
     # -- totals and the breakdown at the peak --------------------------------------------------
     totals = [0] * len(CATEGORIES)
-    at_peak = [0] * len(CATEGORIES)
     for s, b in born.items():
-        c = cat[s]
-        totals[c] += sizes[s]
-        if b <= peak_i <= last[s] and last[s] >= 0:
-            at_peak[c] += sizes[s]
-    for (first, lst, nbytes) in copies.values():
-        if first <= peak_i <= lst:
-            at_peak[_TMP] += nbytes
+        totals[cat[s]] += sizes[s]
+
+    def breakdown(at: int) -> dict[str, int]:
+        out = [0] * len(CATEGORIES)
+        for s, b in born.items():
+            if b <= at <= last[s] and last[s] >= 0:
+                out[cat[s]] += sizes[s]
+        for (first, lst, nbytes) in copies.values():
+            if first <= at <= lst:
+                out[_TMP] += nbytes
+        return {name: out[k] for k, name in enumerate(CATEGORIES)}
     spans, fwd_spans, span_values, fwd_values = [], [], [], []
     for s, b in born.items():
         if b < 0 or b > boundary:
@@ -352,6 +370,7 @@ def estimate_memory(graph: Graph, resolved_plan=None, rank: int = 0) -> MemoryEs
         activations=totals[_ACT], temporaries=tmp_max, peak=peak,
         peak_node=nodes[peak_i].name if peak_i >= 0 else "", batch=totals[_BATCH],
         updated_state=totals[_NEW], timeline=timeline,
-        breakdown={name: at_peak[k] for k, name in enumerate(CATEGORIES)}, activation_spans=spans,
+        breakdown=breakdown(peak_i), activation_spans=spans,
         boundary=boundary if boundary < n else -1, forward_only_spans=fwd_spans,
-        activation_values=span_values, forward_only_values=fwd_values)
+        activation_values=span_values, forward_only_values=fwd_values,
+        window_peaks=[(max(b, 0), breakdown(i)) for b, i in wpeak])

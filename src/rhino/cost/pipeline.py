@@ -21,7 +21,8 @@ are modelled on top of it (Narayanan et al. 2021, arXiv 2104.04473, section 2.2)
   reduction over data-parallel axes overlaps the backward pass of the last micro-batch (when
   ``StepOptions.overlap_gradient_reduction``); ZeRO-3 gathers repeat per micro-batch and overlap
   the pipeline's compute (when ``prefetch_parameters``).
-- Gradient accumulation (m > 1) keeps a full gradient buffer live across micro-batches.
+- Gradient accumulation (m > 1) keeps a full gradient buffer live across micro-batches. With one
+  stage the memory is that of the two programs the runtime runs (``accumulation_memory``).
 
 With pp = 1 and m = 1 the result is the event simulation of ``step.step_time`` unchanged.
 """
@@ -37,7 +38,7 @@ from .memory import MemoryEstimate
 from .recompute import RecomputeEffect, forward_cuts
 from .step import StepOptions, StepTime, node_compute
 
-__all__ = ["Schedule", "PipelineTime", "pipeline_time", "scaled_memory"]
+__all__ = ["Schedule", "PipelineTime", "pipeline_time", "scaled_memory", "accumulation_memory"]
 
 
 class Schedule(str, Enum):
@@ -59,8 +60,32 @@ class PipelineTime:
     notes: list[str] = field(default_factory=list)
 
 
-def scaled_memory(mem: MemoryEstimate, rc: RecomputeEffect, pp: int, m: int, schedule: Schedule) -> dict[str, int]:
+def accumulation_memory(mem: MemoryEstimate, rc: RecomputeEffect, m: int, accumulators: int) -> dict[str, int]:
+    """Gradient accumulation on one stage (pp = 1, m > 1), as ``runtime.rank_step`` runs it: the
+    gradient program once per micro-batch, then the update program once (``cost.accumulate``).
+    ``mem`` must carry the window peaks of the whole-batch step before and from the first optimizer
+    node (``estimate_memory(..., windows=...)``). Both phases hold the state, the rank's whole batch (the
+    caller's) and every gradient (the accumulators: all of them from micro-batch 2 on, and, as
+    ``optimizer.step()`` after PyTorch's accumulation loop, during the update). The gradient phase has
+    one micro-batch's activations and temporaries (1/m of the whole batch's at its peak); the update
+    phase its own temporaries and new state. The peak is the larger phase. ``accumulators``: the
+    gradient accumulators' bytes (``cost.accumulate.accumulation_windows``)."""
+    phases = []
+    for k, (_, at) in enumerate(mem.window_peaks):
+        out = dict(at)
+        out["batch"], out["gradients"] = mem.batch, accumulators
+        if k == 0:
+            out["activations"] = at.get("activations", 0) * rc.keep_fraction / m
+            out["temporaries"] = at.get("temporaries", 0) / m
+        phases.append({c: int(v) for c, v in out.items()})
+    return max(phases, key=lambda d: sum(d.values()))
+
+
+def scaled_memory(mem: MemoryEstimate, rc: RecomputeEffect, pp: int, m: int, schedule: Schedule,
+                  accumulators: int | None = None) -> dict[str, int]:
     """Per-category bytes live at the peak of one stage's rank (see the module docstring)."""
+    if pp == 1 and m > 1 and accumulators is not None and len(mem.window_peaks) == 2:
+        return accumulation_memory(mem, rc, m, accumulators)
     exact = rc.memory is not None and rc.memory is not mem  # the recomputing program's own estimate
     at = dict(rc.memory.breakdown if exact else mem.breakdown)
     keep = 1.0 if exact else rc.keep_fraction
@@ -96,9 +121,9 @@ def _boundary_bytes(mem: MemoryEstimate, node_seconds: list[float], pp: int) -> 
 
 def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstimate, rc: RecomputeEffect,
                   cluster: Cluster, links: list[AxisLink], *, pp: int, microbatches: int, schedule: Schedule,
-                  options: StepOptions) -> PipelineTime:
+                  options: StepOptions, accumulators: int | None = None) -> PipelineTime:
     m = microbatches
-    at_peak = scaled_memory(mem, rc, pp, m, schedule)
+    at_peak = scaled_memory(mem, rc, pp, m, schedule, accumulators)
     peak = sum(at_peak.values())
     if pp == 1 and m == 1:
         extra = rc.extra_seconds + rc.extra_comm_seconds

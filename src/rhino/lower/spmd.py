@@ -27,7 +27,23 @@ from .spmd_ops import redistribute, step_args
 from .overlap import OverlapOptions, overlap_program
 from ..sharding.steps import AllGather, AllToAll, LocalSlice, ReduceScatter
 
-__all__ = ["SpmdProgram", "lower_rank"]
+__all__ = ["SpmdProgram", "Part", "lower_rank"]
+
+
+@dataclass
+class Part:
+    """A subset of the step to lower as its own program (gradient accumulation, ``cost/accumulate.py``).
+
+    ``nodes``: the node names to emit (in graph order); ``inputs``: (placeholder name, value id) in
+    order, each arriving in the value's own sharding; ``outputs``: (name, value id, sharding to deliver,
+    None for the value's own, i.e. as produced: a partial gradient stays partial); ``accumulate``:
+    (name, value id) of values added in place (``Tensor.add_``) into an extra trailing input each, as
+    soon as they are computed, instead of being returned."""
+
+    nodes: set[str]
+    inputs: list[tuple[str, int]]
+    outputs: list[tuple[str, int, Sharding | None]]
+    accumulate: list[tuple[str, int]] = field(default_factory=list)
 
 
 @dataclass
@@ -95,6 +111,15 @@ def _squeezed(node: Node, rp: ResolvedPlan) -> list[int]:
     return sorted({d % len(shape) for d in dims if shape[d % len(shape)] == 1}) if shape else []
 
 
+def whole_step(rp: ResolvedPlan) -> Part:
+    """The whole step: every node; the loss replicated, each state output in its input's sharding."""
+    graph = rp.graph
+    state_in = {i.name: i.value for i in graph.inputs}
+    return Part({n.name for n in graph.nodes}, [(i.name, i.value) for i in graph.inputs],
+                [(o.name, o.value, replicated(rp.plan.mesh) if o.name not in state_in else rp.value[state_in[o.name]])
+                 for o in graph.outputs])
+
+
 def _after_step(shape: tuple[int, ...], step, sizes) -> tuple[int, ...]:
     """A local shape after one redistribution step."""
     out = list(shape)
@@ -109,19 +134,22 @@ def _after_step(shape: tuple[int, ...], step, sizes) -> tuple[int, ...]:
     return tuple(out)
 
 
-def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu", *,
+def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu", part: Part | None = None, *,
                overlap: bool | OverlapOptions = False) -> SpmdProgram:
-    """Rank ``rank``'s program. ``overlap``: communication asynchronous and bucketed (``lower.overlap``;
-    ``True`` for the default ``OverlapOptions``); else every step blocks where it is needed."""
+    """This rank's program for ``part`` of the step (default: the whole step, ``whole_step``). ``overlap``:
+    communication asynchronous and bucketed (``lower.overlap``; ``True`` for the default
+    ``OverlapOptions``); else every step blocks where it is needed."""
     graph, mesh = rp.graph, rp.plan.mesh
+    part = part or whole_step(rp)
     device = torch.device(device)
     fg = torch.fx.Graph()
     root = torch.nn.Module()
     env: dict[int, torch.fx.Node] = {}
     cache: dict[tuple, torch.fx.Node] = {}
     stats = {"bytes": 0, "collectives": {}}
-    for inp in graph.inputs:
-        env[inp.value] = fg.placeholder(_py_name(inp.name))
+    for name, vid in part.inputs:
+        env[vid] = fg.placeholder(_py_name(name))
+    accumulators = {vid: fg.placeholder(_py_name(name)) for name, vid in part.accumulate}
     add_constants(graph, root, fg, env, device)
 
     def moved(vid: int, want: Sharding) -> torch.fx.Node:
@@ -149,38 +177,45 @@ def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu", 
         return convert_arg(a, lambda r: moved(r.id, need[r.id]) if r.id in need else env[r.id], device)
 
     for node in graph.nodes:
-        ns = rp.node[node.name]
-        refs = node.input_refs()
-        need: dict[int, Sharding] = {}
-        for ref, req in zip(refs, ns.inputs):
-            if ref.id in need and need[ref.id] != req:
-                raise AssertionError(f"{node.name} needs value {ref.id} in two shardings")
-            need[ref.id] = req
-        args, kwargs = _local_args(node, rp, need)
-        strategy = rp.plan.strategies.get(node.name, (None,) * mesh.ndim)
-        if node.op in CUSTOM_OPS:
-            ann = annotate(call_of(graph, node))
-            split = {split_letter(e)[0] for e in strategy if e is not None and not e.startswith(PASS)}
-            mean_nll = node.op in _NLL and node.args[3] == 1 and split & ann.reduced
-            if split & ann.custom or mean_nll:
-                env.update(emit_custom(fg, node, conv(args, need), conv(kwargs, need), strategy, ann, rp, rank))
-                continue
-        # local shards may be laid out differently from the global tensor: views become reshapes
-        op = "aten.reshape.default" if node.op in ("aten.view.default", "aten._unsafe_view.default") else node.op
-        if op in _SQUEEZE:  # squeeze the dims of global size 1 only (a split dim may be 1 locally)
-            op, args, kwargs = "aten.squeeze.dims", [args[0], _squeezed(node, rp)], {}
-        emit_node(fg, node, op, conv(args, need), conv(kwargs, need), env)
+        if node.name not in part.nodes:
+            continue
+        _emit(fg, node, rp, rank, env, moved, conv)
+        for vid in node.outputs:
+            if vid in accumulators:
+                fg.call_function(torch.Tensor.add_, (accumulators[vid], env[vid]))
 
-    outs = []
-    state_in = {i.name: i.value for i in graph.inputs}
-    for o in graph.outputs:
-        want = replicated(mesh) if o.name not in state_in else rp.value[state_in[o.name]]
-        outs.append(moved(o.value, want))
+    outs = [env[vid] if want is None else moved(vid, want) for _, vid, want in part.outputs]
     fg.output(outs)
     gm = torch.fx.GraphModule(root, fg)
-    prog = SpmdProgram(gm, rank, [i.name for i in graph.inputs], [o.name for o in graph.outputs],
-                       stats["bytes"], stats["collectives"], {v: n.name for v, n in env.items()},
-                       {v: graph.types[v].numel for v in env})
+    prog = SpmdProgram(gm, rank, [n for n, _ in part.inputs] + [n for n, _ in part.accumulate],
+                       [n for n, _, _ in part.outputs], stats["bytes"], stats["collectives"],
+                       {v: n.name for v, n in env.items()}, {v: graph.types[v].numel for v in env})
     if overlap:
         prog = overlap_program(prog, overlap if isinstance(overlap, OverlapOptions) else None)
     return prog
+
+
+def _emit(fg, node: Node, rp: ResolvedPlan, rank: int, env: dict, moved, conv) -> None:
+    """Emit one IR node (with the redistributions its inputs need) into ``fg``."""
+    graph, mesh = rp.graph, rp.plan.mesh
+    ns = rp.node[node.name]
+    refs = node.input_refs()
+    need: dict[int, Sharding] = {}
+    for ref, req in zip(refs, ns.inputs):
+        if ref.id in need and need[ref.id] != req:
+            raise AssertionError(f"{node.name} needs value {ref.id} in two shardings")
+        need[ref.id] = req
+    args, kwargs = _local_args(node, rp, need)
+    strategy = rp.plan.strategies.get(node.name, (None,) * mesh.ndim)
+    if node.op in CUSTOM_OPS:
+        ann = annotate(call_of(graph, node))
+        split = {split_letter(e)[0] for e in strategy if e is not None and not e.startswith(PASS)}
+        mean_nll = node.op in _NLL and node.args[3] == 1 and split & ann.reduced
+        if split & ann.custom or mean_nll:
+            env.update(emit_custom(fg, node, conv(args, need), conv(kwargs, need), strategy, ann, rp, rank))
+            return
+    # local shards may be laid out differently from the global tensor: views become reshapes
+    op = "aten.reshape.default" if node.op in ("aten.view.default", "aten._unsafe_view.default") else node.op
+    if op in _SQUEEZE:  # squeeze the dims of global size 1 only (a split dim may be 1 locally)
+        op, args, kwargs = "aten.squeeze.dims", [args[0], _squeezed(node, rp)], {}
+    emit_node(fg, node, op, conv(args, need), conv(kwargs, need), env)

@@ -14,19 +14,21 @@ with the same autocast / bf16 single-device step at the bf16 tolerance (``bf16_t
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 from dataclasses import dataclass, field
 
 import torch
 
 from ..capture import Captured, default_dtype
+from ..capture.amp import autocast_on
 from ..capture.optim import state_name
 from ..check import eager_steps
 from ..ir.graph import Role
 from ..sharding.plan import ResolvedPlan
 from .collectives import shard_tensor
 
-__all__ = ["Tolerance", "TOLERANCES", "BF16_UNIT_ROUNDOFF", "bf16_tolerance", "computes_in_bf16", "tolerance_for", "state_dtype", "Reference", "reference_run",
+__all__ = ["Tolerance", "TOLERANCES", "BF16_UNIT_ROUNDOFF", "bf16_tolerance", "computes_in_bf16", "tolerance_for", "state_dtype", "Reference", "reference_run", "accumulation_steps",
            "Comparison", "compare_ranks"]
 
 
@@ -99,13 +101,37 @@ class Reference:
     initial: dict[str, torch.Tensor] = field(default_factory=dict)  # parameters before the first step
 
 
-def reference_run(cap: Captured, steps: int) -> Reference:
+def accumulation_steps(model, optimizer, loss_fn, batch: tuple, steps: int, microbatches: int) -> list[float]:
+    """PyTorch's gradient-accumulation loop (design11.md interface 3): per step, for each of the m
+    contiguous micro-batches along dim 0, ``(loss_fn(model, *mb) / m).backward()``; then one
+    ``optimizer.step()``. The loss of a step is ``sum_k loss_k / m``."""
+    m = microbatches
+    on_cpu = all(p.device.type == "cpu" for p in model.parameters())
+    losses = []
+    for _ in range(steps):
+        optimizer.zero_grad(set_to_none=True)
+        total = 0.0
+        for mb in zip(*(b.chunk(m, 0) for b in batch)):
+            with autocast_on("cpu") if on_cpu else contextlib.nullcontext():
+                loss = loss_fn(model, *mb)
+            (loss / m).backward()
+            total += float(loss.detach())
+        optimizer.step()
+        losses.append(total / m)
+    return losses
+
+
+def reference_run(cap: Captured, steps: int, microbatches: int = 1) -> Reference:
     """``steps`` steps of plain eager PyTorch on a deep copy of the workload (a float64 workload under
-    float64 as default dtype, as it was built: optimizers make scalar tensors in the default dtype)."""
+    float64 as default dtype, as it was built: optimizers make scalar tensors in the default dtype);
+    with ``microbatches > 1`` the accumulation loop of ``accumulation_steps``."""
     w = cap.workload
     model, optimizer = copy.deepcopy((w.model, w.optimizer))
     with default_dtype(torch.float64 if state_dtype(cap) is torch.float64 else None):
-        losses = [float(x) for x in eager_steps(model, optimizer, w.loss_fn, w.batch, steps)]
+        if microbatches > 1:
+            losses = accumulation_steps(model, optimizer, w.loss_fn, w.batch, steps, microbatches)
+        else:
+            losses = [float(x) for x in eager_steps(model, optimizer, w.loss_fn, w.batch, steps)]
     params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
     state = {n: params[n].detach() for n in cap.param_names + cap.frozen_names}
     state.update({n: buffers[n].detach() for n in cap.buffer_names})

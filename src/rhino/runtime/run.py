@@ -9,14 +9,13 @@ import torch.distributed as dist
 
 from ..capture import Captured
 from ..ir.graph import Graph, Role
-from ..lower.spmd import lower_rank
 from ..lower.spmd_ops import set_context
 from ..sharding.plan import ResolvedPlan, ShardingPlan, resolve
 from .collectives import shard_tensor
 from .compare import Tolerance, compare_ranks, reference_run, tolerance_for
 from .groups import build_groups
 from .launch import in_torchrun, launch, run_from_env
-from .measure import LiveBytesMeter
+from .rank_step import RankStep, microbatch_graph
 
 __all__ = ["RunResult", "run_plan", "compare_results", "bytes_by_role"]
 
@@ -40,54 +39,34 @@ class RunResult:
 
 
 def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, steps: int, timeout_s: float,
-               measure: bool = False):
+               measure: bool = False, micro_json: str | None = None, overlap: bool = False):
     graph = Graph.from_json(graph_json)
     plan = ShardingPlan.from_json(plan_json)
     rp = resolve(graph, plan)
     mesh = plan.mesh
     groups = build_groups(mesh, timeout_s)
     set_context(mesh, ctx.rank, groups)
-    prog = lower_rank(rp, ctx.rank, ctx.device)
-    local = {}
-    batch_local = []
-    for inp in graph.inputs:
-        if inp.role is Role.BATCH:
-            idx = int(inp.name.split("/")[1])
-            batch_local.append(shard_tensor(batch[idx].to(ctx.device), rp.value[inp.value], mesh, ctx.rank))
-        else:
-            local[inp.name] = shard_tensor(state[inp.name].to(ctx.device), rp.value[inp.value], mesh, ctx.rank)
+    step_fn = RankStep(graph, plan, ctx.rank, ctx.device, overlap=overlap,
+                       micro_graph=Graph.from_json(micro_json) if micro_json else None)
+    local = {inp.name: shard_tensor(state[inp.name].to(ctx.device), rp.value[inp.value], mesh, ctx.rank)
+             for inp in graph.inputs if inp.role is not Role.BATCH}
+    batch_local = step_fn.local_batch(batch)
     held = bytes_by_role(graph, local)
-    names = [i.name for i in graph.inputs if i.role is not Role.BATCH]
-    losses, times, peak, peak_node = [], [], 0, ""
-    with torch.no_grad():
-        for step in range(steps):
-            args = [local[n] for n in names] + batch_local
-            if measure and step == 0:  # the first step runs node by node and counts live bytes
-                meter = LiveBytesMeter(prog.module, [local[n] for n in names])
-                del args
-                outs = meter.run(*([local[n] for n in names] + batch_local))
-                peak, peak_node = meter.peak, meter.peak_node
-            else:
-                if measure:
-                    dist.barrier()
-                t0 = time.perf_counter()
-                outs = prog.module(*args)
-                del args
-                if measure:
-                    dist.barrier()
-                times.append(time.perf_counter() - t0)
-            losses.append(float(outs[0]))
-            for name, value in zip(prog.output_names[1:], outs[1:]):
-                local[name] = value
-    own = {name: local[name].detach().cpu() for name in names}  # this rank's shards, compared one by one
-    return {"losses": losses, "local": own, "held": held, "times": times, "peak": peak, "peak_node": peak_node}
-
-
-def check_executable(plan: ShardingPlan) -> None:
-    """ValueError for plan fields the runtime does not execute yet."""
-    if plan.microbatches > 1 or plan.recompute != "none":
-        raise ValueError(f"microbatches={plan.microbatches}, recompute={plan.recompute} are not executed by the "
-                         f"runtime yet; use microbatches=1 and recompute=none")
+    losses, times, peak = [], [], 0
+    for step in range(steps):
+        if measure and step == 0:  # the first step runs node by node and counts live bytes
+            loss, peak = step_fn.run_measured(local, batch_local)
+        else:
+            if measure:
+                dist.barrier()
+            t0 = time.perf_counter()
+            loss = step_fn.run(local, batch_local)
+            if measure:
+                dist.barrier()
+            times.append(time.perf_counter() - t0)
+        losses.append(loss)
+    own = {name: t.detach().cpu() for name, t in local.items()}  # this rank's shards, compared one by one
+    return {"losses": losses, "local": own, "held": held, "times": times, "peak": peak}
 
 
 def bytes_by_role(graph: Graph, local: dict) -> dict[str, int]:
@@ -100,10 +79,12 @@ def bytes_by_role(graph: Graph, local: dict) -> dict[str, int]:
 
 
 def run_plan(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, timeout_s: float = 60.0,
-             measure: bool = False, tol: Tolerance | None = None) -> RunResult:
+             measure: bool = False, tol: Tolerance | None = None, overlap: bool = False) -> RunResult:
     """Run ``steps`` steps of ``plan`` on ``nproc`` local processes (gloo) and compare every rank's loss
     and state shards with single-device training (``tol``: by default from the state's dtype, see
-    ``runtime.compare.tolerance_for``).
+    ``runtime.compare.tolerance_for``); each rank runs its ``RankStep``. With ``plan.microbatches > 1`` the
+    reference is PyTorch's gradient-accumulation loop (``runtime.compare.accumulation_steps``).
+    ``overlap``: the ranks run the overlapped programs (``lower.overlap``) instead of the blocking ones.
 
     ``measure``: the first step counts each rank's peak of live tensor bytes (``LiveBytesMeter``) and
     the later steps are timed between barriers (``RunResult.step_seconds``: slowest rank per step).
@@ -112,22 +93,21 @@ def run_plan(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, time
     its own shards against single-device training and returns the result.
     """
     start = time.perf_counter()
-    check_executable(plan)
     graph = cap.graph
     rp: ResolvedPlan = resolve(graph, plan)
     if plan.mesh.world != nproc:
         raise ValueError(f"the plan's mesh {plan.mesh} has {plan.mesh.world} devices but --nproc is {nproc}; "
                          f"pass --nproc {plan.mesh.world} or another strategy")
-    prog0 = lower_rank(rp, 0)
+    micro = microbatch_graph(cap, plan.microbatches) if plan.microbatches > 1 else None
+    prog0 = RankStep(graph, plan, 0, micro_graph=micro).programs[0]  # checks the plan before processes start
     state = cap.initial_state()
     batch = tuple(b.detach() for b in cap.workload.batch)
+    args = (graph.to_json(), plan.to_json(), state, batch, steps, timeout_s, measure,
+            micro.to_json() if micro is not None else None, overlap)
     if in_torchrun():
-        mine = run_from_env(_rank_main, graph.to_json(), plan.to_json(), state, batch, steps, timeout_s,
-                            measure, timeout_s=timeout_s)
-        results = {int(__import__("os").environ["RANK"]): mine}
+        results = {int(__import__("os").environ["RANK"]): run_from_env(_rank_main, *args, timeout_s=timeout_s)}
     else:
-        results = dict(enumerate(launch(_rank_main, nproc, graph.to_json(), plan.to_json(), state, batch, steps,
-                                        timeout_s, measure, timeout_s=timeout_s)))
+        results = dict(enumerate(launch(_rank_main, nproc, *args, timeout_s=timeout_s)))
     return compare_results(cap, rp, prog0, results, steps, start, tol)
 
 
@@ -137,7 +117,7 @@ def compare_results(cap: Captured, rp: ResolvedPlan, prog0, results: dict[int, d
     rank's): every given rank's losses and state shards against single-device training."""
     plan = rp.plan
     tol = tol or tolerance_for(cap, plan.mesh.world)
-    ref = reference_run(cap, steps)
+    ref = reference_run(cap, steps, plan.microbatches)
     ranks = sorted(results)
     first = results[ranks[0]]
     result = RunResult(True, plan.mesh.world, str(plan.mesh), steps, 0.0, prog0.comm_bytes, prog0.collectives,
