@@ -78,7 +78,7 @@ class MemoryEstimate:
     window_peaks: list[tuple[int, dict[str, int]]] = field(default_factory=list)
     # the other storages made at or before the loss node and read by a later forward node (not saved for
     # backward), as (producer index, last forward use, bytes): with the activations, what a cut of the
-    # forward pass must keep (``cost.recompute.full_segments``)
+    # forward pass must keep (``cost.remat.segment_choices``)
     forward_only_spans: list[tuple[int, int, int]] = field(default_factory=list)
     # the storage (value id) of each span, in the same order
     activation_values: list[int] = field(default_factory=list)

@@ -2,7 +2,7 @@
 
 Inputs: the per-rank ``MemoryEstimate`` (its activation spans: producer index, last forward use,
 bytes) and the per-node compute times of ``StepTime``. ``cost.remat`` executes exactly this: it
-rewrites the graph with the segments of ``full_segments`` and the kept kinds of ``KEEP_KINDS``, and
+rewrites the graph with the segments of ``segment_choices`` and the kept kinds of ``KEEP_KINDS``, and
 ``remat_effect`` prices the rewritten program with the same liveness estimate (what ``estimate``
 uses); ``apply_recompute`` is the fast analytic reading of the same rules (the search's).
 
@@ -14,9 +14,10 @@ uses); ``apply_recompute`` is the fast analytic reading of the same rules (the s
   at a time. With ``c`` the smallest cut in the middle 80% of the forward pass (between
   transformer layers: the residual stream) and ``A`` the activation bytes, saved ~ ``K c + A / K``,
   minimised at ``K = sqrt(A / c)`` (rounded, at least 1). Cuts count every value a later forward
-  node reads (a checkpoint keeps it even if the backward did not need it). The ``K - 1`` cuts: for ``k = 1..K-1``,
-  the forward position with the smallest cut among those whose activation bytes made so far are
-  within ``A / 2K`` of ``k A / K`` (equal segments, cut where the least crosses). Extra work: the
+  node reads (a checkpoint keeps it even if the backward did not need it). For ``k`` from 1 to
+  ``2K``, each next cut goes at the least-crossed position within ``A / 2k`` of the previous cut
+  plus ``A / k`` activation bytes; the segmentations are ranked by their predicted worst moment and
+  the best few compared on the estimate of their rewritten graphs (``cost.remat``). Extra work: the
   forward nodes of the first ``K - 1`` segments once more, with their blocking (tensor-parallel)
   communication.
 - ``selective`` (policy "save the outputs of compute-heavy ops, recompute the cheap ones", as
