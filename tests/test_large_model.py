@@ -2,10 +2,10 @@
 4 processes, each rank building only its own shards (deferred initialisation) and staying below B.
 
 Workload: ``tests/workloads/wide_mlp.py`` (24 layers of width 4096: 403M parameters, S = 4.8 GB). Each rank:
-deferred load -> capture (meta) -> plan from the strategy -> ``local_state`` -> its per-rank program
-(``lower_rank`` with overlap, as ``RankStep`` runs it) -> 2 steps. The program is called with one list of
-inputs that it empties (``release_inputs``), so each old state tensor is freed at its last use and the old
-state does not stay alive next to the new one; ``return_freed_memory`` makes freed tensors leave the RSS.
+``rhino.Trainer(spec, strategy=..., release_memory=True)``: deferred load -> capture (meta) -> plan from the
+strategy -> ``local_state`` -> ``RankStep`` (overlapped programs called with one list of inputs that they
+empty, ``release_inputs``, so each old state tensor is freed at its last use and the old state does not stay
+alive next to the new one) -> 2 steps; ``release_memory`` makes freed tensors leave the RSS.
 Peak RSS is ``ru_maxrss`` inside the rank: the whole process, torch's baseline (~0.3 GiB) included. Why S is
 this large: a rank needs S/3 at least (its quarter of parameters, moments and gradients, 16 bytes per
 parameter / 4), so B - S/3 = S/6 must hold the baseline and one layer's transients (gathered weight,
@@ -23,12 +23,8 @@ import torch
 import torch.distributed as dist
 
 from rhino.ir.graph import Role
-from rhino.lower.overlap import release_inputs
-from rhino.lower.spmd import lower_rank
-from rhino.lower.spmd_ops import set_context
-from rhino.runtime.groups import build_groups
-from rhino.runtime.init import build_rank_state, return_freed_memory
 from rhino.runtime.launch import launch
+from rhino.runtime.trainer import Trainer
 
 SPEC = str(Path(__file__).parent / "workloads" / "wide_mlp.py")
 STEPS = 2
@@ -41,23 +37,15 @@ def _peak_rss() -> int:
 
 def _train(ctx, spec: str, strategy: str, steps: int) -> dict:
     torch.set_num_threads(1)
-    return_freed_memory()
-    rs = build_rank_state(spec, strategy, ctx.rank)
+    trainer = Trainer(spec, strategy=strategy, release_memory=True, timeout_s=600)
     state_rss = _peak_rss()
-    graph, mesh = rs.cap.graph, rs.rp.plan.mesh
+    graph = trainer.cap.graph
     full_state = sum(graph.types[i.value].numel * graph.types[i.value].dtype.itemsize
                      for i in graph.inputs if i.role is not Role.BATCH)
-    local_bytes = sum(t.numel() * t.element_size() for t in rs.state.values())
-    set_context(mesh, ctx.rank, build_groups(mesh, 600))
-    prog = release_inputs(lower_rank(rs.rp, ctx.rank, overlap=True))
-    names = [i.name for i in graph.inputs if i.role is not Role.BATCH]
+    local_bytes = sum(t.numel() * t.element_size() for t in trainer.state.values())
     losses = []
     for _ in range(steps):
-        args = [rs.state.pop(n) for n in names] + list(rs.batch)
-        outs = prog.module(args)
-        losses.append(float(outs[0]))
-        rs.state.update(zip(prog.output_names[1:], outs[1:]))
-        del outs
+        losses.append(trainer.step())
         over = torch.tensor([float(_peak_rss() >= full_state / 2)])
         dist.all_reduce(over, op=dist.ReduceOp.MAX)
         if over.item():                     # a rank is over budget already: the check fails, stop together

@@ -25,6 +25,8 @@ def add_parser(sub) -> None:
     p.add_argument("--log", metavar="FILE", help="append one JSON line per step (step, loss, seconds, samples/s)")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="default dtype while the workload is built")
     p.add_argument("--no-overlap", action="store_true", help="blocking collectives, one per tensor (for comparison)")
+    p.add_argument("--release-memory", action="store_true", help="return freed memory to the OS at once: peak RSS "
+                   "follows the live bytes (for models near the memory limit; slower steps)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
     p.add_argument("--json", action="store_true", help="print one JSON object: losses, step_seconds, "
                    "samples_per_second, peak_live_bytes, peak_rss_bytes")
@@ -44,7 +46,7 @@ def run(args) -> int:
     try:
         r = train(args.workload, nproc, plan=args.plan, strategy=args.strategy, cluster=args.cluster,
                   level=args.level, steps=args.steps, dtype=DTYPES.get(args.dtype), overlap=not args.no_overlap,
-                  timeout_s=args.timeout, log=args.log)
+                  timeout_s=args.timeout, log=args.log, release_memory=args.release_memory)
     except RankFailedError as exc:
         raise ValueError(str(exc)) from None
     _report(r, args.json)
@@ -81,7 +83,7 @@ def _run_torchrun(args) -> int:
     from ..runtime.trainer import train_torchrun
     r = train_torchrun(args.workload, plan=args.plan, strategy=args.strategy, cluster=args.cluster,
                        level=args.level, steps=args.steps, dtype=DTYPES.get(args.dtype), overlap=not args.no_overlap,
-                       timeout_s=args.timeout, log=args.log)
+                       timeout_s=args.timeout, log=args.log, release_memory=args.release_memory)
     if r is not None:
         _report(r, args.json)
     return 0

@@ -56,15 +56,20 @@ class Trainer:
     ``workload``: a ``FILE[:FUNC]`` spec, a ``Workload``, a ``(model, optimizer, loss_fn, batch)`` tuple
     or a function returning one. ``dtype``: default dtype while the workload is built (float64 for exact
     comparisons). ``overlap``: issue collectives asynchronously in buckets (off: blocking, one per tensor).
+    ``release_memory``: freed tensors go back to the OS at once (``runtime.init.return_freed_memory``, glibc),
+    so the resident set follows the live bytes; for models near the memory limit (costs page faults).
     """
 
     def __init__(self, workload, plan: ShardingPlan | str | None = None, *, strategy: str | None = None,
                  cluster: str | None = None, level: str = "O1", time_limit: float = 20.0,
                  dtype: torch.dtype | None = None, overlap: bool = True, timeout_s: float = 300.0,
-                 progress: Callable[[str], None] | None = None) -> None:
+                 release_memory: bool = False, progress: Callable[[str], None] | None = None) -> None:
         if sum(x is not None for x in (plan, strategy, cluster)) != 1:
             raise ValueError("give exactly one of plan, strategy or cluster")
         say = progress or (lambda message: None)
+        if release_memory:
+            from .init import return_freed_memory
+            return_freed_memory()
         self.dtype = dtype
         self.ctx = _join(timeout_s)
         self.rank, self.world = self.ctx.rank, self.ctx.world_size
@@ -229,7 +234,7 @@ class TrainResult:
 def train(workload: str, nproc: int, *, plan: str | None = None, strategy: str | None = None,
           cluster: str | None = None, level: str = "O1", steps: int = 10, dtype: torch.dtype | None = None,
           overlap: bool = True, timeout_s: float = 300.0, log: str | None = None, progress: bool = True,
-          measure_live: bool = True) -> TrainResult:
+          measure_live: bool = True, release_memory: bool = False) -> TrainResult:
     """Train ``workload`` (a ``FILE[:FUNC]`` spec) for ``steps`` steps on ``nproc`` local processes (gloo).
 
     Rank 0 prints progress on stderr (step, loss, step time, samples/s) and appends one JSON line per
@@ -241,21 +246,21 @@ def train(workload: str, nproc: int, *, plan: str | None = None, strategy: str |
     _check_world(nproc, plan, strategy, cluster)
     start = time.perf_counter()
     results = launch(train_rank, nproc, workload, plan, strategy, cluster, level, steps, dtype, overlap,
-                     timeout_s, log, progress, measure_live, timeout_s=timeout_s)
+                     timeout_s, log, progress, measure_live, release_memory, timeout_s=timeout_s)
     return summarize(results, measure_live, time.perf_counter() - start)
 
 
 def train_torchrun(workload: str, *, plan: str | None = None, strategy: str | None = None,
                    cluster: str | None = None, level: str = "O1", steps: int = 10, dtype: torch.dtype | None = None,
                    overlap: bool = True, timeout_s: float = 300.0, log: str | None = None, progress: bool = True,
-                   measure_live: bool = True) -> TrainResult | None:
+                   measure_live: bool = True, release_memory: bool = False) -> TrainResult | None:
     """``train`` as one rank of a ``torchrun`` job: every rank trains; rank 0 returns the summary (others None)."""
     start = time.perf_counter()
     ctx = init_from_env(timeout_s)
     _check_world(ctx.world_size, plan, strategy, cluster)
     try:
         mine = train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, overlap, timeout_s, log,
-                          progress, measure_live)
+                          progress, measure_live, release_memory)
         results = [None] * ctx.world_size
         dist.all_gather_object(results, mine)
     finally:
@@ -294,13 +299,13 @@ def _check_world(nproc: int, plan, strategy, cluster) -> None:
 
 
 def train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, overlap, timeout_s, log, progress,
-                measure_live):
+                measure_live, release_memory=False):
     import os
     os.environ.setdefault("LOCAL_RANK", str(ctx.local_rank))
     say = (lambda m: print(f"rhino train: {m}", file=sys.stderr, flush=True)) if progress and ctx.rank == 0 \
         else (lambda m: None)
     trainer = Trainer(workload, plan, strategy=strategy, cluster=cluster, level=level, dtype=dtype,
-                      overlap=overlap, timeout_s=timeout_s, progress=say)
+                      overlap=overlap, timeout_s=timeout_s, release_memory=release_memory, progress=say)
     losses, times, peak_live, samples = [], [], 0, 0
     logf = open(log, "a") if log and ctx.rank == 0 else None
     try:
