@@ -117,16 +117,21 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
+    ap.add_argument("--model", action="append", choices=[v[0] for v in WORKLOADS.values()],
+                    help="only these workloads (repeatable; default all)")
+    ap.add_argument("--strategy", action="append", choices=STRATEGIES, help="only these plans (repeatable)")
     args = ap.parse_args()
     cores = os.cpu_count() or 1
-    caps = {label: _capture(name, kw) for label, (name, kw) in WORKLOADS.items()}
+    caps = {label: _capture(name, kw) for label, (name, kw) in WORKLOADS.items()
+            if not args.model or name in args.model}
+    strategies = args.strategy or STRATEGIES
     measured: dict[tuple, list[float]] = {}
     predicted: dict[tuple, list[float]] = {}
     for rnd in range(args.rounds):
-        prof_one = measure_profile(threads=cores, nproc=1)
+        prof_one = measure_profile(threads=cores, nproc=1) if "single" in strategies else None
         prof_rank = measure_profile(nproc=2)  # both ranks measure at once
         for label, cap in caps.items():
-            for strategy in STRATEGIES:
+            for strategy in strategies:
                 key = (label, strategy)
                 if strategy == "single":
                     cluster, cost = prof_one.apply(parse_cluster("cpu:1"))
@@ -146,7 +151,8 @@ def main() -> int:
         worst = max(worst, abs(p / m - 1))
         rows.append(f"| {key[0]} | {key[1]} | {m * 1e3:.2f} | {p * 1e3:.2f} | {p / m:.2f} |")
     load = os.getloadavg()[0]
-    body = [f"Command: `python benchmarks/estimate_cpu.py --rounds {args.rounds}` ({cores} cores; one device uses "
+    cmd = " ".join(["python benchmarks/estimate_cpu.py"] + sys.argv[1:])
+    body = [f"Command: `{cmd}` ({cores} cores; one device uses "
             f"all of them, each of 2 ranks uses {max(1, cores // 2)} thread(s); 1-minute load average {load:.1f} "
             f"at the end, from other processes sharing the machine).", "",
             f"Measured: median step time after {WARMUP} untimed steps (single device: the captured program; dp=2/tp=2: "

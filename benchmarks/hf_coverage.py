@@ -36,7 +36,7 @@ def _plan(name: str, level: str, limit: float) -> dict:
     import hf_workloads as hf
 
     from rhino.capture import Workload, capture
-    from rhino.cli.cmd_plan import plan_workload
+    from rhino.search.planning import plan_workload
     from rhino.cost.cluster import parse_cluster
     m, opt, loss_fn, batch = getattr(hf, name)()
     with warnings.catch_warnings():

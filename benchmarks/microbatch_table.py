@@ -2,7 +2,7 @@
 microbatches=4, real processes (gloo), float64, every rank compared (``rhino run``). Prints a Markdown
 table for docs/benchmarks.md.
 
-    PYTHONPATH=src python benchmarks/microbatch_table.py
+    PYTHONPATH=src python benchmarks/microbatch_table.py [STRATEGY ...]   (default: the two above)
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ def main() -> None:
     print("| workload (batch) | strategy | ranks | ok | max abs diff vs accumulation loop | losses (2 steps) | wall s |")
     print("|---|---|---|---|---|---|---|")
     for name in WORKLOADS:
-        for strategy in STRATEGIES:
+        for strategy in sys.argv[1:] or STRATEGIES:
             r = run(name, strategy)
             losses = ", ".join(f"{x:.6f}" for x in r.get("losses", []))
             print(f"| {name} | {strategy} | {r.get('nproc', '-')} | {'yes' if r['ok'] else 'NO: ' + str(r.get('first_mismatch'))} "

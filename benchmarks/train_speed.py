@@ -163,6 +163,7 @@ class RhinoRunner:
         from rhino.sharding.plan import resolve
         from rhino.sharding.presets import parse_strategy, preset_plan
         plan = preset_plan(cap.graph, parse_strategy(strategy))
+        self.prog_plan = plan
         rp = resolve(cap.graph, plan)
         self.groups = build_groups(plan.mesh)
         self.mesh, self.rank = plan.mesh, rank
@@ -204,6 +205,23 @@ class RhinoRunner:
         return meter.peak
 
 
+class RankStepRunner(RhinoRunner):
+    """rhino through ``runtime.rank_step.RankStep`` (what ``rhino.Trainer`` / ``rhino train`` run), overlap on.
+    ``RankStep.run`` keeps the caller's state dict while the program runs (old and new state together)."""
+
+    def __init__(self, cap, strategy: str, rank: int) -> None:
+        super().__init__(cap, strategy, rank, overlap=False)
+        from rhino.runtime.rank_step import RankStep
+        self.rank_step = RankStep(cap, self.prog_plan, rank, overlap=True)
+        self.prog = self.rank_step.programs[0]
+        self.batch = list(self.rank_step.local_batch(tuple(cap.workload.batch)))
+
+    def step(self) -> float:
+        from rhino.lower.spmd_ops import set_context
+        set_context(self.mesh, self.rank, self.groups)
+        return self.rank_step.run(self.local, tuple(self.batch))
+
+
 # ----------------------------------------------------------------------------- measuring
 
 def _allocated_peak(build) -> int:
@@ -239,7 +257,7 @@ def _block(runner, n: int) -> tuple[float, float]:
 
 
 def _rank_main(ctx, models: list[str], pairs: list[str], rounds: int, steps: int, blocking: bool,
-               memory: bool) -> list[dict]:
+               memory: bool, rank_step: bool = False) -> list[dict]:
     from rhino.capture import capture
     from rhino.capture.workload import Workload
     torch.set_num_threads(1)
@@ -255,6 +273,8 @@ def _rank_main(ctx, models: list[str], pairs: list[str], rounds: int, steps: int
                        baseline: TorchRunner(pair, workload, ctx.rank, ctx.world_size)}
             if blocking:
                 runners["rhino blocking"] = RhinoRunner(cap, strategy, ctx.rank, overlap=False)
+            if rank_step:
+                runners["rhino RankStep"] = RankStepRunner(cap, strategy, ctx.rank)
             for r in runners.values():
                 for _ in range(WARMUP):
                     r.step()
@@ -274,6 +294,8 @@ def _rank_main(ctx, models: list[str], pairs: list[str], rounds: int, steps: int
                 row["peak_bytes"] = {
                     "rhino": _allocated_peak(lambda: RhinoRunner(cap, strategy, ctx.rank, overlap=True)),
                     baseline: _allocated_peak(lambda: TorchRunner(pair, workload, ctx.rank, ctx.world_size))}
+                if rank_step:
+                    row["peak_bytes"]["rhino RankStep"] = _allocated_peak(lambda: RankStepRunner(cap, strategy, ctx.rank))
                 row["rhino_live_meter"] = runners["rhino"].live_peak()
             del runners
             out.append(row)
@@ -289,12 +311,13 @@ def main(argv=None) -> int:
     p.add_argument("--pair", action="append", choices=sorted(PAIRS))
     p.add_argument("--blocking", action="store_true", help="also time rhino's blocking program")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory phase")
+    p.add_argument("--rank-step", action="store_true", help="also time RankStep (what rhino train runs)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", metavar="MD", help="also write the table as a section of this markdown file")
     args = p.parse_args(argv)
     load = os.getloadavg()
     ranks = launch(_rank_main, 2, args.model or ["gpt", "llama"], args.pair or list(PAIRS), args.rounds,
-                   args.steps, args.blocking, not args.no_memory, timeout_s=1800)
+                   args.steps, args.blocking, not args.no_memory, args.rank_step, timeout_s=1800)
     rows = ranks[0]
     for row, other in zip(rows, ranks[1]):
         if row["strategy"] != "tp=2":        # the baseline's loss is its rank's half of the batch: average
@@ -305,6 +328,8 @@ def main(argv=None) -> int:
             row["rhino_live_meter"] = max(row["rhino_live_meter"], other["rhino_live_meter"])
         row["ratio"] = row["ms"]["rhino"] / row["ms"][row["baseline"]]
         row["ratio_of_mins"] = min(row["ms_rounds"]["rhino"]) / min(row["ms_rounds"][row["baseline"]])
+        row["ratio_per_round"] = statistics.median(a / b for a, b in zip(row["ms_rounds"]["rhino"],
+                                                                          row["ms_rounds"][row["baseline"]]))
         row["loss_diff"] = abs(row["final_loss"]["rhino"] - row["final_loss"][row["baseline"]])
     env = {"torch": torch.__version__, "cpus": os.cpu_count(), "threads_per_rank": 1, "loadavg_before": load,
            "loadavg_after": os.getloadavg(), "size": SIZE, "rounds": args.rounds, "steps_per_block": args.steps}
@@ -325,7 +350,7 @@ def _table(env: dict, rows: list[dict], args) -> list[str]:
     lines = [f"Command: `{cmd}`. torch {env['torch']}, 2 gloo processes x 1 thread on {env['cpus']} CPUs; GPT and "
              "LLaMA examples at 4 layers, hidden 256, 8 heads, seq 128, batch 8, vocab 1024; "
              f"{args.rounds} interleaved rounds of {args.steps} steps after {WARMUP} warm-up steps, medians of "
-             f"rank 0's step times (between barriers). 1-minute load average {load[0]:.1f} before and "
+             f"rank 0's step times (between barriers; a round's ratio compares blocks run back to back). 1-minute load average {load[0]:.1f} before and "
              f"{env['loadavg_after'][0]:.1f} after (the machine is shared: other processes ran; the ratios are "
              "side by side in one run, and the fastest-round ratio is less hurt by bursts of load).", "",
              "rhino: `lower_rank(..., overlap=True)` (asynchronous bucketed collectives, ZeRO-3 re-gathers with "
@@ -335,17 +360,23 @@ def _table(env: dict, rows: list[dict], args) -> list[str]:
              "built) at the peak of its second step, largest rank; rhino live-meter: `LiveBytesMeter` on the plainly "
              "called program (old and new state both held at the end). Final loss diff: |rhino - baseline| of the "
              "global-batch loss after the same steps (float32).", "",
-             "| model | plan | baseline | rhino ms | baseline ms | rhino / baseline | (fastest rounds) | "
-             "rhino blocking ms | peak MB rhino / baseline | rhino live-meter MB | final loss diff |",
-             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+             "| model | plan | baseline | rhino ms | baseline ms | rhino / baseline | median of per-round ratios | "
+             "fastest rounds | rhino blocking ms | rhino RankStep ms (peak MB) | peak MB rhino / baseline | "
+             "rhino live-meter MB | final loss diff |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         b = r["baseline"]
         mem = (f"{r['peak_bytes']['rhino'] / 2**20:.1f} / {r['peak_bytes'][b] / 2**20:.1f}"
                if "peak_bytes" in r else "-")
         live = f"{r['rhino_live_meter'] / 2**20:.1f}" if "rhino_live_meter" in r else "-"
         blk = f"{r['ms']['rhino blocking']:.1f}" if "rhino blocking" in r["ms"] else "-"
+        rs = "-"
+        if "rhino RankStep" in r["ms"]:
+            rs = f"{r['ms']['rhino RankStep']:.1f}"
+            if "rhino RankStep" in r.get("peak_bytes", {}):
+                rs += f" ({r['peak_bytes']['rhino RankStep'] / 2**20:.1f})"
         lines.append(f"| {r['model']} | {r['strategy']} | {b} | {r['ms']['rhino']:.1f} | {r['ms'][b]:.1f} | "
-                     f"{r['ratio']:.2f} | {r['ratio_of_mins']:.2f} | {blk} | {mem} | {live} | {r['loss_diff']:.1e} |")
+                     f"{r['ratio']:.2f} | {r['ratio_per_round']:.2f} | {r['ratio_of_mins']:.2f} | {blk} | {rs} | {mem} | {live} | {r['loss_diff']:.1e} |")
     return lines
 
 

@@ -87,11 +87,13 @@ def autocast_loss_fn(model, x, y):
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
-def workload(layers=2, hidden=64, heads=4, seq=32, batch=4, vocab=256, lr=3e-4, device="cpu", dtype=torch.float32,
+def workload(layers=2, hidden=64, heads=4, seq=32, batch=4, vocab=256, lr=3e-4, device="cpu", dtype=None,
              attention="sdpa", autocast=False):
     torch.manual_seed(0)
     with torch.device(device):
-        model = GPT(vocab, seq, hidden, heads, layers, attention).to(dtype)
+        model = GPT(vocab, seq, hidden, heads, layers, attention)
+        if dtype is not None:  # default: the default dtype (float64 under --dtype float64)
+            model = model.to(dtype)
 
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
@@ -107,6 +109,18 @@ def workload(layers=2, hidden=64, heads=4, seq=32, batch=4, vocab=256, lr=3e-4, 
         tokens = torch.randint(vocab, (batch, seq + 1), generator=g).to(device)
     loss = autocast_loss_fn if autocast else loss_fn
     return model, optimizer, loss, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
+
+
+def batches(seq=32, batch=4, vocab=256, corpus=64, seed=1):
+    """Training data for ``rhino train``: global batches shaped like ``workload()``'s, drawn by a seeded,
+    shuffling ``DataLoader`` from a fixed random corpus of ``corpus`` sequences, epoch after epoch."""
+    from torch.utils.data import DataLoader, TensorDataset
+    tokens = torch.randint(vocab, (corpus, seq + 1), generator=torch.Generator().manual_seed(seed))
+    loader = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=batch, shuffle=True,
+                        drop_last=True, generator=torch.Generator().manual_seed(seed))
+    while True:
+        for x, y in loader:
+            yield x, y
 
 
 def gpt_autocast(**kwargs):

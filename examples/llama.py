@@ -110,12 +110,14 @@ def autocast_loss_fn(model, x, y):
 
 
 def workload(layers=2, hidden=64, heads=4, n_kv_heads=None, seq=32, batch=4, vocab=256,
-             inner=None, lr=3e-4, device="cpu", dtype=torch.float32, autocast=False):
+             inner=None, lr=3e-4, device="cpu", dtype=None, autocast=False):
     torch.manual_seed(0)
     n_kv_heads = n_kv_heads or heads
     inner = inner or int(8 * hidden / 3)  # the usual 2/3 * 4h SwiGLU width
     with torch.device(device):
-        model = Llama(vocab, seq, hidden, heads, n_kv_heads, layers, inner).to(dtype)
+        model = Llama(vocab, seq, hidden, heads, n_kv_heads, layers, inner)
+        if dtype is not None:  # default: the default dtype (float64 under --dtype float64)
+            model = model.to(dtype)
     optimizer = torch.optim.Adam(model.parameters(), lr=lr, betas=(0.9, 0.95), eps=1e-8)
 
     if device == "meta":

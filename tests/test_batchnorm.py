@@ -229,7 +229,7 @@ def test_search_returns_data_parallelism_for_a_batchnorm_unet_on_8_gpus(level):
     """Issue #13: with batch norm splittable, ``rhino plan`` on 8xA100-80G splits every convolution's
     and batch norm's batch on every mesh axis; at O1 the search itself finds it (rule ``dp_follow``:
     without it the greedy starts leave data parallelism at the first batch norm)."""
-    from rhino.cli.cmd_plan import plan_workload
+    from rhino.search.planning import plan_workload
     from rhino.search import Level, SearchOptions, search
     from rhino.search.report import axis_roles
     g = _bn_unet_64()

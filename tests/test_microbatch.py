@@ -147,11 +147,18 @@ def test_micro_batch_errors_are_one_clear_sentence(mlp):
         same_structure(cap.graph, mlp.graph, 4)  # batch 32 is not batch 8 / 4
 
 
-def test_rhino_run_with_micro_batches_on_two_processes(capsys):
-    """A real 2-process run (gloo): dp=2 with 4 micro-batches against the accumulation loop in float64."""
+def test_rhino_run_with_a_micro_batch_plan_file_on_two_processes(capsys, tmp_path):
+    """A real 2-process run (gloo) of a plan file with 4 micro-batches (dp=2) against the accumulation
+    loop in float64, every rank; --emit writes the three programs per rank."""
     from rhino.cli.main import main
-    code = main(["run", f"{MB}:mlp", "--nproc", "2", "--strategy", "dp=2,microbatches=4", "--dtype", "float64",
-                 "--json"])
+    with default_dtype(torch.float64):
+        cap = _mb("mlp")
+        plan_file = tmp_path / "plan.json"
+        plan_file.write_text(preset_plan(cap.graph, parse_strategy("dp=2,microbatches=4")).to_json())
+    code = main(["run", f"{MB}:mlp", "--plan", str(plan_file), "--dtype", "float64", "--json",
+                 "--emit", str(tmp_path / "ranks")])
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["ok"], out["first_mismatch"]
-    assert out["max_abs_diff"] < 1e-9 and len(out["losses"]) == 2
+    assert out["nproc"] == 2 and out["max_abs_diff"] < 1e-9 and len(out["losses"]) == 2
+    assert sorted(p.name for p in (tmp_path / "ranks").iterdir()) == [
+        f"rank{r}_{k}.py" for r in range(2) for k in ("grad", "grad_first", "update")]

@@ -82,7 +82,7 @@ def test_small_cnn_on_8_devices_gets_data_parallelism():
 
 def test_gpt_whose_adamw_state_does_not_fit_one_gpu_gets_tensor_parallelism_or_zero_with_the_reason():
     import gpt
-    from rhino.cli.cmd_plan import plan_workload
+    from rhino.search.planning import plan_workload
     g = _capture(*gpt.workload(layers=6, hidden=8192, heads=64, seq=1024, batch=8, vocab=50304, device="meta"),
                  "gpt4x8192").graph
     params = sum(g.types[i.value].numel for i in g.inputs if i.role is Role.PARAM)

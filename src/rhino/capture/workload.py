@@ -43,6 +43,7 @@ class Workload:
     batch: tuple
     path: str
     func: str
+    batches: Callable | None = None   # the file's ``batches()``: an iterator of global batches (training data)
 
     @property
     def spec(self) -> str:
@@ -94,7 +95,13 @@ def _load(spec: str, call: Callable | None = None) -> Workload:
         result = call(fn) if call is not None else fn()
     except Exception as exc:  # noqa: BLE001 -- user code: report where it failed, then stop
         raise WorkloadError(f"{path}:{func}() failed: {_where(exc, path)}") from None
-    return _validate(result, path, func)
+    w = _validate(result, path, func)
+    data = getattr(module, "batches", None)
+    if data is not None and not callable(data):
+        raise WorkloadError(f"{path}: batches must be a function returning an iterator of batches, "
+                            f"got a {type(data).__name__}")
+    w.batches = data
+    return w
 
 
 def _where(exc: BaseException, path: Path) -> str:

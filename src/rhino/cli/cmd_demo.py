@@ -56,7 +56,7 @@ def run(args) -> int:
 def _plan_and_run(cap, args) -> dict:
     from ..cost.cluster import parse_cluster
     from ..runtime.run import run_plan
-    from .cmd_plan import plan_workload
+    from ..search.planning import plan_workload
     cluster = parse_cluster(args.cluster)
     if cluster.device.name != "cpu" or cluster.nodes != 1:
         raise ValueError(f"rhino demo runs the plan on local processes: give a cluster like cpu:4, not {cluster}")

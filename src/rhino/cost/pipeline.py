@@ -19,7 +19,8 @@ are modelled on top of it (Narayanan et al. 2021, arXiv 2104.04473, section 2.2)
   than a node, else on the network; on the critical path.
 - The optimizer step runs once, after the pipeline, at 1/pp of its single-stage time. Gradient
   reduction over data-parallel axes overlaps the backward pass of the last micro-batch (when
-  ``StepOptions.overlap_gradient_reduction``); ZeRO-3 gathers repeat per micro-batch and overlap
+  ``StepOptions.overlap_gradient_reduction``; with one stage it is exposed: the runtime reduces the
+  accumulated gradients in the update program); ZeRO-3 gathers repeat per micro-batch and overlap
   the pipeline's compute (when ``prefetch_parameters``).
 - Gradient accumulation (m > 1) keeps a full gradient buffer live across micro-batches. With one
   stage the memory is that of the two programs the runtime runs (``accumulation_memory``).
@@ -156,7 +157,10 @@ def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstim
     opt = st.optimizer_compute / pp
     grad = st.comm_by_kind.get("gradient", 0.0) / pp
     # backward = 2x forward FLOPs for matmul layers (Kaplan et al. 2020, arXiv 2001.08361): 2/3 of a pass
-    window = t_stage * 2 / 3 if options.overlap_gradient_reduction else 0.0
+    # gradient accumulation on one stage (runtime.rank_step) reduces in the update program, after the last
+    # micro-batch's backward: nothing to hide behind (DDP's no_sync then a synchronised last micro-batch
+    # would overlap it)
+    window = t_stage * 2 / 3 if options.overlap_gradient_reduction and pp > 1 else 0.0
     grad_exposed = max(0.0, grad - window)
     prefetch = st.comm_by_kind.get("prefetch", 0.0) * m / pp
     pref_exposed = max(0.0, prefetch - pipe) if options.prefetch_parameters else prefetch

@@ -130,14 +130,15 @@ def _reshard(g: torch.fx.Graph, stats: OverlapStats) -> None:
             and any(not _is_redistribute(u) for u in n.users)]
     tops = [t for t in tops if _chain_has_comm(t) and not _chain_reduces(t)]
     uses = {t: sorted(_uses(t), key=lambda cv: order[cv[0]]) for t in tops}
-    marks = sorted((order[c], t) for t in tops for c, _ in uses[t])
+    marks = [(order[c], t) for t in tops for c, _ in uses[t]]   # where each gathered value is used
     for t in tops:
         groups, cur = [], []
         for c, v in uses[t]:
-            if cur and any(lo < p < order[c] and other is not t for p, other in marks
-                           for lo in [order[cur[-1][0]]]):
-                groups.append(cur)
-                cur = []
+            if cur:
+                lo, hi = order[cur[-1][0]], order[c]
+                if any(lo < p < hi and other is not t for p, other in marks):   # another one used between
+                    groups.append(cur)
+                    cur = []
             cur.append((c, v))
         groups.append(cur)
         for group in groups[1:]:

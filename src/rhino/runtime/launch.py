@@ -35,7 +35,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 __all__ = ["Backend", "RankContext", "RankFailedError", "launch", "init_from_env", "run_from_env",
-           "in_torchrun", "shutdown"]
+           "in_torchrun", "shutdown", "current_context"]
 
 TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # After the first reported error, how long the parent keeps listening for a rank that died without
@@ -94,6 +94,16 @@ def init_from_env(timeout_s: float = 60.0) -> RankContext:
     dist.init_process_group(backend.value, init_method="env://", rank=rank, world_size=world,
                             timeout=timedelta(seconds=timeout_s))
     return RankContext(rank, world, device, backend, local_rank)
+
+
+def current_context() -> RankContext:
+    """The context of the process group this process already belongs to (``LOCAL_RANK`` picks the CUDA
+    device under NCCL; with gloo the device is the CPU)."""
+    if not dist.is_initialized():
+        raise ValueError("no process group: call torch.distributed.init_process_group (or run under torchrun) first")
+    backend = Backend(dist.get_backend())
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    return RankContext(dist.get_rank(), dist.get_world_size(), _device_for(backend, local_rank), backend, local_rank)
 
 
 def run_from_env(fn: Callable[..., Any], *args: Any, timeout_s: float = 60.0) -> Any:

@@ -40,6 +40,7 @@ import torch
 
 from ..capture import Captured, capture, default_dtype
 from ..ir.graph import Graph, Ref, Role
+from ..lower.overlap import release_inputs
 from ..lower.spmd import Part, SpmdProgram, lower_rank
 from ..cost.accumulate import split_step
 from ..cost.remat import remat, remat_plan
@@ -115,6 +116,13 @@ def same_structure(full: Graph, micro: Graph, microbatches: int) -> None:
         fail("other outputs")
 
 
+def _take(local_state: dict, names: list[str], replaced) -> list:
+    """The state a program reads, in ``names`` order; entries the program replaces leave ``local_state``
+    (they come back from its outputs), so the caller holds no second reference to the old values."""
+    replaced = set(replaced)
+    return [local_state.pop(n) if n in replaced else local_state[n] for n in names]
+
+
 class RankStep:
     """One rank's training step (module docstring)."""
 
@@ -125,6 +133,7 @@ class RankStep:
         resolve(graph, plan)  # the plan is for this workload (fingerprint), every sharding checks
         self.plan, self.rank, self.device, self.overlap = plan, rank, torch.device(device), overlap
         self.microbatches = m = plan.microbatches
+        self._released: dict[int, object] = {}   # id(program) -> its release_inputs form (``run``)
         if m == 1:
             g, p = with_recompute(graph, plan)
             self.rp = resolve(g, dataclasses.replace(p, fingerprint=""))
@@ -199,8 +208,9 @@ class RankStep:
         ``run`` executes it on this rank; the lockstep simulation drives every rank's schedule together."""
         local_batch = tuple(local_batch)
         if self.microbatches == 1:
-            outs = yield self.programs[0], [local_state[n] for n in self.state_names] + list(local_batch)
-            local_state.update(zip(self.programs[0].output_names[1:], outs[1:]))
+            prog = self.programs[0]
+            outs = yield prog, _take(local_state, self.state_names, prog.output_names[1:]) + list(local_batch)
+            local_state.update(zip(prog.output_names[1:], outs[1:]))
             return float(outs[0])
         m = self.microbatches
         for i, b in enumerate(local_batch):
@@ -224,7 +234,7 @@ class RankStep:
             del outs
         for t in grads:
             t.div_(m)
-        outs = yield update, [local_state[n] for n in self.update_state] + grads
+        outs = yield update, _take(local_state, self.update_state, update.output_names) + grads
         del grads
         local_state.update(zip(update.output_names, outs))
         return loss / m
@@ -243,8 +253,16 @@ class RankStep:
                 del args
 
     def run(self, local_state: dict, local_batch: tuple) -> float:
-        """One training step; ``local_state``'s entries are replaced by the new state. Returns the loss."""
-        return self.run_with(local_state, local_batch, lambda prog, args: prog.module(*args))
+        """One training step; ``local_state``'s entries are replaced by the new state. Returns the loss.
+        Each program frees its inputs as it consumes them (``lower.overlap.release_inputs``): an old
+        parameter or moment dies at its last use in the update, as with PyTorch's in-place optimizers."""
+        return self.run_with(local_state, local_batch, self._execute_releasing)
+
+    def _execute_releasing(self, prog, args: list) -> list:
+        key = id(prog)
+        if key not in self._released:
+            self._released[key] = release_inputs(prog)
+        return self._released[key].module(args)
 
     def run_measured(self, local_state: dict, local_batch: tuple) -> tuple[float, int]:
         """``run``, node by node, also returning this rank's peak of live tensor bytes (``LiveBytesMeter``:

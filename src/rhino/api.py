@@ -1,0 +1,75 @@
+"""Rhino's Python API: what the command line calls, for scripts and notebooks.
+
+    import rhino
+    cap = rhino.capture_step("examples/gpt.py")                       # or (model, optimizer, loss_fn, batch)
+    est = rhino.estimate(cap, "8xA100-80G", strategy="dp=2,tp=4")
+    plan, report = rhino.plan(cap, "8xA100-80G", level="O1")
+    mem = rhino.memory_plan(cap, level="O1")                           # one device: operator order + arena layout
+    result = rhino.train("examples/gpt.py", nproc=2, strategy="dp=2", steps=20)   # local processes
+    trainer = rhino.Trainer("examples/gpt.py", strategy="dp=2")   # one rank, e.g. inside torchrun
+    loss = trainer.step()
+
+(``capture_step`` and ``memory_plan`` are not called ``capture`` and ``memory``: those names are Rhino's
+subpackages.) Workloads are ``FILE[:FUNC]`` specs (see the README's workload section), ``rhino.Workload`` objects or
+``(model, optimizer, loss_fn, batch)`` tuples.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from .capture import Captured, Workload, load_workload
+from .capture import capture as _capture_workload
+from .cost.cluster import parse_cluster
+from .cost.estimate import Estimate
+from .runtime.trainer import Trainer, TrainResult, train
+from .sharding.plan import ShardingPlan
+
+__all__ = ["capture_step", "estimate", "plan", "memory_plan", "Trainer", "TrainResult", "train", "ShardingPlan"]
+
+
+def capture_step(workload, dtype: torch.dtype | None = None) -> Captured:
+    """The training step of ``workload`` as one IR graph (forward, backward and optimizer update)."""
+    from .capture import default_dtype
+    with default_dtype(dtype):
+        if isinstance(workload, (str, Path)):
+            workload = load_workload(str(workload))
+        elif isinstance(workload, (tuple, list)):
+            model, opt, loss_fn, batch = workload
+            workload = Workload(model, opt, loss_fn, tuple(batch) if isinstance(batch, (tuple, list)) else (batch,),
+                                "<in memory>", "workload")
+        elif not isinstance(workload, Workload):
+            raise ValueError("workload must be a FILE[:FUNC] spec, a (model, optimizer, loss_fn, batch) tuple or "
+                             "a rhino Workload")
+        return _capture_workload(workload)
+
+
+def _graph(cap_or_graph):
+    return cap_or_graph.graph if isinstance(cap_or_graph, Captured) else cap_or_graph
+
+
+def estimate(cap: Captured, cluster: str, *, strategy: str | None = None, plan: ShardingPlan | None = None) -> Estimate:
+    """Predicted step time and per-device memory of a strategy string or a plan on ``cluster``."""
+    from .cost.estimate import estimate as _estimate, estimate_strategy
+    c = parse_cluster(cluster)
+    if plan is not None:
+        return _estimate(_graph(cap), c, plan, pp=1, microbatches=getattr(plan, "microbatches", 1),
+                         recompute=getattr(plan, "recompute", "none"))
+    return estimate_strategy(_graph(cap), c, strategy or f"dp={c.world}")
+
+
+def plan(cap: Captured, cluster: str, *, level: str = "O1", time_limit: float = 60.0, presets: bool = True):
+    """Search the fastest plan that fits ``cluster``: ``(ShardingPlan, report)`` (``report.text()``)."""
+    from .search.planning import plan_workload
+    return plan_workload(_graph(cap), parse_cluster(cluster), level=level, time_limit=time_limit, presets=presets)
+
+
+def memory_plan(cap: Captured, *, level: str = "O1", time_limit: float = 60.0):
+    """One device's memory plan (ROAM): an operator order and an arena offset per tensor; ``.height`` is the
+    arena's peak bytes, ``.valid`` the layout validator's verdict."""
+    from .memory.from_graph import problem_from_graph
+    from .memory.plan import plan_memory
+    problem, _ = problem_from_graph(_graph(cap))
+    problem.validate()
+    return plan_memory(problem, level=level, time_limit=time_limit)

@@ -1,0 +1,89 @@
+"""``rhino train FILE[:FUNC] --nproc N (--strategy S | --plan P | --cluster C [--level O1|O2]) --steps K
+[--log FILE] [--json]``: train for real, with no single-device reference (``rhino run`` is the check)."""
+from __future__ import annotations
+
+import os
+
+from ..capture import DTYPES
+from ..runtime.launch import RankFailedError, in_torchrun
+from .common import emit_json, status
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("train", help="train a workload under a plan on N processes (no reference run)")
+    p.add_argument("workload", metavar="FILE[:FUNC]")
+    p.add_argument("--nproc", type=int, help="local processes to start (gloo); under torchrun: this job's "
+                   "world size; default: the plan's device count, else 1")
+    g = p.add_mutually_exclusive_group(required=True)
+    g.add_argument("--strategy", help="expert preset, e.g. dp=2 or dp=2,tp=2,microbatches=4,recompute=full")
+    g.add_argument("--plan", help="a plan file (JSON) made for this workload by rhino plan")
+    g.add_argument("--cluster", help="search a plan for this cluster first, e.g. cpu:4 or 8xA100-80G")
+    p.add_argument("--level", choices=["O1", "O2"], default="O1", help="search level with --cluster (default O1)")
+    p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
+    p.add_argument("--log", metavar="FILE", help="append one JSON line per step (step, loss, seconds, samples/s)")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="default dtype while the workload is built")
+    p.add_argument("--no-overlap", action="store_true", help="blocking collectives, one per tensor (for comparison)")
+    p.add_argument("--release-memory", action="store_true", help="return freed memory to the OS at once: peak RSS "
+                   "follows the live bytes (for models near the memory limit; slower steps)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
+    p.add_argument("--json", action="store_true", help="print one JSON object: losses, step_seconds, "
+                   "samples_per_second, peak_live_bytes, peak_rss_bytes")
+    p.set_defaults(run=run)
+
+
+def run(args) -> int:
+    if args.steps < 1:
+        raise ValueError("--steps must be at least 1")
+    if args.log and os.path.dirname(args.log) and not os.path.isdir(os.path.dirname(args.log)):
+        raise ValueError(f"the directory of --log {args.log!r} does not exist; create it or choose another path")
+    if in_torchrun():
+        return _run_torchrun(args)
+    nproc = args.nproc if args.nproc is not None else _default_nproc(args)
+    from ..runtime.trainer import train
+    status(f"training {args.workload} on {nproc} process(es) for {args.steps} steps ...")
+    try:
+        r = train(args.workload, nproc, plan=args.plan, strategy=args.strategy, cluster=args.cluster,
+                  level=args.level, steps=args.steps, dtype=DTYPES.get(args.dtype), overlap=not args.no_overlap,
+                  timeout_s=args.timeout, log=args.log, release_memory=args.release_memory)
+    except RankFailedError as exc:
+        raise ValueError(str(exc)) from None
+    _report(r, args.json)
+    return 0
+
+
+def _report(r, as_json: bool) -> None:
+    if as_json:
+        emit_json(r.to_dict())
+    else:
+        print(f"trained {r.steps} steps on mesh {r.mesh}: loss {r.losses[0]:.6g} -> {r.losses[-1]:.6g}, "
+              f"{r.step_seconds * 1e3:.1f} ms per step, {r.samples_per_second:.1f} samples/s, "
+              f"peak live {r.peak_live_bytes / 2**20:.1f} MiB, peak RSS {r.peak_rss_bytes / 2**20:.0f} MiB")
+
+
+def _default_nproc(args) -> int:
+    if args.plan:
+        from ..sharding.plan import ShardingPlan
+        from pathlib import Path
+        if not Path(args.plan).is_file():
+            raise ValueError(f"plan file {args.plan!r} does not exist; make one with rhino plan ... --out {args.plan}")
+        return ShardingPlan.from_json(Path(args.plan).read_text()).mesh.world
+    if args.strategy:
+        from ..sharding.presets import mesh_for, parse_strategy
+        return mesh_for(parse_strategy(args.strategy)).world
+    if args.cluster:
+        from ..cost.cluster import parse_cluster
+        return parse_cluster(args.cluster).world
+    return 1
+
+
+def _run_torchrun(args) -> int:
+    """One rank of a torchrun job: every rank trains; rank 0 prints the summary."""
+    from ..runtime.trainer import train_torchrun
+    r = train_torchrun(args.workload, plan=args.plan, strategy=args.strategy, cluster=args.cluster,
+                       level=args.level, steps=args.steps, dtype=DTYPES.get(args.dtype), overlap=not args.no_overlap,
+                       timeout_s=args.timeout, log=args.log, release_memory=args.release_memory)
+    if r is not None:
+        _report(r, args.json)
+    return 0

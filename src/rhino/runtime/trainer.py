@@ -1,0 +1,337 @@
+"""``rhino.Trainer``: one rank of a training job that runs a plan, without any single-device reference.
+
+Usable wherever a process group exists or can be made: inside a ``torchrun`` script (one process per
+rank; NCCL with CUDA, else gloo) and in the ranks that ``rhino train`` starts locally (``train`` below).
+
+    trainer = rhino.Trainer("examples/gpt.py", strategy="dp=2")     # or plan=..., or cluster="8xA100-80G"
+    for batch in loader:                                               # global batches
+        loss = trainer.step(batch)                                     # each rank takes its share
+
+What one construction does, on every rank: load the workload (a ``FILE[:FUNC]`` spec is recorded on the
+meta device and each rank materialises only its own shards, see ``runtime/init.py``; an in-memory model is
+sliced), capture the step (fake tensors), take the plan (given, a strategy preset, or searched on rank 0
+for a cluster and broadcast, since a time-limited search need not be deterministic), build the mesh's
+process groups and lower this rank's programs (``RankStep``: micro-batches, recomputation, overlapped
+collectives).
+"""
+from __future__ import annotations
+
+import resource
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from statistics import median
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from ..capture import Captured, Workload, capture, default_dtype, load_workload
+from ..ir.graph import Role
+from ..sharding.plan import ShardingPlan, resolve
+from ..sharding.presets import parse_strategy, preset_plan
+from .collectives import gather_tensor
+from .data import batch_stream, check_batch, rank_batch, samples_in
+from .groups import build_groups
+from .launch import current_context, in_torchrun, init_from_env, launch, shutdown
+from ..lower.spmd_ops import set_context
+
+__all__ = ["Trainer", "TrainResult", "train", "train_torchrun", "train_rank", "summarize", "peak_rss_bytes"]
+
+# Steps left out of the median step time: the first steps pay one-time costs (allocator growth, lazy
+# initialisation of collectives). Chosen from runs of the examples: step 1 is 1.5-3x later ones, step 2 not.
+WARMUP_STEPS = 1
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set size (Linux reports ``ru_maxrss`` in KiB, macOS in bytes)."""
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(rss if sys.platform == "darwin" else rss * 1024)
+
+
+class Trainer:
+    """One rank's trainer (see the module docstring). Exactly one of ``plan``, ``strategy``, ``cluster``.
+
+    ``workload``: a ``FILE[:FUNC]`` spec, a ``Workload``, a ``(model, optimizer, loss_fn, batch)`` tuple
+    or a function returning one. ``dtype``: default dtype while the workload is built (float64 for exact
+    comparisons). ``overlap``: issue collectives asynchronously in buckets (off: blocking, one per tensor).
+    ``release_memory``: freed tensors go back to the OS at once (``runtime.init.return_freed_memory``, glibc),
+    so the resident set follows the live bytes; for models near the memory limit (costs page faults).
+    """
+
+    def __init__(self, workload, plan: ShardingPlan | str | None = None, *, strategy: str | None = None,
+                 cluster: str | None = None, level: str = "O1", time_limit: float = 20.0,
+                 dtype: torch.dtype | None = None, overlap: bool = True, timeout_s: float = 300.0,
+                 release_memory: bool = False, progress: Callable[[str], None] | None = None) -> None:
+        if sum(x is not None for x in (plan, strategy, cluster)) != 1:
+            raise ValueError("give exactly one of plan, strategy or cluster")
+        say = progress or (lambda message: None)
+        if release_memory:
+            from .init import return_freed_memory
+            return_freed_memory()
+        self.dtype = dtype
+        self.ctx = _join(timeout_s)
+        self.rank, self.world = self.ctx.rank, self.ctx.world_size
+        self.device = self.ctx.device
+        with default_dtype(dtype):
+            self.workload, self._source = _load(workload, dtype)
+            say("capturing the training step ...")
+            self.cap: Captured = capture(self.workload)
+            self.plan = self._plan(plan, strategy, cluster, level, time_limit, say)
+        if self.plan.mesh.world != self.world:
+            raise ValueError(f"the plan's mesh {self.plan.mesh} has {self.plan.mesh.world} devices but the job "
+                             f"has {self.world} processes; start {self.plan.mesh.world} or choose another plan")
+        self.rp = resolve(self.cap.graph, self.plan)
+        self.microbatches = getattr(self.plan, "microbatches", 1)
+        self.groups = build_groups(self.plan.mesh, timeout_s)
+        set_context(self.plan.mesh, self.rank, self.groups)
+        say(f"materialising rank {self.rank}'s shards ...")
+        self.state = self._local_state()
+        say("lowering the per-rank programs ...")
+        from .rank_step import RankStep
+        self.program = RankStep(self.cap, self.plan, self.rank, self.device, overlap=overlap)
+        self._stream = None
+        self.steps_done = 0
+
+    # ------------------------------------------------------------------ set-up
+    def _plan(self, plan, strategy, cluster, level, time_limit, say) -> ShardingPlan:
+        graph = self.cap.graph
+        if isinstance(plan, ShardingPlan):
+            return plan
+        if isinstance(plan, (str, Path)):
+            path = Path(plan)
+            if not path.is_file():
+                raise ValueError(f"plan file {str(plan)!r} does not exist; make one with rhino plan ... --out FILE")
+            loaded = ShardingPlan.from_json(path.read_text())
+            if loaded.fingerprint and graph.fingerprint() != loaded.fingerprint:
+                raise ValueError(f"plan file {str(plan)!r} was made for another workload (fingerprint "
+                                 f"{loaded.fingerprint[:12]}, this one {graph.fingerprint()[:12]}); plan again")
+            return loaded
+        if strategy is not None:
+            return preset_plan(graph, parse_strategy(strategy))
+        return self._search(cluster, level, time_limit, say)
+
+    def _search(self, cluster: str, level: str, time_limit: float, say) -> ShardingPlan:
+        """Rank 0 searches; every rank gets its plan (the search is time-limited, hence not deterministic)."""
+        box = [None]
+        if self.rank == 0:
+            from ..cost.cluster import parse_cluster
+            from ..search.planning import plan_workload
+            say(f"searching a plan for {cluster} ({level}) ...")
+            plan, _ = plan_workload(self.cap.graph, parse_cluster(cluster), level=level, time_limit=time_limit,
+                                    presets=True)
+            box[0] = plan.to_json()
+        if self.world > 1:
+            dist.broadcast_object_list(box, src=0)
+        return ShardingPlan.from_json(box[0])
+
+    def _local_state(self) -> dict[str, torch.Tensor]:
+        """This rank's shards, one full tensor at a time (replayed from the recording, or copied from an
+        in-memory model that this process holds anyway)."""
+        from .init import local_state
+        return local_state(self.cap, self.rp, self.rank, self._source, self.device)
+
+    # ------------------------------------------------------------------ training
+    def next_batch(self) -> tuple:
+        """The next global batch of the workload's ``batches()`` (the example batch if it has none)."""
+        if self._stream is None:
+            with default_dtype(self.dtype):
+                self._stream = batch_stream(self.example_batch(), self.workload.batches)
+        try:
+            with default_dtype(self.dtype):
+                return next(self._stream)
+        except StopIteration:
+            raise ValueError(f"batches() ran out after {self.steps_done} steps; give fewer steps or more data") \
+                from None
+
+    def example_batch(self) -> tuple:
+        from .init import example_batch
+        return example_batch(self._source, self.workload)
+
+    def step(self, batch=None) -> float:
+        """One training step on a global batch (``None``: the next one); returns the loss (same on every rank)."""
+        batch = check_batch(self.cap.graph, self.next_batch() if batch is None else batch,
+                            f"the batch of step {self.steps_done + 1}")
+        local = rank_batch(batch, self.rp, self.rank, self.microbatches, self.device)
+        loss = self.program.run(self.state, local)
+        self.steps_done += 1
+        return float(loss)
+
+    def full_state(self) -> dict[str, torch.Tensor]:
+        """Every state tensor assembled whole (collective: all ranks must call it); for checks and tests."""
+        return {inp.name: gather_tensor(self.state[inp.name], self.rp.value[inp.value], self.plan.mesh, self.rank,
+                                        self.groups).cpu()
+                for inp in self.cap.graph.inputs if inp.role is not Role.BATCH}
+
+    def state_bytes(self) -> dict[str, int]:
+        """This rank's state bytes by role (parameter, buffer, optimizer state)."""
+        out: dict[str, int] = {}
+        for inp in self.cap.graph.inputs:
+            if inp.name in self.state:
+                t = self.state[inp.name]
+                out[inp.role.value] = out.get(inp.role.value, 0) + t.numel() * t.element_size()
+        return out
+
+
+def _join(timeout_s: float):
+    """This process's rank context: the existing process group, or the ``torchrun`` job's."""
+    if dist.is_initialized():
+        return current_context()
+    if in_torchrun():
+        return init_from_env(timeout_s)
+    raise ValueError("Trainer needs a process group: run under torchrun, call torch.distributed."
+                     "init_process_group first, or use rhino.train(..., nproc=N) to start local processes")
+
+
+def _load(workload, dtype: torch.dtype | None) -> tuple[Workload, object | None]:
+    """(the workload, the deferred source that materialises its tensors, or None for real tensors)."""
+    if isinstance(workload, (str, Path)) or callable(workload) and not isinstance(workload, torch.nn.Module):
+        from ..capture.deferred import load_deferred
+        return load_deferred(workload, dtype)
+    if isinstance(workload, Workload):
+        w = workload
+    elif isinstance(workload, (tuple, list)) and len(workload) == 4:
+        model, opt, loss_fn, batch = workload
+        w = Workload(model, opt, loss_fn, tuple(batch) if isinstance(batch, (tuple, list)) else (batch,),
+                     "<in memory>", "workload")
+    else:
+        raise ValueError("workload must be a FILE[:FUNC] spec, a function returning (model, optimizer, loss_fn, "
+                         "batch), such a tuple, or a rhino Workload")
+    if w.on_meta:
+        raise ValueError("this workload's model is on the meta device, so its values are unknown; pass the "
+                         "FILE[:FUNC] spec or the function that builds it, and each rank builds its own shards")
+    return w, None
+
+
+# ---------------------------------------------------------------------------------------------- local runs
+
+@dataclass
+class TrainResult:
+    """What ``train`` returns (and ``rhino train --json`` prints)."""
+
+    nproc: int
+    mesh: str
+    strategy: str
+    steps: int
+    losses: list[float]
+    step_seconds: float                   # median after warm-up, slowest rank per step
+    samples_per_second: float
+    peak_live_bytes: int                  # max over ranks (the first step, counted node by node)
+    peak_rss_bytes: int                   # max over ranks
+    seconds: float = 0.0
+    all_step_seconds: list[float] = field(default_factory=list)
+    state_bytes_per_rank: list[dict[str, int]] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {"nproc": self.nproc, "mesh": self.mesh, "strategy": self.strategy, "steps": self.steps,
+                "losses": self.losses, "step_seconds": self.step_seconds,
+                "samples_per_second": self.samples_per_second, "peak_live_bytes": self.peak_live_bytes,
+                "peak_rss_bytes": self.peak_rss_bytes, "seconds": round(self.seconds, 2),
+                "all_step_seconds": self.all_step_seconds, "state_bytes_per_rank": self.state_bytes_per_rank}
+
+
+def train(workload: str, nproc: int, *, plan: str | None = None, strategy: str | None = None,
+          cluster: str | None = None, level: str = "O1", steps: int = 10, dtype: torch.dtype | None = None,
+          overlap: bool = True, timeout_s: float = 300.0, log: str | None = None, progress: bool = True,
+          measure_live: bool = True, release_memory: bool = False) -> TrainResult:
+    """Train ``workload`` (a ``FILE[:FUNC]`` spec) for ``steps`` steps on ``nproc`` local processes (gloo).
+
+    Rank 0 prints progress on stderr (step, loss, step time, samples/s) and appends one JSON line per
+    step to ``log``. ``measure_live``: count the first step's peak of live tensor bytes node by node
+    (slower step; excluded from the step times).
+    """
+    if nproc < 1 or steps < 1:
+        raise ValueError("nproc and steps must be at least 1")
+    _check_world(nproc, plan, strategy, cluster)
+    start = time.perf_counter()
+    results = launch(train_rank, nproc, workload, plan, strategy, cluster, level, steps, dtype, overlap,
+                     timeout_s, log, progress, measure_live, release_memory, timeout_s=timeout_s)
+    return summarize(results, measure_live, time.perf_counter() - start)
+
+
+def train_torchrun(workload: str, *, plan: str | None = None, strategy: str | None = None,
+                   cluster: str | None = None, level: str = "O1", steps: int = 10, dtype: torch.dtype | None = None,
+                   overlap: bool = True, timeout_s: float = 300.0, log: str | None = None, progress: bool = True,
+                   measure_live: bool = True, release_memory: bool = False) -> TrainResult | None:
+    """``train`` as one rank of a ``torchrun`` job: every rank trains; rank 0 returns the summary (others None)."""
+    start = time.perf_counter()
+    ctx = init_from_env(timeout_s)
+    _check_world(ctx.world_size, plan, strategy, cluster)
+    try:
+        mine = train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, overlap, timeout_s, log,
+                          progress, measure_live, release_memory)
+        results = [None] * ctx.world_size
+        dist.all_gather_object(results, mine)
+    finally:
+        shutdown()
+    return summarize(results, measure_live, time.perf_counter() - start) if ctx.rank == 0 else None
+
+
+def summarize(results: list[dict], measure_live: bool, seconds: float) -> TrainResult:
+    """One ``TrainResult`` from every rank's ``train_rank`` result (in rank order)."""
+    first = results[0]
+    per_step = [max(ts) for ts in zip(*[r["times"] for r in results])]
+    timed = per_step[WARMUP_STEPS + (1 if measure_live else 0):] or per_step
+    step_s = median(timed)
+    return TrainResult(len(results), first["mesh"], first["strategy"], len(per_step), first["losses"], step_s,
+                       first["samples"] / step_s if step_s > 0 else 0.0,
+                       max(r["peak_live"] for r in results), max(r["rss"] for r in results),
+                       seconds, per_step, [r["state_bytes"] for r in results])
+
+
+def _check_world(nproc: int, plan, strategy, cluster) -> None:
+    """Before starting processes: the plan's device count must be the number of processes."""
+    if strategy is not None:
+        from ..sharding.presets import mesh_for
+        world, what = mesh_for(parse_strategy(strategy)).world, f"strategy {strategy}"
+    elif plan is not None:
+        path = Path(plan)
+        if not path.is_file():
+            raise ValueError(f"plan file {str(plan)!r} does not exist; make one with rhino plan ... --out FILE")
+        world, what = ShardingPlan.from_json(path.read_text()).mesh.world, f"plan {plan}"
+    else:
+        from ..cost.cluster import parse_cluster
+        world, what = parse_cluster(cluster).world, f"cluster {cluster}"
+    if world != nproc:
+        raise ValueError(f"the {what} has {world} devices but the job has {nproc} processes; "
+                         f"pass --nproc {world} or another {'plan' if strategy is None else 'strategy'}")
+
+
+def train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, overlap, timeout_s, log, progress,
+                measure_live, release_memory=False):
+    import os
+    os.environ.setdefault("LOCAL_RANK", str(ctx.local_rank))
+    say = (lambda m: print(f"rhino train: {m}", file=sys.stderr, flush=True)) if progress and ctx.rank == 0 \
+        else (lambda m: None)
+    trainer = Trainer(workload, plan, strategy=strategy, cluster=cluster, level=level, dtype=dtype,
+                      overlap=overlap, timeout_s=timeout_s, release_memory=release_memory, progress=say)
+    losses, times, peak_live, samples = [], [], 0, 0
+    logf = open(log, "a") if log and ctx.rank == 0 else None
+    try:
+        for step in range(steps):
+            batch = trainer.next_batch()
+            samples = samples_in(batch)
+            t0 = time.perf_counter()
+            if measure_live and step == 0:
+                loss, peak_live = trainer.program.run_measured(trainer.state, rank_batch(
+                    check_batch(trainer.cap.graph, batch, "the batch of step 1"), trainer.rp, trainer.rank,
+                    trainer.microbatches, trainer.device))
+                trainer.steps_done += 1
+            else:
+                loss = trainer.step(batch)
+            dt = time.perf_counter() - t0
+            losses.append(float(loss))
+            times.append(dt)
+            line = {"step": step + 1, "loss": float(loss), "seconds": dt, "samples_per_second": samples / dt}
+            say(f"step {step + 1}/{steps}  loss {float(loss):.6g}  {dt * 1e3:.1f} ms  {samples / dt:.1f} samples/s")
+            if logf is not None:
+                import json
+                logf.write(json.dumps(line) + "\n")
+                logf.flush()
+    finally:
+        if logf is not None:
+            logf.close()
+    return {"losses": losses, "times": times, "peak_live": peak_live, "rss": peak_rss_bytes(),
+            "samples": samples, "mesh": str(trainer.plan.mesh), "strategy": trainer.plan.strategy_string,
+            "state_bytes": trainer.state_bytes()}
