@@ -13,9 +13,12 @@ initial weights), optimizer (the example's, with its parameter groups) and batch
 
 GPT's fused QKV weight is colwise-split with its rows ordered ``[q_0 k_0 v_0 | q_1 k_1 v_1]`` (Megatron's
 interleaved layout) and the attention runs on the local heads: the same model up to a fixed permutation
-of the QKV rows. rhino runs ``lower_rank(..., overlap=True)`` (asynchronous, bucketed collectives,
-``lower/overlap.py``) called with its inputs released (``release_inputs``: the old state is freed as the
-update consumes it); ``--blocking`` adds the blocking program (called plainly) as a third runner.
+of the QKV rows. rhino runs as users run it: ``rhino.Trainer(workload, strategy=...)`` and
+``trainer.step(global_batch)`` (what ``rhino train`` runs per rank: ``RankStep`` with ``lower_rank(...,
+overlap=True)`` programs -- asynchronous, bucketed collectives, ``lower/overlap.py`` -- called with their
+inputs released, so the old state is freed as the update consumes it; each step also cuts this rank's
+share out of the global batch). ``--program`` adds the bare overlapped program (no Trainer) and
+``--blocking`` the blocking program (called plainly) as further runners.
 
 Timing: after warm-up, ``--rounds`` rounds; in each, every runner of a pair runs a block of steps
 between barriers (the order alternates from round to round), so load from other processes hits all
@@ -205,21 +208,25 @@ class RhinoRunner:
         return meter.peak
 
 
-class RankStepRunner(RhinoRunner):
-    """rhino through ``runtime.rank_step.RankStep`` (what ``rhino.Trainer`` / ``rhino train`` run), overlap on.
-    ``RankStep.run`` keeps the caller's state dict while the program runs (old and new state together)."""
+class TrainerRunner:
+    """rhino as users run it: ``rhino.Trainer`` (what ``rhino train`` runs per rank: ``RankStep`` with
+    overlapped programs that free the old state as the update consumes it); ``step`` takes the global batch
+    and keeps this rank's share, as ``Trainer.step`` does every step."""
 
-    def __init__(self, cap, strategy: str, rank: int) -> None:
-        super().__init__(cap, strategy, rank, overlap=False)
-        from rhino.runtime.rank_step import RankStep
-        self.rank_step = RankStep(cap, self.prog_plan, rank, overlap=True)
-        self.prog = self.rank_step.programs[0]
-        self.batch = list(self.rank_step.local_batch(tuple(cap.workload.batch)))
+    def __init__(self, workload: tuple, strategy: str) -> None:
+        from rhino.runtime.trainer import Trainer
+        self.trainer = Trainer(workload, strategy=strategy)
+        self.batch = tuple(workload[3])
+        self.prog = self.trainer.program.programs[0]
 
     def step(self) -> float:
-        from rhino.lower.spmd_ops import set_context
-        set_context(self.mesh, self.rank, self.groups)
-        return self.rank_step.run(self.local, tuple(self.batch))
+        return self.trainer.step(self.batch)
+
+    def live_peak(self) -> int:
+        from rhino.runtime.data import rank_batch
+        t = self.trainer
+        _, peak = t.program.run_measured(t.state, rank_batch(self.batch, t.rp, t.rank, t.microbatches))
+        return peak
 
 
 # ----------------------------------------------------------------------------- measuring
@@ -257,7 +264,7 @@ def _block(runner, n: int) -> tuple[float, float]:
 
 
 def _rank_main(ctx, models: list[str], pairs: list[str], rounds: int, steps: int, blocking: bool,
-               memory: bool, rank_step: bool = False) -> list[dict]:
+               memory: bool, program: bool = False) -> list[dict]:
     from rhino.capture import capture
     from rhino.capture.workload import Workload
     torch.set_num_threads(1)
@@ -269,12 +276,12 @@ def _rank_main(ctx, models: list[str], pairs: list[str], rounds: int, steps: int
         workload = (w.model, w.optimizer, w.loss_fn, tuple(w.batch))
         for pair in pairs:
             strategy, baseline = PAIRS[pair]
-            runners = {"rhino": RhinoRunner(cap, strategy, ctx.rank, overlap=True),
+            runners = {"rhino": TrainerRunner(workload, strategy),
                        baseline: TorchRunner(pair, workload, ctx.rank, ctx.world_size)}
             if blocking:
                 runners["rhino blocking"] = RhinoRunner(cap, strategy, ctx.rank, overlap=False)
-            if rank_step:
-                runners["rhino RankStep"] = RankStepRunner(cap, strategy, ctx.rank)
+            if program:
+                runners["rhino program"] = RhinoRunner(cap, strategy, ctx.rank, overlap=True)
             for r in runners.values():
                 for _ in range(WARMUP):
                     r.step()
@@ -292,10 +299,8 @@ def _rank_main(ctx, models: list[str], pairs: list[str], rounds: int, steps: int
                    "overlap": vars(runners["rhino"].prog.overlap) if runners["rhino"].prog.overlap else None}
             if memory:
                 row["peak_bytes"] = {
-                    "rhino": _allocated_peak(lambda: RhinoRunner(cap, strategy, ctx.rank, overlap=True)),
+                    "rhino": _allocated_peak(lambda: TrainerRunner(workload, strategy)),
                     baseline: _allocated_peak(lambda: TorchRunner(pair, workload, ctx.rank, ctx.world_size))}
-                if rank_step:
-                    row["peak_bytes"]["rhino RankStep"] = _allocated_peak(lambda: RankStepRunner(cap, strategy, ctx.rank))
                 row["rhino_live_meter"] = runners["rhino"].live_peak()
             del runners
             out.append(row)
@@ -311,13 +316,14 @@ def main(argv=None) -> int:
     p.add_argument("--pair", action="append", choices=sorted(PAIRS))
     p.add_argument("--blocking", action="store_true", help="also time rhino's blocking program")
     p.add_argument("--no-memory", action="store_true", help="skip the peak-memory phase")
-    p.add_argument("--rank-step", action="store_true", help="also time RankStep (what rhino train runs)")
+    p.add_argument("--program", action="store_true", help="also time the bare overlapped per-rank program "
+                   "(lower_rank + release_inputs, without the Trainer)")
     p.add_argument("--json", action="store_true")
     p.add_argument("--out", metavar="MD", help="also write the table as a section of this markdown file")
     args = p.parse_args(argv)
     load = os.getloadavg()
     ranks = launch(_rank_main, 2, args.model or ["gpt", "llama"], args.pair or list(PAIRS), args.rounds,
-                   args.steps, args.blocking, not args.no_memory, args.rank_step, timeout_s=1800)
+                   args.steps, args.blocking, not args.no_memory, args.program, timeout_s=1800)
     rows = ranks[0]
     for row, other in zip(rows, ranks[1]):
         if row["strategy"] != "tp=2":        # the baseline's loss is its rank's half of the batch: average
@@ -353,15 +359,16 @@ def _table(env: dict, rows: list[dict], args) -> list[str]:
              f"rank 0's step times (between barriers; a round's ratio compares blocks run back to back). 1-minute load average {load[0]:.1f} before and "
              f"{env['loadavg_after'][0]:.1f} after (the machine is shared: other processes ran; the ratios are "
              "side by side in one run, and the fastest-round ratio is less hurt by bursts of load).", "",
-             "rhino: `lower_rank(..., overlap=True)` (asynchronous bucketed collectives, ZeRO-3 re-gathers with "
-             "one-ahead prefetch, `lower/overlap.py`), called with its inputs released (`release_inputs`). "
+             "rhino: `rhino.Trainer(workload, strategy=...).step(global_batch)`, what `rhino train` runs per rank "
+             "(`RankStep`: `lower_rank(..., overlap=True)` programs with asynchronous bucketed collectives and "
+             "ZeRO-3 re-gathers with one-ahead prefetch, `lower/overlap.py`, called with their inputs released). "
              "Baselines: see the module docstring of `benchmarks/train_speed.py`. Peak MB: bytes held by "
              "PyTorch's CPU allocator (profiler memory events, everything the runner allocated from before it was "
-             "built) at the peak of its second step, largest rank; rhino live-meter: `LiveBytesMeter` on the plainly "
-             "called program (old and new state both held at the end). Final loss diff: |rhino - baseline| of the "
+             "built) at the peak of its second step, largest rank; rhino live-meter: `LiveBytesMeter` "
+             "(`RankStep.run_measured`). Final loss diff: |rhino - baseline| of the "
              "global-batch loss after the same steps (float32).", "",
              "| model | plan | baseline | rhino ms | baseline ms | rhino / baseline | median of per-round ratios | "
-             "fastest rounds | rhino blocking ms | rhino RankStep ms (peak MB) | peak MB rhino / baseline | "
+             "fastest rounds | rhino blocking ms | bare program ms | peak MB rhino / baseline | "
              "rhino live-meter MB | final loss diff |",
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
@@ -370,11 +377,7 @@ def _table(env: dict, rows: list[dict], args) -> list[str]:
                if "peak_bytes" in r else "-")
         live = f"{r['rhino_live_meter'] / 2**20:.1f}" if "rhino_live_meter" in r else "-"
         blk = f"{r['ms']['rhino blocking']:.1f}" if "rhino blocking" in r["ms"] else "-"
-        rs = "-"
-        if "rhino RankStep" in r["ms"]:
-            rs = f"{r['ms']['rhino RankStep']:.1f}"
-            if "rhino RankStep" in r.get("peak_bytes", {}):
-                rs += f" ({r['peak_bytes']['rhino RankStep'] / 2**20:.1f})"
+        rs = f"{r['ms']['rhino program']:.1f}" if "rhino program" in r["ms"] else "-"
         lines.append(f"| {r['model']} | {r['strategy']} | {b} | {r['ms']['rhino']:.1f} | {r['ms'][b]:.1f} | "
                      f"{r['ratio']:.2f} | {r['ratio_per_round']:.2f} | {r['ratio_of_mins']:.2f} | {blk} | {rs} | {mem} | {live} | {r['loss_diff']:.1e} |")
     return lines

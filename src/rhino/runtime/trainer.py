@@ -154,6 +154,7 @@ class Trainer:
         batch = check_batch(self.cap.graph, self.next_batch() if batch is None else batch,
                             f"the batch of step {self.steps_done + 1}")
         local = rank_batch(batch, self.rp, self.rank, self.microbatches, self.device)
+        set_context(self.plan.mesh, self.rank, self.groups)   # another trainer in this process may have set its own
         loss = self.program.run(self.state, local)
         self.steps_done += 1
         return float(loss)
