@@ -1,6 +1,10 @@
 """Recomputation executed: predicted vs measured per-rank peak for recompute = none / full / selective.
 
     python benchmarks/recompute_memory.py [--out docs/benchmarks.md]
+    python benchmarks/recompute_memory.py --processes --only "gpt, 2 layers, batch 32" "resnet, batch 32"
+
+``--processes``: each plan runs on 2 gloo processes instead (``runtime.run.run_plan(measure=True)``: each
+rank's ``RankStep`` runs the rewritten program with ``LiveBytesMeter``); prints, writes nothing.
 
 Each example (float64) is rewritten by ``cost.remat.remat`` and run under ``dp=2`` with every rank's
 program in lockstep in this process (``lower.simulate_spmd``: it counts the distinct tensor storages
@@ -42,7 +46,7 @@ def _captured(example: str, kwargs: dict):
         return capture(Workload(model, optimizer, loss_fn, tuple(batch), str(path), "workload"))
 
 
-def measure(cap, mode: str):
+def measure(cap, mode: str, processes: bool = False):
     import torch
     from rhino.capture import default_dtype
     from rhino.cost.memory import estimate_memory
@@ -53,8 +57,14 @@ def measure(cap, mode: str):
     plan = preset_plan(cap.graph, parse_strategy(f"{STRATEGY},recompute={mode}"))
     new, origin = remat(cap.graph, mode)
     rp = resolve(new, remat_plan(plan, origin))
-    with default_dtype(torch.float64):
-        measured = simulate_peak_bytes(rp, cap.initial_state(), tuple(cap.workload.batch))
+    if processes:
+        from rhino.runtime.run import run_plan
+        r = run_plan(cap, plan, plan.mesh.world, steps=1, measure=True)
+        assert r.ok, r.first_mismatch
+        measured = r.peak_live_bytes
+    else:
+        with default_dtype(torch.float64):
+            measured = simulate_peak_bytes(rp, cap.initial_state(), tuple(cap.workload.batch))
     predicted = [estimate_memory(new, rp, r).peak for r in range(plan.mesh.world)]
     return measured, predicted, len(origin), new.meta.get("recompute", {}).get("segments", 1)
 
@@ -63,14 +73,18 @@ def main() -> int:
     from rhino.benchmarks_doc import replace_section
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
+    ap.add_argument("--processes", action="store_true", help="run on 2 gloo processes; print only")
+    ap.add_argument("--only", nargs="*", help="workload labels to run")
     args = ap.parse_args()
     rows, worst = [], 0.0
     for label, example, kwargs in CASES:
+        if args.only and label not in args.only:
+            continue
         cap = _captured(example, kwargs)
         base = None
         for mode in MODES:
             t = time.perf_counter()
-            measured, predicted, copies, segments = measure(cap, mode)
+            measured, predicted, copies, segments = measure(cap, mode, args.processes)
             err = max(abs(p / m - 1) for p, m in zip(predicted, measured))
             worst = max(worst, err)
             base = max(measured) if mode == "none" else base
@@ -89,7 +103,8 @@ def main() -> int:
             "vs none |", "|---|---|---:|---:|---:|---:|---:|---:|", *rows, "",
             f"Worst error: {worst:.2%} (target 5%). At the default sizes the step's peak is in the optimizer update "
             "(parameters, gradients and Adam state), which recomputation does not touch."]
-    replace_section(args.out, "Recomputation: memory", "\n".join(body))
+    if not args.processes and not args.only:
+        replace_section(args.out, "Recomputation: memory", "\n".join(body))
     return 0 if worst <= 0.05 else 1
 
 
