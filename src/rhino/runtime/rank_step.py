@@ -203,13 +203,13 @@ class RankStep:
         return tuple(out)
 
     # -- running ---------------------------------------------------------------------------------------
-    def schedule(self, local_state: dict, local_batch: tuple) -> Generator[tuple, list, float]:
+    def schedule(self, local_state: dict, local_batch: tuple, release: bool = False) -> Generator[tuple, list, float]:
         """The step as (program, arguments) pairs; send each program's outputs back in. Returns the loss.
         ``run`` executes it on this rank; the lockstep simulation drives every rank's schedule together."""
         local_batch = tuple(local_batch)
         if self.microbatches == 1:
             prog = self.programs[0]
-            outs = yield prog, _take(local_state, self.state_names, prog.output_names[1:]) + list(local_batch)
+            outs = yield prog, _take(local_state, self.state_names, prog.output_names[1:] if release else ()) + list(local_batch)
             local_state.update(zip(prog.output_names[1:], outs[1:]))
             return float(outs[0])
         m = self.microbatches
@@ -234,14 +234,15 @@ class RankStep:
             del outs
         for t in grads:
             t.div_(m)
-        outs = yield update, _take(local_state, self.update_state, update.output_names) + grads
+        outs = yield update, _take(local_state, self.update_state, update.output_names if release else ()) + grads
         del grads
         local_state.update(zip(update.output_names, outs))
         return loss / m
 
-    def run_with(self, local_state: dict, local_batch: tuple, execute: Executor) -> float:
-        """One step, each program run by ``execute(program, args) -> outputs``."""
-        gen = self.schedule(local_state, local_batch)
+    def run_with(self, local_state: dict, local_batch: tuple, execute: Executor, release: bool = False) -> float:
+        """One step, each program run by ``execute(program, args) -> outputs``. ``release``: the state a
+        program replaces leaves ``local_state`` while it runs (``execute`` must then free its inputs)."""
+        gen = self.schedule(local_state, local_batch, release)
         outs = None
         with torch.no_grad():
             while True:
@@ -256,7 +257,7 @@ class RankStep:
         """One training step; ``local_state``'s entries are replaced by the new state. Returns the loss.
         Each program frees its inputs as it consumes them (``lower.overlap.release_inputs``): an old
         parameter or moment dies at its last use in the update, as with PyTorch's in-place optimizers."""
-        return self.run_with(local_state, local_batch, self._execute_releasing)
+        return self.run_with(local_state, local_batch, self._execute_releasing, release=True)
 
     def _execute_releasing(self, prog, args: list) -> list:
         key = id(prog)
