@@ -128,7 +128,7 @@ def _reshard(g: torch.fx.Graph, stats: OverlapStats) -> None:
     order = {n: i for i, n in enumerate(g.nodes)}
     tops = [n for n in g.nodes if _is_redistribute(n) and _state_root(n) is not None
             and any(not _is_redistribute(u) for u in n.users)]
-    tops = [t for t in tops if _chain_has_comm(t) and not _chain_reduces(t)]
+    tops = [t for t in tops if _chain_has(t, COMM_KINDS) and not _chain_has(t, REDUCTIONS)]
     uses = {t: sorted(_uses(t), key=lambda cv: order[cv[0]]) for t in tops}
     marks = [(order[c], t) for t in tops for c, _ in uses[t]]   # where each gathered value is used
     for t in tops:
@@ -146,19 +146,11 @@ def _reshard(g: torch.fx.Graph, stats: OverlapStats) -> None:
             stats.regathers += 1
 
 
-def _chain_reduces(t: torch.fx.Node) -> bool:
+def _chain_has(t: torch.fx.Node, kinds) -> bool:
+    """Whether the chain of redistribution steps ending at ``t`` contains a step of one of ``kinds``."""
     x = t
     while _is_redistribute(x):
-        if x.args[1] in REDUCTIONS:
-            return True
-        x = x.args[0]
-    return False
-
-
-def _chain_has_comm(t: torch.fx.Node) -> bool:
-    x = t
-    while _is_redistribute(x):
-        if x.args[1] in COMM_KINDS:
+        if x.args[1] in kinds:
             return True
         x = x.args[0]
     return False

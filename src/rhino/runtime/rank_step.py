@@ -191,16 +191,8 @@ class RankStep:
     def local_batch(self, batch: tuple) -> tuple:
         """This rank's share of a global batch: its shard (as the plan shards each batch input) of every
         micro-batch, concatenated in micro-batch order along dim 0 (``runtime.data.rank_batch``)."""
-        from .collectives import shard_tensor
-        m, mesh = self.microbatches, self.plan.mesh
-        out = []
-        for b, inp in zip(batch, [i for i in self.rp.graph.inputs if i.role is Role.BATCH]):
-            if m > 1 and (b.dim() == 0 or b.shape[0] % m):
-                raise ValueError(f"the batch's dim 0 ({b.shape[0] if b.dim() else 'a scalar'}) does not split into "
-                                 f"{m} micro-batches; choose microbatches dividing the batch size")
-            pieces = [shard_tensor(mb, self.rp.value[inp.value], mesh, self.rank) for mb in b.chunk(m, 0)]
-            out.append((pieces[0] if m == 1 else torch.cat(pieces, 0)).to(self.device))
-        return tuple(out)
+        from .data import rank_batch
+        return rank_batch(tuple(batch), self.rp, self.rank, self.microbatches, self.device)
 
     # -- running ---------------------------------------------------------------------------------------
     def schedule(self, local_state: dict, local_batch: tuple, release: bool = False) -> Generator[tuple, list, float]:

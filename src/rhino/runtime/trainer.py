@@ -187,7 +187,7 @@ def _join(timeout_s: float):
 
 def _load(workload, dtype: torch.dtype | None) -> tuple[Workload, object | None]:
     """(the workload, the deferred source that materialises its tensors, or None for real tensors)."""
-    if isinstance(workload, (str, Path)) or callable(workload) and not isinstance(workload, torch.nn.Module):
+    if isinstance(workload, (str, Path)) or (callable(workload) and not isinstance(workload, torch.nn.Module)):
         from ..capture.deferred import load_deferred
         return load_deferred(workload, dtype)
     if isinstance(workload, Workload):
