@@ -37,7 +37,8 @@ from .groups import build_groups
 from .launch import current_context, in_torchrun, init_from_env, launch, shutdown
 from ..lower.spmd_ops import set_context
 
-__all__ = ["Trainer", "TrainResult", "train", "train_torchrun", "train_rank", "summarize", "peak_rss_bytes"]
+__all__ = ["Trainer", "TrainResult", "train", "train_torchrun", "train_rank", "summarize", "peak_rss_bytes",
+           "check_checkpointing"]
 
 # Steps left out of the median step time: the first steps pay one-time costs (allocator growth, lazy
 # initialisation of collectives). Chosen from runs of the examples: step 1 is 1.5-3x later ones, step 2 not.
@@ -279,7 +280,7 @@ def train(workload: str, nproc: int, *, plan: str | None = None, strategy: str |
     """
     if nproc < 1 or steps < 1:
         raise ValueError("nproc and steps must be at least 1")
-    _check_checkpointing(checkpoint, every, resume)
+    check_checkpointing(checkpoint, every, resume)
     _check_world(nproc, plan, strategy, cluster)
     start = time.perf_counter()
     results = launch(train_rank, nproc, workload, plan, strategy, cluster, level, steps, dtype, overlap,
@@ -295,7 +296,7 @@ def train_torchrun(workload: str, *, plan: str | None = None, strategy: str | No
                    every: int = 0, resume: bool = False) -> TrainResult | None:
     """``train`` as one rank of a ``torchrun`` job: every rank trains; rank 0 returns the summary (others None)."""
     start = time.perf_counter()
-    _check_checkpointing(checkpoint, every, resume)
+    check_checkpointing(checkpoint, every, resume)
     ctx = init_from_env(timeout_s)
     _check_world(ctx.world_size, plan, strategy, cluster)
     try:
@@ -322,7 +323,7 @@ def summarize(results: list[dict], measure_live: bool, seconds: float) -> TrainR
                        first.get("resumed_from_step"), first.get("checkpoints", []))
 
 
-def _check_checkpointing(checkpoint, every: int, resume: bool) -> None:
+def check_checkpointing(checkpoint, every: int, resume: bool) -> None:
     """Before starting processes: checkpoint options that make sense together."""
     if every < 0:
         raise ValueError(f"--every must be >= 0 (0: save only after the last step), got {every}")
