@@ -20,16 +20,19 @@ GPT = str(ROOT / "examples" / "gpt.py")
 RTOL = 1e-12
 
 
-def _run(ctx, strategy, steps, directory, save_at, resume, fail_commit_on=None):
+def _run(ctx, strategy, steps, directory, save_at, resume, fail_commit_on=None, dump=None):
     """One rank: (resume,) train up to ``steps`` on the workload's batches, saving after the steps in
-    ``save_at`` (and keeping a copy of its local state there)."""
+    ``save_at`` (and keeping a copy of its local state there, also written to ``dump`` if given)."""
     from rhino.runtime import checkpoint
     from rhino.runtime.trainer import Trainer
     if fail_commit_on == ctx.rank:
-        def _boom(*args):
-            raise RuntimeError("injected crash after the DCP write, before the rename")
-        checkpoint._commit = _boom
+        def _boom(tmp, final, step):
+            if step == 4:
+                raise RuntimeError("injected crash after the DCP write, before the rename")
+            commit(tmp, final, step)
+        commit, checkpoint._commit = checkpoint._commit, _boom
     trainer = Trainer(GPT, strategy=strategy, dtype=torch.float64)
+    plan = {inp.name: trainer.rp.value[inp.value] for inp in trainer.cap.graph.inputs if inp.name in trainer.state}
     info = trainer.resume(directory) if resume else None
     loaded = {k: v.clone() for k, v in trainer.state.items()}
     losses, saved, snapshots = [], [], {}
@@ -37,8 +40,10 @@ def _run(ctx, strategy, steps, directory, save_at, resume, fail_commit_on=None):
         losses.append(trainer.step())
         if trainer.steps_done in save_at:
             snapshots[trainer.steps_done] = {k: v.clone() for k, v in trainer.state.items()}
+            if dump:
+                torch.save({"snapshots": {trainer.steps_done: snapshots[trainer.steps_done]}, "plan": plan},
+                           f"{dump}/rank{ctx.rank}-step{trainer.steps_done}.pt")
             saved.append(str(trainer.save(directory)))
-    plan = {inp.name: trainer.rp.value[inp.value] for inp in trainer.cap.graph.inputs if inp.name in trainer.state}
     return {"losses": losses, "local": {k: v.clone() for k, v in trainer.state.items()}, "plan": plan,
             "mesh": trainer.plan.mesh, "info": None if info is None else info.to_dict(), "saved": saved,
             "snapshots": snapshots, "data_position": trainer.data_position, "loaded": loaded}
@@ -124,12 +129,122 @@ def test_dp4_checkpoint_resumes_under_tp2_on_two_processes(reference, tmp_path):
     _check_every_rank(results, ref[0]["losses"][2:4], ref[0]["snapshots"][4], ref[0]["snapshots"][2])
 
 
-def test_zero3_checkpoint_resumes_under_dp4(reference, tmp_path):
+def test_export_loads_strictly_into_the_eager_model_and_continues_training(reference, tmp_path):
+    """The step-4 checkpoint of the dp=4 run, exported: the eager model's loss on batch 5 is the sharded run's
+    step-5 loss, and one eager AdamW step from the exported optimizer state gives the run's state after step 5."""
+    from rhino.capture import default_dtype, load_workload
+    from rhino.runtime.export import write_export
+    directory, ref = reference
+    out = tmp_path / "gpt.pt"
+    summary = write_export(directory / "step-00000004", out, optimizer=True)
+    assert summary["step"] == 4 and summary["keys"] == 29                        # head.weight tied to tok.weight
+    exported = torch.load(out)
+    with default_dtype(torch.float64):
+        w = load_workload(GPT)
+        it = w.batches()
+        batch = [next(it) for _ in range(5)][-1]
+    model, opt = w.model, w.optimizer
+    model.load_state_dict(exported["model"], strict=True)
+    opt.load_state_dict(exported["optimizer"])
+    loss = w.loss_fn(model, *batch)
+    assert abs(loss.item() - ref[0]["losses"][4]) <= RTOL * abs(ref[0]["losses"][4])
+    loss.backward()
+    opt.step()
+    after = ref[0]["local"]                                  # dp=4: every tensor whole on rank 0, after step 5
+    params = dict(model.named_parameters())
+    eager = {name: params[name].detach() for name in params}
+    eager.update({f"opt/{name}/{slot}": value for name, p in params.items() for slot, value in opt.state[p].items()})
+    assert set(eager) == set(after)
+    for name, value in eager.items():
+        want = after[name]
+        bad = (value.to(want.dtype) - want).abs() > _tolerance(name, want, None)
+        assert not bad.any(), (name, (value.to(want.dtype) - want).abs().max().item())
+
+
+def test_a_crash_before_the_rename_keeps_the_previous_checkpoint_and_zero3_resumes_under_dp4(reference, tmp_path):
+    """dp=2,zero=3 on 2 processes saves step 2, then rank 0 fails after the step-4 DCP write and before the
+    rename: `latest` still names step 2, which 4 processes resume under dp=4 with the uninterrupted run's
+    losses and state; their step-4 save removes the stale temporary directory."""
+    from rhino.runtime.checkpoint import latest_checkpoint
     _, ref = reference
-    root = tmp_path / "zero3"
-    saved = launch(_run, 2, "dp=2,zero=3", 2, str(root), (2,), False, timeout_s=240)
-    assert any(isinstance(p, Shard) for s in saved[0]["plan"].values() for p in s)   # zero=3 really shards
-    results = launch(_run, 4, "dp=4", 4, str(root), (), True, timeout_s=240)
-    assert results[0]["info"]["mesh"] == "dp2" and results[0]["info"]["step"] == 2
+    root, dump = tmp_path / "crash", tmp_path / "dump"
+    dump.mkdir()
+    with pytest.raises(RankFailedError, match="injected crash"):
+        launch(_run, 2, "dp=2,zero=3", 4, str(root), (2, 4), False, 0, str(dump), timeout_s=240)
+    assert json.loads((root / "latest").read_text())["checkpoint"] == "step-00000002"
+    assert latest_checkpoint(root) == root / "step-00000002"
+    leftovers = [p.name for p in root.iterdir() if ".tmp-" in p.name]
+    assert len(leftovers) == 1 and leftovers[0].startswith("step-00000004.tmp-")   # written, never renamed
+    assert (root / leftovers[0] / ".metadata").is_file()
+    saved = [torch.load(dump / f"rank{r}-step2.pt", weights_only=False) for r in range(2)]
+    results = launch(_run, 4, "dp=4", 4, str(root), (4,), True, timeout_s=240)
+    info = results[0]["info"]
+    assert (info["step"], info["mesh"], info["strategy"], info["world_size"]) == (2, "dp2", "dp=2,zero=3", 2)
+    assert any(isinstance(p, Shard) for s in saved[0]["plan"].values() for p in s)     # zero=3 really shards
     saved_full = {name: _assemble(saved, 2, name) for name in saved[0]["plan"]}
     _check_every_rank(results, ref[0]["losses"][2:4], ref[0]["snapshots"][4], saved_full)
+    assert latest_checkpoint(root) == root / "step-00000004"
+    assert not [p for p in root.iterdir() if ".tmp-" in p.name]
+
+
+def _cli(*args, timeout=600):
+    import subprocess
+    import sys
+    return subprocess.run([sys.executable, "-m", "rhino.cli.main", *map(str, args)], capture_output=True, text=True,
+                          cwd=ROOT, timeout=timeout)
+
+
+def _eager_losses(steps: int) -> list[float]:
+    """The plain single-device loop over the workload's batches, float64."""
+    from rhino.capture import default_dtype, load_workload
+    with default_dtype(torch.float64):
+        w = load_workload(GPT)
+        it, losses = w.batches(), []
+        for _ in range(steps):
+            w.optimizer.zero_grad()
+            loss = w.loss_fn(w.model, *next(it))
+            loss.backward()
+            w.optimizer.step()
+            losses.append(loss.item())
+    return losses
+
+
+def test_rhino_train_checkpoint_resume_and_export_on_the_command_line(tmp_path):
+    """--resume on an empty directory starts at step 0; 4 steps saved every 2, then --steps 6 --resume continues
+    from step 4 with the plain loop's losses; rhino export writes what load_state_dict(strict=True) accepts."""
+    d = tmp_path / "ck"
+    common = ["train", GPT, "--nproc", "2", "--strategy", "dp=2", "--dtype", "float64", "--checkpoint", d, "--json"]
+    first = _cli(*common, "--steps", "4", "--every", "2", "--resume")
+    assert first.returncode == 0, first.stderr[-2000:]
+    assert "no checkpoint in" in first.stderr and "starting from step 0" in first.stderr
+    a = json.loads(first.stdout)
+    assert a["resumed_from_step"] is None and [Path(p).name for p in a["checkpoints"]] == ["step-00000002",
+                                                                                            "step-00000004"]
+    second = _cli(*common, "--steps", "6", "--resume")
+    assert second.returncode == 0, second.stderr[-2000:]
+    b = json.loads(second.stdout)
+    assert b["resumed_from_step"] == 4 and len(b["losses"]) == 2
+    want = _eager_losses(6)
+    for got, ref in zip(a["losses"] + b["losses"], want):
+        assert abs(got - ref) <= RTOL * abs(ref), (got, ref)
+    out = _cli("export", d, "--out", tmp_path / "gpt.pt", "--json", timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert json.loads(out.stdout)["step"] == 6
+    from rhino.capture import default_dtype, load_workload
+    with default_dtype(torch.float64):
+        model = load_workload(GPT).model
+    model.load_state_dict(torch.load(tmp_path / "gpt.pt"), strict=True)
+
+
+def test_checkpoint_errors_are_one_sentence(tmp_path):
+    out = _cli("train", GPT, "--strategy", "dp=2", "--steps", "2", "--every", "2", timeout=300)
+    assert out.returncode == 2 and "--every needs a checkpoint directory: add --checkpoint DIR" in out.stderr
+    out = _cli("export", tmp_path, "--out", tmp_path / "x.pt", timeout=300)
+    assert out.returncode == 2 and "holds no complete checkpoint" in out.stderr, out.stderr[-1000:]
+
+
+def test_a_checkpoint_of_another_workload_is_refused(reference):
+    directory, _ = reference
+    out = _cli("train", ROOT / "examples" / "mlp.py", "--strategy", "dp=2", "--steps", "6", "--dtype", "float64",
+               "--checkpoint", directory, "--resume", timeout=300)
+    assert out.returncode == 2 and "was saved from another workload" in out.stderr, out.stderr[-1000:]
