@@ -3,7 +3,8 @@ torchrun's elastic agent; a rank killed with SIGKILL is restarted from the last 
 losses equal an uninterrupted run's (float64); a job relaunched on fewer processes replans and reshards.
 
 Launched jobs (torchrun start-up is slow on a busy machine): one uninterrupted reference run, two kill -9
-jobs (``rhino train`` and ``rhino launch``), and one 4-process save + 2-process resume."""
+jobs (``rhino train`` and ``rhino launch``), one relaunch on fewer processes and one two-node job that
+loses a node."""
 from __future__ import annotations
 
 import json
@@ -35,7 +36,7 @@ def _rhino(args, env_extra=None, timeout=300):
 def reference():
     """The uninterrupted 8-step run (local processes, no agent, no checkpoints): dp=2, float64."""
     from rhino.runtime.trainer import train
-    return train(GPT, 2, strategy="dp=2", steps=8, dtype=torch.float64, progress=False, measure_live=False).losses
+    return train(GPT, 2, strategy="dp=2", steps=10, dtype=torch.float64, progress=False, measure_live=False).losses
 
 
 def _assert_losses_equal(got, want):
@@ -134,7 +135,7 @@ def _check_kill9(out, reference):
     assert restart["attempt"] == 1 and restart["resumed_from_step"] == 4 and restart["world_size"] == 2
     assert "rank 1" in restart["reason"] and "SIGKILL" in restart["reason"], restart
     assert "attempt 0 failed: rank 1" in out.stderr and "resumed from step 4" in out.stderr
-    _assert_losses_equal(r["losses"], reference)          # steps 1-4 from attempt 0, 5-8 after the restart
+    _assert_losses_equal(r["losses"], reference[:8])      # steps 1-4 from attempt 0, 5-8 after the restart
 
 
 def test_kill9_during_step5_rhino_train_restarts_and_finishes_exactly(tmp_path, reference):
@@ -145,34 +146,28 @@ def test_kill9_during_step5_rhino_train_restarts_and_finishes_exactly(tmp_path, 
     _check_kill9(out, reference)
 
 
-def test_kill9_from_a_yaml_job_file(tmp_path, reference):
-    """The same scenario as a job file run by rhino launch."""
+def test_kill9_from_a_yaml_job_file_then_a_relaunch_on_fewer_processes(tmp_path, reference):
+    """The same scenario as a job file run by rhino launch; then the job, extended to 10 steps, is relaunched
+    with --nproc 1 --resume: it replans (dp=2 -> dp=1, the log says why), resumes step 8 saved by 2 processes
+    resharded, and steps 9-10 equal the uninterrupted run's. (One node's agent keeps nproc_per_node fixed
+    across restarts: fewer devices on one node arrive as a relaunch; a lost node of a range: next test. A
+    4 -> 2 relaunch, dp=4 saved at step 4 and resumed as dp=2, also passes, but costs 70 s here.)"""
     job = tmp_path / "job.yaml"
-    job.write_text(f"workload: {GPT}\nstrategy: dp=2\nnproc: 2\nsteps: 8\ndtype: float64\ncheckpoint: ck\n"
-                   f"every: 2\nrestart:\n  max_restarts: 1\n")
+    text = (f"workload: {GPT}\nstrategy: dp=2\nnproc: 2\nsteps: 8\ndtype: float64\ncheckpoint: ck\n"
+            f"every: 2\nrestart:\n  max_restarts: 1\n")
+    job.write_text(text)
     out = _rhino(["launch", str(job), "--json"], {"RHINO_FAULT": "rank:1,step:5"})
     _check_kill9(out, reference)
     assert (tmp_path / "ck").is_dir()                      # relative to the job file
-
-
-def test_relaunch_on_fewer_processes_replans_and_resumes_resharded(tmp_path, reference):
-    """Saved by 4 processes (dp=4, step 4), relaunched with --nproc 2 --resume: dp scaled to 2, the log says
-    why, and steps 5-6 equal the uninterrupted run's. (One node's elastic agent keeps nproc_per_node fixed
-    across restarts, so fewer devices arrive as a relaunch with a lower --nproc.)"""
-    ck = str(tmp_path / "ck")
-    job = tmp_path / "job.yaml"
-    job.write_text(f"workload: {GPT}\nstrategy: dp=4\nsteps: 4\ndtype: float64\ncheckpoint: {ck}\nevery: 2\n")
-    first = _rhino(["launch", str(job), "--json"])
-    assert first.returncode == 0, first.stderr[-3000:]
-    assert json.loads(first.stdout)["nproc"] == 4
-    job.write_text(f"workload: {GPT}\nstrategy: dp=4\nsteps: 6\ndtype: float64\ncheckpoint: {ck}\nevery: 2\n")
-    out = _rhino(["launch", str(job), "--nproc", "2", "--resume", "--json"])
+    job.write_text(text.replace("steps: 8", "steps: 10"))
+    out = _rhino(["launch", str(job), "--nproc", "1", "--resume", "--json"])
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout)
-    assert "replanning: strategy dp=4 needs 4 processes, this attempt has 2: dp scaled 4 -> 2" in out.stderr
+    assert "replanning: strategy dp=2 needs 2 processes, this attempt has 1: dp scaled 2 -> 1" in out.stderr
     (attempt,) = r["attempts"]
-    assert attempt["resumed_from_step"] == 4 and attempt["saved_world_size"] == 4 and attempt["strategy"] == "dp=2"
-    _assert_losses_equal(r["losses"], reference[4:6])
+    assert attempt["resumed_from_step"] == 8 and attempt["saved_world_size"] == 2 and attempt["strategy"] == "dp=1"
+    assert r["restarts"] == []
+    _assert_losses_equal(r["losses"], reference[8:10])
 
 
 def _free_port() -> int:
@@ -208,6 +203,6 @@ def test_a_lost_node_shrinks_the_job_which_replans_and_resumes_resharded(tmp_pat
     (restart,) = r["restarts"]
     assert restart["world_size"] == 1 and restart["resumed_from_step"] == 4 and restart["strategy"] == "dp=1"
     assert restart["replan"] == "strategy dp=2 needs 2 processes, this attempt has 1: dp scaled 2 -> 1, now dp=1"
-    assert "Connection closed by peer" in restart["reason"]             # what node A's rank saw
+    assert restart["reason"].startswith("rank 0 ") and "by peer" in restart["reason"]   # what node A's rank saw
     assert "attempt 1: replanning: strategy dp=2 needs 2 processes" in a_err
-    _assert_losses_equal(r["losses"], reference)
+    _assert_losses_equal(r["losses"], reference[:8])

@@ -45,6 +45,11 @@ FAULT_ENV = "RHINO_FAULT"
 JOURNAL = "journal.jsonl"
 # Seconds between the agent's looks at its workers (torchrun's default, LaunchConfig.monitor_interval).
 MONITOR_INTERVAL_S = 0.1
+# The workers get a fresh TCPStore each attempt (hosted by their rank 0 on a free port) instead of sharing the
+# agent's rendezvous store: with the shared store a restarted rank can read a key of the previous attempt
+# (a dead peer's address: "Gloo connectFullMesh failed ... Connection refused", seen here with torch 2.13;
+# pytorch/pytorch#135712, whose workaround this is).
+UNSHARE_STORE_ENV = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
 # Characters of a failed worker's error message kept in a restart's reason (one readable line).
 MESSAGE_CHARS = 200
 # Seconds a rendezvous waits for more nodes once ``MIN`` of an ``nnodes`` range have joined (torchrun's
@@ -371,6 +376,8 @@ def _run_agent(job: ElasticJob, journal: str):
     agent = _make_agent_class()(spec=spec, logs_specs=DefaultLogsSpecs(), start_method="spawn",
                                 shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     agent.failed_attempts = []
+    shared = os.environ.get(UNSHARE_STORE_ENV)
+    os.environ[UNSHARE_STORE_ENV] = "1"
     try:
         result = agent.run()
     except RendezvousError as exc:
@@ -378,6 +385,10 @@ def _run_agent(job: ElasticJob, journal: str):
                               f"be gone): {str(exc).splitlines()[0]}") from exc
     finally:
         spec.rdzv_handler.shutdown()
+        if shared is None:
+            os.environ.pop(UNSHARE_STORE_ENV, None)
+        else:
+            os.environ[UNSHARE_STORE_ENV] = shared
     if result.is_failed():
         last = agent.failed_attempts[-1][1] if agent.failed_attempts else _failure_reason(result.failures)
         raise ElasticJobError(f"the job failed after {len(agent.failed_attempts) - 1} restart(s) "
