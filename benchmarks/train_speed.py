@@ -24,10 +24,13 @@ Timing: after warm-up, ``--rounds`` rounds; in each, every runner of a pair runs
 between barriers (the order alternates from round to round), so load from other processes hits all
 alike; reported are medians of rank 0's per-step times and rhino / PyTorch.
 
-Peak memory ("peak bytes"): the same count for every runner: bytes allocated by PyTorch's CPU allocator
-(every tensor storage, from the profiler's memory events) from before the runner is built (its model,
-state and optimizer included) through its second step; the peak during the second step, largest over
-the ranks. rhino's ``LiveBytesMeter`` count (program values + held state) is reported beside it.
+Peak memory ("peak bytes"): the same count for every runner, each alone in 2 fresh processes (after the
+timing): every allocation of 64 KiB or more gets its own mapping (a fixed glibc ``M_MMAP_THRESHOLD``) and
+glibc's ``max mmap bytes`` is read after building the runner (the workload's model and optimizer
+included) and after two steps; largest over the ranks. glibc counts on every thread, so buffers that the
+collectives' background threads free count as freed (the profiler's memory events miss those, and
+drifted upward from step to step for rhino and PyTorch alike). rhino's ``LiveBytesMeter`` count
+(program values + held state) is reported beside it.
 
     python benchmarks/train_speed.py [--rounds 5] [--steps 3] [--model gpt|llama] [--pair dp|zero3|tp] [--json]
 """
@@ -35,12 +38,15 @@ from __future__ import annotations
 
 import argparse
 import copy
-import gc
+import ctypes
+import ctypes.util
 import importlib.util
 import json
 import os
+import re
 import statistics
 import sys
+import tempfile
 import time
 import types
 from pathlib import Path
@@ -231,27 +237,58 @@ class TrainerRunner:
 
 # ----------------------------------------------------------------------------- measuring
 
-def _allocated_peak(build) -> int:
-    """Peak bytes held by the CPU allocator during a runner's second step, counting everything the
-    runner allocated since before it was built (profiler memory events)."""
-    from torch.profiler import ProfilerActivity, profile, record_function
-    gc.collect()
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        runner = build()
+def _max_mapped_bytes() -> int:
+    """glibc's ``max mmap bytes`` (``malloc_stats(3)``): the most bytes ever held in mmapped blocks by
+    this process, counted by the allocator itself on every thread."""
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    with tempfile.TemporaryFile() as f:
+        sys.stderr.flush()
+        saved = os.dup(2)
+        os.dup2(f.fileno(), 2)
+        try:
+            libc.malloc_stats()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+        f.seek(0)
+        text = f.read().decode()
+    m = re.search(r"max mmap bytes\s*=\s*(\d+)", text)
+    if m is None:
+        raise RuntimeError(f"malloc_stats printed no 'max mmap bytes': {text[-200:]!r}")
+    return int(m.group(1))
+
+
+def _memory_main(ctx, name: str, pair: str, which: str) -> dict:
+    """One runner in fresh processes, every allocation of 64 KiB or more its own mapping
+    (``runtime.init.return_freed_memory``: a fixed ``M_MMAP_THRESHOLD``): the peak of those bytes
+    after building it (workload included) and after two steps. Process-wide, so buffers freed by the
+    collectives' background threads count as freed when they are (profiler memory events miss frees on
+    other threads, which made the earlier per-step count drift from step to step)."""
+    from rhino.capture.workload import Workload
+    from rhino.runtime.init import return_freed_memory
+    if not return_freed_memory():
+        raise RuntimeError("the memory phase needs glibc (mallopt)")
+    torch.set_num_threads(1)
+    mod = _example(name)
+    w = Workload(*mod.workload(**SIZE), str(ROOT / "examples" / f"{name}.py"), "workload")
+    workload = (w.model, w.optimizer, w.loss_fn, tuple(w.batch))
+    strategy, _ = PAIRS[pair]
+    runner = TrainerRunner(workload, strategy) if which == "rhino" else \
+        TorchRunner(pair, workload, ctx.rank, ctx.world_size)
+    built = _max_mapped_bytes()
+    for _ in range(2):
         runner.step()
-        dist.barrier()
-        with record_function("rhino_bench_step"):
-            runner.step()
-    events = prof.profiler.kineto_results.events()
-    mark = next(e for e in events if e.name() == "rhino_bench_step")
-    t0, t1 = mark.start_ns(), mark.end_ns()
-    live = peak = 0
-    for t, nbytes in sorted((e.start_ns(), e.nbytes()) for e in events if e.name() == "[memory]"):
-        live += nbytes
-        if t0 <= t <= t1:
-            peak = max(peak, live)
-    del runner
-    return peak
+    dist.barrier()
+    return {"built": built, "peak": _max_mapped_bytes()}
+
+
+def _memory(name: str, pair: str) -> dict:
+    from rhino.runtime.launch import launch
+    out = {}
+    for which in ("rhino", PAIRS[pair][1]):
+        ranks = launch(_memory_main, 2, name, pair, which, timeout_s=600)
+        out[which] = {k: max(r[k] for r in ranks) for k in ("built", "peak")}
+    return out
 
 
 def _block(runner, n: int) -> tuple[float, float]:
@@ -298,9 +335,6 @@ def _rank_main(ctx, models: list[str], pairs: list[str], rounds: int, steps: int
                    "final_loss": losses, "steps_each": WARMUP + rounds * steps,
                    "overlap": vars(runners["rhino"].prog.overlap) if runners["rhino"].prog.overlap else None}
             if memory:
-                row["peak_bytes"] = {
-                    "rhino": _allocated_peak(lambda: TrainerRunner(workload, strategy)),
-                    baseline: _allocated_peak(lambda: TorchRunner(pair, workload, ctx.rank, ctx.world_size))}
                 row["rhino_live_meter"] = runners["rhino"].live_peak()
             del runners
             out.append(row)
@@ -329,9 +363,12 @@ def main(argv=None) -> int:
         if row["strategy"] != "tp=2":        # the baseline's loss is its rank's half of the batch: average
             b = row["baseline"]
             row["final_loss"][b] = (row["final_loss"][b] + other["final_loss"][b]) / 2
-        if "peak_bytes" in row:
-            row["peak_bytes"] = {k: max(v, other["peak_bytes"][k]) for k, v in row["peak_bytes"].items()}
+        if "rhino_live_meter" in row:
             row["rhino_live_meter"] = max(row["rhino_live_meter"], other["rhino_live_meter"])
+            pair = next(k for k, v in PAIRS.items() if v[0] == row["strategy"])
+            mem = _memory(row["model"], pair)
+            row["peak_bytes"] = {k: v["peak"] for k, v in mem.items()}
+            row["built_bytes"] = {k: v["built"] for k, v in mem.items()}
         row["ratio"] = row["ms"]["rhino"] / row["ms"][row["baseline"]]
         row["ratio_of_mins"] = min(row["ms_rounds"]["rhino"]) / min(row["ms_rounds"][row["baseline"]])
         row["ratio_per_round"] = statistics.median(a / b for a, b in zip(row["ms_rounds"]["rhino"],
@@ -362,9 +399,10 @@ def _table(env: dict, rows: list[dict], args) -> list[str]:
              "rhino: `rhino.Trainer(workload, strategy=...).step(global_batch)`, what `rhino train` runs per rank "
              "(`RankStep`: `lower_rank(..., overlap=True)` programs with asynchronous bucketed collectives and "
              "ZeRO-3 re-gathers with one-ahead prefetch, `lower/overlap.py`, called with their inputs released). "
-             "Baselines: see the module docstring of `benchmarks/train_speed.py`. Peak MB: bytes held by "
-             "PyTorch's CPU allocator (profiler memory events, everything the runner allocated from before it was "
-             "built) at the peak of its second step, largest rank; rhino live-meter: `LiveBytesMeter` "
+             "Baselines: see the module docstring of `benchmarks/train_speed.py`. Peak MB: each runner alone in "
+             "2 fresh processes with every allocation of 64 KiB or more mmapped (fixed glibc M_MMAP_THRESHOLD), "
+             "glibc's `max mmap bytes` from the start of the process (workload, model and state built) through "
+             "two steps, largest rank; in parentheses the same after building only. rhino live-meter (the old state counted to the end of the update, as the cost model prices it): `LiveBytesMeter` "
              "(`RankStep.run_measured`). Final loss diff: |rhino - baseline| of the "
              "global-batch loss after the same steps (float32).", "",
              "| model | plan | baseline | rhino ms | baseline ms | rhino / baseline | median of per-round ratios | "
@@ -373,7 +411,8 @@ def _table(env: dict, rows: list[dict], args) -> list[str]:
              "|---|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for r in rows:
         b = r["baseline"]
-        mem = (f"{r['peak_bytes']['rhino'] / 2**20:.1f} / {r['peak_bytes'][b] / 2**20:.1f}"
+        mem = (f"{r['peak_bytes']['rhino'] / 2**20:.1f} / {r['peak_bytes'][b] / 2**20:.1f} "
+               f"({r['built_bytes']['rhino'] / 2**20:.1f} / {r['built_bytes'][b] / 2**20:.1f})"
                if "peak_bytes" in r else "-")
         live = f"{r['rhino_live_meter'] / 2**20:.1f}" if "rhino_live_meter" in r else "-"
         blk = f"{r['ms']['rhino blocking']:.1f}" if "rhino blocking" in r["ms"] else "-"

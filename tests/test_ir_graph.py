@@ -349,3 +349,18 @@ def test_is_inplace_op_flags_only_mutating_aten_overloads():
                 flagged.append(op)
                 assert getattr(packet, overload)._schema.is_mutable, op
     assert "aten.add_.Tensor" in flagged and "aten.add.out" in flagged and "aten.__iand__.Tensor" in flagged
+
+
+def test_blocks_of_state_names():
+    from rhino.ir.modules import ROOT, block_of, value_blocks
+    assert block_of("blocks.3.attn.qkv.weight") == "blocks.3"
+    assert block_of("opt/blocks.3.mlp.0.bias/exp_avg") == "blocks.3"      # optimizer state: its parameter's
+    assert block_of("model.layers.12.self_attn.q_proj.weight") == "model.layers.12"
+    assert block_of("enc1.0.weight") == "enc1.0"        # a Sequential of single layers: one layer
+    assert block_of("layers.0.0.weight") == "layers.0"
+    assert block_of("0.weight") == "0"                  # a top-level Sequential: each layer
+    assert block_of("tok.weight") == block_of("x.3") == ROOT
+    g = train_step()
+    blocks = value_blocks(g)
+    state = {i.value for i in g.inputs if i.role is not Role.BATCH}
+    assert blocks and not state & set(blocks)            # only values that are not state get a block

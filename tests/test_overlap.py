@@ -152,6 +152,48 @@ def test_prefetch_issues_the_next_gather_one_use_ahead():
             in_flight -= 1
 
 
+def test_zero3_gathers_one_bucket_per_block():
+    """FSDP2 gathers one ``fully_shard`` unit (a transformer block) per all-gather: so do the stored-state
+    buckets, and every bucket holds parameters of one block only (``ir.modules.block_of``)."""
+    from rhino.ir.modules import block_of
+    cap = _cap("gpt", torch.float32)
+    rp = resolve(cap.graph, preset_plan(cap.graph, parse_strategy("dp=2,zero=3")))
+    prog = lower_rank(rp, 0, overlap=True)
+    gathers = [n for n in _nodes(prog, start) if n.args[1] == "AllGather"]
+
+    def root(x):
+        while x.op != "placeholder":
+            x = x.args[0]
+        return x.meta["rhino_name"]
+    blocks = [{block_of(root(x)) for x in n.args[0]} for n in gathers]
+    assert all(len(b) == 1 for b in blocks), blocks
+    members = sum(len(n.args[0]) for n in gathers)
+    n_blocks = len({b for bs in blocks for b in bs})
+    assert n_blocks >= 3 and members >= 3 * len(gathers), (n_blocks, members, len(gathers))
+    # a block's gathers are one bucket per pass (forward, backward; every block is far under the cap):
+    # two buckets in a row never hold the same block
+    assert all(a != b for a, b in zip(blocks, blocks[1:])), blocks
+    # smaller caps split the buckets, a cap of 0 gives one gather per parameter
+    alone = lower_rank(rp, 0, overlap=OverlapOptions(gather_bucket_mb=0))
+    assert all(len(n.args[0]) == 1 for n in _nodes(alone, start) if n.args[1] == "AllGather")
+    assert len([n for n in _nodes(alone, start) if n.args[1] == "AllGather"]) == members
+
+
+def test_cost_model_prices_one_collective_per_runtime_bucket():
+    """The step-time model groups ZeRO-3 gathers and reduce-scatters per block as the overlapped program
+    issues them: one priced collective per issued one."""
+    from rhino.cost.cluster import parse_cluster
+    from rhino.cost.estimate import estimate_strategy
+    cap = _cap("gpt", torch.float32)
+    for strategy in ("dp=2,zero=3", "dp=2"):
+        est = estimate_strategy(cap.graph, parse_cluster("2xA100-80G"), strategy)
+        prog = lower_rank(resolve(cap.graph, preset_plan(cap.graph, parse_strategy(strategy))), 0, overlap=True)
+        issued = [n.args[1] for n in _nodes(prog, start)]
+        for kind in ("AllGather", "ReduceScatter"):
+            assert est.collectives.get(kind, 0) == issued.count(kind), (strategy, kind, est.collectives)
+    assert issued.count("AllGather") == 0          # data parallel: parameters stay whole
+
+
 # ----------------------------------------------------------------------------- real gloo processes
 
 def _rank_main(ctx, graph_json, plans, state, batch):
@@ -159,7 +201,7 @@ def _rank_main(ctx, graph_json, plans, state, batch):
     from rhino.runtime.collectives import apply_step, shard_tensor, start_step
     from rhino.runtime.groups import build_groups
     from rhino.sharding.placement import ReduceOp
-    from rhino.sharding.steps import AllReduce, ReduceScatter
+    from rhino.sharding.steps import AllGather, AllReduce, ReduceScatter
     torch.set_default_dtype(torch.float64)
     graph = Graph.from_json(graph_json)
     out = {}
@@ -199,6 +241,12 @@ def _rank_main(ctx, graph_json, plans, state, batch):
     got = start_step(ys, step, mesh, ctx.rank, groups).wait()
     want = [apply_step(y, step, mesh, ctx.rank, groups) for y in ys]
     out["buckets"].append(all(torch.equal(a, b) for a, b in zip(got, want)))
+    zs = [torch.randn(4, 6, generator=g), torch.randn(5, generator=g), torch.randn(3, 4, 2, generator=g).transpose(0, 1)]
+    for step in (AllGather(0, 0, 1), AllGather(0, 1, 2)):     # members of mixed shapes and layouts
+        members = zs if step.dim == 0 else [zs[0], torch.randn(2, 2, 4, generator=g).transpose(0, 2)]
+        got = start_step(members, step, mesh, ctx.rank, groups).wait()
+        want = [apply_step(z, step, mesh, ctx.rank, groups) for z in members]
+        out["buckets"].append(all(torch.equal(a, b) for a, b in zip(got, want)))
     return out
 
 

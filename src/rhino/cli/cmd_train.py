@@ -1,5 +1,8 @@
 """``rhino train FILE[:FUNC] --nproc N (--strategy S | --plan P | --cluster C [--level O1|O2]) --steps K
-[--log FILE] [--json]``: train for real, with no single-device reference (``rhino run`` is the check)."""
+[--log FILE] [--checkpoint DIR [--every M] [--resume]] [--json]``: train for real, with no single-device
+reference (``rhino run`` is the check). ``--checkpoint``: sharded checkpoints every M steps and after the last;
+``--resume``: continue from DIR's latest checkpoint (any plan or world size) up to K steps in total, or start
+from step 0 when DIR holds none (so a restarted job and its first start run the same command)."""
 from __future__ import annotations
 
 import os
@@ -27,9 +30,15 @@ def add_parser(sub) -> None:
     p.add_argument("--no-overlap", action="store_true", help="blocking collectives, one per tensor (for comparison)")
     p.add_argument("--release-memory", action="store_true", help="return freed memory to the OS at once: peak RSS "
                    "follows the live bytes (for models near the memory limit; slower steps)")
+    p.add_argument("--checkpoint", metavar="DIR", help="save sharded checkpoints (torch.distributed.checkpoint) "
+                   "under DIR: every --every steps and after the last step")
+    p.add_argument("--every", type=int, default=0, metavar="M", help="save a checkpoint every M steps (default 0: "
+                   "only after the last step)")
+    p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint DIR "
+                   "(under this run's plan and world size) up to --steps in total; from step 0 if DIR holds none")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
     p.add_argument("--json", action="store_true", help="print one JSON object: losses, step_seconds, "
-                   "samples_per_second, peak_live_bytes, peak_rss_bytes")
+                   "samples_per_second, peak_live_bytes, peak_rss_bytes, resumed_from_step, checkpoints")
     p.set_defaults(run=run)
 
 
@@ -38,6 +47,8 @@ def run(args) -> int:
         raise ValueError("--steps must be at least 1")
     if args.log and os.path.dirname(args.log) and not os.path.isdir(os.path.dirname(args.log)):
         raise ValueError(f"the directory of --log {args.log!r} does not exist; create it or choose another path")
+    from ..runtime.trainer import check_checkpointing
+    check_checkpointing(args.checkpoint, args.every, args.resume)
     if in_torchrun():
         return _run_torchrun(args)
     nproc = args.nproc if args.nproc is not None else _default_nproc(args)
@@ -46,7 +57,8 @@ def run(args) -> int:
     try:
         r = train(args.workload, nproc, plan=args.plan, strategy=args.strategy, cluster=args.cluster,
                   level=args.level, steps=args.steps, dtype=DTYPES.get(args.dtype), overlap=not args.no_overlap,
-                  timeout_s=args.timeout, log=args.log, release_memory=args.release_memory)
+                  timeout_s=args.timeout, log=args.log, release_memory=args.release_memory,
+                  checkpoint=args.checkpoint, every=args.every, resume=args.resume)
     except RankFailedError as exc:
         raise ValueError(str(exc)) from None
     _report(r, args.json)
@@ -56,10 +68,17 @@ def run(args) -> int:
 def _report(r, as_json: bool) -> None:
     if as_json:
         emit_json(r.to_dict())
+        return
+    if r.resumed_from_step is not None:
+        print(f"resumed from step {r.resumed_from_step}")
+    if not r.losses:
+        print(f"nothing to train: the checkpoint is already at step {r.resumed_from_step}")
     else:
         print(f"trained {r.steps} steps on mesh {r.mesh}: loss {r.losses[0]:.6g} -> {r.losses[-1]:.6g}, "
               f"{r.step_seconds * 1e3:.1f} ms per step, {r.samples_per_second:.1f} samples/s, "
               f"peak live {r.peak_live_bytes / 2**20:.1f} MiB, peak RSS {r.peak_rss_bytes / 2**20:.0f} MiB")
+    if r.checkpoints:
+        print(f"saved {len(r.checkpoints)} checkpoint(s), the last {r.checkpoints[-1]}")
 
 
 def _default_nproc(args) -> int:
@@ -83,7 +102,8 @@ def _run_torchrun(args) -> int:
     from ..runtime.trainer import train_torchrun
     r = train_torchrun(args.workload, plan=args.plan, strategy=args.strategy, cluster=args.cluster,
                        level=args.level, steps=args.steps, dtype=DTYPES.get(args.dtype), overlap=not args.no_overlap,
-                       timeout_s=args.timeout, log=args.log, release_memory=args.release_memory)
+                       timeout_s=args.timeout, log=args.log, release_memory=args.release_memory,
+                       checkpoint=args.checkpoint, every=args.every, resume=args.resume)
     if r is not None:
         _report(r, args.json)
     return 0

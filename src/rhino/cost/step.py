@@ -19,14 +19,18 @@ Per rank (all ranks run the same program on equal shards, so one rank stands for
   one communication stream per rank, collectives executed in issue order on the latter.
   ``overlap_gradient_reduction``: redistributions of values produced after the loss and read by
   optimizer nodes (gradient all-reduce / reduce-scatter) are grouped into buckets as the runtime
-  groups them (production order, same single step and dtype, ``first_bucket_mb`` for the first bucket
-  that fills, ``bucket_cap_mb`` after: DDP's defaults); a bucket is one collective of its summed bytes
+  groups them (production order, same single step and dtype, reduce-scatters of one block,
+  ``ir.modules.value_blocks``, ``first_bucket_mb`` for the first bucket that fills, ``bucket_cap_mb``
+  after: DDP's defaults); a bucket is one collective of its summed bytes
   (one latency), issued when its last gradient exists, running while later backward nodes compute;
   the optimizer nodes that read it wait for it; before a reduce-scatter bucket is issued the compute
   stream waits for the previous one (one in flight, as FSDP2 and the runtime bound the full-size
   gradients pending). ``prefetch_parameters``: a redistribution of a state
   input (ZeRO-3 parameter all-gather) is issued when the previous one is waited for (one use ahead,
-  as FSDP2 prefetches), the first when it is needed; with ``reshard_after_forward`` a state input
+  as FSDP2 prefetches), the first when it is needed; consecutive (in order of first use) single
+  all-gathers of state inputs of one block (``ir.modules.block_of``) with the same step and dtype
+  are one collective of their summed bytes while under ``gather_bucket_mb`` (the runtime's
+  per-module buckets, as FSDP2 gathers a ``fully_shard`` unit); with ``reshard_after_forward`` a state input
   redistributed before the loss is redistributed again for its uses after it (FSDP2's default, the
   runtime's re-gather). Every other redistribution blocks: the compute stream waits for it (tensor-
   parallel all-reduces sit on the critical path, as in Megatron-LM).
@@ -38,12 +42,13 @@ from dataclasses import dataclass, field
 from math import prod
 
 from ..ir.graph import Graph, Role
+from ..ir.modules import block_of, value_blocks
 from ..ir.registry import OpKind, annotate, call_of, lookup
 from ..sharding.placement import ReduceOp, replicated
 from ..sharding.plan import ResolvedPlan
 from ..sharding.redistribute import local_numel, plan_redistribution
 from ..sharding.rules import PASS, split_letter
-from ..sharding.steps import AllReduce, ReduceScatter, Step, is_communication
+from ..sharding.steps import AllGather, AllReduce, ReduceScatter, Step, is_communication
 from .cluster import AxisLink
 from .collectives import step_seconds, steps_seconds
 from .compute import Profile, op_time
@@ -84,6 +89,7 @@ class StepOptions:
     bucket_cap_mb: float = 25.0          # lower/overlap.py OverlapOptions: DDP's bucket_cap_mb default
     first_bucket_mb: float = 1.0         # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
     reshard_after_forward: bool = True   # ZeRO-3 parameters gathered again for the backward (FSDP2 default)
+    gather_bucket_mb: float = 25.0       # lower/overlap.py OverlapOptions: cap of one per-block gather bucket
 
 
 @dataclass
@@ -204,21 +210,59 @@ def _gradient_buckets(rp: ResolvedPlan, boundary: int, opt: set[int], state_in: 
             if len(steps) == 1 and isinstance(steps[0], (AllReduce, ReduceScatter)):
                 nbytes = local_numel(t.shape, have, mesh) * t.dtype.itemsize
                 members[(ref.id, req)] = (src, steps[0], t.dtype, nbytes)
+    blocks = value_blocks(graph)
     out: list[_Bucket] = []
     cur: _Bucket | None = None
-    cur_dtype, first = None, True
+    cur_dtype, cur_block, first = None, None, True
     for key, (src, step, dtype, nbytes) in sorted(members.items(), key=lambda kv: kv[1][0]):
         cap = (options.first_bucket_mb if first else options.bucket_cap_mb) * 2 ** 20
-        joins = cur is not None and cur.step == step and cur_dtype == dtype
+        block = blocks.get(key[0]) if isinstance(step, ReduceScatter) else None
+        joins = cur is not None and cur.step == step and cur_dtype == dtype and cur_block == block
         if joins and cur.nbytes + nbytes > cap:
             joins, first = False, False
         if not joins:
-            cur, cur_dtype = _Bucket(step), dtype
+            cur, cur_dtype, cur_block = _Bucket(step), dtype, block
             out.append(cur)
         cur.members.append(key)
         cur.nbytes += nbytes
         cur.close = max(cur.close, src)
     for b in out:
+        b.seconds = step_seconds(b.step, b.nbytes, mesh, links)
+    return out
+
+
+def _gather_buckets(rp: ResolvedPlan, boundary: int, state_in: set[int], links,
+                    options: StepOptions) -> dict[tuple, _Bucket]:
+    """(value id, wanted sharding, phase) -> its bucket, for the state-input redistributions that are one
+    all-gather, grouped as ``lower/overlap.py`` groups them: in order of first use (per phase: before
+    and after the loss when resharded after forward), consecutive gathers of one block, step and dtype
+    under ``gather_bucket_mb``. Other state redistributions end a bucket and are left to the caller."""
+    graph, mesh = rp.graph, rp.plan.mesh
+    names = {i.value: i.name for i in graph.inputs}
+    out: dict[tuple, _Bucket] = {}
+    seen: set[tuple] = set()
+    cur: _Bucket | None = None
+    cur_key = None
+    for i, node in enumerate(graph.nodes):
+        for ref, req in zip(node.input_refs(), rp.node[node.name].inputs):
+            have = rp.value[ref.id]
+            phase = int(options.reshard_after_forward and i > boundary)
+            if ref.id not in state_in or have == req or (ref.id, req, phase) in seen:
+                continue
+            seen.add((ref.id, req, phase))
+            t = graph.types[ref.id]
+            steps = plan_redistribution(t.shape, have, req, mesh)
+            if not (len(steps) == 1 and isinstance(steps[0], AllGather)):
+                cur = cur_key = None
+                continue
+            nbytes = local_numel(t.shape, have, mesh) * t.dtype.itemsize
+            key = (block_of(names[ref.id]), steps[0], t.dtype)
+            if cur is None or key != cur_key or cur.nbytes + nbytes > options.gather_bucket_mb * 2 ** 20:
+                cur, cur_key = _Bucket(steps[0]), key
+            cur.members.append((ref.id, req, phase))
+            cur.nbytes += nbytes
+            out[(ref.id, req, phase)] = cur
+    for b in {id(b): b for b in out.values()}.values():
         b.seconds = step_seconds(b.step, b.nbytes, mesh, links)
     return out
 
@@ -251,6 +295,7 @@ def step_time(rp: ResolvedPlan, device: DeviceSpec, links: list[AxisLink],
     buckets = _gradient_buckets(rp, boundary, opt, state_in, prod_of, links, options) \
         if options.overlap_gradient_reduction else []
     bucket_of = {key: b for b in buckets for key in b.members}
+    gather_of = _gather_buckets(rp, boundary, state_in, links, options) if options.prefetch_parameters else {}
     closing: dict[int, list[_Bucket]] = {}
     for b in buckets:
         closing.setdefault(b.close, []).append(b)
@@ -278,6 +323,16 @@ def step_time(rp: ResolvedPlan, device: DeviceSpec, links: list[AxisLink],
                 continue
             prefetch = options.prefetch_parameters and ref.id in state_in
             phase = int(prefetch and options.reshard_after_forward and i > boundary)
+            if (ref.id, req, phase) in gather_of:     # one collective per bucket, issued at its first use
+                b = gather_of[(ref.id, req, phase)]
+                if b.done is None:
+                    t_comm = b.issue(t_comm, t_compute if last_wait is None else last_wait)
+                    kind, prefetched = "prefetch", True
+                    by_kind["prefetch"] += b.seconds
+                    node_comm += b.seconds
+                    counts["AllGather"] = counts.get("AllGather", 0) + 1
+                ready = max(ready, b.done)
+                continue
             secs = moved(ref.id, req, phase)
             if secs <= 0:
                 continue

@@ -9,17 +9,22 @@ call, placed just before the node that needs it. This pass rewrites each communi
   redistribution steps feeding it, e.g. a ``LocalScale``, are moved up with it);
 - **wait just before the first use** of the result;
 - **buckets**: consecutive (in production order) all-reduces or reduce-scatters with the same
-  kind, mesh axis, parameters and dtype share one flat buffer and one collective while the bucket
+  kind, mesh axis, parameters and dtype (reduce-scatters: and the same block, ``ir.modules.value_blocks``,
+  as FSDP2 reduce-scatters one module's gradients together, so that the full-size gradients of
+  one block at a time wait for their reduction) share one flat buffer and one collective while the bucket
   stays under its cap and no member is needed before the last member is produced (then a
   bucket's start precedes all its waits). The first bucket is capped at ``first_bucket_mb``, later
   ones at ``bucket_cap_mb``: DDP's defaults (``bucket_cap_mb=25`` and the 1 MiB first bucket,
   ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``; PyTorch docs of
   ``torch.nn.parallel.DistributedDataParallel``), so that the first gradients travel while the
   rest of the backward runs;
-- **stored state (ZeRO-3 parameters)**: a gather whose input is a graph input (a parameter stored
-  sharded) is issued ``prefetch_depth`` uses ahead: its start is issued when the gather
-  ``prefetch_depth`` places before it (in order of first use) is waited for, as FSDP2 prefetches the
-  next module's all-gather; and with ``reshard_after_forward`` a gathered parameter is gathered
+- **stored state (ZeRO-3 parameters)**: gathers whose input is a graph input (a parameter stored
+  sharded) are bucketed per module as FSDP2 gathers one ``fully_shard`` unit in one all-gather:
+  consecutive all-gathers (in order of first use) of the same block (``ir.modules.block_of``: the
+  name's prefix through its first numeric component, ``blocks.3``) with the same step and dtype share
+  one collective while the bucket stays under ``gather_bucket_mb``; a bucket is issued
+  ``prefetch_depth`` buckets ahead: its start is issued when the bucket ``prefetch_depth`` places
+  before it is waited for, as FSDP2 prefetches the next module's all-gather; and with ``reshard_after_forward`` a gathered parameter is gathered
   again for a later group of uses (FSDP2's default ``reshard_after_forward=True``): the uses of one
   gathered value (following views such as ``t`` that keep its storage alive) are split wherever
   another gathered parameter is used in between, and each later group gets its own copy of the
@@ -42,6 +47,7 @@ from dataclasses import dataclass, field, replace
 import torch
 import torch.fx
 
+from ..ir.modules import block_of
 from .spmd_ops import COMM_KINDS, redistribute, start, wait
 
 __all__ = ["OverlapOptions", "overlap_program", "release_inputs", "BUCKETABLE"]
@@ -49,6 +55,7 @@ __all__ = ["OverlapOptions", "overlap_program", "release_inputs", "BUCKETABLE"]
 MB = 1 << 20
 BUCKETABLE = frozenset({"AllReduce", "ReduceScatter"})
 REDUCTIONS = BUCKETABLE
+GATHERABLE = frozenset({"AllGather"})      # stored-state steps that share one collective per bucket
 
 
 @dataclass(frozen=True)
@@ -60,6 +67,7 @@ class OverlapOptions:
     prefetch_depth: int = 1           # FSDP2 prefetches one module ahead
     reduce_scatters_in_flight: int = 1  # FSDP2 waits for the previous reduce-scatter before the next
     reshard_after_forward: bool = True  # FSDP2 default
+    gather_bucket_mb: float = 25.0    # cap of one stored-state gather bucket (DDP's bucket_cap_mb reused)
 
 
 @dataclass
@@ -285,7 +293,8 @@ def _make_async(g: torch.fx.Graph, opts: OverlapOptions, stats: OverlapStats) ->
                 prev = x
             free.append(n)
     order = {n: i for i, n in enumerate(g.nodes)}
-    comms = [_Comm(n, n.meta.pop("rhino_anchor", n.args[0]), _first_user(n, order), (tuple(n.args[1:]), _dtype(n)),
+    comms = [_Comm(n, n.meta.pop("rhino_anchor", n.args[0]), _first_user(n, order),
+                   (tuple(n.args[1:]), _dtype(n), n.meta.get("rhino_block") if n.args[1] == "ReduceScatter" else None),
                    _nbytes(n)) for n in free]
     scatters: list[torch.fx.Node] = []
     for bucket in _buckets(comms, order, opts):
@@ -330,30 +339,53 @@ def _dtype(n: torch.fx.Node):
     return None if info is None else info[1]
 
 
+def _gather_buckets(stored, order, opts: OverlapOptions) -> list[list]:
+    """Stored-state gathers (sorted by first use) grouped: consecutive all-gathers of one block
+    (``ir.modules.block_of`` of the stored input's name), one step and dtype, while the bucket stays
+    under ``gather_bucket_mb`` (a bucket takes at least one)."""
+    out: list[list] = []
+    cur_key, cur_bytes = None, 0
+    for n, feed in stored:
+        nbytes = _nbytes(n)
+        root = _state_root(n)
+        key = (block_of(root.meta.get("rhino_name", root.name)), tuple(n.args[1:]), _dtype(n))
+        joins = (bool(out) and key == cur_key and n.args[1] in GATHERABLE and nbytes is not None
+                 and cur_bytes + nbytes <= opts.gather_bucket_mb * MB)
+        if not joins:
+            out.append([])
+            cur_key, cur_bytes = key, 0
+        out[-1].append((n, feed))
+        cur_bytes += nbytes or 0
+    return out
+
+
 def _prefetch(g: torch.fx.Graph, stored, opts: OverlapOptions, stats: OverlapStats) -> None:
-    """Gathers of stored state in order of first use; gather k starts when gather k - depth is
-    waited for (the first ``depth`` start just before their own wait)."""
+    """Gathers of stored state in buckets (``_gather_buckets``) in order of first use; bucket k starts
+    when bucket k - depth is waited for (the first ``depth`` start just before their own wait)."""
     order = {n: i for i, n in enumerate(g.nodes)}
     stored = sorted(stored, key=lambda nf: order[_first_user(nf[0], order)])
     waits: list[torch.fx.Node] = []
-    for k, (n, feed) in enumerate(stored):
+    depth = max(1, opts.prefetch_depth)
+    for k, bucket in enumerate(_gather_buckets(stored, order, opts)):
         order = {m: i for i, m in enumerate(g.nodes)}
-        need = _first_user(n, order)
-        depth = max(1, opts.prefetch_depth)
+        need = min((_first_user(n, order) for n, _ in bucket), key=order.__getitem__)
         anchor = waits[k - depth] if k >= depth else need.prev
         if order[anchor] >= order[need]:
             anchor = need.prev
-        for x in feed:                       # local steps on the stored tensor go just before the start
-            anchor.append(x)
-            anchor = x
-        waits.append(_convert(g, [_Comm(n, anchor, need, (), _nbytes(n))], anchor, stats))
+        comms = []
+        for n, feed in bucket:
+            for x in feed:                   # local steps on the stored tensor go just before the start
+                anchor.append(x)
+                anchor = x
+            comms.append(_Comm(n, anchor, need, (), _nbytes(n)))
+        waits.append(_convert(g, comms, anchor, stats))
 
 
 def overlap_program(prog, options: OverlapOptions | None = None):
     """``prog`` (an ``SpmdProgram``) with asynchronous, bucketed communication (module docstring);
     a new program, the input is left as it is."""
     opts = options or OverlapOptions()
-    if opts.prefetch_depth < 1 or opts.bucket_cap_mb < 0 or opts.first_bucket_mb < 0:
+    if opts.prefetch_depth < 1 or min(opts.bucket_cap_mb, opts.first_bucket_mb, opts.gather_bucket_mb) < 0:
         raise ValueError("overlap options need prefetch_depth >= 1 and non-negative bucket caps")
     gm = torch.fx.GraphModule(prog.module, _copy_graph(prog.module.graph))
     g = gm.graph

@@ -19,6 +19,7 @@ from ..sharding.placement import Sharding, local_shape, replicated
 from ..sharding.plan import ResolvedPlan
 from ..sharding.redistribute import comm_bytes, plan_redistribution
 from ..sharding.steps import is_communication
+from ..ir.modules import value_blocks
 from .fx import _py_name, add_constants, convert_arg, emit_node
 from ..ir.registry import annotate, call_of
 from ..sharding.rules import PASS, split_letter
@@ -149,8 +150,10 @@ def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu", 
     stats = {"bytes": 0, "collectives": {}}
     for name, vid in part.inputs:
         env[vid] = fg.placeholder(_py_name(name))
+        env[vid].meta["rhino_name"] = name       # the state input's name (lower.overlap's gather buckets)
     accumulators = {vid: fg.placeholder(_py_name(name)) for name, vid in part.accumulate}
     add_constants(graph, root, fg, env, device)
+    blocks = value_blocks(graph)
 
     def moved(vid: int, want: Sharding) -> torch.fx.Node:
         have = rp.value[vid]
@@ -165,6 +168,7 @@ def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu", 
             for step in steps:
                 x = fg.call_function(redistribute, (x,) + step_args(step))
                 x.meta["rhino_local"] = (shape, t.dtype.value)   # the step's input (lower.overlap buckets)
+                x.meta["rhino_block"] = blocks.get(vid)          # its module (reduce-scatter buckets)
                 shape = _after_step(shape, step, mesh.sizes)
                 if is_communication(step):
                     kind = type(step).__name__

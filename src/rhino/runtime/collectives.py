@@ -24,9 +24,9 @@ torch 2.13. Any other backend gets the emulations, built from ``all_reduce`` and
 
 Asynchronous form (``start_step``, used by the overlapped programs of ``lower.overlap``): the same
 collectives issued with ``async_op=True``; a ``Pending`` holds the work handle and finishes the local
-result (interleaving, averaging, layout) in ``wait()``. Several tensors of one all-reduce or
-reduce-scatter may share one flat buffer (a bucket, as DDP's gradient buckets and FSDP2's packed
-reduce-scatter): each element is still reduced over the same ranks, so results equal the per-tensor
+result (interleaving, averaging, layout) in ``wait()``. Several tensors of one all-reduce,
+reduce-scatter or all-gather may share one flat buffer (a bucket, as DDP's gradient buckets and
+FSDP2's packed reduce-scatter and per-module all-gather): each element is still reduced over the same ranks, so results equal the per-tensor
 ones (bit for bit on 2 ranks, where a sum of two terms has one order; gloo's ring on more ranks may
 add an element's terms in another order when its offset in the buffer moves it to another chunk).
 
@@ -336,12 +336,29 @@ def _numel(shape) -> int:
     return out
 
 
-def _start_all_gather(t: torch.Tensor, step: AllGather, group, n: int) -> Pending:
-    _piece_len(t, step.dim, step.blocks, 1, "all-gather")
-    t = t.contiguous()
-    out = torch.empty(n * t.numel(), dtype=t.dtype, device=t.device)
-    work = _all_gather_single(out, t.reshape(-1), group=group, async_op=True)
-    return Pending(work, lambda: [join_pieces(out.view(n, *t.shape), step.dim, step.blocks)])
+def _start_all_gather(tensors: list[torch.Tensor], step: AllGather, group, n: int) -> Pending:
+    """One ``all_gather_single``: every member's local tensor packed in one flat buffer (as FSDP2 packs a
+    module's shards), received as ``[n, buffer]``; each result is its member's pieces interleaved
+    (``join_pieces``: a view of the received buffer for a lone tensor gathered along dim 0, else a
+    copy, so the flat buffer dies once every result is made)."""
+    for t in tensors:
+        _piece_len(t, step.dim, step.blocks, 1, "all-gather")
+    if len(tensors) == 1:
+        send, offsets = tensors[0].contiguous().reshape(-1), [0]
+    else:
+        offsets, total = _flat_layout(tensors, [t.numel() for t in tensors])
+        send = torch.empty(total, dtype=tensors[0].dtype, device=tensors[0].device)
+        for t, o in zip(tensors, offsets):
+            send[o:o + t.numel()].view(t.shape).copy_(t)
+    out = torch.empty(n * send.numel(), dtype=send.dtype, device=send.device)
+    work = _all_gather_single(out, send, group=group, async_op=True)
+    shapes = [tuple(t.shape) for t in tensors]
+
+    def finish():
+        rows = out.view(n, -1)
+        return [join_pieces(rows[:, o:o + _numel(s)].view(n, *s), step.dim, step.blocks)
+                for s, o in zip(shapes, offsets)]
+    return Pending(work, finish)
 
 
 def _start_all_to_all(t: torch.Tensor, step: AllToAll, group, n: int) -> Pending:
@@ -355,7 +372,7 @@ def _start_all_to_all(t: torch.Tensor, step: AllToAll, group, n: int) -> Pending
 def start_step(tensors: list[torch.Tensor], step: Step, mesh: Mesh, rank: int, groups: MeshGroups,
                *, native: bool | None = None) -> Pending:
     """Issue ``step`` on every tensor of ``tensors`` without waiting (``async_op=True``): several
-    tensors of one all-reduce or reduce-scatter travel in one flat buffer (a bucket). Results equal
+    tensors of one all-reduce, reduce-scatter or all-gather travel in one flat buffer (a bucket). Results equal
     ``apply_step`` on each tensor: the reduction of an element is the same sum over the same ranks.
     Steps with no native asynchronous form here (local steps, axes of size 1, the emulated
     collectives, an all-to-all within one dim) run at once and return a completed ``Pending``."""
@@ -370,8 +387,8 @@ def start_step(tensors: list[torch.Tensor], step: Step, mesh: Mesh, rank: int, g
             return _start_all_reduce(tensors, step.op, group, n)
         if isinstance(step, ReduceScatter):
             return _start_reduce_scatter(tensors, step, group, n)
-        if isinstance(step, AllGather) and len(tensors) == 1:
-            return _start_all_gather(tensors[0], step, group, n)
+        if isinstance(step, AllGather):
+            return _start_all_gather(tensors, step, group, n)
         if isinstance(step, AllToAll) and len(tensors) == 1 and step.src_dim != step.dst_dim:
             return _start_all_to_all(tensors[0], step, group, n)
     done = [apply_step(t, step, mesh, rank, groups, native=native) for t in tensors]

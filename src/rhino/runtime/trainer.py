@@ -37,7 +37,8 @@ from .groups import build_groups
 from .launch import current_context, in_torchrun, init_from_env, launch, shutdown
 from ..lower.spmd_ops import set_context
 
-__all__ = ["Trainer", "TrainResult", "train", "train_torchrun", "train_rank", "summarize", "peak_rss_bytes"]
+__all__ = ["Trainer", "TrainResult", "train", "train_torchrun", "train_rank", "summarize", "peak_rss_bytes",
+           "check_checkpointing"]
 
 # Steps left out of the median step time: the first steps pay one-time costs (allocator growth, lazy
 # initialisation of collectives). Chosen from runs of the examples: step 1 is 1.5-3x later ones, step 2 not.
@@ -93,6 +94,7 @@ class Trainer:
         self.program = RankStep(self.cap, self.plan, self.rank, self.device, overlap=overlap)
         self._stream = None
         self.steps_done = 0
+        self.data_position = 0            # global batches taken from the stream by next_batch (checkpointed)
 
     # ------------------------------------------------------------------ set-up
     def _plan(self, plan, strategy, cluster, level, time_limit, say) -> ShardingPlan:
@@ -140,10 +142,19 @@ class Trainer:
                 self._stream = batch_stream(self.example_batch(), self.workload.batches)
         try:
             with default_dtype(self.dtype):
-                return next(self._stream)
+                batch = next(self._stream)
         except StopIteration:
-            raise ValueError(f"batches() ran out after {self.steps_done} steps; give fewer steps or more data") \
-                from None
+            raise ValueError(f"batches() ran out after {self.data_position} batches; give fewer steps or more "
+                             f"data") from None
+        self.data_position += 1
+        return batch
+
+    def set_data_position(self, position: int) -> None:
+        """Make ``next_batch`` continue after ``position`` batches: the stream is made again and that many
+        batches skipped (``batches()`` must be deterministic, see ``runtime/data.py``)."""
+        self._stream, self.data_position = None, 0
+        for _ in range(position):
+            self.next_batch()
 
     def example_batch(self) -> tuple:
         from .init import example_batch
@@ -158,6 +169,24 @@ class Trainer:
         loss = self.program.run(self.state, local)
         self.steps_done += 1
         return float(loss)
+
+    # ------------------------------------------------------------------ checkpoints
+    def save(self, directory) -> Path:
+        """Save a sharded checkpoint of this step under ``directory`` (collective; ``runtime/checkpoint.py``)."""
+        from .checkpoint import save_checkpoint
+        return save_checkpoint(self, directory)
+
+    def resume(self, directory):
+        """Load the latest checkpoint under ``directory`` under this trainer's plan (collective); returns its
+        ``CheckpointInfo``, or None when there is none (the trainer stays at step 0)."""
+        from .checkpoint import latest_checkpoint, load_checkpoint
+        box = [None]
+        if self.rank == 0:                      # one answer for every rank
+            found = latest_checkpoint(directory)
+            box[0] = None if found is None else str(found)
+        if self.world > 1:
+            dist.broadcast_object_list(box, src=0)
+        return None if box[0] is None else load_checkpoint(self, box[0])
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every state tensor assembled whole (collective: all ranks must call it); for checks and tests."""
@@ -223,45 +252,57 @@ class TrainResult:
     seconds: float = 0.0
     all_step_seconds: list[float] = field(default_factory=list)
     state_bytes_per_rank: list[dict[str, int]] = field(default_factory=list)
+    resumed_from_step: int | None = None  # the checkpoint's step this run resumed from (None: from step 0)
+    checkpoints: list[str] = field(default_factory=list)   # the checkpoints this run saved
 
     def to_dict(self) -> dict:
         return {"nproc": self.nproc, "mesh": self.mesh, "strategy": self.strategy, "steps": self.steps,
                 "losses": self.losses, "step_seconds": self.step_seconds,
                 "samples_per_second": self.samples_per_second, "peak_live_bytes": self.peak_live_bytes,
                 "peak_rss_bytes": self.peak_rss_bytes, "seconds": round(self.seconds, 2),
-                "all_step_seconds": self.all_step_seconds, "state_bytes_per_rank": self.state_bytes_per_rank}
+                "all_step_seconds": self.all_step_seconds, "state_bytes_per_rank": self.state_bytes_per_rank,
+                "resumed_from_step": self.resumed_from_step, "checkpoints": self.checkpoints}
 
 
 def train(workload: str, nproc: int, *, plan: str | None = None, strategy: str | None = None,
           cluster: str | None = None, level: str = "O1", steps: int = 10, dtype: torch.dtype | None = None,
           overlap: bool = True, timeout_s: float = 300.0, log: str | None = None, progress: bool = True,
-          measure_live: bool = True, release_memory: bool = False) -> TrainResult:
+          measure_live: bool = True, release_memory: bool = False, checkpoint: str | None = None, every: int = 0,
+          resume: bool = False) -> TrainResult:
     """Train ``workload`` (a ``FILE[:FUNC]`` spec) for ``steps`` steps on ``nproc`` local processes (gloo).
 
     Rank 0 prints progress on stderr (step, loss, step time, samples/s) and appends one JSON line per
     step to ``log``. ``measure_live``: count the first step's peak of live tensor bytes node by node
-    (slower step; excluded from the step times).
+    (slower step; excluded from the step times). ``checkpoint``: a directory to save sharded checkpoints in,
+    every ``every`` steps (0: only at the end) and after the last step; ``resume``: continue from its latest
+    checkpoint (under this run's plan, which may differ from the saver's) up to ``steps`` steps in total,
+    or start from step 0 when it holds none.
     """
     if nproc < 1 or steps < 1:
         raise ValueError("nproc and steps must be at least 1")
+    check_checkpointing(checkpoint, every, resume)
     _check_world(nproc, plan, strategy, cluster)
     start = time.perf_counter()
     results = launch(train_rank, nproc, workload, plan, strategy, cluster, level, steps, dtype, overlap,
-                     timeout_s, log, progress, measure_live, release_memory, timeout_s=timeout_s)
+                     timeout_s, log, progress, measure_live, release_memory, checkpoint, every, resume,
+                     timeout_s=timeout_s)
     return summarize(results, measure_live, time.perf_counter() - start)
 
 
 def train_torchrun(workload: str, *, plan: str | None = None, strategy: str | None = None,
                    cluster: str | None = None, level: str = "O1", steps: int = 10, dtype: torch.dtype | None = None,
                    overlap: bool = True, timeout_s: float = 300.0, log: str | None = None, progress: bool = True,
-                   measure_live: bool = True, release_memory: bool = False) -> TrainResult | None:
+                   measure_live: bool = True, release_memory: bool = False, checkpoint: str | None = None,
+                   every: int = 0, resume: bool = False) -> TrainResult | None:
     """``train`` as one rank of a ``torchrun`` job: every rank trains; rank 0 returns the summary (others None)."""
     start = time.perf_counter()
+    check_checkpointing(checkpoint, every, resume)
     ctx = init_from_env(timeout_s)
     _check_world(ctx.world_size, plan, strategy, cluster)
     try:
         mine = train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, overlap, timeout_s, log,
-                          progress, measure_live, release_memory)
+                          progress, measure_live, release_memory, checkpoint=checkpoint, every=every,
+                          resume=resume)
         results = [None] * ctx.world_size
         dist.all_gather_object(results, mine)
     finally:
@@ -274,11 +315,22 @@ def summarize(results: list[dict], measure_live: bool, seconds: float) -> TrainR
     first = results[0]
     per_step = [max(ts) for ts in zip(*[r["times"] for r in results])]
     timed = per_step[WARMUP_STEPS + (1 if measure_live else 0):] or per_step
-    step_s = median(timed)
+    step_s = median(timed) if timed else 0.0
     return TrainResult(len(results), first["mesh"], first["strategy"], len(per_step), first["losses"], step_s,
                        first["samples"] / step_s if step_s > 0 else 0.0,
                        max(r["peak_live"] for r in results), max(r["rss"] for r in results),
-                       seconds, per_step, [r["state_bytes"] for r in results])
+                       seconds, per_step, [r["state_bytes"] for r in results],
+                       first.get("resumed_from_step"), first.get("checkpoints", []))
+
+
+def check_checkpointing(checkpoint, every: int, resume: bool) -> None:
+    """Before starting processes: checkpoint options that make sense together."""
+    if every < 0:
+        raise ValueError(f"--every must be >= 0 (0: save only after the last step), got {every}")
+    if checkpoint is None and (every or resume):
+        raise ValueError(f"{'--every' if every else '--resume'} needs a checkpoint directory: add --checkpoint DIR")
+    if checkpoint is not None and Path(checkpoint).exists() and not Path(checkpoint).is_dir():
+        raise ValueError(f"--checkpoint {str(checkpoint)!r} is a file, not a directory; choose a directory")
 
 
 def _check_world(nproc: int, plan, strategy, cluster) -> None:
@@ -300,24 +352,28 @@ def _check_world(nproc: int, plan, strategy, cluster) -> None:
 
 
 def train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, overlap, timeout_s, log, progress,
-                measure_live, release_memory=False):
+                measure_live, release_memory=False, checkpoint=None, every=0, resume=False):
+    """One rank of ``train``: build the trainer, resume (``resume``) from ``checkpoint``'s latest checkpoint,
+    train up to ``steps`` steps in total, saving every ``every`` steps and after the last one."""
     import os
     os.environ.setdefault("LOCAL_RANK", str(ctx.local_rank))
     say = (lambda m: print(f"rhino train: {m}", file=sys.stderr, flush=True)) if progress and ctx.rank == 0 \
         else (lambda m: None)
     trainer = Trainer(workload, plan, strategy=strategy, cluster=cluster, level=level, dtype=dtype,
                       overlap=overlap, timeout_s=timeout_s, release_memory=release_memory, progress=say)
-    losses, times, peak_live, samples = [], [], 0, 0
+    resumed = _resume(trainer, checkpoint, say) if resume else None
+    first = trainer.steps_done
+    losses, times, peak_live, samples, saved = [], [], 0, 0, []
     logf = open(log, "a") if log and ctx.rank == 0 else None
     try:
-        for step in range(steps):
+        for step in range(first, steps):
             batch = trainer.next_batch()
             samples = samples_in(batch)
             t0 = time.perf_counter()
-            if measure_live and step == 0:
+            if measure_live and step == first:
                 loss, peak_live = trainer.program.run_measured(trainer.state, rank_batch(
-                    check_batch(trainer.cap.graph, batch, "the batch of step 1"), trainer.rp, trainer.rank,
-                    trainer.microbatches, trainer.device))
+                    check_batch(trainer.cap.graph, batch, f"the batch of step {step + 1}"), trainer.rp,
+                    trainer.rank, trainer.microbatches, trainer.device))
                 trainer.steps_done += 1
             else:
                 loss = trainer.step(batch)
@@ -330,9 +386,23 @@ def train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, over
                 import json
                 logf.write(json.dumps(line) + "\n")
                 logf.flush()
+            if checkpoint and ((every and (step + 1) % every == 0) or step + 1 == steps):
+                saved.append(str(trainer.save(checkpoint)))
+                say(f"saved checkpoint {saved[-1]}")
     finally:
         if logf is not None:
             logf.close()
     return {"losses": losses, "times": times, "peak_live": peak_live, "rss": peak_rss_bytes(),
             "samples": samples, "mesh": str(trainer.plan.mesh), "strategy": trainer.plan.strategy_string,
-            "state_bytes": trainer.state_bytes()}
+            "state_bytes": trainer.state_bytes(), "resumed_from_step": resumed, "checkpoints": saved}
+
+
+def _resume(trainer: Trainer, checkpoint: str, say) -> int | None:
+    """Load ``checkpoint``'s latest checkpoint into ``trainer``; its step, or None (start at step 0) when none."""
+    info = trainer.resume(checkpoint)
+    if info is None:
+        say(f"no checkpoint in {checkpoint}: starting from step 0")
+        return None
+    say(f"resumed from {info.path} (step {info.step}, saved on {info.world_size} process(es), mesh {info.mesh}"
+        f"{', ' + info.strategy if info.strategy else ''})")
+    return info.step
