@@ -72,8 +72,11 @@ def report(result, as_json: bool) -> None:
         emit_json(result.to_dict())
         return
     t = result.train
-    print(f"trained {t.steps} steps on mesh {t.mesh}: loss {t.losses[0]:.6g} -> {t.losses[-1]:.6g}, "
-          f"{len(result.restarts)} restart(s)")
+    if t.losses:
+        print(f"trained {t.steps} steps on mesh {t.mesh}: loss {t.losses[0]:.6g} -> {t.losses[-1]:.6g}, "
+              f"{len(result.restarts)} restart(s)")
+    else:
+        print("nothing to train: the latest checkpoint is already at the last step")
     for r in result.restarts:
         print(f"  restart {r.attempt}: {r.reason}; resumed from step {r.resumed_from_step} on {r.world_size} "
               f"processes under {r.strategy}" + (f" (replanned: {r.replan})" if r.replan else ""))

@@ -225,19 +225,19 @@ def _worker(job: ElasticJob, journal: str) -> dict:
         _journal(mine, {"event": "attempt", "attempt": attempt, "world_size": world, "resumed_from_step": start,
                         "strategy": strategy, "mesh": str(trainer.plan.mesh), "replan": why,
                         "saved_world_size": info.world_size if info is not None else None})
-        losses, times, samples = _train(trainer, job, start, attempt, fault, rank, mine)
+        losses, times, samples, saved = _train(trainer, job, start, attempt, fault, rank, mine)
         return {"losses": losses, "times": times, "peak_live": 0, "rss": peak_rss_bytes(), "samples": samples,
                 "mesh": str(trainer.plan.mesh), "strategy": strategy, "state_bytes": trainer.state_bytes(),
-                "start": start}
+                "resumed_from_step": info.step if info is not None else None, "checkpoints": saved}
     finally:
         shutdown()
 
 
 def _train(trainer, job: ElasticJob, start: int, attempt: int, fault: dict | None, rank: int,
-           journal: str | None) -> tuple[list[float], list[float], int]:
+           journal: str | None) -> tuple[list[float], list[float], int, list[str]]:
     """Steps ``start + 1 .. job.steps``; checkpoints every ``job.every`` steps and after the last."""
     from .data import samples_in
-    losses, times, samples = [], [], 0
+    losses, times, samples, saved = [], [], 0, []
     logf = open(job.log, "a") if job.log and rank == 0 else None
     try:
         for step in range(start + 1, job.steps + 1):
@@ -261,11 +261,12 @@ def _train(trainer, job: ElasticJob, start: int, attempt: int, fault: dict | Non
                 logf.flush()
             if (job.every and step % job.every == 0) or step == job.steps:
                 path = trainer.save(job.checkpoint)
+                saved.append(str(path))
                 _say(rank, f"saved step {step} to {path}")
     finally:
         if logf is not None:
             logf.close()
-    return losses, times, samples
+    return losses, times, samples, saved
 
 
 # ---------------------------------------------------------------------------------------------- the agent
@@ -413,10 +414,7 @@ def _read_journal(path: str) -> list[dict]:
 
 def _result(job: ElasticJob, failed: list, records: list[dict], values: dict, seconds: float) -> ElasticResult:
     from .trainer import summarize
-    results = [values[r] for r in sorted(values)]
-    if not all(r["losses"] for r in results):        # resumed at the last step: nothing trained
-        results = [dict(r, losses=[float("nan")], times=[0.0]) for r in results]
-    train = summarize(results, False, seconds)
+    train = summarize([values[r] for r in sorted(values)], False, seconds)
     by_step: dict[int, float] = {}
     for rec in records:
         if rec["event"] == "step":
