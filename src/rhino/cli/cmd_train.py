@@ -36,6 +36,8 @@ def add_parser(sub) -> None:
                    "only after the last step)")
     p.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --checkpoint DIR "
                    "(under this run's plan and world size) up to --steps in total; from step 0 if DIR holds none")
+    p.add_argument("--max-restarts", type=int, metavar="N", help="run under torchrun's elastic agent: restart the "
+                   "job from the last checkpoint up to N times when a rank dies (needs --checkpoint)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
     p.add_argument("--json", action="store_true", help="print one JSON object: losses, step_seconds, "
                    "samples_per_second, peak_live_bytes, peak_rss_bytes, resumed_from_step, checkpoints")
@@ -49,6 +51,8 @@ def run(args) -> int:
         raise ValueError(f"the directory of --log {args.log!r} does not exist; create it or choose another path")
     from ..runtime.trainer import check_checkpointing
     check_checkpointing(args.checkpoint, args.every, args.resume)
+    if args.max_restarts is not None:
+        return _run_elastic(args)
     if in_torchrun():
         return _run_torchrun(args)
     nproc = args.nproc if args.nproc is not None else _default_nproc(args)
@@ -62,6 +66,31 @@ def run(args) -> int:
     except RankFailedError as exc:
         raise ValueError(str(exc)) from None
     _report(r, args.json)
+    return 0
+
+
+def _run_elastic(args) -> int:
+    """``--max-restarts``: the job runs under torchrun's elastic agent (``runtime/elastic.py``)."""
+    if in_torchrun():
+        raise ValueError("--max-restarts starts its own elastic agent; under torchrun, give torchrun --max-restarts "
+                         "and rhino train --checkpoint DIR --resume instead")
+    if args.checkpoint is None:
+        raise ValueError("--max-restarts needs a checkpoint directory to restart from: add --checkpoint DIR")
+    from ..runtime.elastic import ElasticJob, ElasticJobError, run_elastic
+    from .cmd_launch import failed, report
+    job = ElasticJob(workload=args.workload, checkpoint=args.checkpoint, steps=args.steps,
+                     nproc=args.nproc if args.nproc is not None else _default_nproc(args), plan=args.plan,
+                     strategy=args.strategy, cluster=args.cluster, level=args.level, every=args.every,
+                     resume=args.resume, max_restarts=args.max_restarts, dtype=DTYPES.get(args.dtype),
+                     overlap=not args.no_overlap, timeout_s=args.timeout, log=args.log,
+                     release_memory=args.release_memory)
+    status(f"training {args.workload} on {job.nproc} process(es) for {args.steps} steps under the elastic agent "
+           f"(up to {args.max_restarts} restart(s)) ...")
+    try:
+        result = run_elastic(job)
+    except ElasticJobError as exc:
+        return failed(exc, args.json)
+    report(result, args.json)
     return 0
 
 

@@ -12,13 +12,13 @@ __all__ = ["main"]
 
 
 def _parser() -> argparse.ArgumentParser:
-    from . import (cmd_capture, cmd_check, cmd_demo, cmd_estimate, cmd_export, cmd_layout, cmd_memory, cmd_plan,
-                   cmd_profile, cmd_run, cmd_train)
+    from . import (cmd_capture, cmd_check, cmd_demo, cmd_estimate, cmd_export, cmd_launch, cmd_layout, cmd_memory,
+                   cmd_plan, cmd_profile, cmd_run, cmd_train)
     p = argparse.ArgumentParser(prog="rhino", description="Automatic parallelization and memory planning "
                                 "for PyTorch training steps.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
-    for mod in (cmd_demo, cmd_check, cmd_capture, cmd_run, cmd_train, cmd_export, cmd_estimate, cmd_profile, cmd_plan,
-                cmd_memory, cmd_layout):
+    for mod in (cmd_demo, cmd_check, cmd_capture, cmd_run, cmd_train, cmd_launch, cmd_export, cmd_estimate,
+                cmd_profile, cmd_plan, cmd_memory, cmd_layout):
         mod.add_parser(sub)
     return p
 
