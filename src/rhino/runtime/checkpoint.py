@@ -12,9 +12,11 @@ row-major: rank r has the same coordinates in both), so each rank writes only it
 planner writes a replicated piece once. Placements DTensor cannot express are turned into ones it can for
 that one tensor before the write (rhino's redistribution planner, ``_dcp_sharding``): a strided
 ``Shard(dim, blocks > 1)`` (e.g. a fused QKV weight under tensor parallelism) is gathered over its axis
-(``Replicate``) and a ``Partial`` is reduced (``Replicate``). Memory cost: while that one tensor is written,
-its rank holds it whole along that axis (at most the largest such tensor extra; nothing for plans without
-strided or partial state). ``Shard(dim)`` on several axes maps to DTensor's ``Shard(dim)`` on each, which
+(``Replicate``) and a ``Partial`` is reduced (``Replicate``). Memory cost: DCP writes the whole state dict in
+one call, so during a save each rank also holds these tensors whole along those axes, all of them at once (GPT
+under ``tp=2``: each block's QKV weight and bias and their two AdamW moments, i.e. (n - 1) / n of their bytes
+extra per rank); plans without strided or partial state cost nothing extra. Loading such a tensor reads the
+expressible layout into a temporary of the same size and slices it. ``Shard(dim)`` on several axes maps to DTensor's ``Shard(dim)`` on each, which
 splits in the same axis order. The files go to ``step-N.tmp-<random>``; rank 0 then writes ``rhino.json``
 (step, data position, the saver's plan, world size, graph fingerprint, each input's shape and dtype, and the
 state_dict-key -> graph-input map that ``export`` needs), and after a barrier renames the directory to
