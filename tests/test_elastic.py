@@ -146,9 +146,10 @@ def test_kill9_during_step5_rhino_train_restarts_and_finishes_exactly(tmp_path, 
 
 
 def test_kill9_from_a_yaml_job_file_then_a_relaunch_on_fewer_processes(tmp_path, reference):
-    """The same scenario as a job file run by rhino launch; then the job, extended to 10 steps, is relaunched
-    with --nproc 1 --resume: it replans (dp=2 -> dp=1, the log says why), resumes step 8 saved by 2 processes
-    resharded, and steps 9-10 equal the uninterrupted run's. (One node's agent keeps nproc_per_node fixed
+    """The same scenario as a job file run by rhino launch; then the job, extended to 10 steps and naming the
+    cluster cpu:2 instead of the strategy, is relaunched with --nproc 1 --resume: it replans (searches a plan
+    for cpu:1; the log says why), resumes step 8 saved by 2 processes under dp=2, resharded, and steps 9-10
+    equal the uninterrupted run's. (One node's agent keeps nproc_per_node fixed
     across restarts: fewer devices on one node arrive as a relaunch; a lost node of a range: next test. A
     4 -> 2 relaunch, dp=4 saved at step 4 and resumed as dp=2, also passes, but costs 70 s here.)"""
     job = tmp_path / "job.yaml"
@@ -158,13 +159,13 @@ def test_kill9_from_a_yaml_job_file_then_a_relaunch_on_fewer_processes(tmp_path,
     out = _rhino(["launch", str(job), "--json"], {"RHINO_FAULT": "rank:1,step:5"})
     _check_kill9(out, reference)
     assert (tmp_path / "ck").is_dir()                      # relative to the job file
-    job.write_text(text.replace("steps: 8", "steps: 10"))
+    job.write_text(text.replace("steps: 8", "steps: 10").replace("strategy: dp=2", "cluster: cpu:2"))
     out = _rhino(["launch", str(job), "--nproc", "1", "--resume", "--json"])
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout)
-    assert "replanning: strategy dp=2 needs 2 processes, this attempt has 1: dp scaled 2 -> 1" in out.stderr
+    assert "replanning: cluster cpu:2 has 2 devices, this attempt has 1: searching a plan for cpu:1 (O1)" in out.stderr
     (attempt,) = r["attempts"]
-    assert attempt["resumed_from_step"] == 8 and attempt["saved_world_size"] == 2 and attempt["strategy"] == "dp=1"
+    assert attempt["resumed_from_step"] == 8 and attempt["saved_world_size"] == 2 and attempt["world_size"] == 1
     assert r["restarts"] == []
     _assert_losses_equal(r["losses"], reference[8:10])
 
@@ -205,3 +206,12 @@ def test_a_lost_node_shrinks_the_job_which_replans_and_resumes_resharded(tmp_pat
     assert restart["reason"].startswith("rank 0 ")     # node A's rank: a gloo error or SIGABRT, by timing
     assert "attempt 1: replanning: strategy dp=2 needs 2 processes" in a_err
     _assert_losses_equal(r["losses"], reference[:8])
+
+
+def test_train_max_restarts_checks_its_arguments_before_starting_processes(tmp_path, capsys):
+    ck = str(tmp_path / "ck")
+    assert main(["train", GPT, "--strategy", "dp=2", "--max-restarts", "1"]) == 2
+    assert "--max-restarts needs a checkpoint directory" in capsys.readouterr().err
+    assert main(["train", GPT, "--strategy", "tp=2", "--nproc", "1", "--checkpoint", ck, "--max-restarts", "1"]) == 2
+    assert "strategy tp=2 needs 2 processes and cannot be scaled to 1" in capsys.readouterr().err
+    assert not (tmp_path / "ck").exists()

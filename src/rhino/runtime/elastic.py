@@ -350,6 +350,9 @@ class ElasticResult:
 def run_elastic(job: ElasticJob) -> ElasticResult:
     """Run ``job`` under torchrun's elastic agent (this process is the agent of one node); see the module doc."""
     job.check()
+    lo, hi = node_range(job.nnodes)
+    if lo == hi:                                # the first attempt's world is known: a plan for it must exist
+        plan_for_world(job, job.nproc * lo)
     Path(job.checkpoint).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="rhino-elastic-") as tmp:
         journal = os.path.join(tmp, JOURNAL)
