@@ -83,9 +83,10 @@ def main() -> None:
     if args.json:
         print(json.dumps(out))
     else:
+        exact = "not checked" if out["exact"] is None else out["exact"]
         print(f"GPT {SIZE}: save {args.strategy} {save * 1e3:.0f} ms, load under {load_strategy} {load * 1e3:.0f} ms "
               f"(medians of {args.rounds}), {on_disk / 2**20:.2f} MiB on disk, local state per rank "
-              f"{[round(b / 2**20, 2) for b in out['local_state_bytes']]} MiB, loaded state bit-exact: {'not checked' if out['exact'] is None else out['exact']}, "
+              f"{[round(b / 2**20, 2) for b in out['local_state_bytes']]} MiB, loaded state bit-exact: {exact}, "
               f"load average {out['load_average']:.1f}")
 
 

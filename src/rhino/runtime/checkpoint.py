@@ -7,21 +7,21 @@ Layout on disk (``DIR`` is the checkpoint root)::
     DIR/step-00000006.tmp-1f3a  a save in progress (or one that crashed): never read, removed by the next save
 
 **Save** (``save_checkpoint``, collective): every state tensor (parameters, buffers, optimizer state: each
-non-batch graph input) becomes a ``DTensor`` over a ``DeviceMesh`` with rhino's mesh shape (both are
-row-major: rank r has the same coordinates in both), so each rank writes only its own shards and DCP's
-planner writes a replicated piece once. Placements DTensor cannot express are turned into ones it can for
-that one tensor before the write (rhino's redistribution planner, ``_dcp_sharding``): a strided
-``Shard(dim, blocks > 1)`` (e.g. a fused QKV weight under tensor parallelism) is gathered over its axis
-(``Replicate``) and a ``Partial`` is reduced (``Replicate``). Memory cost: DCP writes the whole state dict in
-one call, so during a save each rank also holds these tensors whole along those axes, all of them at once (GPT
-under ``tp=2``: each block's QKV weight and bias and their two AdamW moments, i.e. (n - 1) / n of their bytes
-extra per rank); plans without strided or partial state cost nothing extra. Loading such a tensor reads the
-expressible layout into a temporary of the same size and slices it. ``Shard(dim)`` on several axes maps to DTensor's ``Shard(dim)`` on each, which
-splits in the same axis order. The files go to ``step-N.tmp-<random>``; rank 0 then writes ``rhino.json``
-(step, data position, the saver's plan, world size, graph fingerprint, each input's shape and dtype, and the
+non-batch graph input) becomes a ``DTensor`` over a ``DeviceMesh`` with rhino's mesh shape (both are row-major:
+rank r has the same coordinates in both), so each rank writes only its own shards and DCP's planner writes a
+replicated piece once. Placements DTensor cannot express are turned into ones it can for that one tensor before
+the write (rhino's redistribution planner, ``_dcp_sharding``): a strided ``Shard(dim, blocks > 1)`` (e.g. a
+fused QKV weight under tensor parallelism) is gathered over its axis (``Replicate``) and a ``Partial`` is
+reduced (``Replicate``). Memory cost: DCP writes the whole state dict in one call, so during a save each rank
+also holds these tensors whole along those axes, all of them at once (GPT under ``tp=2``: each block's QKV
+weight and bias and their two AdamW moments, i.e. (n - 1) / n of their bytes extra per rank); plans without
+strided or partial state cost nothing extra. Loading such a tensor reads the expressible layout into a temporary
+of the same size and slices it. ``Shard(dim)`` on several axes maps to DTensor's ``Shard(dim)`` on each, which
+splits in the same axis order. The files go to ``step-N.tmp-<random>``; rank 0 then writes ``rhino.json`` (step,
+data position, the saver's plan, world size, graph fingerprint, each input's shape and dtype, and the
 state_dict-key -> graph-input map that ``export`` needs), and after a barrier renames the directory to
-``step-N`` and replaces ``latest``. A crash at any point before the rename leaves only a ``.tmp-`` directory,
-so the previous checkpoint and ``latest`` are untouched; a crash between the rename and the replacement of
+``step-N`` and replaces ``latest``. A crash at any point before the rename leaves only a ``.tmp-`` directory, so
+the previous checkpoint and ``latest`` are untouched; a crash between the rename and the replacement of
 ``latest`` leaves ``latest`` on the previous good checkpoint.
 
 **Load** (``load_checkpoint``, collective): each rank asks DCP for its shards under ITS plan (the target
@@ -30,7 +30,7 @@ overlapping regions of the saved shards (a reshard when the plans or world sizes
 loader placement was made expressible is then sliced locally to its real layout (``Replicate`` ->
 ``Shard(dim, blocks)`` is a local slice; ``Partial(sum)``: coordinate 0 keeps the value, the others zero).
 The step counter and the data position (global batches consumed from ``batches()``) are restored: the batch
-stream is made again and the consumed batches skipped. RNG states (torch's CPU generator, and the CUDA one
+stream is made again and the consumed batches skipped (read again: a cost linear in the position). RNG states (torch's CPU generator, and the CUDA one
 on a CUDA device) are saved per rank and restored only when the world size is unchanged: rank r's generator
 has no counterpart in a job of another size, so after a resize the generators keep the state they have
 (the captured training steps draw no random numbers unless the model does, e.g. dropout).
