@@ -26,14 +26,14 @@ the previous checkpoint and ``latest`` are untouched; a crash between the rename
 
 **Load** (``load_checkpoint``, collective): each rank asks DCP for its shards under ITS plan (the target
 DTensors carry the loader's placements, made expressible as above), so DCP's load planner reads only the
-overlapping regions of the saved shards (a reshard when the plans or world sizes differ). A tensor whose
-loader placement was made expressible is then sliced locally to its real layout (``Replicate`` ->
-``Shard(dim, blocks)`` is a local slice; ``Partial(sum)``: coordinate 0 keeps the value, the others zero).
-The step counter and the data position (global batches consumed from ``batches()``) are restored: the batch
-stream is made again and the consumed batches skipped (read again: a cost linear in the position). RNG states (torch's CPU generator, and the CUDA one
-on a CUDA device) are saved per rank and restored only when the world size is unchanged: rank r's generator
-has no counterpart in a job of another size, so after a resize the generators keep the state they have
-(the captured training steps draw no random numbers unless the model does, e.g. dropout).
+overlapping regions of the saved shards (a reshard when the plans or world sizes differ). A tensor whose loader
+placement was made expressible is then sliced locally to its real layout (``Replicate`` -> ``Shard(dim,
+blocks)`` is a local slice; ``Partial(sum)``: coordinate 0 keeps the value, the others zero). The step counter
+and the data position (global batches consumed from ``batches()``) are restored: the batch stream is made again
+and the consumed batches skipped (read again: a cost linear in the position). RNG states (torch's CPU generator,
+and the CUDA one on a CUDA device) are saved per rank and restored only when the world size is unchanged: rank
+r's generator has no counterpart in a job of another size, so after a resize the generators keep the state they
+have (the captured training steps draw no random numbers unless the model does, e.g. dropout).
 """
 from __future__ import annotations
 
