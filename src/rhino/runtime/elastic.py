@@ -353,6 +353,11 @@ def run_elastic(job: ElasticJob) -> ElasticResult:
     lo, hi = node_range(job.nnodes)
     if lo == hi:                                # the first attempt's world is known: a plan for it must exist
         plan_for_world(job, job.nproc * lo)
+    from .checkpoint import latest_checkpoint
+    found = None if job.resume else latest_checkpoint(job.checkpoint)
+    if found is not None:                       # a restart would otherwise resume that older job
+        raise ValueError(f"checkpoint directory {job.checkpoint} already holds {found.name}; resume it (--resume, "
+                         f"or resume: true in a job file) or choose an empty directory")
     Path(job.checkpoint).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="rhino-elastic-") as tmp:
         journal = os.path.join(tmp, JOURNAL)
