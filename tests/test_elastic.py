@@ -215,3 +215,9 @@ def test_train_max_restarts_checks_its_arguments_before_starting_processes(tmp_p
     assert main(["train", GPT, "--strategy", "tp=2", "--nproc", "1", "--checkpoint", ck, "--max-restarts", "1"]) == 2
     assert "strategy tp=2 needs 2 processes and cannot be scaled to 1" in capsys.readouterr().err
     assert not (tmp_path / "ck").exists()
+    old = tmp_path / "ck" / "step-00000002"                 # a complete checkpoint of an earlier job
+    old.mkdir(parents=True)
+    (old / ".metadata").write_text("")
+    (old / "rhino.json").write_text("{}")
+    assert main(["train", GPT, "--strategy", "dp=2", "--checkpoint", ck, "--max-restarts", "1"]) == 2
+    assert "already holds step-00000002; resume it" in capsys.readouterr().err

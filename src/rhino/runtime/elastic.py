@@ -353,6 +353,11 @@ def run_elastic(job: ElasticJob) -> ElasticResult:
     lo, hi = node_range(job.nnodes)
     if lo == hi:                                # the first attempt's world is known: a plan for it must exist
         plan_for_world(job, job.nproc * lo)
+    from .checkpoint import latest_checkpoint
+    found = None if job.resume else latest_checkpoint(job.checkpoint)
+    if found is not None:                       # a restart would otherwise resume that older job
+        raise ValueError(f"checkpoint directory {job.checkpoint} already holds {found.name}; resume it (--resume, "
+                         f"or resume: true in a job file) or choose an empty directory")
     Path(job.checkpoint).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="rhino-elastic-") as tmp:
         journal = os.path.join(tmp, JOURNAL)
@@ -360,7 +365,7 @@ def run_elastic(job: ElasticJob) -> ElasticResult:
         agent, values = _run_agent(job, journal)
         seconds = time.perf_counter() - start
         records = _read_journal(journal)
-    return _result(job, agent.failed_attempts, records, values, seconds)
+    return _result(agent.failed_attempts, records, values, seconds)
 
 
 def _run_agent(job: ElasticJob, journal: str):
@@ -415,15 +420,18 @@ def _read_journal(path: str) -> list[dict]:
     return out
 
 
-def _result(job: ElasticJob, failed: list, records: list[dict], values: dict, seconds: float) -> ElasticResult:
+def _result(failed: list, records: list[dict], values: dict, seconds: float) -> ElasticResult:
+    """The job's result: every step's loss from the journal (on the node of rank 0; another node's agent keeps
+    its final attempt's losses), each restart's reason from the agent and its outcome from the journal."""
     from .trainer import summarize
     train = summarize([values[r] for r in sorted(values)], False, seconds)
     by_step: dict[int, float] = {}
     for rec in records:
         if rec["event"] == "step":
             by_step[rec["step"]] = rec["loss"]    # a step trained again after a restart: its later loss
-    train.losses = [by_step[s] for s in sorted(by_step)]
-    train.steps = len(train.losses)
+    if by_step:
+        train.losses = [by_step[s] for s in sorted(by_step)]
+        train.steps = len(train.losses)
     attempts = [{k: v for k, v in rec.items() if k != "event"} for rec in records if rec["event"] == "attempt"]
     by_attempt = {a["attempt"]: a for a in attempts}
     restarts = []
