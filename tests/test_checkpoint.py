@@ -248,3 +248,31 @@ def test_a_checkpoint_of_another_workload_is_refused(reference):
     out = _cli("train", ROOT / "examples" / "mlp.py", "--strategy", "dp=2", "--steps", "6", "--dtype", "float64",
                "--checkpoint", directory, "--resume", timeout=300)
     assert out.returncode == 2 and "was saved from another workload" in out.stderr, out.stderr[-1000:]
+
+
+def test_latest_checkpoint_skips_incomplete_and_temporary_directories(tmp_path):
+    """`latest` names the newest complete checkpoint; without it (or when it names a missing or incomplete one)
+    the highest complete step directory counts; `.tmp-` directories and directories without DCP metadata or
+    rhino.json never do."""
+    from rhino.runtime.checkpoint import META_FILE, latest_checkpoint
+
+    def make(name, complete=True):
+        d = tmp_path / name
+        d.mkdir()
+        (d / ".metadata").write_bytes(b"x")
+        if complete:
+            (d / META_FILE).write_text("{}")
+        return d
+
+    assert latest_checkpoint(tmp_path / "absent") is None and latest_checkpoint(tmp_path) is None
+    two, four = make("step-00000002"), make("step-00000004")
+    make("step-00000006", complete=False)                       # the DCP write finished, rhino.json did not
+    make("step-00000008.tmp-ab12")                              # never renamed
+    assert latest_checkpoint(tmp_path) == four
+    (tmp_path / "latest").write_text(json.dumps({"checkpoint": two.name, "step": 2}))
+    assert latest_checkpoint(tmp_path) == two                   # latest wins over a newer directory
+    (tmp_path / "latest").write_text(json.dumps({"checkpoint": "step-00000006", "step": 6}))
+    assert latest_checkpoint(tmp_path) == four                  # names an incomplete one: fall back
+    (tmp_path / "latest").write_text("not json")
+    assert latest_checkpoint(tmp_path) == four
+    assert latest_checkpoint(two) == two                        # a step directory is its own latest
