@@ -245,6 +245,9 @@ def test_checkpoint_errors_are_one_sentence(tmp_path):
 
 def test_a_checkpoint_of_another_workload_is_refused(reference):
     directory, _ = reference
+    out = _cli("train", GPT, "--strategy", "dp=2", "--steps", "2", "--checkpoint", directory, timeout=300)
+    assert out.returncode == 2 and "already holds step-00000004; resume it (--resume)" in out.stderr, \
+        out.stderr[-1000:]
     out = _cli("train", ROOT / "examples" / "mlp.py", "--strategy", "dp=2", "--steps", "6", "--dtype", "float64",
                "--checkpoint", directory, "--resume", timeout=300)
     assert out.returncode == 2 and "was saved from another workload" in out.stderr, out.stderr[-1000:]

@@ -324,13 +324,20 @@ def summarize(results: list[dict], measure_live: bool, seconds: float) -> TrainR
 
 
 def check_checkpointing(checkpoint, every: int, resume: bool) -> None:
-    """Before starting processes: checkpoint options that make sense together."""
+    """Before starting processes: checkpoint options that make sense together, and no fresh run into a directory
+    that holds another run's checkpoints."""
     if every < 0:
         raise ValueError(f"--every must be >= 0 (0: save only after the last step), got {every}")
     if checkpoint is None and (every or resume):
         raise ValueError(f"{'--every' if every else '--resume'} needs a checkpoint directory: add --checkpoint DIR")
     if checkpoint is not None and Path(checkpoint).exists() and not Path(checkpoint).is_dir():
         raise ValueError(f"--checkpoint {str(checkpoint)!r} is a file, not a directory; choose a directory")
+    if checkpoint is not None and not resume:
+        from .checkpoint import latest_checkpoint
+        found = latest_checkpoint(checkpoint)
+        if found is not None:           # a later --resume would mix this run's checkpoints with that one's
+            raise ValueError(f"checkpoint directory {checkpoint} already holds {found.name}; resume it (--resume) "
+                             f"or choose an empty directory")
 
 
 def _check_world(nproc: int, plan, strategy, cluster) -> None:
