@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test install bench clean
+.PHONY: demo test test-fast test-mp install bench clean
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,8 +19,18 @@ install: $(STAMP)
 demo: $(STAMP)
 	$(BIN)/rhino demo
 
+# Every test: the single-process tests on two workers (one file per worker), then the multi-process tests
+# (local gloo ranks, torchrun, the elastic agent) one at a time, since they use every core themselves.
 test: $(STAMP)
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not multiprocess"
+	$(BIN)/python -m pytest -m multiprocess
+
+# For development: no processes started, nothing slow (a few minutes).
+test-fast: $(STAMP)
+	$(BIN)/python -m pytest -n 2 --dist loadfile -m "not multiprocess and not slow"
+
+test-mp: $(STAMP)
+	$(BIN)/python -m pytest -m multiprocess
 
 bench: $(STAMP)
 	$(BIN)/python benchmarks/step_time.py

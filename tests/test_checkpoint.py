@@ -115,6 +115,7 @@ def _copy_step(src_root: Path, dst_root: Path, step: int) -> None:
     shutil.copytree(src_root / name, dst_root / name)
 
 
+@pytest.mark.multiprocess
 def test_dp4_checkpoint_resumes_under_tp2_on_two_processes(reference, tmp_path):
     directory, ref = reference
     root = tmp_path / "from_dp4"
@@ -129,6 +130,7 @@ def test_dp4_checkpoint_resumes_under_tp2_on_two_processes(reference, tmp_path):
     _check_every_rank(results, ref[0]["losses"][2:4], ref[0]["snapshots"][4], ref[0]["snapshots"][2])
 
 
+@pytest.mark.multiprocess
 def test_export_loads_strictly_into_the_eager_model_and_continues_training(reference, tmp_path):
     """The step-4 checkpoint of the dp=4 run, exported: the eager model's loss on batch 5 is the sharded run's
     step-5 loss, and one eager AdamW step from the exported optimizer state gives the run's state after step 5."""
@@ -161,6 +163,7 @@ def test_export_loads_strictly_into_the_eager_model_and_continues_training(refer
         assert not bad.any(), (name, (value.to(want.dtype) - want).abs().max().item())
 
 
+@pytest.mark.multiprocess
 def test_a_crash_before_the_rename_keeps_the_previous_checkpoint_and_zero3_resumes_under_dp4(reference, tmp_path):
     """dp=2,zero=3 on 2 processes saves step 2, then rank 0 fails after the step-4 DCP write and before the
     rename: `latest` still names step 2, which 4 processes resume under dp=4 with the uninterrupted run's
@@ -209,6 +212,7 @@ def _eager_losses(steps: int) -> list[float]:
     return losses
 
 
+@pytest.mark.multiprocess
 def test_rhino_train_checkpoint_resume_and_export_on_the_command_line(tmp_path):
     """--resume on an empty directory starts at step 0; 4 steps saved every 2, then --steps 6 --resume continues
     from step 4 with the plain loop's losses; rhino export writes what load_state_dict(strict=True) accepts."""
@@ -243,6 +247,7 @@ def test_checkpoint_errors_are_one_sentence(tmp_path):
     assert out.returncode == 2 and "holds no complete checkpoint" in out.stderr, out.stderr[-1000:]
 
 
+@pytest.mark.multiprocess
 def test_a_checkpoint_of_another_workload_is_refused(reference):
     directory, _ = reference
     out = _cli("train", GPT, "--strategy", "dp=2", "--steps", "2", "--checkpoint", directory, timeout=300)

@@ -86,6 +86,7 @@ def test_check_refuses_meta_workload(capsys):
     assert code == 2 and "meta device" in err
 
 
+@pytest.mark.multiprocess
 def test_demo(capsys):
     code, out, _ = run(capsys, "demo")
     assert code == 0

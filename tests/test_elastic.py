@@ -137,6 +137,7 @@ def _check_kill9(out, reference):
     _assert_losses_equal(r["losses"], reference[:8])      # steps 1-4 from attempt 0, 5-8 after the restart
 
 
+@pytest.mark.multiprocess
 def test_kill9_during_step5_rhino_train_restarts_and_finishes_exactly(tmp_path, reference):
     """rhino train --checkpoint --every 2 --max-restarts 1, rank 1 SIGKILLed during step 5 of 8."""
     out = _rhino(["train", GPT, "--strategy", "dp=2", "--steps", "8", "--dtype", "float64", "--checkpoint",
@@ -145,6 +146,7 @@ def test_kill9_during_step5_rhino_train_restarts_and_finishes_exactly(tmp_path, 
     _check_kill9(out, reference)
 
 
+@pytest.mark.multiprocess
 def test_kill9_from_a_yaml_job_file_then_a_relaunch_on_fewer_processes(tmp_path, reference):
     """The same scenario as a job file run by rhino launch; then the job, extended to 10 steps and naming the
     cluster cpu:2 instead of the strategy, is relaunched with --nproc 1 --resume: it replans (searches a plan
@@ -177,6 +179,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.multiprocess
 def test_a_lost_node_shrinks_the_job_which_replans_and_resumes_resharded(tmp_path, reference):
     """Two agents (nodes) on this machine, nnodes 1:2, one process each (dp=2); node B's agent and rank are
     SIGKILLed during step 5 of 8. The agent of node A (the rendezvous host) restarts alone: world 1, dp scaled

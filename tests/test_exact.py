@@ -73,6 +73,7 @@ def test_a_wrong_loss_on_one_rank_is_caught():
     assert not bad.ok and bad.first_mismatch.startswith("rank 2: loss[step 2]")
 
 
+@pytest.mark.multiprocess
 def test_run_float64_on_real_processes_compares_every_rank(capsys):
     code = main(["run", MLP, "--nproc", "2", "--strategy", "tp=2", "--dtype", "float64", "--json"])
     out = json.loads(capsys.readouterr().out)

@@ -19,12 +19,15 @@ import resource
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from rhino.ir.graph import Role
 from rhino.runtime.launch import launch
 from rhino.runtime.trainer import Trainer
+
+pytestmark = [pytest.mark.multiprocess, pytest.mark.slow]
 
 SPEC = str(Path(__file__).parent / "workloads" / "wide_mlp.py")
 STEPS = 2

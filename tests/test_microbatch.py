@@ -147,6 +147,7 @@ def test_micro_batch_errors_are_one_clear_sentence(mlp):
         same_structure(cap.graph, mlp.graph, 4)  # batch 32 is not batch 8 / 4
 
 
+@pytest.mark.multiprocess
 def test_rhino_run_with_a_micro_batch_plan_file_on_two_processes(capsys, tmp_path):
     """A real 2-process run (gloo) of a plan file with 4 micro-batches (dp=2) against the accumulation
     loop in float64, every rank; --emit writes the three programs per rank."""

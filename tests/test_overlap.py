@@ -250,6 +250,7 @@ def _rank_main(ctx, graph_json, plans, state, batch):
     return out
 
 
+@pytest.mark.multiprocess
 def test_gloo_overlapped_equals_blocking_bit_for_bit_and_one_device():
     from rhino.runtime.launch import launch
     cap = _cap("gpt")

@@ -16,6 +16,7 @@ def run_json(capsys, *argv):
 
 
 @pytest.mark.parametrize("strategy", ["dp=4", "dp=4,zero=3", "tp=4", "dp=2,tp=2", "dp=2,tp=2,sp=on"])
+@pytest.mark.multiprocess
 def test_gpt_presets_on_four_processes(capsys, strategy):
     code, d = run_json(capsys, GPT, "--nproc", "4", "--strategy", strategy)
     assert code == 0 and d["ok"], d.get("first_mismatch") or d.get("error")
@@ -23,6 +24,7 @@ def test_gpt_presets_on_four_processes(capsys, strategy):
     assert d["mesh"] == {"dp=4": "dp4", "dp=4,zero=3": "dp4", "tp=4": "tp4"}.get(strategy, "dp2xtp2")
 
 
+@pytest.mark.multiprocess
 def test_zero3_ranks_hold_a_quarter_of_the_state(capsys):
     code, d = run_json(capsys, GPT, "--nproc", "4", "--strategy", "dp=4,zero=3")
     _, d1 = run_json(capsys, GPT, "--nproc", "4", "--strategy", "dp=4")
@@ -33,12 +35,14 @@ def test_zero3_ranks_hold_a_quarter_of_the_state(capsys):
 
 
 @pytest.mark.parametrize("name, strategy", [("resnet", "dp=4"), ("moe", "dp=2,tp=2"), ("bert", "tp=2")])
+@pytest.mark.multiprocess
 def test_other_models(capsys, name, strategy):
     nproc = 2 if strategy == "tp=2" else 4
     code, d = run_json(capsys, str(ROOT / "examples" / f"{name}.py"), "--nproc", str(nproc), "--strategy", strategy)
     assert code == 0 and d["ok"], d.get("first_mismatch") or d.get("error")
 
 
+@pytest.mark.multiprocess
 def test_plan_file_and_emitted_programs(capsys, tmp_path):
     plan_file = tmp_path / "plan.json"
     emit = tmp_path / "ranks"
@@ -53,6 +57,7 @@ def test_plan_file_and_emitted_programs(capsys, tmp_path):
     assert code == 0 and d2["ok"] and d2["comm_bytes_per_step"] == d["comm_bytes_per_step"]
 
 
+@pytest.mark.multiprocess
 def test_plan_for_another_workload_is_rejected(capsys, tmp_path):
     plan_file = tmp_path / "plan.json"
     assert main(["run", GPT, "--nproc", "2", "--strategy", "dp=2", "--save-plan", str(plan_file),

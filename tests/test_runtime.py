@@ -197,6 +197,7 @@ def two_ranks():
 
 
 @pytest.mark.parametrize("category", CATEGORIES)
+@pytest.mark.multiprocess
 def test_four_ranks(four_ranks, category):
     reports, _ = four_ranks
     failures = [msg for rep in reports for cat, msg in rep["failures"] if cat == category]
@@ -205,6 +206,7 @@ def test_four_ranks(four_ranks, category):
 
 
 @pytest.mark.parametrize("category", CATEGORIES)
+@pytest.mark.multiprocess
 def test_two_ranks(two_ranks, category):
     failures = [msg for rep in two_ranks for cat, msg in rep["failures"] if cat == category]
     assert all(rep["counts"].get(category, 0) > 0 for rep in two_ranks)
@@ -237,6 +239,7 @@ def exit_on_rank_one(ctx, stamp: str):
     return ctx.rank
 
 
+@pytest.mark.multiprocess
 def test_rank_that_raises_is_named():
     with pytest.raises(RankFailedError) as info:
         launch(raise_on_rank_one, 2, timeout_s=15)
@@ -249,6 +252,7 @@ def test_rank_that_raises_is_named():
     assert "raise_on_rank_one" in err.remote_traceback
 
 
+@pytest.mark.multiprocess
 def test_rank_that_dies_is_named(tmp_path):
     stamp = tmp_path / "died_at"
     with pytest.raises(RankFailedError) as info:
@@ -269,6 +273,7 @@ def unpicklable_result(ctx):
     return (lambda: None) if ctx.rank == 1 else ctx.rank
 
 
+@pytest.mark.multiprocess
 def test_collective_timeout_ends_a_stalled_job():
     start = time.monotonic()
     with pytest.raises(RankFailedError) as info:
@@ -277,6 +282,7 @@ def test_collective_timeout_ends_a_stalled_job():
     assert info.value.rank == 1 and "Timed out" in str(info.value)
 
 
+@pytest.mark.multiprocess
 def test_unpicklable_result_names_the_rank():
     with pytest.raises(RankFailedError, match=r"^rank 1 failed: .*pickle") as info:
         launch(unpicklable_result, 2, timeout_s=15)
@@ -326,6 +332,7 @@ def transposed_all_reduce(ctx):
     return out, out.stride(), grad.stride(), out.untyped_storage().data_ptr() != grad.untyped_storage().data_ptr()
 
 
+@pytest.mark.multiprocess
 def test_all_reduce_keeps_the_input_layout():
     """A transposed input comes back transposed (no in-memory transposition), with the right values."""
     for out, out_stride, in_stride, fresh in launch(transposed_all_reduce, 2, timeout_s=30):
@@ -333,6 +340,7 @@ def test_all_reduce_keeps_the_input_layout():
         assert out_stride == in_stride and fresh
 
 
+@pytest.mark.multiprocess
 def test_profile_measures_concurrent_ranks(tmp_path):
     """`rhino profile --nproc 2`: both ranks measure compute at once, then all-reduce; the file loads."""
     import json

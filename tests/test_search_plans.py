@@ -195,6 +195,7 @@ def test_plans_searched_for_random_models_match_single_device(seed, depth, ops, 
 
 
 # -- the command line --------------------------------------------------------------------------------------
+@pytest.mark.multiprocess
 def test_rhino_plan_json_and_rhino_run_with_the_plan(capsys, tmp_path):
     out = tmp_path / "plan.json"
     mlp = str(ROOT / "examples" / "mlp.py")

@@ -110,6 +110,7 @@ def _plain_losses(spec: str, steps: int) -> list[float]:
         torch.set_default_dtype(before)
 
 
+@pytest.mark.multiprocess
 def test_rhino_train_with_batches_equals_a_plain_pytorch_loop():
     """20 steps of ``rhino train --strategy dp=2`` over ``batches()``, float64: every step's loss equals the
     plain single-device loop's over the same batches."""
@@ -128,12 +129,14 @@ def test_rhino_train_with_batches_equals_a_plain_pytorch_loop():
     assert "step 20/20" in out.stderr
 
 
+@pytest.mark.multiprocess
 def test_rhino_train_errors_are_one_sentence(tmp_path):
     out = subprocess.run([sys.executable, "-m", "rhino.cli.main", "train", MLP, "--strategy", "dp=2",
                           "--nproc", "4", "--steps", "1"], capture_output=True, text=True, cwd=ROOT, timeout=300)
     assert out.returncode == 2 and "has 2 devices but the job has 4 processes" in out.stderr, out.stderr[-1000:]
 
 
+@pytest.mark.multiprocess
 def test_rhino_train_under_torchrun_matches_the_local_launcher(tmp_path):
     """The same command as one rank per process of a torchrun job: same losses as ``rhino train --nproc``."""
     args = ["train", MLP, "--strategy", "dp=2", "--steps", "3", "--dtype", "float64", "--json"]
@@ -150,6 +153,7 @@ def test_rhino_train_under_torchrun_matches_the_local_launcher(tmp_path):
     assert [x["step"] for x in lines] == [1, 2, 3] and [x["loss"] for x in lines] == a["losses"]
 
 
+@pytest.mark.multiprocess
 def test_rhino_train_with_microbatches_and_recompute_equals_the_whole_batch_loop():
     """dp=2 with 2 micro-batches and full recomputation: GPT has no BatchNorm and no ignored targets, so the
     accumulated step equals whole-batch training (float64, every step)."""
