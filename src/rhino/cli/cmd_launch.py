@@ -45,15 +45,20 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
-    from ..runtime.elastic import ElasticJobError, run_elastic
     job = load_job(args.job, nproc=args.nproc, resume=args.resume)
     status(f"launching {job.workload} on {job.nproc} process(es) per node for {job.steps} steps "
            f"(checkpoints in {job.checkpoint}, up to {job.max_restarts} restart(s)) ...")
+    return run_job(job, args.json)
+
+
+def run_job(job, as_json: bool) -> int:
+    """Run an ``ElasticJob`` and print its result (shared with ``rhino train --max-restarts``)."""
+    from ..runtime.elastic import ElasticJobError, run_elastic
     try:
         result = run_elastic(job)
     except ElasticJobError as exc:
-        return failed(exc, args.json)
-    report(result, args.json)
+        return failed(exc, as_json)
+    report(result, as_json)
     return 0
 
 
@@ -67,7 +72,7 @@ def failed(exc, as_json: bool) -> int:
 
 
 def report(result, as_json: bool) -> None:
-    """Print an ``ElasticResult`` (shared with ``rhino train --max-restarts``)."""
+    """Print an ``ElasticResult``."""
     if as_json:
         emit_json(result.to_dict())
         return

@@ -76,8 +76,8 @@ def _run_elastic(args) -> int:
                          "and rhino train --checkpoint DIR --resume instead")
     if args.checkpoint is None:
         raise ValueError("--max-restarts needs a checkpoint directory to restart from: add --checkpoint DIR")
-    from ..runtime.elastic import ElasticJob, ElasticJobError, run_elastic
-    from .cmd_launch import failed, report
+    from ..runtime.elastic import ElasticJob
+    from .cmd_launch import run_job
     job = ElasticJob(workload=args.workload, checkpoint=args.checkpoint, steps=args.steps,
                      nproc=args.nproc if args.nproc is not None else _default_nproc(args), plan=args.plan,
                      strategy=args.strategy, cluster=args.cluster, level=args.level, every=args.every,
@@ -86,12 +86,7 @@ def _run_elastic(args) -> int:
                      release_memory=args.release_memory)
     status(f"training {args.workload} on {job.nproc} process(es) for {args.steps} steps under the elastic agent "
            f"(up to {args.max_restarts} restart(s)) ...")
-    try:
-        result = run_elastic(job)
-    except ElasticJobError as exc:
-        return failed(exc, args.json)
-    report(result, args.json)
-    return 0
+    return run_job(job, args.json)
 
 
 def _report(r, as_json: bool) -> None:

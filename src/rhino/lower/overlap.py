@@ -339,7 +339,7 @@ def _dtype(n: torch.fx.Node):
     return None if info is None else info[1]
 
 
-def _gather_buckets(stored, order, opts: OverlapOptions) -> list[list]:
+def _gather_buckets(stored, opts: OverlapOptions) -> list[list]:
     """Stored-state gathers (sorted by first use) grouped: consecutive all-gathers of one block
     (``ir.modules.block_of`` of the stored input's name), one step and dtype, while the bucket stays
     under ``gather_bucket_mb`` (a bucket takes at least one)."""
@@ -366,7 +366,7 @@ def _prefetch(g: torch.fx.Graph, stored, opts: OverlapOptions, stats: OverlapSta
     stored = sorted(stored, key=lambda nf: order[_first_user(nf[0], order)])
     waits: list[torch.fx.Node] = []
     depth = max(1, opts.prefetch_depth)
-    for k, bucket in enumerate(_gather_buckets(stored, order, opts)):
+    for k, bucket in enumerate(_gather_buckets(stored, opts)):
         order = {m: i for i, m in enumerate(g.nodes)}
         need = min((_first_user(n, order) for n, _ in bucket), key=order.__getitem__)
         anchor = waits[k - depth] if k >= depth else need.prev

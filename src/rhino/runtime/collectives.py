@@ -26,7 +26,8 @@ Asynchronous form (``start_step``, used by the overlapped programs of ``lower.ov
 collectives issued with ``async_op=True``; a ``Pending`` holds the work handle and finishes the local
 result (interleaving, averaging, layout) in ``wait()``. Several tensors of one all-reduce,
 reduce-scatter or all-gather may share one flat buffer (a bucket, as DDP's gradient buckets and
-FSDP2's packed reduce-scatter and per-module all-gather): each element is still reduced over the same ranks, so results equal the per-tensor
+FSDP2's packed reduce-scatter and per-module all-gather): each element still goes to (or is reduced
+over) the same ranks, so results equal the per-tensor
 ones (bit for bit on 2 ranks, where a sum of two terms has one order; gloo's ring on more ranks may
 add an element's terms in another order when its offset in the buffer moves it to another chunk).
 
