@@ -12,8 +12,9 @@ second once, on the accumulated gradients. The cut (pure graph logic, no torch):
 - *update part*: the seeds, everything computed from them, and the nodes they need that do not depend
   on the batch (learning-rate and bias-correction scalars, AdamW's decayed weight), which run once.
 - *boundary values*: values the update part reads that depend on the batch: the gradients (and what the
-  gradient part computes from them before the update proper starts, e.g. a clipping coefficient's
-  product, linear in the gradient). They are accumulated as ``sum_k value_k / m``.
+  gradient part computes from them alone, reading no state, before the update proper starts). They are
+  accumulated as ``sum_k value_k / m``; weight decay reads the parameter and is an update node, so it
+  runs once on the accumulated gradient, as ``optimizer.step()`` after PyTorch's accumulation loop.
 - *gradient part*: what the loss, the boundary values and the new buffer values need (buffers updated
   outside the optimizer, e.g. BatchNorm's ``num_batches_tracked + 1``, are updated per micro-batch, as
   in PyTorch's accumulation loop). Nodes that do not depend on the batch may be in both parts (computed
