@@ -31,7 +31,7 @@ from ..capture import Captured, Workload, capture, default_dtype, load_workload
 from ..ir.graph import Role
 from ..sharding.plan import ShardingPlan, resolve
 from ..sharding.presets import parse_strategy, preset_plan
-from .collectives import gather_tensor
+from .collectives import TORCH_COLLECTIVES, gather_tensor
 from .data import batch_stream, check_batch, rank_batch, samples_in
 from .groups import build_groups
 from .launch import current_context, in_torchrun, init_from_env, launch, shutdown
@@ -86,7 +86,7 @@ class Trainer:
         self.rp = resolve(self.cap.graph, self.plan)
         self.microbatches = getattr(self.plan, "microbatches", 1)
         self.groups = build_groups(self.plan.mesh, timeout_s)
-        set_context(self.plan.mesh, self.rank, self.groups)
+        set_context(self.plan.mesh, self.rank, self.groups, TORCH_COLLECTIVES)
         say(f"materialising rank {self.rank}'s shards ...")
         self.state = self._local_state()
         say("lowering the per-rank programs ...")
@@ -165,7 +165,7 @@ class Trainer:
         batch = check_batch(self.cap.graph, self.next_batch() if batch is None else batch,
                             f"the batch of step {self.steps_done + 1}")
         local = rank_batch(batch, self.rp, self.rank, self.microbatches, self.device)
-        set_context(self.plan.mesh, self.rank, self.groups)   # another trainer in this process may have set its own
+        set_context(self.plan.mesh, self.rank, self.groups, TORCH_COLLECTIVES)   # another trainer in this process may have set its own
         loss = self.program.run(self.state, local)
         self.steps_done += 1
         return float(loss)
