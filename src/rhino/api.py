@@ -5,6 +5,7 @@
     est = rhino.estimate(cap, "8xA100-80G", strategy="dp=2,tp=4")
     plan, report = rhino.plan(cap, "8xA100-80G", level="O1")
     mem = rhino.memory_plan(cap, level="O1")                           # one device: operator order + arena layout
+    rep = rhino.memory_report(cap, level="O1", execute=True)          # the same, aligned, checked and executed
     result = rhino.train("examples/gpt.py", nproc=2, strategy="dp=2", steps=20)   # local processes
     trainer = rhino.Trainer("examples/gpt.py", strategy="dp=2")   # one rank, e.g. inside torchrun
     loss = trainer.step()
@@ -26,7 +27,8 @@ from .cost.estimate import Estimate
 from .runtime.trainer import Trainer, TrainResult, train
 from .sharding.plan import ShardingPlan
 
-__all__ = ["capture_step", "estimate", "plan", "memory_plan", "Trainer", "TrainResult", "train", "ShardingPlan"]
+__all__ = ["capture_step", "estimate", "plan", "memory_plan", "memory_report", "Trainer", "TrainResult", "train",
+           "ShardingPlan"]
 
 
 def capture_step(workload, dtype: torch.dtype | None = None) -> Captured:
@@ -73,3 +75,31 @@ def memory_plan(cap: Captured, *, level: str = "O1", time_limit: float = 60.0):
     problem, _ = problem_from_graph(_graph(cap))
     problem.validate()
     return plan_memory(problem, level=level, time_limit=time_limit)
+
+
+def memory_report(cap: Captured, *, level: str = "O2", time_limit: float = 60.0, execute: bool = False,
+                  name: str = "", progress=None, status=None):
+    """What ``rhino memory`` reports: one device's memory plan (``memory_plan``) with offsets aligned for the
+    arena executor, checked independently (order and layout), and with ``execute`` one step run in the
+    planned arena and compared with plain PyTorch (``lower.arena.compare_arena_step``). Returns a
+    ``memory.step_report.StepMemoryReport`` (``.ok``, ``.to_dict()``). ``progress`` gets the solver's
+    messages, ``status`` one line before each stage."""
+    from .check import ATOL, RTOL
+    from .memory.from_graph import problem_from_graph
+    from .memory.step_report import plan_step_memory
+    say = status or (lambda message: None)
+    if execute and cap.workload.on_meta:
+        raise ValueError("the workload builds its model on the meta device, which holds no data; plan without "
+                         "execute, or build the workload on a real device to execute it")
+    problem, mapping = problem_from_graph(cap.graph, name=name)
+    problem.validate()
+    say(f"planning {len(problem.ops)} ops, {len(problem.tensors)} tensors at {level} "
+        f"(time limit {time_limit:g} s) ...")
+    report = plan_step_memory(problem, mapping, workload=name, level=level, time_limit=time_limit,
+                              progress=progress)
+    if execute:
+        from .lower.arena import compare_arena_step
+        say("executing one step in the arena and in plain PyTorch ...")
+        report.execute = compare_arena_step(cap.graph, problem, mapping, report.plan, cap.initial_state,
+                                            cap.workload.batch, RTOL, ATOL)
+    return report
