@@ -7,8 +7,8 @@ use, so that the pure packages (``rhino.ir``, ``rhino.sharding``, ``rhino.cost``
 """
 __version__ = "0.1.0"
 
-_API = ("capture_step", "estimate", "plan", "memory_plan", "memory_report", "train", "Trainer", "TrainResult",
-        "ShardingPlan")
+_API = ("capture_step", "estimate", "plan", "plan_and_run", "memory_plan", "memory_report", "train", "Trainer",
+        "TrainResult", "ShardingPlan")
 
 __all__ = ["__version__", *_API]
 

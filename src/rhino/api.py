@@ -27,8 +27,8 @@ from .cost.estimate import Estimate
 from .runtime.trainer import Trainer, TrainResult, train
 from .sharding.plan import ShardingPlan
 
-__all__ = ["capture_step", "estimate", "plan", "memory_plan", "memory_report", "Trainer", "TrainResult", "train",
-           "ShardingPlan"]
+__all__ = ["capture_step", "estimate", "plan", "plan_and_run", "memory_plan", "memory_report", "Trainer",
+           "TrainResult", "train", "ShardingPlan"]
 
 
 def capture_step(workload, dtype: torch.dtype | None = None) -> Captured:
@@ -65,6 +65,30 @@ def plan(cap: Captured, cluster: str, *, level: str = "O1", time_limit: float = 
     """Search the fastest plan that fits ``cluster``: ``(ShardingPlan, report)`` (``report.text()``)."""
     from .search.planning import plan_workload
     return plan_workload(_graph(cap), parse_cluster(cluster), level=level, time_limit=time_limit, presets=presets)
+
+
+def plan_and_run(cap: Captured, cluster: str = "cpu:4", *, level: str = "O2", time_limit: float = 10.0,
+                 steps: int = 2, workload: str = "", status=None) -> dict:
+    """Search a plan for a local CPU cluster (``cpu:N``), run it on N local processes for ``steps`` steps and
+    compare every rank with one device (``runtime.run.run_plan``). Returns {"ok", "cluster", "mesh", "nproc",
+    "max_abs_diff", "first_mismatch", "step_seconds" (predicted), "best_preset", "preset_seconds",
+    "search_seconds", "source"}; ``status`` gets one line before each stage."""
+    from .runtime.run import run_plan
+    from .search.planning import plan_workload
+    say = status or (lambda message: None)
+    c = parse_cluster(cluster)
+    if c.device.name != "cpu" or c.nodes != 1:
+        raise ValueError(f"the plan runs on local processes: give a cluster like cpu:4, not {c}")
+    say(f"planning for {c} ...")
+    plan, report = plan_workload(_graph(cap), c, level=level, time_limit=time_limit, workload=workload)
+    say(f"running the plan on {c.world} processes ...")
+    r = run_plan(cap, plan, c.world, steps)
+    d = report.to_dict()
+    bp = d["best_preset"] or {}
+    return {"ok": r.ok, "cluster": str(c), "mesh": r.mesh, "nproc": r.nproc, "max_abs_diff": r.max_abs_diff,
+            "first_mismatch": r.first_mismatch, "step_seconds": d["step_seconds"],
+            "best_preset": bp.get("strategy"), "preset_seconds": bp.get("step_seconds", float("nan")),
+            "search_seconds": d["search_seconds"], "source": d["source"]}
 
 
 def memory_plan(cap: Captured, *, level: str = "O1", time_limit: float = 60.0):

@@ -69,11 +69,7 @@ def _run(args) -> int:
     if in_torchrun() and int(__import__("os").environ.get("RANK", "0")) != 0:
         return 0 if r.ok else 1  # rank 0 reports for the job
     if args.json:
-        emit_json({"ok": r.ok, "max_abs_diff": r.max_abs_diff, "mesh": r.mesh, "nproc": r.nproc, "steps": r.steps,
-                   "comm_bytes_per_step": r.comm_bytes_per_step, "collectives_per_step": r.collectives_per_step,
-                   "losses": r.losses, "reference_losses": r.reference_losses,
-                   "first_mismatch": r.first_mismatch, "state_bytes_per_rank": r.local_state_bytes,
-                   "seconds": round(r.seconds, 2)})
+        emit_json(r.to_dict())
     elif r.ok:
         print(f"run OK: nproc={r.nproc} mesh={r.mesh} steps={r.steps} max_abs_diff={r.max_abs_diff:.3g} "
               f"comm_bytes_per_step={r.comm_bytes_per_step}")

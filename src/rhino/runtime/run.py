@@ -37,6 +37,14 @@ class RunResult:
     step_seconds: list[float] = field(default_factory=list)   # per step, slowest rank (measure=True)
     peak_live_bytes: list[int] = field(default_factory=list)  # per rank, first step (measure=True)
 
+    def to_dict(self) -> dict:
+        """The ``rhino run --json`` object."""
+        return {"ok": self.ok, "max_abs_diff": self.max_abs_diff, "mesh": self.mesh, "nproc": self.nproc,
+                "steps": self.steps, "comm_bytes_per_step": self.comm_bytes_per_step,
+                "collectives_per_step": self.collectives_per_step, "losses": self.losses,
+                "reference_losses": self.reference_losses, "first_mismatch": self.first_mismatch,
+                "state_bytes_per_rank": self.local_state_bytes, "seconds": round(self.seconds, 2)}
+
 
 def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, steps: int, timeout_s: float,
                measure: bool = False, micro_json: str | None = None, overlap: bool = False):
