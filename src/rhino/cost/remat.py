@@ -37,12 +37,12 @@ from __future__ import annotations
 import weakref
 from bisect import bisect_left
 from dataclasses import dataclass, replace
-from enum import Enum
 from math import isqrt
 
 from ..ir.graph import Graph, Node, Ref
 from ..ir.registry import OpKind, is_random, lookup
 from ..sharding.plan import ResolvedPlan, ShardingPlan
+from ..sharding.vocab import Recompute
 from .memory import MemoryEstimate, estimate_memory
 from .step import loss_index
 
@@ -64,12 +64,6 @@ _EXACT_TRIES = 6
 
 #: Op kinds whose outputs selective recomputation keeps.
 KEEP_KINDS = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.INDEX, OpKind.LOSS, OpKind.OPAQUE})
-
-
-class Recompute(str, Enum):
-    NONE = "none"
-    FULL = "full"
-    SELECTIVE = "selective"
 
 
 def forward_cuts(mem: MemoryEstimate, spans: list[tuple[int, int, int]] | None = None) -> list[int]:

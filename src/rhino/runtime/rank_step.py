@@ -46,6 +46,7 @@ from ..cost.accumulate import split_step
 from ..cost.remat import remat, remat_plan
 from ..sharding.placement import Partial, ReduceOp, replicated
 from ..sharding.plan import PlanError, ResolvedPlan, ShardingPlan, resolve
+from ..sharding.vocab import Recompute
 
 __all__ = ["RankStep", "microbatch_graph", "same_structure", "with_recompute", "Executor"]
 
@@ -58,7 +59,7 @@ def with_recompute(graph: Graph, plan: ShardingPlan) -> tuple[Graph, ShardingPla
     """The graph and plan the runtime executes for ``plan.recompute`` (identity for ``"none"``): the
     recomputing program of ``cost.remat.remat`` (the one the cost model prices), each copied node with
     its original's strategy (``remat_plan``)."""
-    if plan.recompute == "none":
+    if Recompute(plan.recompute) is Recompute.NONE:
         return graph, plan
     new, origin = remat(graph, plan.recompute)
     return new, remat_plan(plan, origin)
