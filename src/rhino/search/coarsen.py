@@ -11,7 +11,7 @@ chains of views, element-wise ops, norms and reductions hanging below it; its st
 driver's, the followers take their input as it arrives (``Space.follow``). A graph input is a cone
 too (its choice is its sharding), and the views of a parameter follow it.
 
-**Optimizer cones** (rule ``optimizer_cones``). The optimizer nodes (``cost.step.optimizer_nodes``)
+**Optimizer cones** (rule ``optimizer_cones``). The optimizer nodes (``ir.analysis``)
 connected through non-scalar values, with the optimizer-state inputs they read, form one cone per
 parameter; its choice is the sharding of that optimizer state (ZeRO when it is split along a
 data-parallel axis); each member takes an in-cone input as it arrives, or produces that sharding.
@@ -28,12 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..cost.step import loss_index, optimizer_nodes
-from ..ir.graph import STATE_ROLES, Graph, Role
+from ..ir.analysis import analyze
+from ..ir.graph import Graph, Role
 from .options import SearchOptions
 from .space import Space
 
-__all__ = ["ConeKind", "Cone", "Cones", "build_cones", "optimizer_closure"]
+__all__ = ["ConeKind", "Cone", "Cones", "build_cones"]
 
 
 class ConeKind(str, Enum):
@@ -89,37 +89,6 @@ def _primary(graph: Graph, node) -> int | None:
     return sizes[0][1]
 
 
-def optimizer_closure(graph: Graph, producer: dict[int, int]) -> set[int]:
-    """``cost.step.optimizer_nodes`` after the loss (nodes that read optimizer state or make new state), plus the nodes
-    after the loss whose non-scalar inputs all come from optimizer nodes (an update's arithmetic), plus
-    those that read only state and feed only optimizer nodes (weight decay ``w * (1 - lr wd)``)."""
-    boundary = loss_index(graph)
-    # forward nodes that update a buffer (batch-norm running statistics) are not optimizer nodes
-    opt = {i for i in optimizer_nodes(graph) if i > boundary}
-    state = {i.value for i in graph.inputs if i.role in STATE_ROLES}
-    nodes = graph.nodes
-    for i in range(boundary + 1, len(nodes)):
-        if i in opt:
-            continue
-        big = [r.id for r in nodes[i].input_refs() if graph.types[r.id].rank > 0]
-        if big and all(producer.get(v, -1) in opt for v in big if v not in state) and \
-                any(producer.get(v, -1) in opt for v in big):
-            opt.add(i)
-    users: dict[int, list[int]] = {}
-    for i, nd in enumerate(nodes):
-        for r in nd.input_refs():
-            users.setdefault(r.id, []).append(i)
-    for i in range(len(nodes) - 1, boundary, -1):
-        if i in opt:
-            continue
-        big = [r.id for r in nodes[i].input_refs() if graph.types[r.id].rank > 0]
-        outs = [v for v in nodes[i].outputs if v is not None]
-        if big and all(v in state for v in big) and outs and all(
-                u in opt for v in outs for u in users.get(v, [])) and any(users.get(v) for v in outs):
-            opt.add(i)
-    return opt
-
-
 def _batch_fixed(space: Space, i: int, k: int) -> bool:
     """The node may not split its input ``k``'s first dim (batch norm: statistics over the batch), so it
     cannot follow a batch split: it chooses its own strategy (e.g. a channel split) instead."""
@@ -158,7 +127,7 @@ def build_cones(graph: Graph, space: Space, options: SearchOptions = SearchOptio
     producer: dict[int, int] = {v: i for i, nd in enumerate(graph.nodes) for v in nd.outputs if v is not None}
     input_of_value = {i.value: i for i in graph.inputs}
     acc = _Assembly(len(graph.nodes))
-    opt = optimizer_closure(graph, producer) if options.optimizer_cones else set()
+    opt = set(analyze(graph).optimizer) if options.optimizer_cones else set()
     for members in _optimizer_components(graph, opt, producer, input_of_value):
         _add_optimizer_cone(acc, graph, members, input_of_value)
     for inp in graph.inputs:

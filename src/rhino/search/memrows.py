@@ -1,8 +1,8 @@
 """Memory rows: the per-device bytes live at a node, as a function of the cone classes' choices.
 
-The liveness model is ``cost.memory``'s: views alias their input's storage, state lives all step,
-graph outputs to the end, other values from the node that makes them to their last reader; the new
-state coexists with the old. Redistributed copies (one per value and needed sharding, alive from the
+The liveness model is ``cost.memory``'s, on ``ir.analysis``'s storages and last uses: views alias their
+input's storage, state lives all step, graph outputs to the end, other values from the node that makes
+them to their last reader; the new state coexists with the old. Redistributed copies (one per value and needed sharding, alive from the
 first node that needs it to the last, as the lowering keeps them) are ``CopyTerm``s. Two differences,
 both on the safe side where the copy is no larger than its source: a value a copy was made from counts
 until its last reader even when the cost model frees it once its last copy exists, and a view of a
@@ -19,8 +19,8 @@ from math import prod
 from ..cost.memory import estimate_memory
 from ..cost.recompute import KEEP_KINDS, apply_recompute
 from ..cost.step import NodeCost
-from ..ir.graph import Role
-from ..ir.registry import OpKind, lookup
+from ..ir.analysis import analyze
+from ..ir.registry import lookup
 from ..sharding.placement import local_shape
 
 __all__ = ["CopyTerm", "MemRow", "MemoryRows", "copy_bytes"]
@@ -87,44 +87,10 @@ class MemoryRows:
 
     # -- memory ------------------------------------------------------------------------------------
     def liveness(self):
-        """(storage root of each value, birth index, last-use index) as in ``cost.memory``."""
-        if "live" in self.shared:
-            return self.shared["live"]
-        graph = self.graph
-        n = len(graph.nodes)
-        root: dict[int, int] = {}
-        born: dict[int, int] = {}
-        last: dict[int, int] = {}
-        for inp in graph.inputs:
-            root[inp.value] = inp.value
-            born[inp.value] = -1
-            last[inp.value] = -1 if inp.role is Role.BATCH else n
-        for v in graph.constants:
-            root.setdefault(v, v)
-            born.setdefault(v, -1)
-            last.setdefault(v, n)
-        for i, node in enumerate(graph.nodes):
-            rr = []
-            for r in self.space.info(i).refs:
-                s = root[r.id]
-                rr.append(s)
-                if last[s] < i:
-                    last[s] = i
-            d = lookup(node.op)
-            view = d is not None and d.kind is OpKind.VIEW and bool(rr)
-            for v in node.outputs:
-                if v is None:
-                    continue
-                if view:
-                    root[v] = rr[0]
-                else:
-                    root[v] = born[v] = v
-                    born[v] = i
-                    last[v] = i
-        for o in graph.outputs:
-            last[root[o.value]] = n
-        self.shared["live"] = (root, born, last)
-        return self.shared["live"]
+        """(storage root of each value, birth index, last-use index): ``ir.analysis``'s, as ``cost.memory``
+        uses them."""
+        a = analyze(self.graph)
+        return a.root, a.born, a.last_use
 
     def initial_checkpoints(self) -> list[int]:
         n = len(self.graph.nodes)
