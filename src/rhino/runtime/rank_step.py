@@ -22,7 +22,7 @@ are numbers in the captured graph), so it is lowered from the step **captured ag
 (``microbatch_graph``), with the plan applied by node name; ``same_structure`` checks that the two
 graphs differ only in the batch dim and in numbers (a clear error otherwise).
 
-**Recomputation**: ``plan.recompute != "none"`` rewrites the step with ``cost.remat.remat``
+**Recomputation**: a ``plan.recompute`` other than ``Recompute.NONE`` rewrites the step with ``cost.remat.remat``
 (``with_recompute``) before anything is lowered (with micro-batches, the step at batch B/m).
 
 **Overlap**: ``overlap=True`` lowers every program with asynchronous bucketed collectives

@@ -36,7 +36,7 @@ class ShardingPlan:
     strategy_string: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     microbatches: int = 1                        # gradient accumulation: micro-batches per step
-    recompute: str = "none"                      # "none" | "full" | "selective" (cost.recompute.Recompute)
+    recompute: str = "none"                      # a ``vocab.Recompute`` value: none | full | selective
 
     def __post_init__(self) -> None:
         check_step_fields(self.microbatches, self.recompute)
