@@ -37,13 +37,13 @@ from __future__ import annotations
 import weakref
 from bisect import bisect_left
 from dataclasses import dataclass, replace
-from enum import Enum
 from math import isqrt
 
 from ..ir.analysis import analyze
 from ..ir.graph import Graph, Node, Ref
 from ..ir.registry import OpKind, is_random, lookup
 from ..sharding.plan import ResolvedPlan, ShardingPlan
+from ..sharding.vocab import Recompute
 from .memory import MemoryEstimate, estimate_memory
 
 __all__ = ["Recompute", "KEEP_KINDS", "Segments", "forward_cuts", "full_segments", "segment_choices", "remat",
@@ -64,12 +64,6 @@ _EXACT_TRIES = 6
 
 #: Op kinds whose outputs selective recomputation keeps.
 KEEP_KINDS = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.INDEX, OpKind.LOSS, OpKind.OPAQUE})
-
-
-class Recompute(str, Enum):
-    NONE = "none"
-    FULL = "full"
-    SELECTIVE = "selective"
 
 
 def forward_cuts(mem: MemoryEstimate, spans: list[tuple[int, int, int]] | None = None) -> list[int]:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from math import prod
 
 from ..cost.memory import estimate_memory
-from ..cost.recompute import KEEP_KINDS, apply_recompute
+from ..cost.recompute import KEEP_KINDS, Recompute, apply_recompute
 from ..cost.step import NodeCost
 from ..ir.analysis import analyze
 from ..ir.registry import lookup
@@ -63,9 +63,9 @@ class MemoryRows:
 
     def _recomputed(self, i: int) -> int:
         """1 if recomputation runs forward node ``i`` again (``cost.recompute``), else 0."""
-        if self.recompute == "full":
+        if self.recompute == Recompute.FULL:
             return 1
-        if self.recompute == "selective":
+        if self.recompute == Recompute.SELECTIVE:
             d = lookup(self.graph.nodes[i].op)
             return int(d is not None and d.kind not in KEEP_KINDS)
         return 0
@@ -73,15 +73,15 @@ class MemoryRows:
     def activation_scale(self, storage: int) -> float:
         """Fraction of an activation's bytes kept under recomputation (``cost.recompute``): full keeps
         the same share of every activation (its segment cuts), selective drops what cheap ops made."""
-        if self.recompute == "none":
+        if self.recompute == Recompute.NONE:
             return 1.0
-        if self.recompute == "selective":
+        if self.recompute == Recompute.SELECTIVE:
             p = self._producer().get(storage)
             return 0.0 if p is not None and self._recomputed(p[0]) else 1.0
         if "keep" not in self.shared:
             mem = estimate_memory(self.graph)
             eff = apply_recompute(self.graph, mem, [NodeCost("", 0.0, 0.0, "", 0.0)] * len(self.graph.nodes),
-                                  "full") if mem.activation_spans else None
+                                  Recompute.FULL) if mem.activation_spans else None
             self.shared["keep"] = eff.keep_fraction if eff is not None else 1.0
         return self.shared["keep"]
 
