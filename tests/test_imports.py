@@ -1,4 +1,4 @@
-"""Import structure of ``src/rhino``, read with ``ast`` (no module is imported, so this runs in a second).
+"""Import structure and size of ``src/rhino``, read with ``ast`` (no module is imported: this runs in a second).
 
 - No private name crosses a module boundary: no ``from .x import _y`` (module-level, function-local or in a
   parenthesised list) and no ``x._y`` on an imported rhino module; what is shared is public.
@@ -6,6 +6,9 @@
   with ``ir`` the data model under all of them and ``memory`` (pure) beside them, used by lower and runtime.
 - The pure packages (ir, sharding, cost, search, memory) never import torch, not even inside a function.
   (``test_trainer.test_the_pure_packages_load_without_torch`` checks the same at import time.)
+- Small functions and modules (design.md's house rules, issue #16): no function over 80 lines except the
+  compiled branch-and-bound kernel (``memory/layout_bnb_core.run``, one numba function by design), no module
+  over 800 lines.
 """
 from __future__ import annotations
 
@@ -15,6 +18,8 @@ from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "rhino"
 PURE = ("ir", "sharding", "cost", "search", "memory")
+MAX_FUNCTION_LINES, MAX_MODULE_LINES = 80, 800
+LONG_BY_DESIGN = {"rhino/memory/layout_bnb_core.py:run"}   # the numba kernel: one compiled loop
 # package -> the rhino packages and top-level modules it may import (besides itself)
 ALLOWED = {
     "ir": set(),
@@ -117,6 +122,21 @@ def torch_in_pure_packages() -> list[str]:
     return bad
 
 
+def long_functions() -> list[str]:
+    bad = []
+    for module, file in sorted(MODULES.items()):
+        rel = file.relative_to(SRC.parent)
+        lines = file.read_text().count("\n")
+        if lines > MAX_MODULE_LINES:
+            bad.append(f"{rel}: {lines} lines")
+        for node in ast.walk(ast.parse(file.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > MAX_FUNCTION_LINES and f"{rel}:{node.name}" not in LONG_BY_DESIGN:
+                    bad.append(f"{rel}:{node.lineno}: {node.name} has {n} lines")
+    return bad
+
+
 def test_no_private_name_crosses_a_module():
     assert cross_module_private_imports() == []
 
@@ -127,6 +147,10 @@ def test_imports_point_down_the_pipeline():
 
 def test_pure_packages_never_import_torch():
     assert torch_in_pure_packages() == []
+
+
+def test_no_function_over_80_lines_and_no_module_over_800():
+    assert long_functions() == []
 
 
 def _write(tmp_path: Path, files: dict[str, str]) -> None:
@@ -145,6 +169,7 @@ def test_the_scans_catch_each_kind_of_violation(tmp_path, monkeypatch):
                        "def f():\n    from ..runtime.coll import y\n    from . import a\n    return a._h\n"),
         "cost/__init__.py": "", "cost/c.py": "def g():\n    import torch.nn\n",
         "memory/__init__.py": "", "memory/m.py": "from ..runtime import coll\n",
+        "search/__init__.py": "", "search/s.py": "def big():\n" + "    x = 1\n" * 80,
     })
     here = sys.modules[__name__]
     monkeypatch.setattr(here, "SRC", tmp_path / "rhino")
@@ -153,3 +178,4 @@ def test_the_scans_catch_each_kind_of_violation(tmp_path, monkeypatch):
     assert [p.split(": ", 1)[1] for p in private] == ["from rhino.lower.a import _h", "a._h (rhino.lower.a)"]
     assert sorted(p.split(": ", 1)[1] for p in upward_imports()) == ["lower imports runtime", "memory imports runtime"]
     assert [p.split(": ", 1)[1] for p in torch_in_pure_packages()] == ["imports torch.nn"]
+    assert long_functions() == ["rhino/search/s.py:1: big has 81 lines"]
