@@ -41,13 +41,13 @@ def _rank_times(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple)
     from rhino.ir.graph import Graph, Role
     from rhino.lower.spmd import lower_rank
     from rhino.lower.spmd_ops import set_context
-    from rhino.runtime.collectives import shard_tensor
+    from rhino.runtime.collectives import TORCH_COLLECTIVES, shard_tensor
     from rhino.runtime.groups import build_groups
     from rhino.sharding.plan import ShardingPlan, resolve
     graph = Graph.from_json(graph_json)
     rp = resolve(graph, ShardingPlan.from_json(plan_json))
     mesh = rp.plan.mesh
-    set_context(mesh, ctx.rank, build_groups(mesh))
+    set_context(mesh, ctx.rank, build_groups(mesh), TORCH_COLLECTIVES)
     prog = lower_rank(rp, ctx.rank, overlap=True)
     names = [i.name for i in graph.inputs if i.role is not Role.BATCH]
     local = {i.name: shard_tensor(state[i.name], rp.value[i.value], mesh, ctx.rank) for i in graph.inputs

@@ -167,7 +167,7 @@ class RhinoRunner:
         from rhino.lower.overlap import release_inputs
         from rhino.lower.spmd import lower_rank
         from rhino.lower.spmd_ops import set_context
-        from rhino.runtime.collectives import shard_tensor
+        from rhino.runtime.collectives import TORCH_COLLECTIVES, shard_tensor
         from rhino.runtime.groups import build_groups
         from rhino.sharding.plan import resolve
         from rhino.sharding.presets import parse_strategy, preset_plan
@@ -176,7 +176,7 @@ class RhinoRunner:
         rp = resolve(cap.graph, plan)
         self.groups = build_groups(plan.mesh)
         self.mesh, self.rank = plan.mesh, rank
-        set_context(plan.mesh, rank, self.groups)
+        set_context(plan.mesh, rank, self.groups, TORCH_COLLECTIVES)
         self.prog = lower_rank(rp, rank, overlap=overlap)
         self.boxed = release_inputs(self.prog).module if overlap else None
         state, batch = cap.initial_state(), tuple(cap.workload.batch)
@@ -191,7 +191,8 @@ class RhinoRunner:
 
     def step(self) -> float:
         from rhino.lower.spmd_ops import set_context
-        set_context(self.mesh, self.rank, self.groups)
+        from rhino.runtime.collectives import TORCH_COLLECTIVES
+        set_context(self.mesh, self.rank, self.groups, TORCH_COLLECTIVES)
         with torch.no_grad():
             if self.boxed is not None:       # the old state is freed as the update consumes it
                 args = [self.local.pop(n) for n in self.names] + self.batch
@@ -204,8 +205,9 @@ class RhinoRunner:
 
     def live_peak(self) -> int:
         from rhino.lower.spmd_ops import set_context
+        from rhino.runtime.collectives import TORCH_COLLECTIVES
         from rhino.runtime.measure import LiveBytesMeter
-        set_context(self.mesh, self.rank, self.groups)
+        set_context(self.mesh, self.rank, self.groups, TORCH_COLLECTIVES)
         meter = LiveBytesMeter(self.prog.module, [self.local[n] for n in self.names])
         with torch.no_grad():
             outs = meter.run(*self.args())

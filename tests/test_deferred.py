@@ -15,7 +15,7 @@ import torch.nn as nn
 
 from rhino.capture import capture, load_workload
 from rhino.capture.deferred import DeferredInitError, load_deferred
-from rhino.capture.workload import _validate
+from rhino.capture.workload import validate_workload
 from rhino.ir.graph import Role
 from rhino.runtime.collectives import shard_tensor
 from rhino.runtime.init import build_rank_state, example_batch, local_batch, local_state
@@ -84,7 +84,7 @@ def test_hf_models_materialise_bitwise():
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             w, d, plain, rng_same = _load_both(lambda: load_deferred(fn), fn)
-        bad = _compare(_validate(plain, Path("hf"), name), w, d)
+        bad = _compare(validate_workload(plain, Path("hf"), name), w, d)
         if bad or not rng_same:
             failed[name] = bad[:3] + ([] if rng_same else ["rng"])
     assert failed == {}
@@ -139,7 +139,7 @@ def _odd_workload(device="cpu", dtype=torch.float32):
 def test_construction_features_bitwise(dtype):
     w, d, plain, rng_same = _load_both(lambda: load_deferred(lambda: _odd_workload(dtype=dtype)),
                                        lambda: _odd_workload(dtype=dtype))
-    plain = _validate(plain, Path("odd"), "odd")
+    plain = validate_workload(plain, Path("odd"), "odd")
     assert _compare(plain, w, d) == []
     assert rng_same
     assert w.model.head.weight is w.model.emb.weight                    # still tied
@@ -150,7 +150,7 @@ def test_construction_features_bitwise(dtype):
 def test_meta_built_workload_gets_the_cpu_values():
     w, d, plain, _ = _load_both(lambda: load_deferred(lambda: _odd_workload(device="meta")),
                                 lambda: _odd_workload(device="cpu"))
-    assert _compare(_validate(plain, Path("odd"), "odd"), w, d) == []
+    assert _compare(validate_workload(plain, Path("odd"), "odd"), w, d) == []
 
 
 def test_one_tensor_at_a_time():

@@ -198,7 +198,7 @@ def test_cost_model_prices_one_collective_per_runtime_bucket():
 
 def _rank_main(ctx, graph_json, plans, state, batch):
     from rhino.lower.spmd_ops import set_context
-    from rhino.runtime.collectives import apply_step, shard_tensor, start_step
+    from rhino.runtime.collectives import TORCH_COLLECTIVES, apply_step, shard_tensor, start_step
     from rhino.runtime.groups import build_groups
     from rhino.sharding.placement import ReduceOp
     from rhino.sharding.steps import AllGather, AllReduce, ReduceScatter
@@ -209,7 +209,7 @@ def _rank_main(ctx, graph_json, plans, state, batch):
         rp = resolve(graph, ShardingPlan.from_json(plan_json))
         mesh = rp.plan.mesh
         groups = build_groups(mesh)
-        set_context(mesh, ctx.rank, groups)
+        set_context(mesh, ctx.rank, groups, TORCH_COLLECTIVES)
         names = [i.name for i in graph.inputs if i.role is not Role.BATCH]
         bl = [shard_tensor(batch[int(i.name.split("/")[1])], rp.value[i.value], mesh, ctx.rank)
               for i in graph.inputs if i.role is Role.BATCH]
@@ -279,12 +279,13 @@ def test_gloo_overlapped_equals_blocking_bit_for_bit_and_one_device():
 def test_released_inputs_free_the_old_state_during_the_update():
     from rhino.lower.overlap import release_inputs
     from rhino.lower.spmd_ops import set_context
+    from rhino.runtime.collectives import TORCH_COLLECTIVES
     from rhino.runtime.groups import MeshGroups
     cap = _cap("mlp", torch.float32, inputs=256, hidden=512, layers=6, batch=8)
     rp = resolve(cap.graph, preset_plan(cap.graph, parse_strategy("dp=1")))
     prog = lower_rank(rp, 0, overlap=True)
     boxed = release_inputs(prog)
-    set_context(rp.plan.mesh, 0, MeshGroups(rp.plan.mesh, 0, [[((0,), None)]]))
+    set_context(rp.plan.mesh, 0, MeshGroups(rp.plan.mesh, 0, [[((0,), None)]]), TORCH_COLLECTIVES)
     state = cap.initial_state()
     names = [i.name for i in cap.graph.inputs if i.role is not Role.BATCH]
     batch = list(cap.workload.batch)

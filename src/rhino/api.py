@@ -5,6 +5,7 @@
     est = rhino.estimate(cap, "8xA100-80G", strategy="dp=2,tp=4")
     plan, report = rhino.plan(cap, "8xA100-80G", level="O1")
     mem = rhino.memory_plan(cap, level="O1")                           # one device: operator order + arena layout
+    rep = rhino.memory_report(cap, level="O1", execute=True)          # the same, aligned, checked and executed
     result = rhino.train("examples/gpt.py", nproc=2, strategy="dp=2", steps=20)   # local processes
     trainer = rhino.Trainer("examples/gpt.py", strategy="dp=2")   # one rank, e.g. inside torchrun
     loss = trainer.step()
@@ -26,7 +27,8 @@ from .cost.estimate import Estimate
 from .runtime.trainer import Trainer, TrainResult, train
 from .sharding.plan import ShardingPlan
 
-__all__ = ["capture_step", "estimate", "plan", "memory_plan", "Trainer", "TrainResult", "train", "ShardingPlan"]
+__all__ = ["capture_step", "estimate", "plan", "plan_and_run", "memory_plan", "memory_report", "Trainer",
+           "TrainResult", "train", "ShardingPlan"]
 
 
 def capture_step(workload, dtype: torch.dtype | None = None) -> Captured:
@@ -65,6 +67,30 @@ def plan(cap: Captured, cluster: str, *, level: str = "O1", time_limit: float = 
     return plan_workload(_graph(cap), parse_cluster(cluster), level=level, time_limit=time_limit, presets=presets)
 
 
+def plan_and_run(cap: Captured, cluster: str = "cpu:4", *, level: str = "O2", time_limit: float = 10.0,
+                 steps: int = 2, workload: str = "", status=None) -> dict:
+    """Search a plan for a local CPU cluster (``cpu:N``), run it on N local processes for ``steps`` steps and
+    compare every rank with one device (``runtime.run.run_plan``). Returns {"ok", "cluster", "mesh", "nproc",
+    "max_abs_diff", "first_mismatch", "step_seconds" (predicted), "best_preset", "preset_seconds",
+    "search_seconds", "source"}; ``status`` gets one line before each stage."""
+    from .runtime.run import run_plan
+    from .search.planning import plan_workload
+    say = status or (lambda message: None)
+    c = parse_cluster(cluster)
+    if c.device.name != "cpu" or c.nodes != 1:
+        raise ValueError(f"the plan runs on local processes: give a cluster like cpu:4, not {c}")
+    say(f"planning for {c} ...")
+    plan, report = plan_workload(_graph(cap), c, level=level, time_limit=time_limit, workload=workload)
+    say(f"running the plan on {c.world} processes ...")
+    r = run_plan(cap, plan, c.world, steps)
+    d = report.to_dict()
+    bp = d["best_preset"] or {}
+    return {"ok": r.ok, "cluster": str(c), "mesh": r.mesh, "nproc": r.nproc, "max_abs_diff": r.max_abs_diff,
+            "first_mismatch": r.first_mismatch, "step_seconds": d["step_seconds"],
+            "best_preset": bp.get("strategy"), "preset_seconds": bp.get("step_seconds", float("nan")),
+            "search_seconds": d["search_seconds"], "source": d["source"]}
+
+
 def memory_plan(cap: Captured, *, level: str = "O1", time_limit: float = 60.0):
     """One device's memory plan (ROAM): an operator order and an arena offset per tensor; ``.height`` is the
     arena's peak bytes, ``.valid`` the layout validator's verdict."""
@@ -73,3 +99,31 @@ def memory_plan(cap: Captured, *, level: str = "O1", time_limit: float = 60.0):
     problem, _ = problem_from_graph(_graph(cap))
     problem.validate()
     return plan_memory(problem, level=level, time_limit=time_limit)
+
+
+def memory_report(cap: Captured, *, level: str = "O2", time_limit: float = 60.0, execute: bool = False,
+                  name: str = "", progress=None, status=None):
+    """What ``rhino memory`` reports: one device's memory plan (``memory_plan``) with offsets aligned for the
+    arena executor, checked independently (order and layout), and with ``execute`` one step run in the
+    planned arena and compared with plain PyTorch (``lower.arena.compare_arena_step``). Returns a
+    ``memory.step_report.StepMemoryReport`` (``.ok``, ``.to_dict()``). ``progress`` gets the solver's
+    messages, ``status`` one line before each stage."""
+    from .check import ATOL, RTOL
+    from .memory.from_graph import problem_from_graph
+    from .memory.step_report import plan_step_memory
+    say = status or (lambda message: None)
+    if execute and cap.workload.on_meta:
+        raise ValueError("the workload builds its model on the meta device, which holds no data; plan without "
+                         "execute, or build the workload on a real device to execute it")
+    problem, mapping = problem_from_graph(cap.graph, name=name)
+    problem.validate()
+    say(f"planning {len(problem.ops)} ops, {len(problem.tensors)} tensors at {level} "
+        f"(time limit {time_limit:g} s) ...")
+    report = plan_step_memory(problem, mapping, workload=name, level=level, time_limit=time_limit,
+                              progress=progress)
+    if execute:
+        from .lower.arena import compare_arena_step
+        say("executing one step in the arena and in plain PyTorch ...")
+        report.execute = compare_arena_step(cap.graph, problem, mapping, report.plan, cap.initial_state,
+                                            cap.workload.batch, RTOL, ATOL)
+    return report

@@ -44,7 +44,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 
-from .workload import Workload, WorkloadError, _validate, default_dtype, load_workload
+from .workload import Workload, WorkloadError, validate_workload, default_dtype, load_workload
 
 __all__ = ["Deferred", "DeferredInitError", "load_deferred", "record"]
 
@@ -411,7 +411,7 @@ def load_deferred(workload, dtype: torch.dtype | None = None) -> tuple[Workload,
         with default_dtype(dtype):
             result = call(workload)
         name = getattr(workload, "__name__", "workload")
-        w = _validate(result, Path("<in memory>"), name)
+        w = validate_workload(result, Path("<in memory>"), name)
     else:
         raise ValueError(f"load_deferred takes a FILE[:FUNC] spec or a function, not a {type(workload).__name__}")
     return _to_meta(w, box["log"])

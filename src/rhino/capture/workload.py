@@ -11,7 +11,7 @@ from typing import Callable
 
 import torch
 
-__all__ = ["Workload", "WorkloadError", "load_workload", "parse_spec", "default_dtype", "DTYPES"]
+__all__ = ["Workload", "WorkloadError", "load_workload", "validate_workload", "parse_spec", "default_dtype", "DTYPES"]
 
 # ``--dtype`` names: the default dtype a workload is built under (float64 makes exactness checks sharp).
 DTYPES = {"float32": torch.float32, "float64": torch.float64}
@@ -95,7 +95,7 @@ def _load(spec: str, call: Callable | None = None) -> Workload:
         result = call(fn) if call is not None else fn()
     except Exception as exc:  # noqa: BLE001 -- user code: report where it failed, then stop
         raise WorkloadError(f"{path}:{func}() failed: {_where(exc, path)}") from None
-    w = _validate(result, path, func)
+    w = validate_workload(result, path, func)
     data = getattr(module, "batches", None)
     if data is not None and not callable(data):
         raise WorkloadError(f"{path}: batches must be a function returning an iterator of batches, "
@@ -110,7 +110,8 @@ def _where(exc: BaseException, path: Path) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{loc}"
 
 
-def _validate(result, path: Path, func: str) -> Workload:
+def validate_workload(result, path: Path, func: str) -> Workload:
+    """What a workload function returned -> ``Workload``; a ``WorkloadError`` sentence for each mistake."""
     where = f"{path}:{func}()"
     if not isinstance(result, (tuple, list)) or len(result) != 4:
         got = f"a {type(result).__name__}" + (f" of length {len(result)}" if isinstance(result, (tuple, list)) else "")

@@ -54,23 +54,13 @@ def run(args) -> int:
 
 
 def _plan_and_run(cap, args) -> dict:
+    from ..api import plan_and_run
     from ..cost.cluster import parse_cluster
-    from ..runtime.run import run_plan
-    from ..search.planning import plan_workload
     cluster = parse_cluster(args.cluster)
     if cluster.device.name != "cpu" or cluster.nodes != 1:
         raise ValueError(f"rhino demo runs the plan on local processes: give a cluster like cpu:4, not {cluster}")
-    status(f"planning for {cluster} ...", not args.json)
-    plan, report = plan_workload(cap.graph, cluster, level="O2", time_limit=args.time_limit,
-                                 workload=args.workload)
-    status(f"running the plan on {cluster.world} processes ...", not args.json)
-    r = run_plan(cap, plan, cluster.world, 2)
-    d = report.to_dict()
-    bp = d["best_preset"] or {}
-    return {"ok": r.ok, "cluster": str(cluster), "mesh": r.mesh, "nproc": r.nproc, "max_abs_diff": r.max_abs_diff,
-            "first_mismatch": r.first_mismatch, "step_seconds": d["step_seconds"],
-            "best_preset": bp.get("strategy"), "preset_seconds": bp.get("step_seconds", float("nan")),
-            "search_seconds": d["search_seconds"], "source": d["source"]}
+    return plan_and_run(cap, args.cluster, time_limit=args.time_limit, workload=args.workload,
+                        status=lambda m: status(m, not args.json))
 
 
 def _mb(n: int) -> str:

@@ -5,14 +5,12 @@ from pathlib import Path
 
 from ..capture import capture, load_workload
 from ..cost.cluster import parse_cluster
-from ..cost.estimate import Estimate, estimate, estimate_strategy
+from ..cost.estimate import estimate, estimate_strategy
 from ..cost.machine_profile import load_profile
 from ..cost.pipeline import Schedule
 from ..cost.step import StepOptions
 from ..sharding.plan import ShardingPlan
 from .common import emit_json, quiet_warnings, status
-
-_CATEGORIES = ("params", "gradients", "optimizer", "activations", "temporaries", "buffers", "batch", "updated_state")
 
 
 def add_parser(sub) -> None:
@@ -59,36 +57,5 @@ def run(args) -> int:
     if args.json:
         emit_json({"ok": True, "capture_seconds": round(cap.seconds, 3), **est.to_dict()})
     else:
-        print(render(est))
+        print(est.text())
     return 0
-
-
-def _b(n: float) -> str:
-    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= k:
-            return f"{n / k:.2f} {unit}"
-    return f"{int(n)} B"
-
-
-def _t(s: float) -> str:
-    return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.3f} s"
-
-
-def render(e: Estimate) -> str:
-    mesh = " ".join(f"{k}={v}" for k, v in e.mesh.items())
-    lines = [f"estimate {e.strategy} on {e.cluster} (mesh {mesh}"
-             + (f", {e.microbatches} micro-batches, {e.schedule}" if e.microbatches > 1 else "")
-             + (f", recompute={e.recompute}" if e.recompute != "none" else "") + ")",
-             f"  step time      {_t(e.step_seconds)} = compute {_t(e.compute_seconds)} + exposed communication "
-             f"{_t(e.comm_seconds)} + pipeline bubble {_t(e.bubble_seconds)}",
-             f"  throughput     {e.tflops_per_device:.2f} TFLOP/s per device (model FLOPs), MFU {e.mfu:.1%}"
-             + (f"; {e.hardware_tflops_per_device:.2f} TFLOP/s with recomputation" if e.recompute != "none" else ""),
-             f"  communication  {_t(e.comm_total_seconds)} in all"
-             + (": " + ", ".join(f"{k} x{v}" for k, v in sorted(e.collectives.items())) if e.collectives else "")]
-    mem = e.memory_bytes
-    split = ", ".join(f"{k} {_b(mem[k])}" for k in _CATEGORIES if mem.get(k))
-    lines.append(f"  memory/device  peak {_b(mem['peak'])} of {_b(e.capacity_bytes)}: "
-                 f"{'fits' if e.fits else 'DOES NOT FIT'}")
-    lines.append(f"                 at the peak: {split}")
-    lines += [f"  note: {n}" for n in e.notes]
-    return "\n".join(lines)

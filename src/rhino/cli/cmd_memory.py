@@ -1,9 +1,10 @@
 """``rhino memory FILE[:FUNC] [--level O1|O2] [--time-limit S] [--execute] [--report DIR] [--json]``.
 
-Captures the step (fake/meta tensors: nothing is allocated), turns it into a memory problem
-(``memory.from_graph``), plans an operator order and an arena layout (``memory.plan.plan_memory``) and
-prints the four baselines next to Rhino's peak. ``--execute`` runs one step with the arena executor
-(``lower.arena``) and compares it with the plain single-device program; ``--report DIR`` writes PNGs.
+Captures the step (fake/meta tensors: nothing is allocated) and calls ``rhino.api.memory_report``: a memory
+problem (``memory.from_graph``), an operator order and an arena layout (``memory.plan.plan_memory``),
+aligned and checked (``memory.step_report``); prints the four baselines next to Rhino's peak. ``--execute``
+runs one step with the arena executor and compares it with the plain single-device program
+(``lower.arena.compare_arena_step``); ``--report DIR`` writes PNGs.
 Peaks count the arena only (the step's tensors); the state (parameters, optimizer state, buffers) lives
 outside it and is printed on its own line.
 """
@@ -13,7 +14,6 @@ import time
 from pathlib import Path
 
 from ..capture import capture, load_workload
-from ..memory.from_graph import problem_from_graph
 from .common import emit_json, quiet_warnings, status
 
 LEVELS = ("O1", "O2")
@@ -68,112 +68,18 @@ def run(args) -> int:
     status(f"capturing {args.workload} ...", show)
     with quiet_warnings():
         cap = capture(w)
-    problem, mapping = problem_from_graph(cap.graph, name=args.workload)
-    problem.validate()
-    status(f"planning {len(problem.ops)} ops, {len(problem.tensors)} tensors at {args.level} "
-           f"(time limit {args.time_limit:g} s) ...", show)
-    from ..memory.plan import plan_memory
-    plan = plan_memory(problem, level=args.level, time_limit=args.time_limit, progress=_Progress(show))
-    realigned = _align(problem, mapping, plan)
-    check = _check(problem, plan)
-
-    result = {
-        "ok": bool(plan.valid and check is None),
-        "workload": args.workload,
-        "ops": len(problem.ops),
-        "tensors": len(problem.tensors),
-        "level": args.level,
-        "pytorch_live_peak_bytes": int(plan.pytorch_live_peak),
-        "pytorch_peak_bytes": int(plan.pytorch_peak),
-        "bestfit_peak_bytes": int(plan.bestfit_peak),
-        "heuristic_peak_bytes": int(plan.heuristic_peak),
-        "rhino_peak_bytes": int(plan.height),
-        "lower_bound_bytes": int(plan.lower_bound),
-        "solve_seconds": round(float(plan.solve_seconds), 3),
-        "valid": bool(plan.valid and check is None),
-        "source": getattr(plan, "source", ""),
-        "state_bytes": mapping.state_bytes,
-        "param_bytes": mapping.param_bytes,
-        "inplace_state_updates": len(mapping.inplace),
-        "realigned": realigned,
-        "reduction": {k: _reduction(plan.height, getattr(plan, attr)) for k, attr in _BASELINES},
-    }
-    if check is not None:
-        result["invalid_reason"] = check
-    if args.execute:
-        status("executing one step in the arena and in plain PyTorch ...", show)
-        result["execute"] = _execute(cap, problem, mapping, plan)
-        result["ok"] = result["ok"] and result["execute"]["equal"] and result["execute"]["arena_equals_plan"]
+    from ..api import memory_report
+    rep = memory_report(cap, level=args.level, time_limit=args.time_limit, execute=args.execute,
+                        name=args.workload, progress=_Progress(show), status=lambda m: status(m, show))
+    result = rep.to_dict()
     if report is not None:
         report.mkdir(parents=True, exist_ok=True)
-        result["report"] = [str(p) for p in write_report(problem, plan, report)]
+        result["report"] = [str(p) for p in write_report(rep.problem, rep.plan, report)]
     if args.json:
         emit_json(result)
     else:
         _print_table(result)
     return 0 if result["ok"] else 1
-
-
-_BASELINES = (("pytorch_live", "pytorch_live_peak"), ("pytorch", "pytorch_peak"), ("bestfit", "bestfit_peak"),
-              ("heuristic", "heuristic_peak"))
-
-
-def _reduction(ours: int, base: int) -> float:
-    return round(1.0 - ours / base, 4) if base > 0 else 0.0
-
-
-def _align(problem, mapping, plan) -> bool:
-    """Offsets the executor can use: each a multiple of ``mapping.align`` (re-placed if not; never higher)."""
-    from ..memory.from_graph import aligned_offsets
-    if all(plan.offsets.get(t, 0) % mapping.align == 0 for t, x in problem.tensors.items() if x.size):
-        return False
-    plan.offsets, height = aligned_offsets(problem, plan.order, plan.offsets, mapping.align)
-    plan.valid = plan.valid and height <= plan.height  # aligning never raises the arena; the check reports it
-    plan.height = max(height, plan.height)
-    return True
-
-
-def _check(problem, plan) -> str | None:
-    """Independent check of the plan: the order (``check_order``) and the layout (``validate_layout``)."""
-    from ..memory.layout import validate_layout
-    from ..memory.problem import buffers
-    from ..memory.simulate import check_order
-    try:
-        check_order(problem, plan.order)
-    except ValueError as exc:
-        return f"order: {exc}"
-    errors = validate_layout(buffers(problem, plan.order), plan.offsets, capacity=plan.height)
-    return f"layout: {errors[0]}" if errors else None
-
-
-def _execute(cap, problem, mapping, plan) -> dict:
-    import torch
-
-    from ..check import ATOL, RTOL
-    from ..lower import StepProgram
-    from ..lower.arena import ArenaProgram
-    arena = ArenaProgram(cap.graph, problem, mapping, plan.order, plan.offsets, plan.height, debug=True)
-    ref = StepProgram(cap.graph)
-    s_ref, s_arena = cap.initial_state(), cap.initial_state()
-    batch = cap.workload.batch
-    torch.manual_seed(0)
-    loss_ref = ref.step(s_ref, batch)
-    torch.manual_seed(0)
-    loss_arena = arena.step(s_arena, batch)
-    pairs = [("loss", loss_ref, loss_arena)] + [(k, s_ref[k], s_arena[k]) for k in s_ref]
-    max_diff, equal, bitwise = 0.0, True, True
-    for _, a, b in pairs:
-        if a.numel() == 0:
-            continue
-        a64, b64 = a.double(), b.double()
-        max_diff = max(max_diff, float((a64 - b64).abs().max()))
-        equal = equal and bool(torch.allclose(a64, b64, rtol=RTOL, atol=ATOL, equal_nan=True))
-        bitwise = bitwise and bool(torch.equal(a, b))
-    st = arena.stats
-    return {"equal": equal, "bitwise": bitwise, "max_abs_diff": max_diff, "arena_bytes": st.arena_bytes,
-            "arena_equals_plan": st.arena_bytes == plan.height, "out_variant_ops": st.out_variant,
-            "copied_ops": st.copied, "view_ops": st.views, "view_copies": st.view_copies,
-            "inplace_state": st.inplace_state, "loss": float(loss_arena)}
 
 
 def _print_table(r: dict) -> None:

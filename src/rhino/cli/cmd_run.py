@@ -5,7 +5,7 @@ from pathlib import Path
 
 from ..capture import DTYPES, capture, default_dtype, load_workload
 from ..runtime.launch import RankFailedError
-from ..sharding.plan import ShardingPlan, resolve
+from ..sharding.plan import resolve
 from ..sharding.presets import parse_strategy, preset_plan
 from .common import emit_json, quiet_warnings, status, write_atomic
 
@@ -36,7 +36,8 @@ def run(args) -> int:
 
 def _run(args) -> int:
     from ..runtime.launch import in_torchrun
-    plan = _load_plan(args.plan) if args.plan else None
+    from ..runtime.trainer import load_plan_file
+    plan = load_plan_file(args.plan) if args.plan else None
     if args.nproc is None and plan is not None and not in_torchrun():
         args.nproc = plan.mesh.world
     if args.nproc is None:
@@ -68,11 +69,7 @@ def _run(args) -> int:
     if in_torchrun() and int(__import__("os").environ.get("RANK", "0")) != 0:
         return 0 if r.ok else 1  # rank 0 reports for the job
     if args.json:
-        emit_json({"ok": r.ok, "max_abs_diff": r.max_abs_diff, "mesh": r.mesh, "nproc": r.nproc, "steps": r.steps,
-                   "comm_bytes_per_step": r.comm_bytes_per_step, "collectives_per_step": r.collectives_per_step,
-                   "losses": r.losses, "reference_losses": r.reference_losses,
-                   "first_mismatch": r.first_mismatch, "state_bytes_per_rank": r.local_state_bytes,
-                   "seconds": round(r.seconds, 2)})
+        emit_json(r.to_dict())
     elif r.ok:
         print(f"run OK: nproc={r.nproc} mesh={r.mesh} steps={r.steps} max_abs_diff={r.max_abs_diff:.3g} "
               f"comm_bytes_per_step={r.comm_bytes_per_step}")
@@ -81,28 +78,10 @@ def _run(args) -> int:
     return 0 if r.ok else 1
 
 
-def _load_plan(path_text: str) -> ShardingPlan:
-    path = Path(path_text)
-    if not path.is_file():
-        raise ValueError(f"plan file {path_text!r} does not exist; make one with rhino plan ... --out {path_text}")
-    return ShardingPlan.from_json(path.read_text())
-
-
 def _emit(cap, rp, directory: str) -> None:
-    """Each rank's programs as Python: ``rank{r}.py``; with micro-batches ``rank{r}_grad_first.py`` (the
-    first micro-batch), ``rank{r}_grad.py`` (the later ones, accumulating) and ``rank{r}_update.py``."""
-    from ..runtime.rank_step import RankStep, microbatch_graph
+    """Each rank's programs as Python files in ``directory`` (``runtime.rank_step.rank_program_sources``)."""
+    from ..runtime.rank_step import rank_program_sources
     out = Path(directory)
     out.mkdir(parents=True, exist_ok=True)
-    m = rp.plan.microbatches
-    micro = microbatch_graph(cap, m) if m > 1 else None
-    for rank in range(rp.plan.mesh.world):
-        progs = RankStep(cap.graph, rp.plan, rank, micro_graph=micro).programs
-        names = [""] if m == 1 else ["_grad_first", "_grad", "_update"]
-        for suffix, prog in zip(names, progs):
-            header = (f"# Rhino per-rank program: rank {rank} of mesh {rp.plan.mesh} "
-                      f"(coordinates {rp.plan.mesh.coords(rank)})\n"
-                      f"# strategy: {rp.plan.strategy_string or 'plan file'}; communication per run: "
-                      f"{prog.comm_bytes} bytes, collectives {prog.collectives}\n"
-                      f"# redistribute(x, kind, mesh_axis, ...) is rhino.lower.spmd_ops.redistribute.\n")
-            write_atomic(out / f"rank{rank}{suffix}.py", header + prog.module.code)
+    for name, text in rank_program_sources(cap, rp.plan).items():
+        write_atomic(out / name, text)

@@ -106,19 +106,8 @@ def _report(r, as_json: bool) -> None:
 
 
 def _default_nproc(args) -> int:
-    if args.plan:
-        from ..sharding.plan import ShardingPlan
-        from pathlib import Path
-        if not Path(args.plan).is_file():
-            raise ValueError(f"plan file {args.plan!r} does not exist; make one with rhino plan ... --out {args.plan}")
-        return ShardingPlan.from_json(Path(args.plan).read_text()).mesh.world
-    if args.strategy:
-        from ..sharding.presets import mesh_for, parse_strategy
-        return mesh_for(parse_strategy(args.strategy)).world
-    if args.cluster:
-        from ..cost.cluster import parse_cluster
-        return parse_cluster(args.cluster).world
-    return 1
+    from ..runtime.trainer import plan_world
+    return plan_world(args.plan, args.strategy, args.cluster)
 
 
 def _run_torchrun(args) -> int:

@@ -73,6 +73,43 @@ class Estimate:
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
+    def text(self) -> str:
+        """The ``rhino estimate`` table: step time split, throughput, communication, memory at the peak."""
+        mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items())
+        lines = [f"estimate {self.strategy} on {self.cluster} (mesh {mesh}"
+                 + (f", {self.microbatches} micro-batches, {self.schedule}" if self.microbatches > 1 else "")
+                 + (f", recompute={self.recompute}" if self.recompute != "none" else "") + ")",
+                 f"  step time      {_t(self.step_seconds)} = compute {_t(self.compute_seconds)} + exposed "
+                 f"communication {_t(self.comm_seconds)} + pipeline bubble {_t(self.bubble_seconds)}",
+                 f"  throughput     {self.tflops_per_device:.2f} TFLOP/s per device (model FLOPs), MFU {self.mfu:.1%}"
+                 + (f"; {self.hardware_tflops_per_device:.2f} TFLOP/s with recomputation"
+                    if self.recompute != "none" else ""),
+                 f"  communication  {_t(self.comm_total_seconds)} in all"
+                 + (": " + ", ".join(f"{k} x{v}" for k, v in sorted(self.collectives.items()))
+                    if self.collectives else "")]
+        mem = self.memory_bytes
+        split = ", ".join(f"{k} {_b(mem[k])}" for k in _CATEGORIES if mem.get(k))
+        lines.append(f"  memory/device  peak {_b(mem['peak'])} of {_b(self.capacity_bytes)}: "
+                     f"{'fits' if self.fits else 'DOES NOT FIT'}")
+        lines.append(f"                 at the peak: {split}")
+        lines += [f"  note: {n}" for n in self.notes]
+        return "\n".join(lines)
+
+
+# the memory categories ``Estimate.text`` lists at the peak, in this order
+_CATEGORIES = ("params", "gradients", "optimizer", "activations", "temporaries", "buffers", "batch", "updated_state")
+
+
+def _b(n: float) -> str:
+    for unit, k in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= k:
+            return f"{n / k:.2f} {unit}"
+    return f"{int(n)} B"
+
+
+def _t(s: float) -> str:
+    return f"{s * 1e3:.3f} ms" if s < 1 else f"{s:.3f} s"
+
 
 def matmul_dtype(graph: Graph) -> str:
     """The ``peak_flops`` key of the graph's matmuls (the dtype most of its matmul FLOPs use)."""

@@ -36,9 +36,10 @@ from ..ir.registry import OpKind, lookup
 from ..memory.from_graph import GraphMemory
 from ..memory.problem import MemProblem, TensorKind, lifetimes
 from ..memory.simulate import check_order
+from .execute import StepProgram
 from .fx import constant_tensor, convert_arg, resolve_op
 
-__all__ = ["ArenaProgram", "ArenaStats", "out_overload"]
+__all__ = ["ArenaProgram", "ArenaStats", "out_overload", "compare_arena_step"]
 
 
 @dataclass
@@ -352,3 +353,31 @@ class _Guard:
             if a is not None:
                 arena[a:b].fill_(0xFF)
 
+
+def compare_arena_step(graph: Graph, problem: MemProblem, mapping: GraphMemory, plan, initial_state,
+                       batch: tuple, rtol: float, atol: float) -> dict:
+    """One step in the planned arena (``ArenaProgram``, debug checks on) against the plain single-device
+    program (``StepProgram``) on the same seed, each from a fresh ``initial_state()``: whether the loss and
+    every state tensor agree (``allclose`` at ``rtol``/``atol``, and bitwise), the largest difference, and the
+    arena's statistics (``arena_equals_plan``: it used exactly the planned height)."""
+    arena = ArenaProgram(graph, problem, mapping, plan.order, plan.offsets, plan.height, debug=True)
+    ref = StepProgram(graph)
+    s_ref, s_arena = initial_state(), initial_state()
+    torch.manual_seed(0)
+    loss_ref = ref.step(s_ref, batch)
+    torch.manual_seed(0)
+    loss_arena = arena.step(s_arena, batch)
+    pairs = [("loss", loss_ref, loss_arena)] + [(k, s_ref[k], s_arena[k]) for k in s_ref]
+    max_diff, equal, bitwise = 0.0, True, True
+    for _, a, b in pairs:
+        if a.numel() == 0:
+            continue
+        a64, b64 = a.double(), b.double()
+        max_diff = max(max_diff, float((a64 - b64).abs().max()))
+        equal = equal and bool(torch.allclose(a64, b64, rtol=rtol, atol=atol, equal_nan=True))
+        bitwise = bitwise and bool(torch.equal(a, b))
+    st = arena.stats
+    return {"equal": equal, "bitwise": bitwise, "max_abs_diff": max_diff, "arena_bytes": st.arena_bytes,
+            "arena_equals_plan": st.arena_bytes == plan.height, "out_variant_ops": st.out_variant,
+            "copied_ops": st.copied, "view_ops": st.views, "view_copies": st.view_copies,
+            "inplace_state": st.inplace_state, "loss": float(loss_arena)}

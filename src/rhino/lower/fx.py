@@ -10,7 +10,7 @@ import torch.fx
 from ..ir.graph import Graph, Ref
 from ..ir.types import Device, DType, Layout, MemoryFormat
 
-__all__ = ["lower", "resolve_op", "convert_arg", "add_constants", "emit_node"]
+__all__ = ["lower", "resolve_op", "convert_arg", "add_constants", "emit_node", "py_name"]
 
 
 def resolve_op(op: str) -> torch._ops.OpOverload:
@@ -22,7 +22,8 @@ def resolve_op(op: str) -> torch._ops.OpOverload:
         raise ValueError(f"op {op} does not exist in this PyTorch build") from None
 
 
-def _py_name(name: str) -> str:
+def py_name(name: str) -> str:
+    """``name`` as a Python identifier (what the emitted code calls the value)."""
     safe = re.sub(r"\W", "_", name)
     return safe if not safe[:1].isdigit() else "_" + safe
 
@@ -62,7 +63,7 @@ def add_constants(graph: Graph, root: torch.nn.Module, fg: torch.fx.Graph, env: 
 def emit_node(fg: torch.fx.Graph, node, op: str, args, kwargs, env: dict) -> None:
     """Call ``op`` for an IR node and bind its outputs (through getitem for tuple results) in ``env``."""
     call = fg.call_function(resolve_op(op), tuple(args), kwargs)
-    call.name = _py_name(node.name)
+    call.name = py_name(node.name)
     if node.multi:
         for i, vid in enumerate(node.outputs):
             if vid is not None:
@@ -81,7 +82,7 @@ def lower(graph: Graph, device: torch.device | str = "cpu") -> torch.fx.GraphMod
     fg = torch.fx.Graph()
     env: dict[int, torch.fx.Node] = {}
     for inp in graph.inputs:
-        env[inp.value] = fg.placeholder(_py_name(inp.name))
+        env[inp.value] = fg.placeholder(py_name(inp.name))
     add_constants(graph, root, fg, env, device)
     for node in graph.nodes:
         conv = lambda a: convert_arg(a, lambda r: env[r.id], device)  # noqa: E731

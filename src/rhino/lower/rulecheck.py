@@ -34,7 +34,7 @@ from ..sharding.placement import Partial, local_shape
 from ..sharding.plan import PlanError, ShardingPlan, node_shardings, resolve
 from ..sharding.rules import PASS, StrategyError, candidate_letters, partial_inputs
 from .fx import resolve_op
-from .simulate_spmd import _lockstep
+from .simulate_spmd import lockstep
 from .spmd import lower_rank
 
 __all__ = ["RuleResult", "RecordedCall", "record_call", "strategies", "check_strategy", "check_call",
@@ -198,7 +198,7 @@ def check_strategy(call: RecordedCall, mesh: Mesh, strategy: tuple, seed: int = 
             for r, piece in enumerate(simulate.shard(_np(t), rp.value[inp.value], mesh, seed + k)):
                 locs[r].append(torch.from_numpy(np.array(piece)))
         progs = [lower_rank(rp, r) for r in range(world)]
-        envs, _ = _lockstep(progs, locs, mesh)
+        envs, _ = lockstep(progs, locs, mesh)
     except (StrategyError, PlanError, ValueError, RuntimeError, IndexError, TypeError, AssertionError) as exc:
         return RuleResult(call.op, mesh.sizes, tuple(strategy), False, float("inf"), f"{type(exc).__name__}: {exc}")
     worst, ok, error = 0.0, True, ""

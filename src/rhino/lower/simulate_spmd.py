@@ -16,9 +16,10 @@ from ..sharding import simulate
 from ..sharding.plan import ResolvedPlan
 from .fx import constant_tensor, convert_arg, resolve_op
 from .spmd import lower_rank
-from .spmd_ops import _step, redistribute, start, wait
+from .spmd_ops import redistribute, start, step_from_args, wait
 
-__all__ = ["simulate_ranks", "simulate_training", "first_divergence", "run_single_values", "simulate_peak_bytes"]
+__all__ = ["simulate_ranks", "simulate_training", "first_divergence", "run_single_values", "simulate_peak_bytes",
+           "lockstep"]
 
 
 def _to_np(t: torch.Tensor) -> np.ndarray:
@@ -35,7 +36,7 @@ def simulate_training(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: t
                       overlap=False) -> dict:
     """``steps`` sharded steps in one process: {"losses" (rank 0's per step), "rank_losses" (each rank's),
     "final" (global state, assembled), "local" (each rank's own state tensors by input name), "held" (rank 0
-    bytes), "peaks" (each rank's peak of live tensor bytes in the first step, see ``_lockstep``)}."""
+    bytes), "peaks" (each rank's peak of live tensor bytes in the first step, see ``lockstep``)}."""
     peaks = [0] * rp.plan.mesh.world
     rank_losses: list[list[float]] = [[] for _ in range(rp.plan.mesh.world)]
     envs, progs, losses, local = simulate_ranks(rp, state, batch, steps, return_state=True, peaks=peaks,
@@ -75,7 +76,7 @@ def simulate_ranks(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tupl
     state_names = [i.name for i in graph.inputs if i.role is not Role.BATCH]
     for step in range(steps):
         held = [[local[r][n] for n in state_names] for r in range(world)]
-        envs, outs = _lockstep(progs, [[local[r][n] for n in names] for r in range(world)], mesh,
+        envs, outs = lockstep(progs, [[local[r][n] for n in names] for r in range(world)], mesh,
                                peaks if step == 0 else None, held)
         losses.append(float(outs[0][0]))
         for r in range(world if rank_losses is not None else 0):
@@ -109,7 +110,7 @@ def _storage_bytes(values) -> int:
     return sum(seen.values())
 
 
-def _lockstep(progs, inputs, mesh, peaks: list[int] | None = None, held=None):
+def lockstep(progs, inputs, mesh, peaks: list[int] | None = None, held=None):
     """Run all ranks node by node. With ``peaks`` (one int per rank), record each rank's peak bytes of
     distinct storages alive while a node runs: values still needed later, the node's result and
     ``held[r]`` (what ``runtime.measure.LiveBytesMeter`` counts in a real run)."""
@@ -138,7 +139,7 @@ def _lockstep(progs, inputs, mesh, peaks: list[int] | None = None, held=None):
             for r in range(world):
                 envs[r][nodes[r][i].name] = getattr(progs[r].module, nodes[r][i].target)
         elif n0.op == "call_function" and n0.target is start:   # overlapped program: a bucket, at once
-            step = _step(*n0.args[1:])
+            step = step_from_args(*n0.args[1:])
             results = [[] for _ in range(world)]
             for k, x0 in enumerate(n0.args[0]):
                 dtype = envs[0][x0.name].dtype
@@ -154,7 +155,7 @@ def _lockstep(progs, inputs, mesh, peaks: list[int] | None = None, held=None):
         elif n0.op == "call_function" and n0.target is redistribute:
             dtype = envs[0][nodes[0][i].args[0].name].dtype
             xs = [_to_np(envs[r][nodes[r][i].args[0].name]) for r in range(world)]
-            step = _step(*n0.args[1:])
+            step = step_from_args(*n0.args[1:])
             ys = simulate.apply_step(xs, step, mesh)
             for r in range(world):
                 envs[r][nodes[r][i].name] = _from_np(ys[r], dtype)

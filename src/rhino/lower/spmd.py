@@ -20,7 +20,7 @@ from ..sharding.plan import ResolvedPlan
 from ..sharding.redistribute import comm_bytes, plan_redistribution
 from ..sharding.steps import is_communication
 from ..ir.modules import value_blocks
-from .fx import _py_name, add_constants, convert_arg, emit_node
+from .fx import py_name, add_constants, convert_arg, emit_node
 from ..ir.registry import Lowering, SizeArg, SizeRule, annotate, call_of, lookup
 from ..sharding.rules import PASS, split_letter
 from .spmd_custom import emit_custom
@@ -172,9 +172,9 @@ def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu", 
     cache: dict[tuple, torch.fx.Node] = {}
     stats = {"bytes": 0, "collectives": {}}
     for name, vid in part.inputs:
-        env[vid] = fg.placeholder(_py_name(name))
+        env[vid] = fg.placeholder(py_name(name))
         env[vid].meta["rhino_name"] = name       # the state input's name (lower.overlap's gather buckets)
-    accumulators = {vid: fg.placeholder(_py_name(name)) for name, vid in part.accumulate}
+    accumulators = {vid: fg.placeholder(py_name(name)) for name, vid in part.accumulate}
     add_constants(graph, root, fg, env, device)
     blocks = value_blocks(graph)
 

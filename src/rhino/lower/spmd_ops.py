@@ -1,11 +1,18 @@
 """The functions a per-rank program calls for communication. The runtime sets the context (mesh,
-rank, process groups) once; the emitted code names each step and its parameters, e.g.
+rank, process groups, collectives) once; the emitted code names each step and its parameters, e.g.
 ``redistribute(x, 'AllGather', 1, 0, 3)`` = all-gather dim 0 (3 blocks) along mesh axis 1.
 
 Overlapped programs (``lower.overlap``) split a communication step into ``start([x, ...], kind, axis,
 *params)``, which issues it on one or more tensors (a bucket) and returns a handle, and ``wait(handle)``,
-which returns the list of results; ``COMM_KINDS`` are the step kinds that communicate."""
+which returns the list of results; ``COMM_KINDS`` are the step kinds that communicate.
+
+The collectives themselves are injected: ``set_context`` receives a ``Collectives`` (the runtime passes
+``runtime.collectives.TORCH_COLLECTIVES``, on ``torch.distributed``), so ``lower/`` never imports
+``runtime/``."""
 from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 
@@ -14,15 +21,28 @@ from ..sharding.placement import ReduceOp
 from ..sharding.steps import (AllGather, AllReduce, AllToAll, LocalScale, LocalSlice, ReduceScatter, Step,
                               ZeroUnlessFirst)
 
-__all__ = ["set_context", "redistribute", "step_args", "start", "wait", "COMM_KINDS"]
+__all__ = ["Collectives", "set_context", "redistribute", "step_args", "step_from_args", "start", "wait",
+           "COMM_KINDS"]
 
 COMM_KINDS = frozenset({"AllReduce", "ReduceScatter", "AllGather", "AllToAll"})
 
 _CTX: dict = {}
 
 
-def set_context(mesh: Mesh, rank: int, groups, native: bool | None = None) -> None:
-    _CTX.update(mesh=mesh, rank=rank, groups=groups, native=native)
+@dataclass(frozen=True)
+class Collectives:
+    """The communication a per-rank program calls: ``apply(x, step, mesh, rank, groups, native=...)``
+    returns this rank's result of one step; ``start(xs, step, mesh, rank, groups, native=...)`` issues it on
+    a bucket and returns a handle whose ``wait()`` gives the results."""
+
+    apply: Callable
+    start: Callable
+
+
+def set_context(mesh: Mesh, rank: int, groups, collectives: Collectives, native: bool | None = None) -> None:
+    """What ``redistribute`` and ``start`` run on in this process: the mesh, this rank, its process groups
+    and the collective implementation."""
+    _CTX.update(mesh=mesh, rank=rank, groups=groups, collectives=collectives, native=native)
 
 
 def step_args(step: Step) -> tuple:
@@ -44,7 +64,8 @@ def step_args(step: Step) -> tuple:
     raise ValueError(f"unknown step {step!r}")
 
 
-def _step(kind: str, axis: int, *p) -> Step:
+def step_from_args(kind: str, axis: int, *p) -> Step:
+    """The inverse of ``step_args``."""
     if kind == "AllReduce":
         return AllReduce(axis, ReduceOp(p[0]))
     if kind == "ReduceScatter":
@@ -62,17 +83,23 @@ def _step(kind: str, axis: int, *p) -> Step:
     raise ValueError(f"unknown step kind {kind!r}")
 
 
+def _collectives() -> Collectives:
+    if "collectives" not in _CTX:
+        raise RuntimeError("a per-rank program communicated before set_context(mesh, rank, groups, collectives) "
+                           "was called in this process")
+    return _CTX["collectives"]
+
+
 def redistribute(x: torch.Tensor, kind: str, axis: int, *params) -> torch.Tensor:
-    from ..runtime.collectives import apply_step
-    return apply_step(x, _step(kind, axis, *params), _CTX["mesh"], _CTX["rank"], _CTX["groups"],
-                      native=_CTX.get("native"))
+    """One communication step on ``x`` (this rank's result), e.g. ``redistribute(x, 'AllGather', 1, 0, 3)``."""
+    return _collectives().apply(x, step_from_args(kind, axis, *params), _CTX["mesh"], _CTX["rank"],
+                                _CTX["groups"], native=_CTX.get("native"))
 
 
 def start(xs: list, kind: str, axis: int, *params):
     """Issue one communication step on every tensor of ``xs`` (one bucket); ``wait`` the handle."""
-    from ..runtime.collectives import start_step
-    return start_step(list(xs), _step(kind, axis, *params), _CTX["mesh"], _CTX["rank"], _CTX["groups"],
-                      native=_CTX.get("native"))
+    return _collectives().start(list(xs), step_from_args(kind, axis, *params), _CTX["mesh"], _CTX["rank"],
+                                _CTX["groups"], native=_CTX.get("native"))
 
 
 def wait(handle) -> list:

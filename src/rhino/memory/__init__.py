@@ -14,6 +14,7 @@ _LAZY = {
     "OptLevel": "order", "OrderOptions": "order", "OrderResult": "order", "least_peak_order": "order",
     "order_ops": "order", "program_order": "order", "rule_order": "order",
     "MemoryPlan": "plan", "plan_memory": "plan",
+    "StepMemoryReport": "step_report", "plan_step_memory": "step_report",
     "Buffer": "layout", "GreedyOrder": "layout", "LayoutResult": "layout", "greedy_layout": "layout",
     "LayoutStatus": "layout", "lower_bound": "layout", "solve_layout": "layout", "validate_layout": "layout",
 }

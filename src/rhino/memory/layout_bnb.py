@@ -233,7 +233,7 @@ class _Tree:
 
     @property
     def nodes(self) -> int:
-        return int(self.st[core._NODES])
+        return int(self.st[core.ST_NODES])
 
     @property
     def sol(self) -> np.ndarray:
@@ -247,10 +247,10 @@ class _Tree:
         top[:] = 0
         out_left[:], total[:], cuts[:] = self.init
         rank[:] = np.arange(self.n)
-        nodes = self.st[core._NODES]
+        nodes = self.st[core.ST_NODES]
         self.st[:] = 0
-        self.st[core._NODES] = nodes
-        self.st[[core._PA, core._PB, core._PSUB, core._PLK]] = a, b, 1, -1
+        self.st[core.ST_NODES] = nodes
+        self.st[[core.ST_PART_A, core.ST_PART_B, core.ST_PART_SUB, core.ST_PART_LINK]] = a, b, 1, -1
 
     def resume(self, limit: int) -> int:
         """Run until ``limit`` nodes in all (then LIMIT) or the end of the part."""

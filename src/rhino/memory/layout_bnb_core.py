@@ -44,6 +44,9 @@ _SEARCH, _FORCED, _SPLIT = 0, 1, 2
 _ACT, _PA, _PB, _PSUB, _PLO, _PLK, _PSIG = 0, 1, 2, 3, 4, 5, 6
 _DEPTH, _TL, _CT, _PT, _NODES, _RETV, _MT, _TT, _RT = 7, 8, 9, 10, 11, 12, 13, 14, 15
 ST_SIZE = 16
+# the slots the driver (layout_bnb.py) reads and sets: nodes searched, the part [a, b) of the sections, its
+# sub-part flag and link
+ST_NODES, ST_PART_A, ST_PART_B, ST_PART_SUB, ST_PART_LINK = _NODES, _PA, _PB, _PSUB, _PLK
 
 _BIG = np.int64(1) << 62
 _K1 = np.uint64(0xBF58476D1CE4E5B9)

@@ -205,38 +205,53 @@ def _update_groups(g: IndexedProblem, member: Sequence[bool]) -> list[int]:
 
 def _rules(g: IndexedProblem, base: Sequence[int], constants_late: bool, updates_early: bool,
            by_role: bool = True) -> list[int]:
-    n = g.n
-    prio = g.positions(base)
-    floating = g.floating() if constants_late else [False] * n
-    if by_role:
-        upd = [updates_early and g.role[i] is OpRole.OPTIMIZER and not floating[i] for i in range(n)]
-    else:
-        spine = g.spine()
-        upd = [updates_early and not spine[i] and not floating[i] for i in range(n)]
-    group = _update_groups(g, upd)
-    members: dict[int, list[int]] = {}
-    for i in sorted(range(n), key=prio.__getitem__):
-        if group[i] >= 0:
-            members.setdefault(group[i], []).append(i)
-    crossover = 0
-    if updates_early and g.loss >= 0:
-        crossover = g.profile(base)[prio[g.loss]]
-    tr = _Tracker(g)
-    # floating predecessors run on demand (right before their first reader), so they do not gate readiness
-    indeg = [sum(not floating[p] for p in g.preds[i]) for i in range(n)]
-    ext = {gid: sum(1 for i in ops for p in g.preds[i] if not floating[p] and group[p] != gid)
-           for gid, ops in members.items()}  # unfinished outside predecessors of each update
-    heap: list[tuple[int, int]] = []  # ready non-floating ops by base position
-    pending: list[tuple[int, int, int]] = []  # (rise, base position, group) of updates whose inputs exist
+    """ROAM's rules (``constants_late``, ``updates_early``) as a list schedule that follows ``base``
+    elsewhere; ``by_role``: an update is a group of OPTIMIZER ops, else of the ops off the spine."""
+    return _RuleScheduler(g, base, constants_late, updates_early, by_role).run()
 
-    def pending_floating(i: int, also: set[int] | None = None) -> list[int]:
+
+class _RuleScheduler:
+    """The list scheduler of ``_rules``. Ready non-floating ops run by base position; a weight update
+    whose outside inputs all exist is *pending* and runs whole as soon as its rise over the live bytes
+    keeps it at or below ``max(crossover, peak so far)``; floating ops run right before their first reader."""
+
+    def __init__(self, g: IndexedProblem, base: Sequence[int], constants_late: bool, updates_early: bool,
+                 by_role: bool) -> None:
+        n = g.n
+        self.g = g
+        self.prio = g.positions(base)
+        self.floating = g.floating() if constants_late else [False] * n
+        self.group = _update_groups(g, self._update_members(updates_early, by_role))
+        self.members: dict[int, list[int]] = {}
+        for i in sorted(range(n), key=self.prio.__getitem__):
+            if self.group[i] >= 0:
+                self.members.setdefault(self.group[i], []).append(i)
+        self.crossover = g.profile(base)[self.prio[g.loss]] if updates_early and g.loss >= 0 else 0
+        self.tr = _Tracker(g)
+        floating, group = self.floating, self.group
+        # floating predecessors run on demand (right before their first reader), so they do not gate readiness
+        self.indeg = [sum(not floating[p] for p in g.preds[i]) for i in range(n)]
+        self.ext = {gid: sum(1 for i in ops for p in g.preds[i] if not floating[p] and group[p] != gid)
+                    for gid, ops in self.members.items()}  # unfinished outside predecessors of each update
+        self.heap: list[tuple[int, int]] = []  # ready non-floating ops by base position
+        self.pending: list[tuple[int, int, int]] = []  # (rise, base position, group) of updates whose inputs exist
+
+    def _update_members(self, updates_early: bool, by_role: bool) -> list[bool]:
+        g, floating = self.g, self.floating
+        if by_role:
+            return [updates_early and g.role[i] is OpRole.OPTIMIZER and not floating[i] for i in range(g.n)]
+        spine = g.spine()
+        return [updates_early and not spine[i] and not floating[i] for i in range(g.n)]
+
+    def pending_floating(self, i: int, also: set[int] | None = None) -> list[int]:
         """Floating ancestors of ``i`` not yet run, in a topological order (earliest base position first)."""
+        g, prio, floating, done = self.g, self.prio, self.floating, self.tr.done
         out: list[int] = []
         seen: set[int] = set() if also is None else also
 
         def visit(u: int) -> None:
             for p in sorted(g.preds[u], key=prio.__getitem__):
-                if floating[p] and not tr.done[p] and p not in seen:
+                if floating[p] and not done[p] and p not in seen:
                     seen.add(p)
                     visit(p)
                     out.append(p)
@@ -244,9 +259,10 @@ def _rules(g: IndexedProblem, base: Sequence[int], constants_late: bool, updates
         visit(i)
         return out
 
-    def group_sequence(gid: int) -> list[int]:
+    def group_sequence(self, gid: int) -> list[int]:
         """The update's remaining ops (with their floating inputs), in a topological order."""
-        left = [i for i in members[gid] if not tr.done[i]]
+        g, prio = self.g, self.prio
+        left = [i for i in self.members[gid] if not self.tr.done[i]]
         inside = set(left)
         deg = {i: sum(1 for p in g.preds[i] if p in inside) for i in left}
         ready = [(prio[i], i) for i in left if deg[i] == 0]
@@ -255,7 +271,7 @@ def _rules(g: IndexedProblem, base: Sequence[int], constants_late: bool, updates
         seen: set[int] = set()
         while ready:
             i = heapq.heappop(ready)[1]
-            seq.extend(pending_floating(i, seen))
+            seq.extend(self.pending_floating(i, seen))
             seq.append(i)
             for s_ in g.succs[i]:
                 if s_ in inside:
@@ -264,8 +280,9 @@ def _rules(g: IndexedProblem, base: Sequence[int], constants_late: bool, updates
                         heapq.heappush(ready, (prio[s_], s_))
         return seq
 
-    def rise(seq: list[int]) -> int:
+    def rise(self, seq: list[int]) -> int:
         """How far above the current live bytes running ``seq`` now would go."""
+        g, tr = self.g, self.tr
         rem: dict[int, int] = {}
         cur = top = 0
         for i in seq:
@@ -279,62 +296,75 @@ def _rules(g: IndexedProblem, base: Sequence[int], constants_late: bool, updates
             cur -= tr.unused_out[i]
         return top
 
-    def release(i: int) -> None:
-        if floating[i]:
-            return
-        for s_ in g.succs[i]:
-            indeg[s_] -= 1
-            if indeg[s_] == 0 and not floating[s_]:
-                heapq.heappush(heap, (prio[s_], s_))
-            gid = group[s_]
-            if gid >= 0 and group[i] != gid:
-                ext[gid] -= 1
-                if ext[gid] == 0:
-                    heapq.heappush(pending, (rise(group_sequence(gid)), prio[members[gid][0]], gid))
+    def queue_update(self, gid: int) -> None:
+        """Group ``gid``'s outside inputs all exist: it waits in ``pending`` for room under the threshold."""
+        heapq.heappush(self.pending, (self.rise(self.group_sequence(gid)), self.prio[self.members[gid][0]], gid))
 
-    def emit(i: int) -> None:
-        if tr.done[i]:
+    def release(self, i: int) -> None:
+        if self.floating[i]:
             return
-        for f in pending_floating(i):
-            tr.run(f)
-            release(f)
-        tr.run(i)
-        release(i)
+        for s_ in self.g.succs[i]:
+            self.indeg[s_] -= 1
+            if self.indeg[s_] == 0 and not self.floating[s_]:
+                heapq.heappush(self.heap, (self.prio[s_], s_))
+            gid = self.group[s_]
+            if gid >= 0 and self.group[i] != gid:
+                self.ext[gid] -= 1
+                if self.ext[gid] == 0:
+                    self.queue_update(gid)
 
-    for i in range(n):
-        if indeg[i] == 0 and not floating[i]:
-            heapq.heappush(heap, (prio[i], i))
-    for gid, e in ext.items():
-        if e == 0:
-            heapq.heappush(pending, (rise(group_sequence(gid)), prio[members[gid][0]], gid))
-    while True:
-        if pending:  # the earliest (in base order) update that fits under the threshold runs now
-            limit = max(crossover, tr.peak)
-            best = None
-            for k, (r, p, gid) in enumerate(pending):
-                if tr.live + r <= limit and (best is None or p < pending[best][1]):
-                    best = k
-            if best is not None:
-                r, p, gid = pending[best]
-                pending[best] = pending[-1]
-                pending.pop()
-                heapq.heapify(pending)
-                seq = group_sequence(gid)
-                if tr.live + rise(seq) <= limit:
-                    for i in seq:
-                        emit(i)
-                elif seq:
-                    heapq.heappush(pending, (rise(seq), p, gid))
+    def emit(self, i: int) -> None:
+        if self.tr.done[i]:
+            return
+        for f in self.pending_floating(i):
+            self.tr.run(f)
+            self.release(f)
+        self.tr.run(i)
+        self.release(i)
+
+    def run_fitting_update(self) -> bool:
+        """Run the earliest (in base order) pending update that fits under the threshold now; False when
+        none fits."""
+        pending, tr = self.pending, self.tr
+        limit = max(self.crossover, tr.peak)
+        best = None
+        for k, (r, p, gid) in enumerate(pending):
+            if tr.live + r <= limit and (best is None or p < pending[best][1]):
+                best = k
+        if best is None:
+            return False
+        r, p, gid = pending[best]
+        pending[best] = pending[-1]
+        pending.pop()
+        heapq.heapify(pending)
+        seq = self.group_sequence(gid)
+        if tr.live + self.rise(seq) <= limit:
+            for i in seq:
+                self.emit(i)
+        elif seq:
+            heapq.heappush(pending, (self.rise(seq), p, gid))
+        return True
+
+    def run(self) -> list[int]:
+        g, heap, tr = self.g, self.heap, self.tr
+        for i in range(g.n):
+            if self.indeg[i] == 0 and not self.floating[i]:
+                heapq.heappush(heap, (self.prio[i], i))
+        for gid, e in self.ext.items():
+            if e == 0:
+                self.queue_update(gid)
+        while True:
+            if self.pending and self.run_fitting_update():
                 continue
-        while heap and tr.done[heap[0][1]]:
-            heapq.heappop(heap)
-        if not heap:
-            break
-        emit(heapq.heappop(heap)[1])
-    for i in sorted(range(n), key=prio.__getitem__):  # floating ops nothing else needs
-        emit(i)
-    assert len(tr.order) == n and g.is_topological(tr.order)
-    return tr.order
+            while heap and tr.done[heap[0][1]]:
+                heapq.heappop(heap)
+            if not heap:
+                break
+            self.emit(heapq.heappop(heap)[1])
+        for i in sorted(range(g.n), key=self.prio.__getitem__):  # floating ops nothing else needs
+            self.emit(i)
+        assert len(tr.order) == g.n and g.is_topological(tr.order)
+        return tr.order
 
 
 def _sink_late(g: IndexedProblem, order: list[int], max_passes: int = 20) -> list[int]:

@@ -23,9 +23,9 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from .allocator import simulate_allocator
+from .allocator import AllocatorStats, simulate_allocator
 from .layout import Buffer, GreedyOrder, greedy_layout, solve_layout, validate_layout
-from .order import OptLevel, OrderOptions, least_peak_order, order_ops, program_order
+from .order import OptLevel, OrderOptions, OrderResult, least_peak_order, order_ops, program_order
 from .problem import MemProblem, OpRole, buffers, lifetimes
 from .simulate import check_order, replay
 
@@ -123,31 +123,72 @@ def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_l
         if progress:
             progress(msg)
 
-    # baselines
-    prog = program_order(problem)
-    pt_live = replay(problem, prog).peak
-    alloc = simulate_allocator(problem, prog)
-    prog_bufs = buffers(problem, prog)
-    bf_offsets = greedy_layout(prog_bufs, order=GreedyOrder.SIZE)
-    bf_height = _height(prog_bufs, bf_offsets)
-    heu_order = least_peak_order(problem)
-    heu_bufs = buffers(problem, heu_order)
-    heu_offsets = greedy_layout(heu_bufs, order=GreedyOrder.LONG_LIVED_FIRST)
-    heu_height = _height(heu_bufs, heu_offsets)
-    t_base = time.perf_counter() - t0
-    say(f"baselines: PyTorch {pt_live:,} B live, {alloc.peak_reserved:,} B reserved; best-fit {bf_height:,} B; "
-        f"heuristic {heu_height:,} B")
+    base = _Baselines.of(problem)
+    say(f"baselines: PyTorch {base.pytorch_live:,} B live, {base.alloc.peak_reserved:,} B reserved; best-fit "
+        f"{base.bestfit.height:,} B; heuristic {base.heuristic.height:,} B")
 
     # 1. order
     share = time_limit * 0.5 if level is OptLevel.O2 else time_limit
-    res = order_ops(problem, level, opts, time_limit=max(0.0, share - (time.perf_counter() - t0)), progress=progress)
-    order = res.order
-    bufs = buffers(problem, order)
-    order_peak = res.peak
-    say(f"order: peak {order_peak:,} B ({res.source}, {res.seconds:.1f}s); layout ...")
+    res: OrderResult = order_ops(problem, level, opts, time_limit=max(0.0, share - (time.perf_counter() - t0)), progress=progress)
+    say(f"order: peak {res.peak:,} B ({res.source}, {res.seconds:.1f}s); layout ...")
 
     # 2. layout
     t_layout = time.perf_counter()
+    ours = _layout(problem, res, level, opts, t0 + time_limit, time_limit, say, progress)
+    t_layout = time.perf_counter() - t_layout
+
+    # 3. never worse than the baselines
+    best = min((ours, base.heuristic, base.bestfit), key=lambda c: c.height)  # ties: Rhino's, then the order here
+    return _checked_plan(problem, best, res, base, level, t0, t_layout, say)
+
+
+@dataclass
+class _Candidate:
+    """An order with its buffers and a layout of them; ``source``: "rhino" or the baseline's name; ``how``:
+    which layout won."""
+
+    source: str
+    order: list[int]
+    bufs: list[Buffer]
+    offsets: dict[int, int]
+    height: int
+    how: str
+
+
+@dataclass
+class _Baselines:
+    """PyTorch's program order (its live peak and the caching-allocator simulation), best-fit (program order,
+    greedy by size) and ROAM's heuristic baseline (least-peak-first order, long-lived-first layout)."""
+
+    pytorch_live: int
+    alloc: AllocatorStats
+    bestfit: _Candidate
+    heuristic: _Candidate
+    seconds: float
+
+    @staticmethod
+    def of(problem: MemProblem) -> _Baselines:
+        t0 = time.perf_counter()
+        prog = program_order(problem)
+        pt_live = replay(problem, prog).peak
+        alloc = simulate_allocator(problem, prog)
+        prog_bufs = buffers(problem, prog)
+        bf_offsets = greedy_layout(prog_bufs, order=GreedyOrder.SIZE)
+        heu_order = least_peak_order(problem)
+        heu_bufs = buffers(problem, heu_order)
+        heu_offsets = greedy_layout(heu_bufs, order=GreedyOrder.LONG_LIVED_FIRST)
+        bestfit = _Candidate("bestfit", prog, prog_bufs, bf_offsets, _height(prog_bufs, bf_offsets), "bestfit")
+        heuristic = _Candidate("heuristic", heu_order, heu_bufs, heu_offsets, _height(heu_bufs, heu_offsets),
+                               "heuristic")
+        return _Baselines(pt_live, alloc, bestfit, heuristic, time.perf_counter() - t0)
+
+
+def _layout(problem: MemProblem, res: OrderResult, level: OptLevel, opts: OrderOptions, deadline: float, time_limit: float,
+            say: Progress, progress: Progress | None) -> _Candidate:
+    """The lowest layout of ``res.order``'s buffers: the greedy orders, the cross-loss rule when they miss
+    the order's peak, then (O2, time permitting) ``solve_layout``."""
+    order, order_peak = res.order, res.peak
+    bufs = buffers(problem, order)
     cands: list[tuple[dict[int, int], int, str]] = []
     t_greedy = time.perf_counter()
     for go in (GreedyOrder.SIZE, GreedyOrder.LONG_LIVED_FIRST):
@@ -160,7 +201,7 @@ def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_l
             offs = stacked_layout(bufs, bottom)
             cands.append((offs, _height(bufs, offs), "cross_loss_bottom"))
     offsets, height, how = min(cands, key=lambda c: c[1])
-    left = max(0.0, time_limit - (time.perf_counter() - t0))
+    left = max(0.0, deadline - time.perf_counter())
     if level is OptLevel.O2 and height > order_peak and left < 5 * t_greedy + 0.1:
         say(f"layout: greedy {height:,} B ({how}), lower bound {order_peak:,} B; no time left for the exact "
             f"search (its greedy start alone takes about {4 * t_greedy:.0f}s)")
@@ -173,30 +214,29 @@ def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_l
             h = _height(bufs, lr.offsets)
             if h < height:
                 offsets, height, how = dict(lr.offsets), h, f"{lr.solver} ({lr.status.value})"
-    t_layout = time.perf_counter() - t_layout
+    return _Candidate("rhino", order, bufs, offsets, height, how)
 
-    # 3. never worse than the baselines
-    source = "rhino"
-    plan_order, plan_bufs = order, bufs
-    for name, o, b, offs, h in (("heuristic", heu_order, heu_bufs, heu_offsets, heu_height),
-                                ("bestfit", prog, prog_bufs, bf_offsets, bf_height)):
-        if h < height:
-            source, plan_order, plan_bufs, offsets, height, how = name, o, b, offs, h, name
+
+def _checked_plan(problem: MemProblem, best: _Candidate, res: OrderResult, base: _Baselines, level: OptLevel, t0: float,
+                  t_layout: float, say: Progress) -> MemoryPlan:
+    """The plan of candidate ``best``, checked: its order (raises if broken), its layout and its live peak."""
     full = {t: 0 for t in problem.tensors}
-    full.update(offsets)
-    check_order(problem, plan_order)  # raises on a broken order
-    errors = validate_layout(plan_bufs, offsets)
-    live_peak = replay(problem, plan_order).peak
-    valid = not errors and live_peak <= height
+    full.update(best.offsets)
+    check_order(problem, best.order)  # raises on a broken order
+    errors = validate_layout(best.bufs, best.offsets)
+    live_peak = replay(problem, best.order).peak
+    valid = not errors and live_peak <= best.height
     if not valid:
-        say(f"plan: INVALID layout ({errors[:2] or f'arena {height:,} B below the live peak {live_peak:,} B'})")
+        say(f"plan: INVALID layout ({errors[:2] or f'arena {best.height:,} B below the live peak {live_peak:,} B'})")
     secs = time.perf_counter() - t0
-    say(f"plan: arena {height:,} B (order peak {live_peak:,} B) vs PyTorch {alloc.peak_reserved:,} B, in {secs:.1f}s")
+    say(f"plan: arena {best.height:,} B (order peak {live_peak:,} B) vs PyTorch {base.alloc.peak_reserved:,} B, "
+        f"in {secs:.1f}s")
     return MemoryPlan(
-        order=list(plan_order), offsets=full, height=height, lower_bound=live_peak,
-        pytorch_live_peak=pt_live, pytorch_peak=alloc.peak_reserved, bestfit_peak=bf_height,
-        heuristic_peak=heu_height, solve_seconds=secs, valid=valid, level=level.value, source=source,
-        order_source=res.source if source == "rhino" else source, layout_source=how,
-        order_lower_bound=res.lower_bound, pytorch_peak_allocated=alloc.peak_allocated,
-        stats={"baseline_seconds": t_base, "order_seconds": res.seconds, "layout_seconds": t_layout,
+        order=list(best.order), offsets=full, height=best.height, lower_bound=live_peak,
+        pytorch_live_peak=base.pytorch_live, pytorch_peak=base.alloc.peak_reserved,
+        bestfit_peak=base.bestfit.height, heuristic_peak=base.heuristic.height, solve_seconds=secs, valid=valid,
+        level=level.value, source=best.source,
+        order_source=res.source if best.source == "rhino" else best.source, layout_source=best.how,
+        order_lower_bound=res.lower_bound, pytorch_peak_allocated=base.alloc.peak_allocated,
+        stats={"baseline_seconds": base.seconds, "order_seconds": res.seconds, "layout_seconds": t_layout,
                "windows": res.windows, "windows_improved": res.improved})

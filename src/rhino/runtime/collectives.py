@@ -42,9 +42,10 @@ from ..sharding.mesh import Mesh
 from ..sharding.placement import Partial, ReduceOp, Replicate, Shard, Sharding, local_shape
 from ..sharding.steps import (AllGather, AllReduce, AllToAll, LocalScale, LocalSlice, ReduceScatter,
                               Step, ZeroUnlessFirst, is_communication)
+from ..lower.spmd_ops import Collectives
 from .groups import MeshGroups
 
-__all__ = ["NATIVE_BACKENDS", "apply_step", "start_step", "Pending", "all_reduce_tensor", "shard_tensor", "gather_tensor", "slice_piece",
+__all__ = ["NATIVE_BACKENDS", "TORCH_COLLECTIVES", "apply_step", "start_step", "Pending", "all_reduce_tensor", "shard_tensor", "gather_tensor", "slice_piece",
            "join_pieces"]
 
 NATIVE_BACKENDS = frozenset({"nccl", "gloo"})
@@ -394,3 +395,7 @@ def start_step(tensors: list[torch.Tensor], step: Step, mesh: Mesh, rank: int, g
             return _start_all_to_all(tensors[0], step, group, n)
     done = [apply_step(t, step, mesh, rank, groups, native=native) for t in tensors]
     return Pending(None, lambda: done)
+
+
+# what a per-rank program's ``redistribute`` / ``start`` run on (``lower.spmd_ops.set_context``)
+TORCH_COLLECTIVES = Collectives(apply=apply_step, start=start_step)

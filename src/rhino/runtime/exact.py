@@ -15,7 +15,7 @@ import torch
 
 from ..capture import Captured, default_dtype
 from ..ir.graph import Role
-from ..lower.simulate_spmd import _lockstep
+from ..lower.simulate_spmd import lockstep
 from ..sharding.plan import ShardingPlan, resolve
 from .collectives import shard_tensor
 from .compare import Tolerance, state_dtype
@@ -67,7 +67,7 @@ def simulate_rank_steps(rank_steps: list[RankStep], states: list[dict], batches:
                 held = [list(states[r].values()) + ([] if rank_steps[r].microbatches == 1
                                                     else list(locs[r]) + list(phase[r][1])) for r in range(world)]
                 phase_peaks = [0] * world if step == 0 else None
-                _, outs = _lockstep([p for p, _ in phase], [a for _, a in phase], mesh, phase_peaks, held)
+                _, outs = lockstep([p for p, _ in phase], [a for _, a in phase], mesh, phase_peaks, held)
                 del phase, held
                 if phase_peaks is not None:
                     peaks = [max(a, b) for a, b in zip(peaks, phase_peaks)]

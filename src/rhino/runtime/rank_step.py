@@ -47,7 +47,7 @@ from ..cost.remat import remat, remat_plan
 from ..sharding.placement import Partial, ReduceOp, replicated
 from ..sharding.plan import PlanError, ResolvedPlan, ShardingPlan, resolve
 
-__all__ = ["RankStep", "microbatch_graph", "same_structure", "with_recompute", "Executor"]
+__all__ = ["RankStep", "microbatch_graph", "same_structure", "with_recompute", "Executor", "rank_program_sources"]
 
 #: runs one program on its arguments and returns its outputs (``RankStep.run`` calls the module; the
 #: lockstep simulation runs every rank's program together)
@@ -271,3 +271,24 @@ class RankStep:
             return outs
         loss = self.run_with(local_state, local_batch, execute)
         return loss, peak[0]
+
+
+def rank_program_sources(cap: Captured, plan: ShardingPlan) -> dict[str, str]:
+    """Each rank's programs as Python source, by file name: ``rank{r}.py``; with micro-batches
+    ``rank{r}_grad_first.py`` (the first micro-batch), ``rank{r}_grad.py`` (the later ones, accumulating) and
+    ``rank{r}_update.py``. Each starts with a comment naming the rank, its mesh coordinates and its
+    communication per run."""
+    m = plan.microbatches
+    micro = microbatch_graph(cap, m) if m > 1 else None
+    names = [""] if m == 1 else ["_grad_first", "_grad", "_update"]
+    out = {}
+    for rank in range(plan.mesh.world):
+        progs = RankStep(cap.graph, plan, rank, micro_graph=micro).programs
+        for suffix, prog in zip(names, progs):
+            header = (f"# Rhino per-rank program: rank {rank} of mesh {plan.mesh} "
+                      f"(coordinates {plan.mesh.coords(rank)})\n"
+                      f"# strategy: {plan.strategy_string or 'plan file'}; communication per run: "
+                      f"{prog.comm_bytes} bytes, collectives {prog.collectives}\n"
+                      f"# redistribute(x, kind, mesh_axis, ...) is rhino.lower.spmd_ops.redistribute.\n")
+            out[f"rank{rank}{suffix}.py"] = header + prog.module.code
+    return out

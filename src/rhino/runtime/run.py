@@ -11,7 +11,7 @@ from ..capture import Captured
 from ..ir.graph import Graph, Role
 from ..lower.spmd_ops import set_context
 from ..sharding.plan import ResolvedPlan, ShardingPlan, resolve
-from .collectives import shard_tensor
+from .collectives import TORCH_COLLECTIVES, shard_tensor
 from .compare import Tolerance, compare_ranks, reference_run, tolerance_for
 from .groups import build_groups
 from .launch import in_torchrun, launch, run_from_env
@@ -37,6 +37,14 @@ class RunResult:
     step_seconds: list[float] = field(default_factory=list)   # per step, slowest rank (measure=True)
     peak_live_bytes: list[int] = field(default_factory=list)  # per rank, first step (measure=True)
 
+    def to_dict(self) -> dict:
+        """The ``rhino run --json`` object."""
+        return {"ok": self.ok, "max_abs_diff": self.max_abs_diff, "mesh": self.mesh, "nproc": self.nproc,
+                "steps": self.steps, "comm_bytes_per_step": self.comm_bytes_per_step,
+                "collectives_per_step": self.collectives_per_step, "losses": self.losses,
+                "reference_losses": self.reference_losses, "first_mismatch": self.first_mismatch,
+                "state_bytes_per_rank": self.local_state_bytes, "seconds": round(self.seconds, 2)}
+
 
 def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, steps: int, timeout_s: float,
                measure: bool = False, micro_json: str | None = None, overlap: bool = False):
@@ -45,7 +53,7 @@ def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, 
     rp = resolve(graph, plan)
     mesh = plan.mesh
     groups = build_groups(mesh, timeout_s)
-    set_context(mesh, ctx.rank, groups)
+    set_context(mesh, ctx.rank, groups, TORCH_COLLECTIVES)
     step_fn = RankStep(graph, plan, ctx.rank, ctx.device, overlap=overlap,
                        micro_graph=Graph.from_json(micro_json) if micro_json else None)
     local = {inp.name: shard_tensor(state[inp.name].to(ctx.device), rp.value[inp.value], mesh, ctx.rank)

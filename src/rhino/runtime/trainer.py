@@ -31,14 +31,14 @@ from ..capture import Captured, Workload, capture, default_dtype, load_workload
 from ..ir.graph import Role
 from ..sharding.plan import ShardingPlan, resolve
 from ..sharding.presets import parse_strategy, preset_plan
-from .collectives import gather_tensor
+from .collectives import TORCH_COLLECTIVES, gather_tensor
 from .data import batch_stream, check_batch, rank_batch, samples_in
 from .groups import build_groups
 from .launch import current_context, in_torchrun, init_from_env, launch, shutdown
 from ..lower.spmd_ops import set_context
 
 __all__ = ["Trainer", "TrainResult", "train", "train_torchrun", "train_rank", "summarize", "peak_rss_bytes",
-           "check_checkpointing"]
+           "load_plan_file", "plan_world", "check_checkpointing"]
 
 # Steps left out of the median step time: the first steps pay one-time costs (allocator growth, lazy
 # initialisation of collectives). Chosen from runs of the examples: step 1 is 1.5-3x later ones, step 2 not.
@@ -86,7 +86,7 @@ class Trainer:
         self.rp = resolve(self.cap.graph, self.plan)
         self.microbatches = getattr(self.plan, "microbatches", 1)
         self.groups = build_groups(self.plan.mesh, timeout_s)
-        set_context(self.plan.mesh, self.rank, self.groups)
+        set_context(self.plan.mesh, self.rank, self.groups, TORCH_COLLECTIVES)
         say(f"materialising rank {self.rank}'s shards ...")
         self.state = self._local_state()
         say("lowering the per-rank programs ...")
@@ -165,7 +165,7 @@ class Trainer:
         batch = check_batch(self.cap.graph, self.next_batch() if batch is None else batch,
                             f"the batch of step {self.steps_done + 1}")
         local = rank_batch(batch, self.rp, self.rank, self.microbatches, self.device)
-        set_context(self.plan.mesh, self.rank, self.groups)   # another trainer in this process may have set its own
+        set_context(self.plan.mesh, self.rank, self.groups, TORCH_COLLECTIVES)   # another trainer in this process may have set its own
         loss = self.program.run(self.state, local)
         self.steps_done += 1
         return float(loss)
@@ -338,6 +338,26 @@ def check_checkpointing(checkpoint, every: int, resume: bool) -> None:
         if found is not None:           # a later --resume would mix this run's checkpoints with that one's
             raise ValueError(f"checkpoint directory {checkpoint} already holds {found.name}; resume it (--resume) "
                              f"or choose an empty directory")
+
+
+def load_plan_file(path: str | Path) -> ShardingPlan:
+    """A plan file written by ``rhino plan --out``; a ValueError naming it when it does not exist."""
+    if not Path(path).is_file():
+        raise ValueError(f"plan file {str(path)!r} does not exist; make one with rhino plan ... --out {path}")
+    return ShardingPlan.from_json(Path(path).read_text())
+
+
+def plan_world(plan: str | Path | None = None, strategy: str | None = None, cluster: str | None = None) -> int:
+    """The device count of a plan file, else of a strategy string, else of a cluster; 1 with none of them."""
+    if plan is not None:
+        return load_plan_file(plan).mesh.world
+    if strategy is not None:
+        from ..sharding.presets import mesh_for
+        return mesh_for(parse_strategy(strategy)).world
+    if cluster is not None:
+        from ..cost.cluster import parse_cluster
+        return parse_cluster(cluster).world
+    return 1
 
 
 def _check_world(nproc: int, plan, strategy, cluster) -> None:

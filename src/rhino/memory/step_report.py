@@ -1,0 +1,119 @@
+"""One training step's memory plan with its independent checks: what ``rhino memory`` prints.
+
+``plan_step_memory(problem, mapping)`` plans the problem of a captured step (``from_graph.problem_from_graph``)
+with ``plan.plan_memory``, makes the offsets usable by the arena executor (each a multiple of
+``mapping.align``, re-placed if not, never higher: ``align_plan``) and checks the result independently: the
+order with ``simulate.check_order`` and the layout with ``layout.validate_layout`` (``check_plan``). Running
+the step in the arena and comparing with plain PyTorch needs torch: ``lower.arena.compare_arena_step`` fills
+``StepMemoryReport.execute``.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .from_graph import GraphMemory, aligned_offsets
+from .layout import validate_layout
+from .order import OptLevel
+from .plan import MemoryPlan, plan_memory
+from .problem import MemProblem, buffers
+from .simulate import check_order
+
+__all__ = ["StepMemoryReport", "plan_step_memory", "align_plan", "check_plan", "BASELINES"]
+
+# (name in the report, MemoryPlan attribute): the baselines Rhino's arena is compared with
+BASELINES = (("pytorch_live", "pytorch_live_peak"), ("pytorch", "pytorch_peak"), ("bestfit", "bestfit_peak"),
+             ("heuristic", "heuristic_peak"))
+
+
+@dataclass
+class StepMemoryReport:
+    """A step's memory plan, whether its offsets were re-aligned, the independent check's verdict
+    (``invalid_reason`` is None when the order and the layout pass) and, once executed, the comparison of
+    the arena run with plain PyTorch (``execute``, see ``lower.arena.compare_arena_step``)."""
+
+    workload: str
+    level: str
+    problem: MemProblem
+    mapping: GraphMemory
+    plan: MemoryPlan
+    realigned: bool
+    invalid_reason: str | None
+    execute: dict | None = None
+
+    @property
+    def valid(self) -> bool:
+        return bool(self.plan.valid and self.invalid_reason is None)
+
+    @property
+    def ok(self) -> bool:
+        """Valid, and when executed, equal to PyTorch in an arena of exactly the planned height."""
+        ex = self.execute
+        return self.valid and (ex is None or bool(ex["equal"] and ex["arena_equals_plan"]))
+
+    def to_dict(self) -> dict:
+        """The ``rhino memory --json`` object (without ``report``, the PNG paths)."""
+        plan, mapping = self.plan, self.mapping
+        d = {
+            "ok": self.ok,
+            "workload": self.workload,
+            "ops": len(self.problem.ops),
+            "tensors": len(self.problem.tensors),
+            "level": self.level,
+            "pytorch_live_peak_bytes": int(plan.pytorch_live_peak),
+            "pytorch_peak_bytes": int(plan.pytorch_peak),
+            "bestfit_peak_bytes": int(plan.bestfit_peak),
+            "heuristic_peak_bytes": int(plan.heuristic_peak),
+            "rhino_peak_bytes": int(plan.height),
+            "lower_bound_bytes": int(plan.lower_bound),
+            "solve_seconds": round(float(plan.solve_seconds), 3),
+            "valid": self.valid,
+            "source": getattr(plan, "source", ""),
+            "state_bytes": mapping.state_bytes,
+            "param_bytes": mapping.param_bytes,
+            "inplace_state_updates": len(mapping.inplace),
+            "realigned": self.realigned,
+            "reduction": {k: reduction(plan.height, getattr(plan, attr)) for k, attr in BASELINES},
+        }
+        if self.invalid_reason is not None:
+            d["invalid_reason"] = self.invalid_reason
+        if self.execute is not None:
+            d["execute"] = self.execute
+        return d
+
+
+def reduction(ours: int, base: int) -> float:
+    """The fraction of ``base`` bytes that ``ours`` saves (0 for an empty baseline), to 4 places."""
+    return round(1.0 - ours / base, 4) if base > 0 else 0.0
+
+
+def plan_step_memory(problem: MemProblem, mapping: GraphMemory, *, workload: str = "",
+                     level: OptLevel | str = OptLevel.O2, time_limit: float = 60.0,
+                     progress: Callable[[str], None] | None = None) -> StepMemoryReport:
+    """Plan ``problem`` (``plan.plan_memory``), align its offsets for the executor and check it."""
+    plan = plan_memory(problem, level=level, time_limit=time_limit, progress=progress)
+    realigned = align_plan(problem, plan, mapping.align)
+    return StepMemoryReport(workload, OptLevel(level).value, problem, mapping, plan, realigned,
+                            check_plan(problem, plan))
+
+
+def align_plan(problem: MemProblem, plan: MemoryPlan, align: int) -> bool:
+    """Offsets the executor can use: each a multiple of ``align`` (re-placed if not; never higher). True when
+    the offsets were re-placed; a re-placement that would raise the arena marks the plan invalid."""
+    if all(plan.offsets.get(t, 0) % align == 0 for t, x in problem.tensors.items() if x.size):
+        return False
+    plan.offsets, height = aligned_offsets(problem, plan.order, plan.offsets, align)
+    plan.valid = plan.valid and height <= plan.height  # aligning never raises the arena; the check reports it
+    plan.height = max(height, plan.height)
+    return True
+
+
+def check_plan(problem: MemProblem, plan: MemoryPlan) -> str | None:
+    """Independent check of the plan: the order (``check_order``) and the layout (``validate_layout``);
+    None when both pass, else the first problem found."""
+    try:
+        check_order(problem, plan.order)
+    except ValueError as exc:
+        return f"order: {exc}"
+    errors = validate_layout(buffers(problem, plan.order), plan.offsets, capacity=plan.height)
+    return f"layout: {errors[0]}" if errors else None
