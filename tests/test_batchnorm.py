@@ -197,7 +197,8 @@ def test_cost_model_prices_two_statistics_all_reduces_per_batch_norm():
         assert costs[n.name].comm == pytest.approx(want), n.name
     priced = sum(1 for c in st.nodes if c.comm > 0 and c.kind == "")   # custom all-reduces only
     assert priced == len(bn)
-    assert st.collectives["AllReduce"] >= len(bn) + len(cap.param_names) - 2 * 8   # BN weight/bias: no gradient all-reduce
+    # the gradients (weight decay included, an optimizer node) are reduced in buckets, as the runtime does
+    assert st.collectives["AllReduce"] > len(bn) and st.comm_by_kind["gradient"] > 0
 
 
 # -- search ---------------------------------------------------------------------------------------------

@@ -86,12 +86,12 @@ def _mb(name):
 
 
 def test_the_step_splits_into_gradients_and_one_update(mlp):
-    from rhino.cost.step import optimizer_nodes
+    from rhino.ir.analysis import analyze
     from rhino.cost.accumulate import split_step
     s = split_step(mlp.graph)
     names = [n.name for n in mlp.graph.nodes]
     assert set(s.grad_nodes) | set(s.update_nodes) == set(names)
-    assert {names[i] for i in optimizer_nodes(mlp.graph)} <= set(s.update_nodes)
+    assert {names[i] for i in analyze(mlp.graph).optimizer} <= set(s.update_nodes)
     # one gradient per trained parameter, shaped like it, crosses the cut; no batch-shaped value does
     params = {mlp.graph.types[i.value].shape for i in mlp.graph.inputs if i.name in mlp.param_names}
     assert len(s.boundary) == len(mlp.param_names)

@@ -21,7 +21,8 @@ from rhino.cost.estimate import estimate
 from rhino.cost.memory import estimate_memory
 from rhino.cost.recompute import KEEP_KINDS, apply_recompute, full_segments
 from rhino.cost.remat import remat, remat_plan, remat_resolved
-from rhino.cost.step import NodeCost, loss_index
+from rhino.cost.step import NodeCost
+from rhino.ir.analysis import analyze
 from rhino.ir.registry import OpKind, is_random, lookup
 from rhino.ir.verify import verify
 from rhino.lower.simulate_spmd import simulate_peak_bytes, simulate_training
@@ -73,7 +74,7 @@ def _root_of(graph):
 def _keepable(graph, mode, cuts):
     """Forward storages the rules of cost/remat.py let the backward read from the forward (with the
     rewrite's cuts)."""
-    b = loss_index(graph)
+    b = analyze(graph).boundary
     seg = lambda i: bisect_left(cuts, i)  # noqa: E731
     root = _root_of(graph)
     made = {v: i for i, n in enumerate(graph.nodes[:b + 1]) for v in n.outputs if v is not None}
@@ -104,17 +105,17 @@ def test_transform_keeps_only_what_the_mode_keeps(name, mode):
     new, origin = remat(g, mode)
     verify(new)
     assert origin or (mode == "selective" and name == "mlp"), "nothing recomputed"  # mlp: relu reads addmm only
-    b = loss_index(g)
-    assert loss_index(new) <= b   # forward nodes only ran for the backward may go; none is added
+    b = analyze(g).boundary
+    assert analyze(new).boundary <= b   # forward nodes only ran for the backward may go; none is added
     ok, made, root = _keepable(g, mode, new.meta["recompute"]["cuts"] if origin else [])
     by_name = {n.name: n for n in g.nodes}
     position = {n.name: i for i, n in enumerate(new.nodes)}
     for i, node in enumerate(new.nodes):
         if node.name in origin:
             assert node.op == by_name[origin[node.name]].op
-            assert i > loss_index(new), f"copy {node.name} runs in the forward"
+            assert i > analyze(new).boundary, f"copy {node.name} runs in the forward"
             continue
-        if i <= loss_index(new):
+        if i <= analyze(new).boundary:
             continue
         for r in node.input_refs():   # a backward node reading a forward value reads a kept one
             if r.id in made:
@@ -139,7 +140,7 @@ def test_random_outputs_are_never_recomputed():
     dropout = [n for n in g.nodes if is_random(n.op)]
     assert len(dropout) == 4
     # every random output the backward reads is the forward's own
-    b = loss_index(new)
+    b = analyze(new).boundary
     reads = {r.id for n in new.nodes[b + 1:] for r in n.input_refs()}
     assert any(v in reads for n in dropout for v in n.outputs if v is not None)
     assert [n.name for n in new.nodes if is_random(n.op)] == [n.name for n in dropout]

@@ -4,15 +4,17 @@ A captured step computes the loss and the gradients from the batch (forward and 
 optimizer update from the gradients. With ``m`` micro-batches the first part runs ``m`` times and the
 second once, on the accumulated gradients. The cut (pure graph logic, no torch):
 
-- *update seeds*: the optimizer nodes of ``cost.step.optimizer_nodes`` (read an optimizer-state input
-  or produce a new state value) that come after the loss node (``cost.step.loss_index``); the forward
-  nodes that produce new buffer values (BatchNorm running statistics) are before it and stay in the
-  gradient part, so the buffers are carried from micro-batch to micro-batch.
+- *update seeds*: the optimizer nodes of ``ir.analysis`` (after the loss: they read optimizer state,
+  make new state, compute from what those made, or read state and feed only them, as weight decay's
+  ``g + wd * p``); the forward nodes that produce new buffer values (BatchNorm running statistics) are
+  before the loss and stay in the gradient part, so the buffers are carried from micro-batch to
+  micro-batch.
 - *update part*: the seeds, everything computed from them, and the nodes they need that do not depend
   on the batch (learning-rate and bias-correction scalars, AdamW's decayed weight), which run once.
 - *boundary values*: values the update part reads that depend on the batch: the gradients (and what the
-  gradient part computes from them before the update proper starts, e.g. ``grad + wd * p``, linear in
-  the gradient). They are accumulated as ``sum_k value_k / m``.
+  gradient part computes from them alone, reading no state, before the update proper starts). They are
+  accumulated as ``sum_k value_k / m``; weight decay reads the parameter and is an update node, so it
+  runs once on the accumulated gradient, as ``optimizer.step()`` after PyTorch's accumulation loop.
 - *gradient part*: what the loss, the boundary values and the new buffer values need (buffers updated
   outside the optimizer, e.g. BatchNorm's ``num_batches_tracked + 1``, are updated per micro-batch, as
   in PyTorch's accumulation loop). Nodes that do not depend on the batch may be in both parts (computed
@@ -22,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .step import loss_index, optimizer_nodes
+from ..ir.analysis import analyze
 from ..ir.graph import Graph, Role
 
 __all__ = ["StepSplit", "split_step", "SplitError", "accumulation_windows"]
@@ -53,12 +55,12 @@ def _batch_dependent(graph: Graph) -> set[int]:
 def split_step(graph: Graph) -> StepSplit:
     """The cut described in the module docstring."""
     nodes = graph.nodes
-    boundary_at = loss_index(graph)
-    if boundary_at < 0:
+    a = analyze(graph)
+    if a.boundary < 0:
         raise SplitError("the step has no loss node, so it cannot be cut into micro-batches")
     dep = _batch_dependent(graph)
-    producer = {v: i for i, n in enumerate(nodes) for v in n.outputs if v is not None}
-    update = {i for i in optimizer_nodes(graph) if i > boundary_at}
+    producer = a.producer
+    update = set(a.optimizer)
     start = min(update, default=len(nodes))
     for i, node in enumerate(nodes):  # everything computed from an update node
         if i not in update and any(producer.get(r.id) in update for r in node.input_refs()):

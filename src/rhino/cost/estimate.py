@@ -78,12 +78,12 @@ class Estimate:
         mesh = " ".join(f"{k}={v}" for k, v in self.mesh.items())
         lines = [f"estimate {self.strategy} on {self.cluster} (mesh {mesh}"
                  + (f", {self.microbatches} micro-batches, {self.schedule}" if self.microbatches > 1 else "")
-                 + (f", recompute={self.recompute}" if self.recompute != "none" else "") + ")",
+                 + (f", recompute={self.recompute}" if self.recompute != Recompute.NONE else "") + ")",
                  f"  step time      {_t(self.step_seconds)} = compute {_t(self.compute_seconds)} + exposed "
                  f"communication {_t(self.comm_seconds)} + pipeline bubble {_t(self.bubble_seconds)}",
                  f"  throughput     {self.tflops_per_device:.2f} TFLOP/s per device (model FLOPs), MFU {self.mfu:.1%}"
                  + (f"; {self.hardware_tflops_per_device:.2f} TFLOP/s with recomputation"
-                    if self.recompute != "none" else ""),
+                    if self.recompute != Recompute.NONE else ""),
                  f"  communication  {_t(self.comm_total_seconds)} in all"
                  + (": " + ", ".join(f"{k} x{v}" for k, v in sorted(self.collectives.items()))
                     if self.collectives else "")]

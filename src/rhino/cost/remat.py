@@ -4,11 +4,11 @@
 are recomputed in the backward pass instead of kept, as ``cost.recompute`` defines the modes; the
 per-rank programs run ``graph'`` (``lower_rank`` on ``remat_plan``'s plan) and the cost model prices
 ``graph'`` (``cost.recompute.remat_effect``: the same liveness estimate on the transformed program). It lives in
-``cost/``, not ``ir/``: it needs the loss boundary and node roles (``cost.step``), the activation
-spans (``cost.memory``), and imports only point down the pipeline.
+``cost/``, not ``ir/``: it needs the activation spans (``cost.memory``), and imports only point down the
+pipeline; storages, views and the loss boundary are ``ir.analysis``'s.
 
-Formulation. Forward nodes are ``0..b`` (``b``: the loss node, ``cost.step.loss_index``); every node
-after ``b`` (backward and optimizer, ``cost.step.optimizer_nodes``) is a *reader*. The forward is
+Formulation. Forward nodes are ``0..b`` (``b``: the loss node, ``ir.analysis``); every node
+after ``b`` (backward and optimizer) is a *reader*. The forward is
 cut after the nodes ``p_1 < .. < p_{K-1}`` (segment ``s`` holds the nodes ``(p_s, p_{s+1}]``): of
 the model's best ``_EXACT_TRIES`` segmentations (``segment_choices``), the one whose rewritten graph has
 the least ``estimate_memory`` peak; the chosen cuts are recorded in ``graph'.meta["recompute"]``. A forward storage (a node's non-view output; a view follows the storage it
@@ -37,14 +37,14 @@ from __future__ import annotations
 import weakref
 from bisect import bisect_left
 from dataclasses import dataclass, replace
-from enum import Enum
 from math import isqrt
 
+from ..ir.analysis import analyze
 from ..ir.graph import Graph, Node, Ref
 from ..ir.registry import OpKind, is_random, lookup
 from ..sharding.plan import ResolvedPlan, ShardingPlan
+from ..sharding.vocab import Recompute
 from .memory import MemoryEstimate, estimate_memory
-from .step import loss_index
 
 __all__ = ["Recompute", "KEEP_KINDS", "Segments", "forward_cuts", "full_segments", "segment_choices", "remat",
            "remat_plan",
@@ -64,12 +64,6 @@ _EXACT_TRIES = 6
 
 #: Op kinds whose outputs selective recomputation keeps.
 KEEP_KINDS = frozenset({OpKind.MATMUL, OpKind.CONV, OpKind.ATTENTION, OpKind.INDEX, OpKind.LOSS, OpKind.OPAQUE})
-
-
-class Recompute(str, Enum):
-    NONE = "none"
-    FULL = "full"
-    SELECTIVE = "selective"
 
 
 def forward_cuts(mem: MemoryEstimate, spans: list[tuple[int, int, int]] | None = None) -> list[int]:
@@ -191,19 +185,11 @@ def _map_refs(obj, m: dict[int, int]):
 
 
 def _roots(graph: Graph, upto: int) -> tuple[dict[int, int], dict[int, int]]:
-    """(storage root of each value, producing node index of each value) for nodes ``0..upto``; a view
-    aliases its first tensor input (the rule of ``cost.memory``)."""
-    root = {i.value: i.value for i in graph.inputs}
-    root.update({v: v for v in graph.constants})
-    made: dict[int, int] = {}
-    for i, node in enumerate(graph.nodes[:upto + 1]):
-        d = lookup(node.op)
-        refs = node.input_refs()
-        view = d is not None and d.kind is OpKind.VIEW and refs
-        for v in node.outputs:
-            if v is not None:
-                root[v] = root[refs[0].id] if view else v
-                made[v] = i
+    """(storage root of each value, producing node index of each value) for the inputs, constants and
+    the values of nodes ``0..upto`` (``ir.analysis``)."""
+    a = analyze(graph)
+    made = {v: i for v, i in a.producer.items() if i <= upto}
+    root = {v: s for v, s in a.root.items() if a.producer.get(v, -1) <= upto}
     return root, made
 
 
@@ -252,7 +238,7 @@ def remat(graph: Graph, mode: Recompute | str, mem: MemoryEstimate | None = None
     estimate whose activation spans place the cuts (default: ``estimate_memory(graph)``, global
     sizes, so every rank and the cost model cut the same program)."""
     mode = Recompute(mode)
-    b = loss_index(graph)
+    b = analyze(graph).boundary
     if mode is Recompute.NONE or b < 0:
         return graph, {}
     if mem is not None:

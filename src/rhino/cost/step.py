@@ -41,6 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import prod
 
+from ..ir.analysis import analyze
 from ..ir.graph import Graph, Role
 from ..ir.modules import block_of, value_blocks
 from ..ir.registry import OpKind, annotate, call_of, lookup
@@ -54,8 +55,7 @@ from .collectives import step_seconds, steps_seconds
 from .compute import Profile, op_time
 from .devices import DeviceSpec
 
-__all__ = ["StepOptions", "StepTime", "NodeCost", "step_time", "node_compute", "node_scale",
-           "optimizer_nodes", "loss_index"]
+__all__ = ["StepOptions", "StepTime", "NodeCost", "step_time", "node_compute", "node_scale"]
 
 def custom_reduces(op: str) -> int:
     """All-reduces that the custom SPMD lowering of ``op`` (lower/spmd_custom.py) emits when a custom
@@ -122,29 +122,6 @@ def node_compute(graph: Graph, node, strategy, mesh, device: DeviceSpec, *, allo
     """``OpTime`` of ``node`` on one rank under ``strategy`` (see the module docstring)."""
     return op_time(call_of(graph, node), device, allow_tf32=allow_tf32, profile=profile,
                    scale=node_scale(strategy, mesh) * extra_scale)
-
-
-def loss_index(graph: Graph) -> int:
-    """Index of the node that produces the loss's storage (following views back); -1 if none."""
-    prod_of = {v: i for i, n in enumerate(graph.nodes) for v in n.outputs if v is not None}
-    losses = [o.value for o in graph.outputs if o.role is Role.LOSS]
-    if not losses or losses[0] not in prod_of:
-        return -1
-    i = prod_of[losses[0]]
-    while True:
-        d = lookup(graph.nodes[i].op)
-        refs = graph.nodes[i].input_refs()
-        if d is None or d.kind is not OpKind.VIEW or not refs or refs[0].id not in prod_of:
-            return i
-        i = prod_of[refs[0].id]
-
-
-def optimizer_nodes(graph: Graph) -> set[int]:
-    """Indices of nodes that read optimizer state or produce a new state output (cost/memory.py)."""
-    opt_in = {i.value for i in graph.inputs if i.role is Role.OPT_STATE}
-    new_state = {o.value for o in graph.outputs if o.role in (Role.PARAM, Role.FROZEN, Role.BUFFER, Role.OPT_STATE)}
-    return {i for i, n in enumerate(graph.nodes)
-            if any(r.id in opt_in for r in n.input_refs()) or any(v in new_state for v in n.outputs)}
 
 
 def _custom_comm(graph: Graph, node, strategy, mesh, links, rp: ResolvedPlan) -> tuple[float, int]:
@@ -261,129 +238,161 @@ def _gather_buckets(rp: ResolvedPlan, boundary: int, state_in: set[int], links,
     return out
 
 
-def step_time(rp: ResolvedPlan, device: DeviceSpec, links: list[AxisLink],
-              options: StepOptions = StepOptions()) -> StepTime:
-    """Compute, communication and overlap of one step of ``rp`` (see the module docstring)."""
-    graph, mesh = rp.graph, rp.plan.mesh
-    boundary = loss_index(graph)
-    opt = optimizer_nodes(graph)
-    state_in = {i.value for i in graph.inputs if i.role is not Role.BATCH}
-    prod_of = {v: i for i, n in enumerate(graph.nodes) for v in n.outputs if v is not None}
-    cache: dict[tuple, float] = {}
-    counts: dict[str, int] = {}
-    by_kind = {"blocking": 0.0, "gradient": 0.0, "prefetch": 0.0}
+class _Streams:
+    """The compute and communication streams of one rank while ``step_time`` walks the program."""
 
-    def moved(vid: int, want, phase: int = 0) -> float:
+    def __init__(self, rp: ResolvedPlan, links, options: StepOptions):
+        graph = rp.graph
+        a = analyze(graph)
+        self.rp, self.links, self.options, self.graph, self.mesh = rp, links, options, graph, rp.plan.mesh
+        self.boundary = a.boundary
+        self.opt = a.optimizer
+        self.state_in = {v for v, r in a.input_role.items() if r is not Role.BATCH}
+        self.prod_of = a.producer
+        self.cache: dict[tuple, float] = {}
+        self.counts: dict[str, int] = {}
+        self.by_kind = {"blocking": 0.0, "gradient": 0.0, "prefetch": 0.0}
+        buckets = _gradient_buckets(rp, a.boundary, a.optimizer, self.state_in, a.producer, links, options) \
+            if options.overlap_gradient_reduction else []
+        self.bucket_of = {key: b for b in buckets for key in b.members}
+        self.gather_of = _gather_buckets(rp, a.boundary, self.state_in, links, options) \
+            if options.prefetch_parameters else {}
+        self.closing: dict[int, list[_Bucket]] = {}
+        for b in buckets:
+            self.closing.setdefault(b.close, []).append(b)
+            self.cache.update({(vid, want, 0): 0.0 for vid, want in b.members})   # priced once, as one collective
+        self.t_compute = 0.0     # compute stream clock
+        self.t_comm = 0.0        # communication stream clock
+        self.last_wait: float | None = None   # when the previous prefetched gather was waited for
+        self.last_scatter = 0.0               # when the previous reduce-scatter bucket completes
+        self.pending: dict[int, float] = {}   # node index -> when it finished
+        self.comm_total = 0.0
+
+    def count(self, kind: str, k: int = 1) -> None:
+        self.counts[kind] = self.counts.get(kind, 0) + k
+
+    def moved(self, vid: int, want, phase: int = 0) -> float:
+        rp = self.rp
         have = rp.value[vid]
-        if have == want or (vid, want, phase) in cache:
+        if have == want or (vid, want, phase) in self.cache:
             return 0.0  # the lowering redistributes a value once per target sharding (and phase)
-        t = graph.types[vid]
-        steps: list[Step] = plan_redistribution(t.shape, have, want, mesh)
+        t = self.graph.types[vid]
+        steps: list[Step] = plan_redistribution(t.shape, have, want, self.mesh)
         for s in steps:
             if is_communication(s):
-                counts[type(s).__name__] = counts.get(type(s).__name__, 0) + 1
-        secs = steps_seconds(steps, t.shape, t.dtype.itemsize, have, mesh, links)
-        cache[(vid, want, phase)] = secs
+                self.count(type(s).__name__)
+        secs = steps_seconds(steps, t.shape, t.dtype.itemsize, have, self.mesh, self.links)
+        self.cache[(vid, want, phase)] = secs
         return secs
 
-    buckets = _gradient_buckets(rp, boundary, opt, state_in, prod_of, links, options) \
-        if options.overlap_gradient_reduction else []
-    bucket_of = {key: b for b in buckets for key in b.members}
-    gather_of = _gather_buckets(rp, boundary, state_in, links, options) if options.prefetch_parameters else {}
-    closing: dict[int, list[_Bucket]] = {}
-    for b in buckets:
-        closing.setdefault(b.close, []).append(b)
-        cache.update({(vid, want, 0): 0.0 for vid, want in b.members})   # priced once, as one collective
-    t_compute = 0.0      # compute stream clock
-    t_comm = 0.0         # communication stream clock
-    last_wait: float | None = None   # when the previous prefetched gather was waited for
-    last_scatter = 0.0               # when the previous reduce-scatter bucket completes
-    pending: dict[int, float] = {}  # node index -> time its overlapped inputs are ready
-    total_compute = fb_compute = opt_compute = flops = comm_total = 0.0
-    costs: list[NodeCost] = []
-    for i, node in enumerate(graph.nodes):
-        ns = rp.node[node.name]
-        strategy = rp.plan.strategies.get(node.name)
-        ready = t_compute
-        node_comm = 0.0
-        kind = ""
-        prefetched = False
-        for ref, req in zip(node.input_refs(), ns.inputs):
-            if (ref.id, req) in bucket_of:
-                b = bucket_of[(ref.id, req)]
+    def inputs(self, i: int, node) -> tuple[float, float, str, bool]:
+        """Redistribute node ``i``'s inputs: (when they are ready, comm seconds, kind, prefetched)."""
+        options = self.options
+        ready, node_comm, kind, prefetched = self.t_compute, 0.0, "", False
+        for ref, req in zip(node.input_refs(), self.rp.node[node.name].inputs):
+            if (ref.id, req) in self.bucket_of:
+                b = self.bucket_of[(ref.id, req)]
                 if b.done is None:                # (not reached: a bucket closes before its readers)
-                    t_comm = b.issue(t_comm, t_compute)
+                    self.t_comm = b.issue(self.t_comm, self.t_compute)
                 ready = max(ready, b.done)
                 continue
-            prefetch = options.prefetch_parameters and ref.id in state_in
-            phase = int(prefetch and options.reshard_after_forward and i > boundary)
-            if (ref.id, req, phase) in gather_of:     # one collective per bucket, issued at its first use
-                b = gather_of[(ref.id, req, phase)]
+            prefetch = options.prefetch_parameters and ref.id in self.state_in
+            phase = int(prefetch and options.reshard_after_forward and i > self.boundary)
+            if (ref.id, req, phase) in self.gather_of:     # one collective per bucket, issued at its first use
+                b = self.gather_of[(ref.id, req, phase)]
                 if b.done is None:
-                    t_comm = b.issue(t_comm, t_compute if last_wait is None else last_wait)
+                    self.t_comm = b.issue(self.t_comm, self.t_compute if self.last_wait is None else self.last_wait)
                     kind, prefetched = "prefetch", True
-                    by_kind["prefetch"] += b.seconds
+                    self.by_kind["prefetch"] += b.seconds
                     node_comm += b.seconds
-                    counts["AllGather"] = counts.get("AllGather", 0) + 1
+                    self.count("AllGather")
                 ready = max(ready, b.done)
                 continue
-            secs = moved(ref.id, req, phase)
+            secs = self.moved(ref.id, req, phase)
             if secs <= 0:
                 continue
             node_comm += secs
-            src = prod_of.get(ref.id)
             if prefetch:
                 kind, prefetched = "prefetch", True
-                t_comm = max(t_comm, t_compute if last_wait is None else last_wait) + secs
+                self.t_comm = max(self.t_comm, self.t_compute if self.last_wait is None else self.last_wait) + secs
             else:
                 kind = "blocking"
-                t_comm = max(t_comm, t_compute) + secs
-            by_kind[kind] += secs
-            ready = max(ready, t_comm)
-        csecs, ccount = _custom_comm(graph, node, strategy, mesh, links, rp)
-        if ccount:
-            counts["AllReduce"] = counts.get("AllReduce", 0) + ccount
-        t = node_compute(graph, node, strategy, mesh, device, allow_tf32=options.allow_tf32, profile=options.profile)
-        start = ready
-        if prefetched:
-            last_wait = start
-        t_compute = start + t.seconds
-        if csecs:  # the custom all-reduces sit inside the node: compute waits for them
-            t_comm = max(t_comm, t_compute) + csecs
-            t_compute = t_comm
-            by_kind["blocking"] += csecs
-            node_comm += csecs
-        pending[i] = t_compute
-        for b in closing.get(i, []):         # a bucket's last gradient exists: issue it
+                self.t_comm = max(self.t_comm, self.t_compute) + secs
+            self.by_kind[kind] += secs
+            ready = max(ready, self.t_comm)
+        return ready, node_comm, kind, prefetched
+
+    def issue_closing(self, i: int) -> float:
+        """Issue the gradient buckets whose last gradient node ``i`` made; their seconds."""
+        secs = 0.0
+        for b in self.closing.get(i, []):
             if b.kind == "ReduceScatter":    # one reduce-scatter in flight: wait for the previous one
-                t_compute = max(t_compute, last_scatter)
-                pending[i] = t_compute
-            t_comm = b.issue(t_comm, t_compute)
+                self.t_compute = max(self.t_compute, self.last_scatter)
+                self.pending[i] = self.t_compute
+            self.t_comm = b.issue(self.t_comm, self.t_compute)
             if b.kind == "ReduceScatter":
-                last_scatter = b.done
-            by_kind["gradient"] += b.seconds
-            comm_total += b.seconds
-            counts[b.kind] = counts.get(b.kind, 0) + 1
-            node_comm += b.seconds
+                self.last_scatter = b.done
+            self.by_kind["gradient"] += b.seconds
+            self.comm_total += b.seconds
+            self.count(b.kind)
+            secs += b.seconds
+        return secs
+
+    def run(self, i: int, node, device: DeviceSpec) -> tuple[NodeCost, object]:
+        """Node ``i`` on both streams: its cost and its ``OpTime``."""
+        rp, options = self.rp, self.options
+        strategy = rp.plan.strategies.get(node.name)
+        ready, node_comm, kind, prefetched = self.inputs(i, node)
+        csecs, ccount = _custom_comm(self.graph, node, strategy, self.mesh, self.links, rp)
+        if ccount:
+            self.count("AllReduce", ccount)
+        t = node_compute(self.graph, node, strategy, self.mesh, device, allow_tf32=options.allow_tf32,
+                         profile=options.profile)
+        if prefetched:
+            self.last_wait = ready
+        self.t_compute = ready + t.seconds
+        if csecs:  # the custom all-reduces sit inside the node: compute waits for them
+            self.t_comm = max(self.t_comm, self.t_compute) + csecs
+            self.t_compute = self.t_comm
+            self.by_kind["blocking"] += csecs
+            node_comm += csecs
+        self.pending[i] = self.t_compute
+        gsecs = self.issue_closing(i)
+        if gsecs or self.closing.get(i):
             kind = kind or "gradient"
-        comm_total += node_comm - sum(b.seconds for b in closing.get(i, []))
+        self.comm_total += node_comm
+        return NodeCost(node.name, t.seconds, node_comm + gsecs, kind, t.flops, i in self.opt), t
+
+    def outputs(self) -> None:
+        """End of step: loss replicated, new state back in its input's sharding (as the lowering does)."""
+        graph, rp = self.graph, self.rp
+        inputs = {i.name: i.value for i in graph.inputs}
+        for o in graph.outputs:
+            want = replicated(self.mesh) if o.name not in inputs else rp.value[inputs[o.name]]
+            secs = self.moved(o.value, want)
+            if secs:
+                src = self.prod_of.get(o.value, -1)
+                self.t_comm = max(self.t_comm, self.pending.get(src, 0.0)) + secs
+                self.by_kind["blocking"] += secs
+                self.comm_total += secs
+
+
+def step_time(rp: ResolvedPlan, device: DeviceSpec, links: list[AxisLink],
+              options: StepOptions = StepOptions()) -> StepTime:
+    """Compute, communication and overlap of one step of ``rp`` (see the module docstring)."""
+    sim = _Streams(rp, links, options)
+    total_compute = fb_compute = opt_compute = flops = 0.0
+    costs: list[NodeCost] = []
+    for i, node in enumerate(rp.graph.nodes):
+        cost, t = sim.run(i, node, device)
+        costs.append(cost)
         total_compute += t.seconds
         flops += t.flops
-        if i in opt:
+        if cost.optimizer:
             opt_compute += t.seconds
         else:
             fb_compute += t.seconds
-        costs.append(NodeCost(node.name, t.seconds, node_comm, kind, t.flops, i in opt))
-    # end of step: loss replicated, new state back in its input's sharding (as the lowering does)
-    inputs = {i.name: i.value for i in graph.inputs}
-    for o in graph.outputs:
-        want = replicated(mesh) if o.name not in inputs else rp.value[inputs[o.name]]
-        secs = moved(o.value, want)
-        if secs:
-            src = prod_of.get(o.value, -1)
-            t_comm = max(t_comm, pending.get(src, 0.0)) + secs
-            by_kind["blocking"] += secs
-            comm_total += secs
-    end = max(t_compute, t_comm)
-    return StepTime(end, total_compute, comm_total, max(0.0, end - total_compute), flops, fb_compute, opt_compute,
-                    counts, by_kind, costs)
+    sim.outputs()
+    end = max(sim.t_compute, sim.t_comm)
+    return StepTime(end, total_compute, sim.comm_total, max(0.0, end - total_compute), flops, fb_compute,
+                    opt_compute, sim.counts, sim.by_kind, costs)

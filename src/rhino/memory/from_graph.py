@@ -33,13 +33,8 @@ The conversion (what every planner and the arena executor of ``lower/arena.py`` 
   its old value is still there at the end).
 - **Random ops** (dropout, bernoulli, rand, ...) keep their relative program order through ``after``
   edges (option ``keep_random_order``, default on), so a reordered step draws the same random numbers.
-- **Roles** (as the categories of ``cost/memory.py``): LOSS is the node producing the loss's root;
-  OPTIMIZER are nodes reading an OPT_STATE input, nodes after the loss producing a new state value
-  (before the loss that is a forward op, e.g. BatchNorm's running statistics), nodes after the loss
-  that read (through views) a value an optimizer node made (bias corrections, ``sqrt`` of the new second
-  moment), and nodes after the loss that read a state input but no forward activation or batch input and
-  feed only optimizer nodes (weight decay); FORWARD is every other node up to the loss node, BACKWARD every other node after it. Without
-  a loss output every node is FORWARD.
+- **Roles**: ``ir.analysis.NodeRole`` (forward, loss, backward, optimizer), the definition the cost
+  model uses too. Storages, views and readers are ``ir.analysis``'s as well.
 
 Relation to ``cost.memory.estimate_memory`` (tested): with ``inplace_state=False`` and ``align=1`` the
 program-order replay peak of the problem plus ``state_bytes`` equals ``estimate_memory(graph).peak``
@@ -51,8 +46,8 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass, field
 
+from ..ir.analysis import GraphAnalysis, analyze
 from ..ir.graph import STATE_ROLES, Graph, Role
-from ..ir.registry import OpKind, lookup
 from .problem import MemOp, MemProblem, MemTensor, OpRole, TensorKind, lifetimes
 
 __all__ = ["GraphMemory", "problem_from_graph", "aligned_offsets", "PERSISTENT_ROLES", "DEFAULT_ALIGN"]
@@ -88,142 +83,97 @@ def _round_up(n: int, align: int) -> int:
     return -(-n // align) * align if align > 1 else n
 
 
-def problem_from_graph(graph: Graph, *, include_state: bool = False, inplace_state: bool = True,
-                       keep_random_order: bool = True, align: int = DEFAULT_ALIGN,
-                       name: str = "") -> tuple[MemProblem, GraphMemory]:
-    """The memory problem of ``graph`` and the value mapping (see the module docstring)."""
-    if not isinstance(graph, Graph):
-        raise ValueError(f"problem_from_graph expects a rhino Graph, got {type(graph).__name__}")
-    if align < 1:
-        raise ValueError(f"align must be a positive number of bytes, got {align}")
+@dataclass
+class _Storage:
+    """The analysis' storages, split as the problem needs them."""
+
+    a: GraphAnalysis
+    born: dict[int, int]              # intermediate root -> producing node index
+    node_roots: list[tuple[int, ...]]  # node -> distinct storages it reads, in argument order
+    batch: list[int]                  # batch input values (arena INPUT tensors)
+    state_value: dict[str, int]       # state input name -> value
+    state_bytes: int
+    param_bytes: int
+
+
+def _storage(graph: Graph) -> _Storage:
+    a = analyze(graph)
     types = graph.types
-    nodes = graph.nodes
-    n = len(nodes)
+    batch = [i.value for i in graph.inputs if i.value not in a.persistent]
+    state_value = {i.name: i.value for i in graph.inputs if i.role in STATE_ROLES}
+    state_bytes = sum(types[v].nbytes for v in a.persistent)
+    param_bytes = sum(types[i.value].nbytes for i in graph.inputs if i.role in (Role.PARAM, Role.FROZEN))
+    born = {s: b for s, b in a.born.items() if b >= 0}
+    node_roots = [tuple(dict.fromkeys(rr)) for rr in a.node_roots]
+    return _Storage(a, born, node_roots, batch, state_value, state_bytes, param_bytes)
 
-    # -- storages: roots of every value ---------------------------------------------------------
-    root: dict[int, int] = {}
-    persistent: set[int] = set()
-    batch: list[int] = []
-    state_value: dict[str, int] = {}
-    state_bytes = param_bytes = 0
-    for inp in graph.inputs:
-        v = inp.value
-        if v not in types:
-            raise ValueError(f"graph input {inp.name} refers to value {v}, which has no type")
-        root[v] = v
-        if inp.role in PERSISTENT_ROLES:
-            persistent.add(v)
-            state_bytes += types[v].nbytes
-            if inp.role in (Role.PARAM, Role.FROZEN):
-                param_bytes += types[v].nbytes
-            if inp.role in STATE_ROLES:
-                state_value[inp.name] = v
-        else:
-            batch.append(v)
-    for v in graph.constants:
-        if v not in root:
-            root[v] = v
-            persistent.add(v)
-            state_bytes += types[v].nbytes
 
-    view_nodes: set[int] = set()
-    node_roots: list[list[int]] = []
-    born: dict[int, int] = {}          # intermediate root -> producing node index
-    readers: dict[int, list[int]] = {}  # root -> node indices reading it (views included), in order
-    for i, node in enumerate(nodes):
-        rroots: list[int] = []
-        for r in node.input_refs():
-            rr = root.get(r.id)
-            if rr is None:
-                raise ValueError(f"node {node.name} reads value {r.id} before it is defined (not in program order)")
-            if rr not in rroots:
-                rroots.append(rr)
-        node_roots.append(rroots)
-        for rr in rroots:
-            readers.setdefault(rr, []).append(i)
-        d = lookup(node.op)
-        view = d is not None and d.kind is OpKind.VIEW and bool(rroots)
-        if view:
-            view_nodes.add(i)
-            first = root[node.input_refs()[0].id]
-        for v in node.outputs:
-            if v is None:
-                continue
-            if v not in types:
-                raise ValueError(f"node {node.name} defines value {v}, which has no type")
-            if v in root:
-                raise ValueError(f"value {v} is defined twice (node {node.name})")
-            if view:
-                root[v] = first
-            else:
-                root[v] = v
-                born[v] = i
-    for o in graph.outputs:
-        if o.value not in root:
-            raise ValueError(f"graph output {o.name} refers to value {o.value}, which no node defines")
-
-    # -- graph outputs: which roots must survive, which states are updated in place ------------------
-    out_roots: dict[int, int] = {}     # root -> number of graph outputs stored in it
-    for o in graph.outputs:
-        out_roots[root[o.value]] = out_roots.get(root[o.value], 0) + 1
+def _inplace(graph: Graph, st: _Storage, out_roots: dict[int, int]) -> dict[int, str]:
+    """Intermediate root -> the state input name it is written into (module docstring)."""
+    a, types = st.a, graph.types
     pinned: set[int] = set()           # persistent roots whose old value must survive the step
     for o in graph.outputs:
-        r = root[o.value]
-        if r in persistent and not (o.role in STATE_ROLES and state_value.get(o.name) == r):
+        r = a.root[o.value]
+        if r in a.persistent and not (o.role in STATE_ROLES and st.state_value.get(o.name) == r):
             pinned.add(r)
-    inplace: dict[int, str] = {}       # intermediate root -> state input name
+    inplace: dict[int, str] = {}
     for o in graph.outputs:
-        if not inplace_state or o.role not in STATE_ROLES:
+        if o.role not in STATE_ROLES:
             continue
-        s_in = state_value.get(o.name)
-        r = root[o.value]
-        if s_in is None or r not in born or s_in in pinned or out_roots[r] != 1 or r in inplace:
+        s_in = st.state_value.get(o.name)
+        r = a.root[o.value]
+        if s_in is None or r not in st.born or s_in in pinned or out_roots[r] != 1 or r in inplace:
             continue
         if types[r] != types[s_in]:
             continue
-        p = born[r]
-        if any(j > p for j in readers.get(s_in, []) if j != p):
+        p = st.born[r]
+        if any(j > p for j in a.readers.get(s_in, []) if j != p):
             continue
         inplace[r] = o.name
+    return inplace
 
-    # -- tensors ----------------------------------------------------------------------------------
+
+def _tensors(graph: Graph, st: _Storage, out_roots, inplace, include_state: bool, align: int):
+    """(problem tensors, exact bytes per tensor)."""
+    types, nodes = graph.types, graph.nodes
     tensors: dict[int, MemTensor] = {}
     nbytes: dict[int, int] = {}
-    also_out = {r for r in out_roots if r in batch}
-    for v in batch:
+    for v in st.batch:
         nbytes[v] = types[v].nbytes
         tensors[v] = MemTensor(v, _round_up(nbytes[v], align), TensorKind.INPUT, _input_name(graph, v),
-                               also_output=v in also_out)
+                               also_output=v in out_roots)
     if include_state:
-        for v in sorted(persistent):
+        for v in sorted(st.a.persistent):
             nbytes[v] = types[v].nbytes
             tensors[v] = MemTensor(v, _round_up(nbytes[v], align), TensorKind.INPUT, _input_name(graph, v),
                                    also_output=True)
-    for r, i in born.items():
+    for r, i in st.born.items():
         if r in inplace:
             continue
         nbytes[r] = types[r].nbytes
         kind = TensorKind.OUTPUT if r in out_roots else TensorKind.INTERMEDIATE
         tensors[r] = MemTensor(r, _round_up(nbytes[r], align), kind, f"{nodes[i].name}:{nodes[i].outputs.index(r)}")
+    return tensors, nbytes
 
-    # -- ops: inputs/outputs by storage, ordering edges ---------------------------------------------
-    after: list[set[int]] = [set() for _ in range(n)]
-    state_root = {state_value[name]: r for r, name in inplace.items()}  # old state root -> new root
+
+def _after_edges(graph: Graph, st: _Storage, inplace, keep_random_order: bool) -> list[set[int]]:
+    """Ordering edges: in-place writes, view readers, random ops (module docstring)."""
+    a, nodes = st.a, graph.nodes
+    after: list[set[int]] = [set() for _ in nodes]
     for r in inplace:
-        p = born[r]
-        for j in readers.get(r, []):      # readers of the new value follow its producer
+        p = st.born[r]
+        for j in a.readers.get(r, []):      # readers of the new value follow its producer
             if j != p:
                 after[j].add(p)
-    for s_in, r in state_root.items():
-        p = born[r]
-        for j in readers.get(s_in, []):   # readers of the old value precede the in-place write
+    for r, name in inplace.items():
+        p = st.born[r]
+        for j in a.readers.get(st.state_value[name], []):   # readers of the old value precede the write
             if j != p:
                 after[p].add(j)
-    view_def = {v: i for i in view_nodes for v in nodes[i].outputs if v is not None}
-    for i, node in enumerate(nodes):      # readers of a view run after the view node (it creates no tensor)
+    for i, node in enumerate(nodes):        # readers of a view run after the view node (it creates no tensor)
         for r in node.input_refs():
-            j = view_def.get(r.id)
-            if j is not None:
+            j = a.producer.get(r.id)
+            if j is not None and a.is_view[j]:
                 after[i].add(j)
     if keep_random_order:
         prev = None
@@ -232,23 +182,40 @@ def problem_from_graph(graph: Graph, *, include_state: bool = False, inplace_sta
                 if prev is not None:
                     after[i].add(prev)
                 prev = i
+    return after
 
-    roles = _roles(graph, node_roots, root, born, view_nodes)
+
+def problem_from_graph(graph: Graph, *, include_state: bool = False, inplace_state: bool = True,
+                       keep_random_order: bool = True, align: int = DEFAULT_ALIGN,
+                       name: str = "") -> tuple[MemProblem, GraphMemory]:
+    """The memory problem of ``graph`` and the value mapping (see the module docstring)."""
+    if not isinstance(graph, Graph):
+        raise ValueError(f"problem_from_graph expects a rhino Graph, got {type(graph).__name__}")
+    if align < 1:
+        raise ValueError(f"align must be a positive number of bytes, got {align}")
+    st = _storage(graph)
+    a = st.a
+    out_roots: dict[int, int] = {}     # root -> number of graph outputs stored in it
+    for o in graph.outputs:
+        out_roots[a.root[o.value]] = out_roots.get(a.root[o.value], 0) + 1
+    inplace = _inplace(graph, st, out_roots) if inplace_state else {}
+    tensors, nbytes = _tensors(graph, st, out_roots, inplace, include_state, align)
+    after = _after_edges(graph, st, inplace, keep_random_order)
     ops: list[MemOp] = []
-    for i, node in enumerate(nodes):
-        ins = [r for r in node_roots[i] if r in tensors]
+    for i, node in enumerate(graph.nodes):
+        ins = [r for r in st.node_roots[i] if r in tensors]
         if include_state:
-            for r, name in inplace.items():
-                if born[r] == i and state_value[name] not in ins:
-                    ins.append(state_value[name])
-        outs = [] if i in view_nodes else [v for v in node.outputs if v is not None and v in tensors]
-        ops.append(MemOp(i, node.name, tuple(ins), tuple(outs), roles[i], tuple(sorted(after[i]))))
-
-    tensor_of = {v: r for v, r in root.items() if r in tensors}
+            for r, sname in inplace.items():
+                if st.born[r] == i and st.state_value[sname] not in ins:
+                    ins.append(st.state_value[sname])
+        outs = [] if a.is_view[i] else [v for v in node.outputs if v is not None and v in tensors]
+        ops.append(MemOp(i, node.name, tuple(ins), tuple(outs), OpRole(a.roles[i].value), tuple(sorted(after[i]))))
     problem = MemProblem(ops, tensors, name or str(graph.meta.get("workload", "")))
-    mapping = GraphMemory(root=root, tensor_of=tensor_of, nbytes=nbytes, persistent=persistent, inplace=inplace,
-                          state_value=state_value, view_nodes=view_nodes, align=align, state_bytes=state_bytes,
-                          param_bytes=param_bytes, include_state=include_state)
+    mapping = GraphMemory(root=dict(a.root), tensor_of={v: r for v, r in a.root.items() if r in tensors},
+                          nbytes=nbytes, persistent=set(a.persistent), inplace=inplace,
+                          state_value=st.state_value, view_nodes={i for i, v in enumerate(a.is_view) if v},
+                          align=align, state_bytes=st.state_bytes, param_bytes=st.param_bytes,
+                          include_state=include_state)
     return problem, mapping
 
 
@@ -257,54 +224,6 @@ def _input_name(graph: Graph, v: int) -> str:
         if inp.value == v:
             return inp.name
     return f"const{v}"
-
-
-def _roles(graph: Graph, node_roots: list[list[int]], root: dict[int, int], born: dict[int, int],
-           view_nodes: set[int]) -> list[OpRole]:
-    """Op roles (module docstring; the same categories as ``cost/memory.py``)."""
-    nodes = graph.nodes
-    n = len(nodes)
-    loss = next((o for o in graph.outputs if o.role is Role.LOSS), None)
-    boundary = born.get(root[loss.value], -1) if loss is not None else -1
-    if loss is None or boundary < 0:
-        return [OpRole.FORWARD] * n
-    opt_inputs = {i.value for i in graph.inputs if i.role is Role.OPT_STATE}
-    state_out = {o.value for o in graph.outputs if o.role in STATE_ROLES}
-    state_in = {i.value for i in graph.inputs if i.role in STATE_ROLES}
-    batch = {i.value for i in graph.inputs if i.role is Role.BATCH}
-    is_opt = [False] * n
-    opt_made: set[int] = set(opt_inputs)   # roots produced by optimizer nodes (and optimizer-state inputs)
-    for i, node in enumerate(nodes):       # forward: what reads optimizer values after the loss is optimizer
-        refs = [r.id for r in node.input_refs()]
-        opt = any(r in opt_inputs for r in refs) or \
-            (i > boundary and any(v in state_out for v in node.outputs if v is not None))
-        if not opt and i > boundary and any(r in opt_made for r in node_roots[i]):
-            opt = True
-        is_opt[i] = opt
-        if opt and i not in view_nodes:
-            opt_made.update(v for v in node.outputs if v is not None)
-    opt_consumed: set[int] = set()
-    other_consumed: set[int] = set()
-    for i in range(n - 1, -1, -1):         # backward: weight decay and the like feed only optimizer nodes
-        if i in view_nodes:
-            continue
-        rroots = node_roots[i]
-        opt = is_opt[i]
-        if not opt and i > boundary and any(r in state_in for r in rroots) and \
-                not any(r in batch or born.get(r, boundary + 1) <= boundary for r in rroots):  # no activation
-            outs = [root[v] for v in nodes[i].outputs if v is not None]
-            opt = bool(outs) and all(o in opt_consumed and o not in other_consumed for o in outs)
-        is_opt[i] = opt
-        (opt_consumed if opt else other_consumed).update(rroots)
-    roles = []
-    for i in range(n):
-        if i == boundary:
-            roles.append(OpRole.LOSS)
-        elif is_opt[i]:
-            roles.append(OpRole.OPTIMIZER)
-        else:
-            roles.append(OpRole.FORWARD if i < boundary else OpRole.BACKWARD)
-    return roles
 
 
 def aligned_offsets(problem: MemProblem, order, offsets: dict[int, int], align: int) -> tuple[dict[int, int], int]:

@@ -22,7 +22,7 @@ are numbers in the captured graph), so it is lowered from the step **captured ag
 (``microbatch_graph``), with the plan applied by node name; ``same_structure`` checks that the two
 graphs differ only in the batch dim and in numbers (a clear error otherwise).
 
-**Recomputation**: ``plan.recompute != "none"`` rewrites the step with ``cost.remat.remat``
+**Recomputation**: a ``plan.recompute`` other than ``Recompute.NONE`` rewrites the step with ``cost.remat.remat``
 (``with_recompute``) before anything is lowered (with micro-batches, the step at batch B/m).
 
 **Overlap**: ``overlap=True`` lowers every program with asynchronous bucketed collectives
@@ -46,6 +46,7 @@ from ..cost.accumulate import split_step
 from ..cost.remat import remat, remat_plan
 from ..sharding.placement import Partial, ReduceOp, replicated
 from ..sharding.plan import PlanError, ResolvedPlan, ShardingPlan, resolve
+from ..sharding.vocab import Recompute
 
 __all__ = ["RankStep", "microbatch_graph", "same_structure", "with_recompute", "Executor", "rank_program_sources"]
 
@@ -58,7 +59,7 @@ def with_recompute(graph: Graph, plan: ShardingPlan) -> tuple[Graph, ShardingPla
     """The graph and plan the runtime executes for ``plan.recompute`` (identity for ``"none"``): the
     recomputing program of ``cost.remat.remat`` (the one the cost model prices), each copied node with
     its original's strategy (``remat_plan``)."""
-    if plan.recompute == "none":
+    if Recompute(plan.recompute) is Recompute.NONE:
         return graph, plan
     new, origin = remat(graph, plan.recompute)
     return new, remat_plan(plan, origin)

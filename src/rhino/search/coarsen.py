@@ -11,7 +11,7 @@ chains of views, element-wise ops, norms and reductions hanging below it; its st
 driver's, the followers take their input as it arrives (``Space.follow``). A graph input is a cone
 too (its choice is its sharding), and the views of a parameter follow it.
 
-**Optimizer cones** (rule ``optimizer_cones``). The optimizer nodes (``cost.step.optimizer_nodes``)
+**Optimizer cones** (rule ``optimizer_cones``). The optimizer nodes (``ir.analysis``)
 connected through non-scalar values, with the optimizer-state inputs they read, form one cone per
 parameter; its choice is the sharding of that optimizer state (ZeRO when it is split along a
 data-parallel axis); each member takes an in-cone input as it arrives, or produces that sharding.
@@ -28,12 +28,12 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from enum import Enum
 
-from ..cost.step import loss_index, optimizer_nodes
-from ..ir.graph import STATE_ROLES, Graph, Role
+from ..ir.analysis import analyze
+from ..ir.graph import Graph, Role
 from .options import SearchOptions
 from .space import Space
 
-__all__ = ["ConeKind", "Cone", "Cones", "build_cones", "optimizer_closure"]
+__all__ = ["ConeKind", "Cone", "Cones", "build_cones"]
 
 
 class ConeKind(str, Enum):
@@ -89,37 +89,6 @@ def _primary(graph: Graph, node) -> int | None:
     return sizes[0][1]
 
 
-def optimizer_closure(graph: Graph, producer: dict[int, int]) -> set[int]:
-    """``cost.step.optimizer_nodes`` after the loss (nodes that read optimizer state or make new state), plus the nodes
-    after the loss whose non-scalar inputs all come from optimizer nodes (an update's arithmetic), plus
-    those that read only state and feed only optimizer nodes (weight decay ``w * (1 - lr wd)``)."""
-    boundary = loss_index(graph)
-    # forward nodes that update a buffer (batch-norm running statistics) are not optimizer nodes
-    opt = {i for i in optimizer_nodes(graph) if i > boundary}
-    state = {i.value for i in graph.inputs if i.role in STATE_ROLES}
-    nodes = graph.nodes
-    for i in range(boundary + 1, len(nodes)):
-        if i in opt:
-            continue
-        big = [r.id for r in nodes[i].input_refs() if graph.types[r.id].rank > 0]
-        if big and all(producer.get(v, -1) in opt for v in big if v not in state) and \
-                any(producer.get(v, -1) in opt for v in big):
-            opt.add(i)
-    users: dict[int, list[int]] = {}
-    for i, nd in enumerate(nodes):
-        for r in nd.input_refs():
-            users.setdefault(r.id, []).append(i)
-    for i in range(len(nodes) - 1, boundary, -1):
-        if i in opt:
-            continue
-        big = [r.id for r in nodes[i].input_refs() if graph.types[r.id].rank > 0]
-        outs = [v for v in nodes[i].outputs if v is not None]
-        if big and all(v in state for v in big) and outs and all(
-                u in opt for v in outs for u in users.get(v, [])) and any(users.get(v) for v in outs):
-            opt.add(i)
-    return opt
-
-
 def _batch_fixed(space: Space, i: int, k: int) -> bool:
     """The node may not split its input ``k``'s first dim (batch norm: statistics over the batch), so it
     cannot follow a batch split: it chooses its own strategy (e.g. a channel split) instead."""
@@ -129,102 +98,122 @@ def _batch_fixed(space: Space, i: int, k: int) -> bool:
     return all(x in ann.fixed for x in ann.inputs[k][0])
 
 
-def build_cones(graph: Graph, space: Space, options: SearchOptions = SearchOptions()) -> Cones:
-    """Cones and their classes (module docstring)."""
-    nodes = graph.nodes
-    n = len(nodes)
-    producer: dict[int, int] = {v: i for i, nd in enumerate(nodes) for v in nd.outputs if v is not None}
-    input_of_value = {i.value: i for i in graph.inputs}
-    cones: list[Cone] = []
-    cone_of_node = [-1] * n
-    pos_of_node = [-1] * n
-    cone_of_input: dict[str, int] = {}
-    opt = optimizer_closure(graph, producer) if options.optimizer_cones else set()
+class _Assembly:
+    """The cones as they are built: ``add`` a cone, ``join`` a node to one (``build_cones``)."""
 
-    def add(cone: Cone) -> int:
-        cones.append(cone)
-        return len(cones) - 1
+    def __init__(self, n: int) -> None:
+        self.cones: list[Cone] = []
+        self.cone_of_node = [-1] * n
+        self.pos_of_node = [-1] * n
+        self.cone_of_input: dict[str, int] = {}
 
-    def join(c: int, i: int, how: tuple | None) -> None:
-        cone = cones[c]
-        pos_of_node[i] = len(cone.members)
+    def add(self, cone: Cone) -> int:
+        self.cones.append(cone)
+        return len(self.cones) - 1
+
+    def join(self, c: int, i: int, how: tuple | None) -> None:
+        """Node ``i`` becomes the next member of cone ``c``; ``how``: its recipe entry (None: the driver)."""
+        cone = self.cones[c]
+        self.pos_of_node[i] = len(cone.members)
         if how is not None:
             cone.recipe[len(cone.members)] = how
         cone.members.append(i)
-        cone_of_node[i] = c
+        self.cone_of_node[i] = c
 
-    # optimizer cones: union-find over optimizer nodes linked by non-scalar values and shared state
-    if opt:
-        parent = {i: i for i in opt}
 
-        def find(x: int) -> int:
-            while parent[x] != x:
-                parent[x] = parent[parent[x]]
-                x = parent[x]
-            return x
-
-        state_reader: dict[int, int] = {}
-        for i in sorted(opt):
-            for r in nodes[i].input_refs():
-                if graph.types[r.id].rank == 0:
-                    continue
-                p = producer.get(r.id)
-                if p in parent:
-                    parent[find(i)] = find(p)
-                inp = input_of_value.get(r.id)
-                if inp is not None and inp.role is Role.OPT_STATE:
-                    if r.id in state_reader:
-                        parent[find(i)] = find(state_reader[r.id])
-                    else:
-                        state_reader[r.id] = i
-        comps: dict[int, list[int]] = {}
-        for i in sorted(opt):
-            comps.setdefault(find(i), []).append(i)
-        for members in comps.values():
-            c = add(Cone(ConeKind.OPTIMIZER))
-            owned: list[str] = []
-            for i in members:
-                for r in nodes[i].input_refs():
-                    inp = input_of_value.get(r.id)
-                    if inp is not None and inp.role is Role.OPT_STATE and graph.types[r.id].rank > 0 \
-                            and inp.name not in owned and inp.name not in cone_of_input:
-                        owned.append(inp.name)
-                        cone_of_input[inp.name] = c
-            cones[c].owned = owned
-            value_of = {x.name: x.value for x in graph.inputs}
-            inside = {value_of[o] for o in owned}
-            for i in members:
-                how: tuple = ("out",)
-                for k, r in enumerate(nodes[i].input_refs()):
-                    if graph.types[r.id].rank > 0 and r.id in inside:
-                        how = ("in", k)
-                        break
-                join(c, i, how)
-                inside.update(v for v in nodes[i].outputs if v is not None)
-
-    # input cones
+def build_cones(graph: Graph, space: Space, options: SearchOptions = SearchOptions()) -> Cones:
+    """Cones and their classes (module docstring): optimizer cones first, then a cone per graph input
+    not in one, then the nodes in program order."""
+    producer: dict[int, int] = {v: i for i, nd in enumerate(graph.nodes) for v in nd.outputs if v is not None}
+    input_of_value = {i.value: i for i in graph.inputs}
+    acc = _Assembly(len(graph.nodes))
+    opt = set(analyze(graph).optimizer) if options.optimizer_cones else set()
+    for members in _optimizer_components(graph, opt, producer, input_of_value):
+        _add_optimizer_cone(acc, graph, members, input_of_value)
     for inp in graph.inputs:
-        if inp.name not in cone_of_input:
-            cone_of_input[inp.name] = add(Cone(ConeKind.INPUT, owned=[inp.name]))
+        if inp.name not in acc.cone_of_input:
+            acc.cone_of_input[inp.name] = acc.add(Cone(ConeKind.INPUT, owned=[inp.name]))
+    _add_node_cones(acc, graph, space, options, producer, input_of_value)
+    classes = _classes(graph, acc.cones, acc.cone_of_node, acc.pos_of_node, producer, input_of_value, space, options)
+    return Cones(acc.cones, acc.cone_of_node, acc.cone_of_input, acc.pos_of_node, classes, opt)
 
-    # node cones, in program order
-    for i, node in enumerate(nodes):
-        if cone_of_node[i] >= 0:
+
+def _optimizer_components(graph: Graph, opt: set[int], producer: dict[int, int],
+                          input_of_value: dict) -> list[list[int]]:
+    """The optimizer nodes grouped (union-find) by the non-scalar values linking them and the optimizer
+    state they share, each group in program order."""
+    parent = {i: i for i in opt}
+
+    def find(x: int) -> int:
+        while parent[x] != x:
+            parent[x] = parent[parent[x]]
+            x = parent[x]
+        return x
+
+    state_reader: dict[int, int] = {}
+    for i in sorted(opt):
+        for r in graph.nodes[i].input_refs():
+            if graph.types[r.id].rank == 0:
+                continue
+            p = producer.get(r.id)
+            if p in parent:
+                parent[find(i)] = find(p)
+            inp = input_of_value.get(r.id)
+            if inp is not None and inp.role is Role.OPT_STATE:
+                if r.id in state_reader:
+                    parent[find(i)] = find(state_reader[r.id])
+                else:
+                    state_reader[r.id] = i
+    comps: dict[int, list[int]] = {}
+    for i in sorted(opt):
+        comps.setdefault(find(i), []).append(i)
+    return list(comps.values())
+
+
+def _add_optimizer_cone(acc: _Assembly, graph: Graph, members: list[int], input_of_value: dict) -> None:
+    """One optimizer cone: it owns the non-scalar optimizer state its members read (not owned yet); each
+    member takes an in-cone input as it arrives, or produces the cone's sharding."""
+    nodes = graph.nodes
+    c = acc.add(Cone(ConeKind.OPTIMIZER))
+    owned: list[str] = []
+    for i in members:
+        for r in nodes[i].input_refs():
+            inp = input_of_value.get(r.id)
+            if inp is not None and inp.role is Role.OPT_STATE and graph.types[r.id].rank > 0 \
+                    and inp.name not in owned and inp.name not in acc.cone_of_input:
+                owned.append(inp.name)
+                acc.cone_of_input[inp.name] = c
+    acc.cones[c].owned = owned
+    value_of = {x.name: x.value for x in graph.inputs}
+    inside = {value_of[o] for o in owned}
+    for i in members:
+        how: tuple = ("out",)
+        for k, r in enumerate(nodes[i].input_refs()):
+            if graph.types[r.id].rank > 0 and r.id in inside:
+                how = ("in", k)
+                break
+        acc.join(c, i, how)
+        inside.update(v for v in nodes[i].outputs if v is not None)
+
+
+def _add_node_cones(acc: _Assembly, graph: Graph, space: Space, options: SearchOptions, producer: dict[int, int],
+                    input_of_value: dict) -> None:
+    """The nodes not in an optimizer cone, in program order: each follows the cone of its one big input
+    (rule ``cones``) or starts a cone (module docstring)."""
+    for i, node in enumerate(graph.nodes):
+        if acc.cone_of_node[i] >= 0:
             continue
         k = None if (not options.cones or space.is_driver(i)) else _primary(graph, node)
         if k is not None and _batch_fixed(space, i, k):
             k = None
         if k is not None:
             vid = node.input_refs()[k].id
-            src = cone_of_node[producer[vid]] if vid in producer else cone_of_input.get(
+            src = acc.cone_of_node[producer[vid]] if vid in producer else acc.cone_of_input.get(
                 input_of_value[vid].name) if vid in input_of_value else None
             if src is not None:
-                join(src, i, ("in", k))
+                acc.join(src, i, ("in", k))
                 continue
-        join(add(Cone(ConeKind.NODE)), i, None)
-
-    classes = _classes(graph, cones, cone_of_node, pos_of_node, producer, input_of_value, space, options)
-    return Cones(cones, cone_of_node, cone_of_input, pos_of_node, classes, opt)
+        acc.join(acc.add(Cone(ConeKind.NODE)), i, None)
 
 
 def _classes(graph: Graph, cones: list[Cone], cone_of_node, pos_of_node, producer, input_of_value, space: Space,

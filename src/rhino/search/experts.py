@@ -13,6 +13,7 @@ from ..cost.cluster import Cluster
 from ..cost.estimate import Estimate, estimate_strategy
 from ..ir.graph import Graph
 from ..sharding.plan import PlanError
+from ..sharding.vocab import Recompute
 
 __all__ = ["PresetScore", "preset_grid", "score_presets", "best_preset"]
 
@@ -32,11 +33,11 @@ class PresetScore:
         return self.estimate.step_seconds if self.estimate is not None else float("inf")
 
 
-def preset_grid(cluster: Cluster, recompute: str = "none") -> list[str]:
+def preset_grid(cluster: Cluster, recompute: Recompute | str = Recompute.NONE) -> list[str]:
     """Strategy strings of the grid (module docstring)."""
     world, dpn = cluster.world, cluster.devices_per_node
     out = []
-    suffix = f",recompute={recompute}" if recompute != "none" else ""
+    suffix = f",recompute={Recompute(recompute)}" if recompute != Recompute.NONE else ""
     for tp in [t for t in range(1, dpn + 1) if dpn % t == 0 and world % t == 0]:
         dp = world // tp
         if tp == 1:
@@ -52,7 +53,7 @@ def score_presets(graph: Graph, cluster: Cluster, progress=None) -> list[PresetS
     """Every preset of the grid, priced; presets the graph cannot take keep the reason."""
     say = progress or (lambda event, info: None)
     scores = []
-    for recompute in ("none", "full"):
+    for recompute in (Recompute.NONE, Recompute.FULL):
         for s in preset_grid(cluster, recompute):
             say("preset", {"strategy": s})
             try:

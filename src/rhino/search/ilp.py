@@ -42,13 +42,14 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from enum import StrEnum
 
 from ortools.sat.python import cp_model
 
 from .problem import KINDS, Problem, copy_bytes
 
-__all__ = ["Solution", "solve_ilp", "HIDDEN_COMM_WEIGHT", "TIME_UNIT", "MEMORY_UNIT", "objective_of", "memory_over",
-           "memory_excess", "row_bytes"]
+__all__ = ["Solution", "SolveStatus", "solve_ilp", "HIDDEN_COMM_WEIGHT", "TIME_UNIT", "MEMORY_UNIT", "objective_of",
+           "memory_over", "memory_excess", "row_bytes"]
 
 #: Weight of overlapped communication in the objective (assumed: a tie-breaker, 1% of its time).
 HIDDEN_COMM_WEIGHT = 0.01
@@ -66,11 +67,19 @@ MARGINAL_PAIRS = 400
 MEMORY_UNIT = 2 ** 24
 
 
+class SolveStatus(StrEnum):
+    """CP-SAT's answer: proven optimal, feasible (time ran out), proven infeasible, or nothing found."""
+    OPTIMAL = "optimal"
+    FEASIBLE = "feasible"
+    INFEASIBLE = "infeasible"
+    UNKNOWN = "unknown"
+
+
 @dataclass
 class Solution:
     choice: list[int]
     objective: float             # the model's step time (seconds), or inf if infeasible
-    status: str                  # "optimal" | "feasible" | "infeasible" | "unknown"
+    status: SolveStatus
     seconds: float               # solver wall time
     bound: float = 0.0           # best lower bound on the objective (seconds)
     over: int = 0                # with soft memory: bytes over capacity at the worst checked node
@@ -343,8 +352,9 @@ def solve_ilp(p: Problem, *, time_limit: float = 10.0, workers: int = 2, hint: l
         solver.parameters.subsolvers.append(name)
     status = solver.Solve(model.m)
     seconds = time.perf_counter() - t0
-    names = {cp_model.OPTIMAL: "optimal", cp_model.FEASIBLE: "feasible", cp_model.INFEASIBLE: "infeasible"}
-    name = names.get(status, "unknown")
+    names = {cp_model.OPTIMAL: SolveStatus.OPTIMAL, cp_model.FEASIBLE: SolveStatus.FEASIBLE,
+             cp_model.INFEASIBLE: SolveStatus.INFEASIBLE}
+    name = names.get(status, SolveStatus.UNKNOWN)
     if status not in (cp_model.OPTIMAL, cp_model.FEASIBLE):
         return Solution([], float("inf"), name, seconds)
     choice = []

@@ -12,12 +12,14 @@
   rule ``dp_follow``) unless the model scores it worse than the answer; the outer search prices it
   exactly beside the answer.
 
-Both return the model's view of the result; the caller prices the plan exactly (``cost.estimate``).
+Both return the model's view of the result, with what produced it (``Status``: a ``Source`` and its
+detail); the caller prices the plan exactly (``cost.estimate``).
 """
 from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from enum import StrEnum
 
 from .descent import Descent, descend, score
 from .ilp import solve_ilp
@@ -25,7 +27,7 @@ from .segments import followed_data_parallel, solve_o1
 from .options import Level, SearchOptions
 from .problem import Problem
 
-__all__ = ["LevelResult", "solve_problem", "refine_o1", "JOINT_CANDIDATES", "O1_DESCENT_NODES"]
+__all__ = ["LevelResult", "Source", "Status", "solve_problem", "refine_o1", "JOINT_CANDIDATES", "O1_DESCENT_NODES"]
 
 #: The joint ILP over all axes is tried only up to this many candidates (measured: with 1.7k it finds
 #: no solution in 10 s on two cores; with a few hundred it closes the gap in seconds).
@@ -38,12 +40,42 @@ O1_STEP_SECONDS = 3.0
 O1_ROUNDS = 2
 
 
+class Source(StrEnum):
+    """What produced a plan: a solver step here, or a choice of the outer search (``outer``)."""
+    O1 = "O1"                                   # O1's segments and local search (detail: the start that won)
+    O2_DESCENT = "O2 descent"                   # O2's axis-wise descent
+    O2_JOINT = "O2 joint"                       # O2's joint ILP over all axes
+    O1_KEPT = "O1 kept"                         # O2 ran, but O1's plan priced faster exactly
+    DP_FOLLOWED = "data parallel, followed"     # rule dp_follow's plan priced faster than the solver's
+
+
+#: The text of a source where it is not just its value (``Status.text``).
+_SOURCE_TEXT = {Source.O1_KEPT: "O1 (kept: priced faster than the O2 refinement)",
+                Source.DP_FOLLOWED: "data parallel, followed (priced faster than the solver's plan)"}
+
+
+@dataclass(frozen=True)
+class Status:
+    """What produced a plan (``source``), O1's winning start (``start``: replicated, previous, data
+    parallel, boundary ...) and whether O1's axis-wise descent improved it (``descent``)."""
+    source: Source
+    start: str = ""
+    descent: bool = False
+
+    def text(self) -> str:
+        """The human text (``rhino plan --json``'s candidate status), e.g. ``O1 (data parallel) + descent``."""
+        base = f"O1 ({self.start})" if self.source is Source.O1 else _SOURCE_TEXT.get(self.source, self.source.value)
+        return base + (" + descent" if self.descent else "")
+
+    __str__ = text
+
+
 @dataclass
 class LevelResult:
     choice: list[int]
     objective: float
     over: int
-    status: str
+    status: Status
     steps: list[dict] = field(default_factory=list)
     o1_choice: list[int] = field(default_factory=list)   # O1's answer (O2 starts from it)
     followed: list[int] | None = None   # data parallel, followed (``segments``): priced beside the answer
@@ -70,28 +102,28 @@ def solve_problem(p: Problem, options: SearchOptions, *, deadline: float, start:
     now = time.perf_counter()
     budget = max(0.2, deadline - now)
     choice, sc, name = solve_o1(p, options, list(critical), start)
-    status = f"O1 ({name})"
-    steps = [{"axis": "all", "status": status, "objective": sc[1], "seconds": time.perf_counter() - now,
+    status = Status(Source.O1, name)
+    steps = [{"axis": "all", "status": status.text(), "objective": sc[1], "seconds": time.perf_counter() - now,
               "level": "O1"}]
     if options.level is Level.O1 and p.nodes <= O1_DESCENT_NODES and not options.o1_refine_best_first:
         d1 = refine_o1(p, choice, options, deadline=deadline)
         steps += d1.steps
         if d1.choice != choice:
-            choice, status = d1.choice, status + " + descent"
+            choice, status = d1.choice, Status(Source.O1, name, descent=True)
     o1_choice = list(choice)
     if options.level is Level.O2:
         d2 = descend(p, start=choice, rounds=3, step_time_limit=max(0.5, budget * 0.4 / ndim),
                      deadline=now + budget * 0.7, workers=options.workers)
         steps += [dict(s, level="O2") for s in d2.steps]
         if score(p, d2.choice) < score(p, choice):
-            choice, status = d2.choice, "O2 descent"
+            choice, status = d2.choice, Status(Source.O2_DESCENT)
         left = deadline - time.perf_counter()
         if ndim > 1 and left > 0.5 and sum(p.n_cands) <= JOINT_CANDIDATES:
             j = solve_ilp(p, time_limit=left, workers=options.workers, hint=choice, soft_memory=True)
             steps.append({"axis": "all", "status": j.status, "objective": j.objective, "seconds": j.seconds,
                           "level": "O2"})
             if j.choice and score(p, j.choice) < score(p, choice):
-                choice, status = j.choice, "O2 joint"
+                choice, status = j.choice, Status(Source.O2_JOINT)
     over, obj = score(p, choice)
     followed = followed_data_parallel(p, options)
     if followed is not None and score(p, followed)[0] > over:

@@ -1,8 +1,8 @@
 """Memory rows: the per-device bytes live at a node, as a function of the cone classes' choices.
 
-The liveness model is ``cost.memory``'s: views alias their input's storage, state lives all step,
-graph outputs to the end, other values from the node that makes them to their last reader; the new
-state coexists with the old. Redistributed copies (one per value and needed sharding, alive from the
+The liveness model is ``cost.memory``'s, on ``ir.analysis``'s storages and last uses: views alias their
+input's storage, state lives all step, graph outputs to the end, other values from the node that makes
+them to their last reader; the new state coexists with the old. Redistributed copies (one per value and needed sharding, alive from the
 first node that needs it to the last, as the lowering keeps them) are ``CopyTerm``s. Two differences,
 both on the safe side where the copy is no larger than its source: a value a copy was made from counts
 until its last reader even when the cost model frees it once its last copy exists, and a view of a
@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from math import prod
 
 from ..cost.memory import estimate_memory
-from ..cost.recompute import KEEP_KINDS, apply_recompute
+from ..cost.recompute import KEEP_KINDS, Recompute, apply_recompute
 from ..cost.step import NodeCost
-from ..ir.graph import Role
-from ..ir.registry import OpKind, lookup
+from ..ir.analysis import analyze
+from ..ir.registry import lookup
 from ..sharding.placement import local_shape
 
 __all__ = ["CopyTerm", "MemRow", "MemoryRows", "copy_bytes"]
@@ -63,9 +63,9 @@ class MemoryRows:
 
     def _recomputed(self, i: int) -> int:
         """1 if recomputation runs forward node ``i`` again (``cost.recompute``), else 0."""
-        if self.recompute == "full":
+        if self.recompute == Recompute.FULL:
             return 1
-        if self.recompute == "selective":
+        if self.recompute == Recompute.SELECTIVE:
             d = lookup(self.graph.nodes[i].op)
             return int(d is not None and d.kind not in KEEP_KINDS)
         return 0
@@ -73,58 +73,24 @@ class MemoryRows:
     def activation_scale(self, storage: int) -> float:
         """Fraction of an activation's bytes kept under recomputation (``cost.recompute``): full keeps
         the same share of every activation (its segment cuts), selective drops what cheap ops made."""
-        if self.recompute == "none":
+        if self.recompute == Recompute.NONE:
             return 1.0
-        if self.recompute == "selective":
+        if self.recompute == Recompute.SELECTIVE:
             p = self._producer().get(storage)
             return 0.0 if p is not None and self._recomputed(p[0]) else 1.0
         if "keep" not in self.shared:
             mem = estimate_memory(self.graph)
             eff = apply_recompute(self.graph, mem, [NodeCost("", 0.0, 0.0, "", 0.0)] * len(self.graph.nodes),
-                                  "full") if mem.activation_spans else None
+                                  Recompute.FULL) if mem.activation_spans else None
             self.shared["keep"] = eff.keep_fraction if eff is not None else 1.0
         return self.shared["keep"]
 
     # -- memory ------------------------------------------------------------------------------------
     def liveness(self):
-        """(storage root of each value, birth index, last-use index) as in ``cost.memory``."""
-        if "live" in self.shared:
-            return self.shared["live"]
-        graph = self.graph
-        n = len(graph.nodes)
-        root: dict[int, int] = {}
-        born: dict[int, int] = {}
-        last: dict[int, int] = {}
-        for inp in graph.inputs:
-            root[inp.value] = inp.value
-            born[inp.value] = -1
-            last[inp.value] = -1 if inp.role is Role.BATCH else n
-        for v in graph.constants:
-            root.setdefault(v, v)
-            born.setdefault(v, -1)
-            last.setdefault(v, n)
-        for i, node in enumerate(graph.nodes):
-            rr = []
-            for r in self.space.info(i).refs:
-                s = root[r.id]
-                rr.append(s)
-                if last[s] < i:
-                    last[s] = i
-            d = lookup(node.op)
-            view = d is not None and d.kind is OpKind.VIEW and bool(rr)
-            for v in node.outputs:
-                if v is None:
-                    continue
-                if view:
-                    root[v] = rr[0]
-                else:
-                    root[v] = born[v] = v
-                    born[v] = i
-                    last[v] = i
-        for o in graph.outputs:
-            last[root[o.value]] = n
-        self.shared["live"] = (root, born, last)
-        return self.shared["live"]
+        """(storage root of each value, birth index, last-use index): ``ir.analysis``'s, as ``cost.memory``
+        uses them."""
+        a = analyze(self.graph)
+        return a.root, a.born, a.last_use
 
     def initial_checkpoints(self) -> list[int]:
         n = len(self.graph.nodes)

@@ -4,14 +4,21 @@ not get worse and that the rule saves work."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from enum import Enum
+from enum import Enum, StrEnum
 
-__all__ = ["Level", "SearchOptions"]
+__all__ = ["Level", "RecomputeWhen", "SearchOptions"]
 
 
 class Level(str, Enum):
     O1 = "O1"   # critical-node segments solved one by one and chained by dynamic programming
     O2 = "O2"   # one ILP over all cone strategies
+
+
+class RecomputeWhen(StrEnum):
+    """When the outer search tries activation recomputation (``outer``, step 3)."""
+    AUTO = "auto"       # only when no plan fits without it
+    NEVER = "never"
+    ALWAYS = "always"   # beside every plan without it
 
 
 @dataclass(frozen=True)
@@ -83,7 +90,7 @@ class SearchOptions:
     #: Largest number of mesh axes tried.
     max_mesh_axes: int = 2
     #: Consider activation recomputation: "auto" only when no plan fits without it, "never", "always".
-    recompute: str = "auto"
+    recompute: RecomputeWhen = RecomputeWhen.AUTO
 
     def with_(self, **kw) -> "SearchOptions":
         return replace(self, **kw)
@@ -91,8 +98,9 @@ class SearchOptions:
     def __post_init__(self) -> None:
         if self.time_limit <= 0:
             raise ValueError(f"time limit must be positive, got {self.time_limit}")
-        if self.recompute not in ("auto", "never", "always"):
+        if self.recompute not in tuple(RecomputeWhen):
             raise ValueError(f"recompute must be auto, never or always, got {self.recompute!r}")
+        object.__setattr__(self, "recompute", RecomputeWhen(self.recompute))
         if not isinstance(self.level, Level):
             object.__setattr__(self, "level", Level(self.level))
         if self.workers < 1 or self.tie_radius < 0 or self.boundary_states < 1 or self.max_mesh_axes < 1 \

@@ -5,12 +5,13 @@
    whole number of nodes). Axes are named ``all``, or ``outer`` and ``inner``; ranks are row-major,
    so the inner axis is the one inside a node. On large graphs O1 solves every mesh but prices only
    the ``o1_priced_meshes`` its model ranks best.
-2. **Per mesh** (``search_mesh``): build the problem (``problem.Builder``: cones of the graph are
-   shared by all meshes), solve it (O1: ``segments.solve_o1``; O2: that, then the axis-wise descent
-   and the joint ILP, ``levels``), assemble the plan, and score it with ``cost.estimate.estimate`` (the
-   same numbers ``rhino estimate`` prints). When the estimate's memory peak is over capacity, the peak
-   node becomes a memory row (with what the model did not see there, e.g. redistribution copies, as a
-   constant) and the problem is solved again (``memory_rounds`` times at most).
+2. **Per mesh** (``MeshSearch``: solve, price, refit memory, refine): build the problem
+   (``problem.Builder``: cones of the graph are shared by all meshes), solve it (O1:
+   ``segments.solve_o1``; O2: that, then the axis-wise descent and the joint ILP, ``levels``), assemble
+   the plan, and score it with ``cost.estimate.estimate`` (the same numbers ``rhino estimate`` prints).
+   When the estimate's memory peak is over capacity, the peak node becomes a memory row (with what the
+   model did not see there, e.g. redistribution copies, as a constant) and the problem is solved again
+   (``memory_rounds`` times at most). ``Candidate.status`` says what produced the plan (``levels.Status``).
 3. **Recomputation**: ``recompute="auto"`` tries ``full`` recomputation only when no mesh fits without
    it; "always" tries both for every mesh.
 4. **O1 refinement, best first** (small graphs, rule ``o1_refine_best_first``): steps 1-3 solve and
@@ -39,7 +40,7 @@ price the result. Nothing in the per-mesh problem changes.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from ..cost.cluster import Cluster
@@ -48,15 +49,16 @@ from ..cost.memory import estimate_memory
 from ..ir.graph import Graph
 from ..sharding.mesh import Mesh
 from ..sharding.plan import ShardingPlan
+from ..sharding.vocab import Recompute
 from .coarsen import Cones, build_cones
 from .ilp import memory_over, row_bytes
-from .levels import O1_DESCENT_NODES, O1_ROUNDS, refine_o1, solve_problem
+from .levels import O1_DESCENT_NODES, O1_ROUNDS, LevelResult, Source, Status, refine_o1, solve_problem
 from .segments import critical_classes
-from .options import Level, SearchOptions
+from .options import Level, RecomputeWhen, SearchOptions
 from .problem import Builder
 from .space import Space
 
-__all__ = ["Candidate", "SearchResult", "NoPlanFits", "candidate_meshes", "search", "search_mesh"]
+__all__ = ["Candidate", "MeshSearch", "SearchResult", "NoPlanFits", "candidate_meshes", "search", "search_mesh"]
 
 Progress = Callable[[str, dict], None]
 
@@ -71,35 +73,29 @@ class NoPlanFits(ValueError):
 
 @dataclass
 class Candidate:
+    """One mesh and recomputation mode's plan, priced, with what produced it (``status``)."""
     mesh: Mesh
-    recompute: str
+    recompute: Recompute
     plan: ShardingPlan | None
     estimate: Estimate | None
     seconds: float
     model_seconds: float = 0.0           # the ILP model's step time
-    status: str = ""
+    status: Status | None = None
     problem: dict = field(default_factory=dict)
     steps: list = field(default_factory=list)
     model_peak: float = 0.0              # the ILP model's memory peak (its rows, conservative)
     model_peak_cap: float = 0.0          # the capacity the model planned for
-    pricer: Callable | None = field(default=None, repr=False)
-    finish: Callable | None = field(default=None, repr=False)   # price it (and refit memory)
-    refine: Callable | None = field(default=None, repr=False)   # O1's descent, given a deadline (step 4)
     alternative: tuple | None = field(default=None, repr=False)  # (plan, Estimate): data parallel, followed
-
-    def price(self) -> Estimate:
-        """The cost model's estimate of the plan (computed once)."""
-        if self.estimate is None or self.estimate_plan is not self.plan:
-            self.keep(self.plan, self.pricer(self.plan))
-        return self.estimate
+    #: the search that made the candidate and continues it (``MeshSearch.finish``); None for a bare record
+    search: "MeshSearch | None" = field(default=None, repr=False)
+    #: step 4's round (``MeshSearch.refine``, given a deadline) where the candidate may take one, else None
+    refine: Callable[[float], bool] | None = field(default=None, repr=False)
 
     def keep(self, plan: ShardingPlan, est: Estimate) -> None:
         """Make ``plan``, priced ``est``, this candidate's plan."""
-        self.plan, self.estimate, self.estimate_plan = plan, est, plan
+        self.plan, self.estimate = plan, est
         plan.meta.update({"predicted_step_seconds": est.step_seconds,
                           "predicted_peak_bytes": est.memory_bytes["peak"]})
-
-    estimate_plan: object = field(default=None, repr=False)
 
     @property
     def fits(self) -> bool:
@@ -108,6 +104,11 @@ class Candidate:
     @property
     def step_seconds(self) -> float:
         return self.estimate.step_seconds if self.estimate is not None else float("inf")
+
+    @property
+    def status_text(self) -> str:
+        """What produced the plan, in words (``Status.text``)."""
+        return self.status.text() if self.status is not None else ""
 
 
 @dataclass
@@ -143,109 +144,159 @@ def _peak_index(graph: Graph, rp) -> int:
     return names.get(mem.peak_node, len(graph.nodes) - 1)
 
 
-def search_mesh(graph: Graph, cluster: Cluster, mesh: Mesh, options: SearchOptions, *, cones: Cones,
-                base: Space, fingerprint: str, recompute: str = "none", budget: float = 10.0,
-                progress: Progress | None = None, shared: dict | None = None, price: bool = True) -> Candidate:
-    """Search one mesh (module docstring, step 2). ``price=False``: build and solve only; the returned
-    candidate's ``finish()`` prices it (and refits memory) later."""
-    t0 = time.perf_counter()
-    deadline = t0 + budget
-    say = progress or (lambda event, info: None)
-    space = Space(graph, mesh, options, like=base)
-    b = Builder(graph, mesh, cluster, options, cones=cones, space=space, fingerprint=fingerprint,
-                recompute=recompute, shared=shared)
-    say("build", {"mesh": str(mesh), "recompute": recompute})
-    p = b.build()
-    say("solve", {"mesh": str(mesh), **p.size()})
-    critical = critical_classes(graph, cones, b.boundary)
-    sol = solve_problem(p, options, deadline=deadline, critical=critical)
-    meta = {"level": options.level.value, "recompute": recompute, "cluster": str(cluster)}
-    plan = b.assemble(sol.choice, f"search {options.level.value} mesh {mesh}")
-    plan.meta.update(meta)
-    cand = Candidate(mesh, recompute, plan, None, 0.0, sol.objective, sol.status, p.size(), sol.steps,
-                     model_peak=p.capacity + memory_over(p, sol.choice), model_peak_cap=p.capacity,
-                     pricer=lambda pl: estimate(graph, cluster, b.resolved(pl), recompute=recompute))
-    cand.seconds = time.perf_counter() - t0
+class MeshSearch:
+    """One mesh's search (module docstring, step 2) as explicit steps on its state, in this order:
 
-    def finish() -> None:
-        nonlocal sol, plan
+    1. ``solve``: build the problem (``problem.Builder``) and solve it at the options' level
+       (``levels.solve_problem``); the candidate holds the assembled plan and the model's numbers.
+    2. ``price``: the exact estimate (``cost.estimate``) of the plan; where O2 refined O1's plan, O1's is
+       priced too and kept when better; rule ``dp_follow``'s plan is priced and set aside.
+    3. ``refit_memory``: while the priced plan is over capacity, its peak node becomes a memory row and
+       the problem is solved again (``memory_rounds`` at most).
+    4. ``refine`` (O1 on small graphs, rule ``o1_refine_best_first``): one round of O1's axis-wise
+       descent from where the last ended, kept when it prices better.
+
+    ``finish`` runs steps 2 and 3 (the outer search may defer them, or skip them for meshes it will
+    not price)."""
+
+    def __init__(self, graph: Graph, cluster: Cluster, mesh: Mesh, options: SearchOptions, *, cones: Cones,
+                 base: Space, fingerprint: str, recompute: Recompute | str = Recompute.NONE, budget: float = 10.0,
+                 progress: Progress | None = None, shared: dict | None = None) -> None:
+        self.t0 = time.perf_counter()
+        self.deadline = self.t0 + budget
+        self.graph, self.cluster, self.mesh, self.options, self.cones = graph, cluster, mesh, options, cones
+        self.recompute = Recompute(recompute)
+        self.say = progress or (lambda event, info: None)
+        self.builder = Builder(graph, mesh, cluster, options, cones=cones, space=Space(graph, mesh, options, like=base),
+                               fingerprint=fingerprint, recompute=self.recompute, shared=shared)
+        self.problem = None
+        self.critical: list[int] = []
+        self.sol: LevelResult | None = None       # the solver's answer the plan comes from
+        self.walk: list[list[int]] = []           # where each descent round (step 4) ended
+        self.cand: Candidate | None = None
+
+    def solve(self) -> Candidate:
+        """Step 1: build and solve the problem; the candidate, not yet priced."""
+        mesh = self.mesh
+        self.say("build", {"mesh": str(mesh), "recompute": self.recompute})
+        p = self.problem = self.builder.build()
+        self.say("solve", {"mesh": str(mesh), **p.size()})
+        self.critical = critical_classes(self.graph, self.cones, self.builder.boundary)
+        sol = self.sol = solve_problem(p, self.options, deadline=self.deadline, critical=self.critical)
+        self.cand = Candidate(mesh, self.recompute, self._assemble(sol.choice), None, 0.0, sol.objective, sol.status,
+                              p.size(), sol.steps, model_peak=p.capacity + memory_over(p, sol.choice),
+                              model_peak_cap=p.capacity, search=self)
+        if self.options.level is Level.O1 and self.options.o1_refine_best_first and p.nodes <= O1_DESCENT_NODES:
+            self.cand.refine = self.refine
+        self.cand.seconds = time.perf_counter() - self.t0
+        return self.cand
+
+    @property
+    def over_model_memory(self) -> bool:
+        """The model's rows alone are over capacity (they err only on the safe side, by a little)."""
+        return self.cand.model_peak > MODEL_MEMORY_SLACK * self.problem.capacity
+
+    def finish(self) -> None:
+        """Steps 2 and 3: price the plan, refit memory while it does not fit; report the score."""
         t1 = time.perf_counter()
-        est = cand.price()
+        self.price()
+        self.refit_memory()
+        self.cand.seconds += time.perf_counter() - t1
+        self._scored()
+
+    def price(self) -> Estimate:
+        """Step 2: the exact estimate of the solver's plan. O2 starts from O1's plan; where the model and the
+        exact price disagree, the better of the two is kept. Rule ``dp_follow``: the data-parallel split
+        followed through the graph is priced now and kept at the end of the search if it prices faster
+        (``_keep_alternatives``)."""
+        c, sol, p = self.cand, self.sol, self.problem
+        c.keep(c.plan, self._estimate(c.plan))
         if sol.o1_choice and sol.o1_choice != sol.choice and memory_over(p, sol.o1_choice) <= 0:
-            # O2 starts from O1's plan; where the model and the exact price disagree, keep the better one
-            first = b.assemble(sol.o1_choice, f"search {options.level.value} mesh {mesh}")
-            first.meta.update(meta)
-            alt = cand.pricer(first)
-            if _better(alt, est):
-                cand.keep(first, alt)
-                est = alt
-                cand.status = "O1 (kept: priced faster than the O2 refinement)"
+            first = self._assemble(sol.o1_choice)
+            alt = self._estimate(first)
+            if _better(alt, c.estimate):
+                c.keep(first, alt)
+                c.status = Status(Source.O1_KEPT)
                 sol.choice = sol.o1_choice
         if sol.followed and sol.followed != sol.choice and memory_over(p, sol.followed) <= 0:
-            # rule dp_follow: the data-parallel split followed through the graph, priced now and kept at
-            # the end if it prices faster than what the solver and the refinement found (``search``)
-            dp = b.assemble(sol.followed, f"search {options.level.value} mesh {mesh}")
-            dp.meta.update(meta)
-            cand.alternative = (dp, cand.pricer(dp))
+            dp = self._assemble(sol.followed)
+            c.alternative = (dp, self._estimate(dp))
+        return c.estimate
+
+    def refit_memory(self) -> None:
+        """Step 3: while the priced plan does not fit, the estimate's peak node becomes a memory row (what
+        the model did not see there, e.g. redistribution copies, as a constant) and the problem is solved
+        again from the current choice; stops when the model cannot make it fit either."""
+        c, p, graph = self.cand, self.problem, self.graph
         rounds = 0
-        while not est.fits and rounds < options.memory_rounds and sol.choice:
+        while not c.estimate.fits and rounds < self.options.memory_rounds and self.sol.choice:
             rounds += 1
-            i = _peak_index(graph, b.resolved(cand.plan))
-            row = b.memory_row(i)
-            modelled = row_bytes(row, sol.choice)
-            row.const += max(0, est.memory_bytes["peak"] - modelled)
+            i = _peak_index(graph, self.builder.resolved(c.plan))
+            row = self.builder.memory_row(i)
+            row.const += max(0, c.estimate.memory_bytes["peak"] - row_bytes(row, self.sol.choice))
             p.memory.append(row)
-            say("refit", {"mesh": str(mesh), "round": rounds, "node": graph.nodes[i].name})
-            sol = solve_problem(p, options, deadline=max(deadline, time.perf_counter() + 1.0), start=sol.choice,
-                                critical=critical)
+            self.say("refit", {"mesh": str(self.mesh), "round": rounds, "node": graph.nodes[i].name})
+            sol = self.sol = solve_problem(p, self.options, deadline=max(self.deadline, time.perf_counter() + 1.0),
+                                           start=self.sol.choice, critical=self.critical)
             if memory_over(p, sol.choice) > 0:
                 break               # the model cannot make it fit either: no point pricing again
-            plan = b.assemble(sol.choice, f"search {options.level.value} mesh {mesh}")
-            plan.meta.update(meta)
-            cand.plan, cand.model_seconds, cand.status, cand.steps = plan, sol.objective, sol.status, sol.steps
-            est = cand.price()
-        cand.seconds += time.perf_counter() - t1
-        say("scored", {"mesh": str(mesh), "step_seconds": est.step_seconds, "fits": est.fits,
-                       "peak": est.memory_bytes["peak"]})
+            plan = self._assemble(sol.choice)
+            c.plan, c.model_seconds, c.status, c.steps = plan, sol.objective, sol.status, sol.steps
+            c.keep(plan, self._estimate(plan))
 
-    walk: list[list[int]] = []          # where the last descent round ended
-
-    def refine(until: float) -> bool:
+    def refine(self, until: float) -> bool:
         """Step 4: one round of O1's descent from where the last ended (first: the plan as it stands),
         kept when it prices better. True when the round changed the choice (another may help)."""
         t1 = time.perf_counter()
-        say("refine", {"mesh": str(mesh), "recompute": recompute})
-        start = walk[-1] if walk else sol.choice
-        d = refine_o1(p, start, options, deadline=until, rounds=1)
-        cand.steps = cand.steps + d.steps
+        c, p = self.cand, self.problem
+        self.say("refine", {"mesh": str(self.mesh), "recompute": self.recompute})
+        start = self.walk[-1] if self.walk else self.sol.choice
+        d = refine_o1(p, start, self.options, deadline=until, rounds=1)
+        c.steps = c.steps + d.steps
         moved = d.choice != start
         if moved:
-            walk.append(d.choice)
-            new = b.assemble(d.choice, f"search {options.level.value} mesh {mesh}")
-            new.meta.update(meta)
-            alt = cand.pricer(new)
-            if cand.estimate is None or _better(alt, cand.estimate):
-                cand.keep(new, alt)
-                if not cand.status.endswith(" + descent"):
-                    cand.status += " + descent"
-                cand.model_seconds = d.objective
-                cand.model_peak = p.capacity + memory_over(p, d.choice)
-                sol.choice = d.choice
-        cand.seconds += time.perf_counter() - t1
-        est = cand.estimate
-        say("scored", {"mesh": str(mesh), "step_seconds": est.step_seconds, "fits": est.fits,
-                       "peak": est.memory_bytes["peak"]})
+            self.walk.append(d.choice)
+            new = self._assemble(d.choice)
+            alt = self._estimate(new)
+            if c.estimate is None or _better(alt, c.estimate):
+                c.keep(new, alt)
+                c.status = replace(c.status, descent=True)
+                c.model_seconds = d.objective
+                c.model_peak = p.capacity + memory_over(p, d.choice)
+                self.sol.choice = d.choice
+        c.seconds += time.perf_counter() - t1
+        self._scored()
         return moved
 
-    cand.finish = finish
-    if options.level is Level.O1 and options.o1_refine_best_first and p.nodes <= O1_DESCENT_NODES:
-        cand.refine = refine
-    if cand.model_peak > MODEL_MEMORY_SLACK * p.capacity:
-        # the model's rows alone are over capacity (and they err only on the safe side by a little):
-        # leave the exact pricing for later, in case no mesh fits and this is the best there is
-        say("scored", {"mesh": str(mesh), "step_seconds": sol.objective, "fits": False, "peak": cand.model_peak})
+    def _assemble(self, choice: list[int]) -> ShardingPlan:
+        plan = self.builder.assemble(choice, f"search {self.options.level.value} mesh {self.mesh}")
+        plan.meta.update({"level": self.options.level.value, "recompute": self.recompute,
+                          "cluster": str(self.cluster)})
+        return plan
+
+    def _estimate(self, plan: ShardingPlan) -> Estimate:
+        return estimate(self.graph, self.cluster, self.builder.resolved(plan), recompute=self.recompute)
+
+    def _scored(self) -> None:
+        est = self.cand.estimate
+        self.say("scored", {"mesh": str(self.mesh), "step_seconds": est.step_seconds, "fits": est.fits,
+                            "peak": est.memory_bytes["peak"]})
+
+
+def search_mesh(graph: Graph, cluster: Cluster, mesh: Mesh, options: SearchOptions, *, cones: Cones,
+                base: Space, fingerprint: str, recompute: Recompute | str = Recompute.NONE, budget: float = 10.0,
+                progress: Progress | None = None, shared: dict | None = None, price: bool = True) -> Candidate:
+    """Search one mesh (``MeshSearch``): solve, then price and refit memory unless ``price=False`` or the
+    model's memory rows alone are over capacity (then ``candidate.search.finish()`` does it later, in case
+    no mesh fits and this is the best there is)."""
+    ms = MeshSearch(graph, cluster, mesh, options, cones=cones, base=base, fingerprint=fingerprint,
+                    recompute=recompute, budget=budget, progress=progress, shared=shared)
+    cand = ms.solve()
+    if ms.over_model_memory:
+        ms.say("scored", {"mesh": str(mesh), "step_seconds": ms.sol.objective, "fits": False,
+                          "peak": cand.model_peak})
     elif price:
-        finish()
+        ms.finish()
     return cand
 
 
@@ -260,13 +311,13 @@ def search(graph: Graph, cluster: Cluster, options: SearchOptions = SearchOption
     say("cones", {"nodes": len(graph.nodes)})
     cones = build_cones(graph, base, options)
     say("meshes", {"meshes": [str(m) for m in meshes], "cones": len(cones.cones), "classes": len(cones.classes)})
-    modes = ["none"] + (["full"] if options.recompute == "always" else [])
+    modes = [Recompute.NONE] + ([Recompute.FULL] if options.recompute is RecomputeWhen.ALWAYS else [])
     cands: list[Candidate] = []
     shared: dict = {}
     for mode in modes:
         cands += _run(graph, cluster, meshes, options, cones, base, fingerprint, mode, t0, say, shared)
-    if options.recompute == "auto" and not any(c.fits for c in cands):
-        cands += _run(graph, cluster, meshes, options, cones, base, fingerprint, "full", t0, say, shared)
+    if options.recompute is RecomputeWhen.AUTO and not any(c.fits for c in cands):
+        cands += _run(graph, cluster, meshes, options, cones, base, fingerprint, Recompute.FULL, t0, say, shared)
     _refine_best_first(cands, options, t0)
     _keep_alternatives(cands)
     fitting = [c for c in cands if c.fits]
@@ -274,7 +325,7 @@ def search(graph: Graph, cluster: Cluster, options: SearchOptions = SearchOption
     if not fitting:
         unpriced = sorted((c for c in cands if c.estimate is None), key=lambda c: c.model_peak)
         for c in unpriced[:2]:      # the least-memory candidates, priced (and refitted) at last
-            c.finish()
+            c.search.finish()
         fitting = [c for c in cands if c.fits]
     if not fitting:
         priced = [c for c in cands if c.estimate is not None]
@@ -317,7 +368,7 @@ def _keep_alternatives(cands: list[Candidate]) -> None:
     for c in cands:
         if c.alternative is not None and c.estimate is not None and _better(c.alternative[1], c.estimate):
             c.keep(*c.alternative)
-            c.status = "data parallel, followed (priced faster than the solver's plan)"
+            c.status = Status(Source.DP_FOLLOWED)
 
 
 def _peak(c: Candidate) -> float:
@@ -338,7 +389,7 @@ def _run(graph, cluster, meshes, options, cones, base, fingerprint, mode, t0, sa
         ok = sorted((c for c in out if c.model_peak <= MODEL_MEMORY_SLACK * c.model_peak_cap),
                     key=lambda c: c.model_seconds)
         for c in ok[:options.o1_priced_meshes]:
-            c.finish()
+            c.search.finish()
     return out
 
 

@@ -44,7 +44,7 @@ def plan_workload(graph, cluster, *, level: str = "O2", time_limit: float = 60.0
     cands = [{"mesh": dict(zip(c.mesh.names, c.mesh.sizes)), "recompute": c.recompute,
               "step_seconds": c.step_seconds, "fits": c.fits,
               "peak_bytes": c.estimate.memory_bytes["peak"] if c.estimate else None,
-              "model_step_seconds": c.model_seconds, "seconds": round(c.seconds, 3), "status": c.status,
+              "model_step_seconds": c.model_seconds, "seconds": round(c.seconds, 3), "status": c.status_text,
               "problem": c.problem} for c in result.candidates]
     report = build_report(graph, cluster, rp, est, workload=workload, level=result.level.value,
                           search_seconds=result.search_seconds, presets=scores, best=best, source=source,

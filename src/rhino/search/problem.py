@@ -30,7 +30,8 @@ from math import prod
 from ..cost.cluster import Cluster, axis_links
 from ..cost.collectives import step_seconds, steps_seconds
 from ..cost.compute import op_time
-from ..cost.step import custom_reduce_bytes, custom_reduces, loss_index, node_scale
+from ..cost.step import custom_reduce_bytes, custom_reduces, node_scale
+from ..ir.analysis import analyze
 from ..ir.graph import Graph, Role
 from ..sharding.mesh import Mesh
 from ..sharding.placement import ReduceOp, Sharding, local_shape, replicated
@@ -114,7 +115,7 @@ class Builder(MemoryRows):
         self.space = space or Space(graph, mesh, options)
         self.cones = cones or build_cones(graph, self.space, options)
         self.fingerprint = fingerprint
-        self.boundary = loss_index(graph)
+        self.boundary = analyze(graph).boundary
         self.inputs = {i.name: i for i in graph.inputs}
         self.state_out: dict[int, list[str]] = {}
         self.other_out: dict[int, int] = {}

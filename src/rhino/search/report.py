@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from ..cost.cluster import Cluster, axis_links
 from ..cost.estimate import Estimate
-from ..cost.step import loss_index
+from ..ir.analysis import analyze
 from ..ir.graph import Graph, Role
 from ..ir.registry import Family, OpKind, lookup
 from ..sharding.placement import Partial, Replicate, Shard
@@ -162,7 +162,7 @@ def axis_roles(rp: ResolvedPlan) -> list[str]:
     """One phrase per mesh axis: what is split along it."""
     graph, mesh = rp.graph, rp.plan.mesh
     users, views = _uses(graph)
-    boundary = loss_index(graph)
+    boundary = analyze(graph).boundary
     heavy_kinds = (OpKind.MATMUL, OpKind.CONV)
     forward_heavy = [n for i, n in enumerate(graph.nodes) if i <= boundary and lookup(n.op) is not None
                      and lookup(n.op).kind in heavy_kinds]

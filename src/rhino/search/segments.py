@@ -25,7 +25,7 @@ when it fits, it is usually what the boundary states compete against. The best o
 **Data parallel, followed** (``dp_follow``, ``followed_data_parallel``): the batch split propagated
 keeping every value as it arrives wherever a candidate can (``local.propagate(follow=True)``), as it
 is (not improved: the point is the pure data-parallel plan). Not a start that competes on the model's score: the outer search prices it exactly beside
-the winner and keeps the faster (``outer.search_mesh``). It keeps pure data parallelism in view where
+the winner and keeps the faster (``outer.MeshSearch.price``). It keeps pure data parallelism in view where
 one layer's own cost (a batch norm's statistics all-reduce) makes the greedy step leave it for a
 split whose gathers come later.
 """

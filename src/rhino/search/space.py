@@ -33,7 +33,8 @@ from ..ir.registry import Family, OpKind, annotate, call_of, call_signature, loo
 from ..sharding.mesh import Mesh
 from ..sharding.placement import Partial, ReduceOp, Replicate, Shard, Sharding, local_shape, replicated
 from ..sharding.plan import lowered_outputs
-from ..sharding.rules import PASS, NodeShardings, StrategyError, candidate_letters, partial_inputs, shardings_for
+from ..sharding.rules import NodeShardings, StrategyError, candidate_letters, partial_inputs, shardings_for
+from ..sharding.vocab import passthrough, strided
 from .options import SearchOptions
 
 __all__ = ["Space", "DRIVER_KINDS", "fused_chunks", "normalize"]
@@ -175,11 +176,11 @@ class Space:
         for x in letters:
             for k, size in self.fused:
                 if sizes.get(x) == size and size % (k * n) == 0:
-                    opts.append(f"{x}/{k}")
+                    opts.append(strided(x, k))
         if self.options.partial_passthrough:
             n_in = len(inf.shapes)
             for group in inf.linear:
-                opts.append(PASS if (len(group) == n_in and n_in > 1) or n_in == 1 else PASS + str(group[0]))
+                opts.append(passthrough(group, n_in))
         return opts
 
     # -- derivation -------------------------------------------------------------------------------
@@ -201,7 +202,7 @@ class Space:
                 if p.op is ReduceOp.SUM and self.options.partial_passthrough:
                     for group in inf.linear:
                         if k in group:
-                            entry = PASS if (len(group) == n_in and n_in > 1) or n_in == 1 else PASS + str(k)
+                            entry = passthrough(group, n_in)
                             break
             elif k < len(ann.inputs) and p.dim < len(ann.inputs[k]):
                 prefix = 1
@@ -209,7 +210,7 @@ class Space:
                     if p.blocks % prefix == 0 and x not in ann.fixed and x in local:
                         extra = p.blocks // prefix
                         if local[x] % (n * extra) == 0 and local[x] >= n * extra:
-                            entry = x if extra == 1 else f"{x}/{extra}"
+                            entry = strided(x, extra)
                             local[x] //= n
                             break
                     prefix *= local.get(x, 1)
@@ -234,7 +235,7 @@ class Space:
                     if p.blocks % prefix == 0 and x not in ann.fixed and x in local:
                         extra = p.blocks // prefix
                         if local[x] % (n * extra) == 0 and local[x] >= n * extra:
-                            entry = x if extra == 1 else f"{x}/{extra}"
+                            entry = strided(x, extra)
                             local[x] //= n
                             break
                     prefix *= local.get(x, 1)

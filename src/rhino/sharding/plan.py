@@ -15,6 +15,7 @@ from ..ir.registry import OpCall, OutputRule, annotate, call_of, lookup
 from .mesh import Mesh
 from .placement import Partial, Replicate, Shard, Sharding, format_sharding, local_shape, parse_placement, replicated
 from .rules import NodeShardings, StrategyError, shardings_for
+from .vocab import RECOMPUTE_MODES
 
 __all__ = ["ShardingPlan", "ResolvedPlan", "resolve", "PLAN_FORMAT", "PlanError", "lowered_outputs", "RECOMPUTE_MODES",
            "check_step_fields"]
@@ -35,7 +36,7 @@ class ShardingPlan:
     strategy_string: str = ""
     meta: dict[str, Any] = field(default_factory=dict)
     microbatches: int = 1                        # gradient accumulation: micro-batches per step
-    recompute: str = "none"                      # "none" | "full" | "selective" (cost.recompute.Recompute)
+    recompute: str = "none"                      # a ``vocab.Recompute`` value: none | full | selective
 
     def __post_init__(self) -> None:
         check_step_fields(self.microbatches, self.recompute)
@@ -68,8 +69,6 @@ class ShardingPlan:
                    d.get("recompute", "none"))
 
 
-#: the recomputation modes (``cost.recompute.Recompute``'s values; sharding/ does not import cost/)
-RECOMPUTE_MODES = ("none", "full", "selective")
 
 
 def check_step_fields(microbatches, recompute) -> None:

@@ -28,6 +28,7 @@ from .mesh import Mesh
 from .placement import Replicate, Shard, Sharding
 from .plan import ShardingPlan
 from .propagate import Propagator
+from .vocab import RECOMPUTE_MODES, Recompute
 
 __all__ = ["StrategySpec", "parse_strategy", "preset_plan"]
 
@@ -40,7 +41,7 @@ class StrategySpec:
     zero: int = 0
     sp: bool = False
     microbatches: int = 1
-    recompute: str = "none"
+    recompute: str = Recompute.NONE
 
     @property
     def world(self) -> int:
@@ -53,7 +54,7 @@ class StrategySpec:
         parts += [f"zero={self.zero}"] if self.zero else []
         parts += ["sp=on"] if self.sp else []
         parts += [f"microbatches={self.microbatches}"] if self.microbatches > 1 else []
-        parts += [f"recompute={self.recompute}"] if self.recompute != "none" else []
+        parts += [f"recompute={self.recompute}"] if self.recompute != Recompute.NONE else []
         return ",".join(parts)
 
 
@@ -75,9 +76,9 @@ def parse_strategy(text: str) -> StrategySpec:
                 raise ValueError(f"strategy sp={val!r}: use sp=on or sp=off")
             values["sp"] = val == "on"
         elif key == "recompute":
-            if val not in ("full", "selective", "none"):
+            if val not in RECOMPUTE_MODES:
                 raise ValueError(f"strategy recompute={val!r}: use full, selective or none")
-            values["recompute"] = val
+            values["recompute"] = Recompute(val)
         else:
             raise ValueError(f"unknown strategy key {key!r}; known keys: dp, tp, pp, zero, sp, microbatches, recompute")
     spec = StrategySpec(**values)

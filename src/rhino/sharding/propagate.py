@@ -30,7 +30,8 @@ from .mesh import Mesh
 from .placement import Partial, Replicate, Shard, Sharding, replicated
 from .plan import ShardingPlan, node_shardings
 from .redistribute import comm_bytes, plan_redistribution
-from .rules import PASS, StrategyError, candidate_letters, partial_inputs, shardings_for, split_letter
+from .rules import StrategyError, candidate_letters, partial_inputs, shardings_for
+from .vocab import is_passthrough, passthrough, split_letter, strided
 
 __all__ = ["Propagator", "MatmulRule"]
 
@@ -163,8 +164,7 @@ class Propagator:
                 # only where the inputs are Partial already: turning a replicated input into a
                 # Partial one would leave a Partial value for later consumers to reduce again
                 if set(partial_at) == set(group):
-                    opts.append(PASS if len(group) == len(refs) and len(group) > 1 or len(refs) == 1
-                                else PASS + str(group[0]))
+                    opts.append(passthrough(group, len(refs)))
         return opts
 
     def _strided_options(self, refs, ann, sizes, axis: int, letters: list[str]) -> list[str]:
@@ -180,7 +180,7 @@ class Propagator:
             prefix = 1
             for x in ann.inputs[k][p.dim]:
                 if p.blocks % prefix == 0 and x in letters and p.blocks // prefix > 1:
-                    entry = f"{x}/{p.blocks // prefix}"
+                    entry = strided(x, p.blocks // prefix)
                     if sizes[x] % (p.blocks // prefix * self.mesh.sizes[axis]) == 0 and entry not in out:
                         out.append(entry)
                 prefix *= sizes[x]
@@ -209,7 +209,7 @@ class Propagator:
                 self._ns_cache[(sig, strategy)] = ns
             if ns is False:
                 continue
-            if any(isinstance(s, str) and s.startswith(PASS) for s in strategy) and not self._passes_ok(refs, ns):
+            if any(is_passthrough(s) for s in strategy) and not self._passes_ok(refs, ns):
                 continue
             key = self._score(node, refs, ns, strategy, call) + (idx,)
             if best is None or key < best[0]:
@@ -314,7 +314,7 @@ class Propagator:
                 prefix = 1
                 for x in ann.outputs[0][p.dim]:
                     if p.blocks % prefix == 0 and x not in ann.fixed and local[x] % (n * (p.blocks // prefix)) == 0:
-                        entry = x if p.blocks == prefix else f"{x}/{p.blocks // prefix}"
+                        entry = strided(x, p.blocks // prefix)
                         local[x] //= n
                         break
                     prefix *= local[x]

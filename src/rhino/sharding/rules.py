@@ -22,16 +22,14 @@ from ..ir.annotation import Annotation, Dim, letter_sizes
 from ..ir.registry import Linear, lookup
 from .mesh import Mesh
 from .placement import Partial, ReduceOp, Replicate, Shard, Sharding
+from .vocab import PASS, EntryKind, parse_entry, split_letter
 
 __all__ = ["Strategy", "StrategyError", "shardings_for", "candidate_letters", "PASS",
            "partial_inputs"]
 
 Strategy = tuple  # tuple[str | None, ...], one entry per mesh axis
 
-# Strategy entry for "partial passthrough" on an axis: a linear op applied to Partial(sum) inputs
-# gives a Partial(sum) output, with no communication. ``PASS`` = every tensor input is Partial;
-# ``PASS + "k"`` = only tensor input k is (the others Replicate).
-PASS = "~"
+# Strategy entries (split letters, strided splits ``x/k``, partial passthrough ``PASS``): ``vocab``.
 
 
 def partial_inputs(op: str, kind_is_view: bool, n_inputs: int, args: Sequence,
@@ -94,13 +92,6 @@ def _placement(spec: Sequence[Dim], letter: str, local: dict[str, int], extra_bl
     return None
 
 
-def split_letter(entry: str) -> tuple[str, int]:
-    """A strategy entry ``"x"`` or ``"x/k"``: split letter ``x``, seen as ``k`` equal blocks whose
-    pieces each rank holds (a strided split, e.g. of a fused QKV output with k=3)."""
-    letter, _, k = entry.partition("/")
-    return letter, int(k) if k else 1
-
-
 def shardings_for(ann: Annotation, shapes: Sequence[Sequence[int]], strategy: Strategy, mesh: Mesh) -> NodeShardings:
     """Input and output shardings implied by ``strategy`` (one letter or None per mesh axis)."""
     if len(strategy) != mesh.ndim:
@@ -112,8 +103,9 @@ def shardings_for(ann: Annotation, shapes: Sequence[Sequence[int]], strategy: St
     reduce_op = ReduceOp(ann.reduce_kind)
     for axis, letter in enumerate(strategy):
         n = mesh.sizes[axis]
-        if isinstance(letter, str) and letter.startswith(PASS):
-            marked = set(range(len(ins))) if letter == PASS else {int(letter[1:])}
+        entry = parse_entry(letter)
+        if entry.kind in (EntryKind.PASS_ALL, EntryKind.PASS_ONE):
+            marked = set(range(len(ins))) if entry.input is None else {entry.input}
             for k, p in enumerate(ins):
                 p.append(Partial(ReduceOp.SUM) if k in marked else Replicate())
             for p in outs:

@@ -1,0 +1,259 @@
+"""What a training-step graph means: the single definition of storages, last uses, the loss boundary
+and node roles (pure Python, never imports torch). The cost model (``cost.memory``, ``cost.step``,
+``cost.remat``, ``cost.accumulate``), the search (``search.memrows``, ``search.coarsen``) and the
+memory planner (``memory.from_graph``) all read it; none of them answers these questions itself.
+
+``analyze(graph)`` computes it once per graph object (memoised per object, held weakly; a graph whose nodes,
+inputs, outputs or types were added or replaced after the first call is analysed again).
+
+Definitions (``n`` nodes in program order, ``graph.nodes[0..n-1]``):
+
+- **View node**: a node whose op has registry kind ``OpKind.VIEW`` and at least one tensor input. It
+  allocates nothing: every value it defines aliases the storage of its first tensor input.
+- **Storage root** ``root[v]``: the value owning ``v``'s storage: ``v`` itself for graph inputs,
+  constants and the outputs of non-view nodes; ``root[first input]`` for a view node's outputs.
+  ``born[s]``: index of the node that made storage ``s``, -1 for graph inputs and constants.
+- **Readers** ``readers[s]``: the indices of the nodes that read ``s`` through any alias (a view node
+  reads its input's storage too), ascending, each once. ``last_read[s]``: the last of them, -1 if none.
+- **Last use** ``last_use[s]`` (the end of ``s``'s lifetime in program order): ``n`` ("the end of the
+  step") for state inputs (PARAM, FROZEN, BUFFER, OPT_STATE), CONST inputs, constants and the storage
+  of any graph output; for a batch input its last reader (-1: never read, never live); for an
+  intermediate storage its last reader, or its producer when nobody reads it.
+- **Loss boundary** ``boundary``: the index of the node that made the loss output's storage
+  (following views back to it); -1 when the graph has no loss output or the loss is an input.
+- **Roles** (``NodeRole``). Without a boundary every node is FORWARD. Otherwise the boundary node is
+  LOSS, nodes before it are FORWARD, and a node after it is OPTIMIZER when, in this order,
+
+  1. *seed*: it reads (through any alias) an OPT_STATE input, or defines a value that is a graph
+     output with a state role (nodes before the loss doing so, BatchNorm's running statistics, are
+     forward ops);
+  2. *forward closure*: it reads a storage an optimizer node made (the update's arithmetic: the
+     square root of the new second moment, bias-corrected steps), decided in program order;
+  3. *backward closure*: it is not a view, reads a state input, reads no batch input and no storage
+     made at or before the loss (no activation), and every storage it makes is read by optimizer
+     nodes only and by at least one (weight decay: ``g + wd * p``, ``p * (1 - lr * wd)``), decided
+     in reverse program order;
+
+  every other node after the boundary is BACKWARD. ``optimizer`` is the set of OPTIMIZER nodes.
+- **Gradients**: storages made after the boundary by a non-optimizer node and read by an optimizer
+  node (the values the update consumes from the backward; what gradient accumulation accumulates
+  and the data-parallel reduction reduces).
+- **State**: ``state_inputs`` (values of inputs with a state role), ``updates`` (state input name ->
+  the value of the output that replaces it).
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from enum import Enum
+
+from .graph import STATE_ROLES, Graph, Role
+from .registry import OpKind, lookup
+
+__all__ = ["NodeRole", "GraphAnalysis", "analyze"]
+
+
+class NodeRole(str, Enum):
+    FORWARD = "forward"
+    LOSS = "loss"
+    BACKWARD = "backward"
+    OPTIMIZER = "optimizer"
+
+
+@dataclass(frozen=True)
+class GraphAnalysis:
+    """The answers of the module docstring for one graph (treat every field as read-only)."""
+
+    n: int
+    root: dict[int, int]              # value -> storage root
+    born: dict[int, int]              # storage -> producing node index (-1: input or constant)
+    producer: dict[int, int]          # value -> index of the node defining it (views included)
+    is_view: tuple[bool, ...]         # node index -> view node
+    node_roots: tuple[tuple[int, ...], ...]  # node -> storage of each tensor input, in argument order
+    readers: dict[int, list[int]]     # storage -> reading node indices (ascending, each once)
+    last_read: dict[int, int]         # storage -> last reader (-1: none)
+    last_use: dict[int, int]          # storage -> end of its lifetime (``n``: the end of the step)
+    boundary: int                     # loss node index, -1 if none
+    roles: tuple[NodeRole, ...]
+    optimizer: frozenset[int]
+    gradients: frozenset[int]         # storages (module docstring)
+    input_role: dict[int, Role]       # graph input value -> its role
+    state_inputs: frozenset[int]      # values of inputs with a state role
+    opt_state_inputs: frozenset[int]
+    batch_inputs: frozenset[int]
+    persistent: frozenset[int]        # state and CONST inputs and constants (live all step)
+    state_outputs: frozenset[int]     # values of outputs with a state role
+    output_roots: frozenset[int]      # storages of graph outputs
+    updates: dict[str, int]           # state input name -> value of its new-state output
+
+    def role(self, i: int) -> NodeRole:
+        return self.roles[i]
+
+    def is_optimizer(self, i: int) -> bool:
+        return i in self.optimizer
+
+    @property
+    def end(self) -> int:
+        """The "end of the step" index that ``last_use`` gives values live to the end."""
+        return self.n
+
+    def end_of(self, s: int, last_read: int) -> int:
+        """The last-use rule for storage ``s`` given its last read ``last_read`` (-1: none): ``last_use``
+        is ``end_of(s, self.last_read[s])``; a caller whose reads differ (a plan's redistributed copies
+        read instead of the storage) applies the same rule to its own last read."""
+        if s in self.persistent or s in self.output_roots:
+            return self.n
+        b = self.born[s]
+        return max(b, last_read) if b >= 0 else last_read
+
+
+# id(graph) -> (weak reference to the graph, signature, analysis); an entry leaves with its graph
+_CACHE: dict[int, tuple] = {}
+
+
+def _signature(graph: Graph) -> tuple:
+    nodes = graph.nodes
+    return (len(nodes), len(graph.inputs), len(graph.outputs), len(graph.types), len(graph.constants),
+            id(nodes), id(nodes[-1]) if nodes else 0, id(graph.outputs))
+
+
+def analyze(graph: Graph) -> GraphAnalysis:
+    """The analysis of ``graph`` (module docstring), computed once per graph object."""
+    if not isinstance(graph, Graph):
+        raise ValueError(f"analyze expects a rhino Graph, got {type(graph).__name__}")
+    sig = _signature(graph)
+    key = id(graph)
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is graph and hit[1] == sig:
+        return hit[2]
+    out = _analyze(graph)
+    if hit is None or hit[0]() is not graph:
+        weakref.finalize(graph, _CACHE.pop, key, None)
+    _CACHE[key] = (weakref.ref(graph), sig, out)
+    return out
+
+
+def _is_view_op(op: str, cache: dict[str, bool]) -> bool:
+    v = cache.get(op)
+    if v is None:
+        d = lookup(op)
+        v = cache[op] = d is not None and d.kind is OpKind.VIEW
+    return v
+
+
+def _storages(graph: Graph):
+    """(root, born, producer, is_view, node_roots, readers) in one pass over the program."""
+    types = graph.types
+    root: dict[int, int] = {}
+    born: dict[int, int] = {}
+    for inp in graph.inputs:
+        if inp.value not in types:
+            raise ValueError(f"graph input {inp.name} refers to value {inp.value}, which has no type")
+        root[inp.value] = inp.value
+        born[inp.value] = -1
+    for v in graph.constants:
+        if v not in root:
+            root[v] = v
+            born[v] = -1
+    producer: dict[int, int] = {}
+    is_view: list[bool] = []
+    node_roots: list[tuple[int, ...]] = []
+    readers: dict[int, list[int]] = {}
+    cache: dict[str, bool] = {}
+    for i, node in enumerate(graph.nodes):
+        rr = []
+        for r in node.input_refs():
+            s = root.get(r.id)
+            if s is None:
+                raise ValueError(f"node {node.name} reads value {r.id} before it is defined (not in program order)")
+            rr.append(s)
+            lst = readers.setdefault(s, [])
+            if not lst or lst[-1] != i:
+                lst.append(i)
+        node_roots.append(tuple(rr))
+        view = _is_view_op(node.op, cache) and bool(rr)
+        is_view.append(view)
+        for v in node.outputs:
+            if v is None:
+                continue
+            if v not in types:
+                raise ValueError(f"node {node.name} defines value {v}, which has no type")
+            if v in root:
+                raise ValueError(f"value {v} is defined twice (node {node.name})")
+            producer[v] = i
+            if view:
+                root[v] = rr[0]
+            else:
+                root[v] = v
+                born[v] = i
+    for o in graph.outputs:
+        if o.value not in root:
+            raise ValueError(f"graph output {o.name} refers to value {o.value}, which no node defines")
+    return root, born, producer, is_view, node_roots, readers
+
+
+def _optimizer_nodes(graph: Graph, boundary: int, root, born, is_view, node_roots, opt_in, state_in,
+                     batch, state_out) -> set[int]:
+    """Rules 1-3 of the module docstring."""
+    nodes = graph.nodes
+    n = len(nodes)
+    opt: set[int] = set()
+    made: set[int] = set()            # storages made by optimizer (non-view) nodes
+    for i in range(boundary + 1, n):  # rules 1 and 2, program order
+        rr = node_roots[i]
+        outs = [v for v in nodes[i].outputs if v is not None]
+        if any(s in opt_in or s in made for s in rr) or any(v in state_out for v in outs):
+            opt.add(i)
+            if not is_view[i]:
+                made.update(outs)
+    opt_read: set[int] = set()        # storages read by optimizer nodes
+    other_read: set[int] = set()      # storages read by other non-view nodes
+    for i in range(n - 1, boundary, -1):  # rule 3, reverse program order
+        if is_view[i]:
+            continue
+        rr = node_roots[i]
+        if i not in opt and any(s in state_in for s in rr) and \
+                not any(s in batch or 0 <= born[s] <= boundary for s in rr):
+            outs = [root[v] for v in nodes[i].outputs if v is not None]
+            if outs and all(o in opt_read and o not in other_read for o in outs):
+                opt.add(i)
+        (opt_read if i in opt else other_read).update(rr)
+    return opt
+
+
+def _boundary(graph: Graph, root, born) -> int:
+    loss = next((o for o in graph.outputs if o.role is Role.LOSS), None)
+    return -1 if loss is None else born[root[loss.value]]
+
+
+def _analyze(graph: Graph) -> GraphAnalysis:
+    n = len(graph.nodes)
+    root, born, producer, is_view, node_roots, readers = _storages(graph)
+    input_role = {i.value: i.role for i in graph.inputs}
+    state_in = frozenset(v for v, r in input_role.items() if r in STATE_ROLES)
+    opt_in = frozenset(v for v, r in input_role.items() if r is Role.OPT_STATE)
+    batch = frozenset(v for v, r in input_role.items() if r is Role.BATCH)
+    persistent = frozenset(state_in | {v for v, r in input_role.items() if r is Role.CONST} | set(graph.constants))
+    state_out = frozenset(o.value for o in graph.outputs if o.role in STATE_ROLES)
+    output_roots = frozenset(root[o.value] for o in graph.outputs)
+    last_read = {s: (readers[s][-1] if s in readers else -1) for s in born}
+    boundary = _boundary(graph, root, born)
+    if boundary < 0:
+        roles = (NodeRole.FORWARD,) * n
+        opt: set[int] = set()
+    else:
+        opt = _optimizer_nodes(graph, boundary, root, born, is_view, node_roots, opt_in, state_in, batch,
+                               state_out)
+        roles = tuple(NodeRole.FORWARD if i < boundary else NodeRole.LOSS if i == boundary else
+                      NodeRole.OPTIMIZER if i in opt else NodeRole.BACKWARD for i in range(n))
+    opt_read = {s for i in opt for s in node_roots[i]}
+    gradients = frozenset(s for s, b in born.items()
+                          if b > boundary >= 0 and b not in opt and s in opt_read and s not in state_out)
+    by_name = {i.name: i for i in graph.inputs}
+    updates = {o.name: o.value for o in graph.outputs
+               if o.role in STATE_ROLES and o.name in by_name and by_name[o.name].role in STATE_ROLES}
+    out = GraphAnalysis(n, root, born, producer, tuple(is_view), tuple(node_roots), readers, last_read,
+                        {}, boundary, roles, frozenset(opt), gradients, input_role, state_in, opt_in,
+                        batch, persistent, state_out, output_roots, updates)
+    out.last_use.update({s: out.end_of(s, r) for s, r in last_read.items()})
+    return out
