@@ -19,12 +19,14 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
+from .coarsen import ConeKind
 from .ilp import Solution, memory_excess, objective_of, solve_ilp
 from .problem import Problem
 
 __all__ = ["Descent", "descend", "axis_allowed", "score"]
 
-STATE_KINDS = ("input", "optimizer")
+#: Cones whose choice is a state sharding (``Problem.kinds`` holds ``ConeKind`` values).
+STATE_KINDS = (ConeKind.INPUT, ConeKind.OPTIMIZER)
 
 
 @dataclass

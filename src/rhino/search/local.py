@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from ..sharding.placement import Shard
 from .ilp import HIDDEN_COMM_WEIGHT, row_bytes
+from .coarsen import ConeKind
 from .problem import KINDS, Problem, copy_bytes
 
 __all__ = ["Evaluator", "improve", "local_search", "propagate", "seed_data_parallel", "term_cost"]
@@ -193,7 +194,7 @@ def propagate(p: Problem, seed: list[int], frozen: list[int], order: list[int], 
             inc[k].append(i)
         for uc, _ in term.uses:
             consumers.setdefault(term.producer, set()).add(uc)
-    lazy = {k for k in range(len(p.n_cands)) if p.kinds and p.kinds[k] == "input" and k not in frozen}
+    lazy = {k for k in range(len(p.n_cands)) if p.kinds and p.kinds[k] == ConeKind.INPUT and k not in frozen}
     waiting: dict[int, list[int]] = {}
     seq: list[int] = []
     for k in order:
