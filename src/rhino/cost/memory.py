@@ -181,7 +181,7 @@ def _categories(graph: Graph, a: GraphAnalysis, last: dict[int, int]) -> dict[in
             cat[s] = _NEW
         elif s in a.gradients:
             cat[s] = _GRAD
-        elif b <= a.boundary < last[s]:
+        elif a.is_activation(s, last[s]):
             cat[s] = _ACT
         else:
             cat[s] = _TMP

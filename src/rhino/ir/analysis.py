@@ -35,6 +35,7 @@ Definitions (``n`` nodes in program order, ``graph.nodes[0..n-1]``):
      in reverse program order;
 
   every other node after the boundary is BACKWARD. ``optimizer`` is the set of OPTIMIZER nodes.
+- **Activations**: storages made at or before the boundary and live after it (``is_activation``).
 - **Gradients**: storages made after the boundary by a non-optimizer node and read by an optimizer
   node (the values the update consumes from the backward; what gradient accumulation accumulates
   and the data-parallel reduction reduces).
@@ -96,6 +97,12 @@ class GraphAnalysis:
     def end(self) -> int:
         """The "end of the step" index that ``last_use`` gives values live to the end."""
         return self.n
+
+    def is_activation(self, s: int, last_use: int | None = None) -> bool:
+        """Whether storage ``s`` is an activation: made at or before the loss node and still live after
+        it (saved for the backward), with ``last_use`` (default: ``self.last_use[s]``) as its end."""
+        b = self.born[s]
+        return 0 <= b <= self.boundary < (self.last_use[s] if last_use is None else last_use)
 
     def end_of(self, s: int, last_read: int) -> int:
         """The last-use rule for storage ``s`` given its last read ``last_read`` (-1: none): ``last_use``

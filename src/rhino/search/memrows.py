@@ -89,8 +89,12 @@ class MemoryRows:
     def liveness(self):
         """(storage root of each value, birth index, last-use index): ``ir.analysis``'s, as ``cost.memory``
         uses them."""
-        a = analyze(self.graph)
+        a = self._analysis
         return a.root, a.born, a.last_use
+
+    @property
+    def _analysis(self):
+        return analyze(self.graph)
 
     def initial_checkpoints(self) -> list[int]:
         n = len(self.graph.nodes)
@@ -119,13 +123,14 @@ class MemoryRows:
         """The bytes live while ``node`` runs, per cone class and candidate (module docstring), and the
         redistributed copies that may be alive there."""
         root, born, last = self.liveness()
+        a = self._analysis
         counts: dict[tuple, float] = {}
         const = 0
         for s, b in born.items():
             if not (b <= node <= last[s]) or last[s] < 0:
                 continue
             t = self.graph.types[s]
-            scale = self.activation_scale(s) if 0 <= b <= self.boundary < last[s] else 1.0
+            scale = self.activation_scale(s) if a.is_activation(s) else 1.0
             if s in self.graph.constants:
                 const += t.nbytes
                 continue
