@@ -57,25 +57,19 @@ from .devices import DeviceSpec
 
 __all__ = ["StepOptions", "StepTime", "NodeCost", "step_time", "node_compute", "node_scale"]
 
-# Ops whose SPMD lowering (lower/spmd_custom.py) emits all-reduces of per-row statistics when a
-# custom letter is split: (number of all-reduces, reduce op). Sizes: one value per row of the input.
-_CUSTOM_ROW_REDUCES = {
-    "aten._log_softmax.default": 2,            # max and sum of exp over the split class dim
-    "aten._log_softmax_backward_data.default": 1,  # sum of the gradient over the split dim
-    "aten.nll_loss_forward.default": 2,        # masked target sum and weight over ranks
-    "aten.nll_loss2d_forward.default": 2,
-    # batch norm in training over a split batch (lower/spmd_bn.py): one all-reduce of [2, C] per call
-    "aten._native_batch_norm_legit_functional.default": 1, "aten._native_batch_norm_legit.no_stats": 1,
-    "aten.native_batch_norm.default": 1, "aten.native_batch_norm_backward.default": 1,
-}
-_PER_CHANNEL = {"aten._native_batch_norm_legit_functional.default", "aten._native_batch_norm_legit.no_stats",
-                "aten.native_batch_norm.default", "aten.native_batch_norm_backward.default"}
+def custom_reduces(op: str) -> int:
+    """All-reduces that the custom SPMD lowering of ``op`` (lower/spmd_custom.py) emits when a custom
+    letter is split: the op's ``reduces`` fact (0 for none)."""
+    opdef = lookup(op)
+    return opdef.reduces if opdef is not None else 0
 
 
 def custom_reduce_bytes(op: str, local: tuple, itemsize: int) -> int:
     """Bytes of one custom all-reduce of ``op`` whose first input has local shape ``local``: a value
-    per row (log-softmax, nll), or two per channel (batch norm statistics, at least float32)."""
-    if op in _PER_CHANNEL:
+    per row (log-softmax, nll), or two per channel (the ``per_channel`` fact: batch norm statistics,
+    at least float32)."""
+    opdef = lookup(op)
+    if opdef is not None and opdef.per_channel:
         return 2 * local[1] * max(itemsize, 4)
     return (prod(local[:-1]) if len(local) > 1 else 1) * itemsize
 
@@ -131,7 +125,7 @@ def node_compute(graph: Graph, node, strategy, mesh, device: DeviceSpec, *, allo
 
 
 def _custom_comm(graph: Graph, node, strategy, mesh, links, rp: ResolvedPlan) -> tuple[float, int]:
-    count = _CUSTOM_ROW_REDUCES.get(node.op)
+    count = custom_reduces(node.op)
     if not count or strategy is None:
         return 0.0, 0
     ann = annotate(call_of(graph, node))

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .annotation import Annotation
-from .registry import OpCall, OpKind, register
+from .registry import Linear, Lowering, OpCall, OpKind, Values, register
 from .rules import elementwise, norm_dim, reduce_dims
 
 E = OpKind.ELEMENTWISE
@@ -10,9 +10,9 @@ E = OpKind.ELEMENTWISE
 # Unary and binary arithmetic with broadcasting. FLOPs: one per output element
 # unless given (transcendentals count as one too: a roofline op is bandwidth bound).
 register("""
-aten.add.Tensor aten.add.Scalar aten.sub.Tensor aten.sub.Scalar aten.rsub.Scalar aten.rsub.Tensor
-aten.mul.Tensor aten.mul.Scalar aten.div.Tensor aten.div.Scalar aten.div.Tensor_mode aten.div.Scalar_mode
-aten.pow.Tensor_Scalar aten.pow.Tensor_Tensor aten.pow.Scalar aten.neg.default aten.abs.default
+aten.add.Scalar aten.sub.Scalar aten.rsub.Scalar aten.rsub.Tensor
+aten.div.Tensor_mode aten.div.Scalar_mode
+aten.pow.Tensor_Scalar aten.pow.Tensor_Tensor aten.pow.Scalar aten.abs.default
 aten.exp.default aten.exp2.default aten.expm1.default aten.log.default aten.log1p.default aten.log2.default
 aten.sqrt.default aten.rsqrt.default aten.reciprocal.default aten.sin.default aten.cos.default
 aten.tanh.default aten.sigmoid.default aten.erf.default aten.sign.default aten.floor.default
@@ -33,12 +33,21 @@ aten.threshold_backward.default aten.gelu_backward.default aten.silu_backward.de
 aten.sigmoid_backward.default aten.tanh_backward.default aten.elu_backward.default
 aten.leaky_relu_backward.default aten.hardtanh_backward.default aten.hardswish_backward.default
 aten.hardsigmoid_backward.default aten.softplus_backward.default aten.mish_backward.default
-aten.native_dropout.default aten.native_dropout_backward.default
-aten.ones_like.default aten.zeros_like.default aten.full_like.default aten.empty_like.default
-aten.rand_like.default aten.randn_like.default aten.bernoulli.p aten.bernoulli.default
-aten.fill.Scalar aten.fill.Tensor aten.copy.default aten.clone.default aten._to_copy.default
-aten.lift_fresh_copy.default aten.alias.default aten.detach.default
+aten.native_dropout_backward.default
+aten.ones_like.default aten.zeros_like.default aten.full_like.default
+aten.fill.Scalar aten.fill.Tensor aten.copy.default aten.lift_fresh_copy.default aten.detach.default
 """.split(), E, elementwise)
+# linear ones: a Partial(sum) input passes through (sharding.rules.partial_inputs)
+register("aten.add.Tensor aten.sub.Tensor", E, elementwise, linear=Linear.SUM)
+register("aten.neg.default aten.mul.Scalar aten.div.Scalar aten.clone.default aten.alias.default", E, elementwise,
+         linear=Linear.ALL)
+register("aten.mul.Tensor", E, elementwise, linear=Linear.ONE)
+register("aten.div.Tensor", E, elementwise, linear=Linear.FIRST)
+register("aten._to_copy.default", E, elementwise, linear=Linear.CAST)
+# values not computed from the inputs
+register("aten.native_dropout.default aten.bernoulli.p aten.bernoulli.default", E, elementwise, values=Values.RANDOM)
+register("aten.rand_like.default aten.randn_like.default", E, elementwise, values=Values.NOISE)
+register("aten.empty_like.default", E, elementwise, values=Values.UNINITIALIZED)
 
 
 def _dims_keep(dims_index: int, keep_index: int, kind: str = "sum", splittable: bool = True,
@@ -57,10 +66,10 @@ def _all(kind: str = "sum", splittable: bool = True):
 
 
 R = OpKind.REDUCTION
-register("aten.sum.default", R, _all())
-register("aten.sum.dim_IntList", R, _dims_keep(1, 2))
-register("aten.mean.default", R, _all("avg"))
-register("aten.mean.dim", R, _dims_keep(1, 2, "avg"))
+register("aten.sum.default", R, _all(), linear=Linear.ALL)
+register("aten.sum.dim_IntList", R, _dims_keep(1, 2), linear=Linear.ALL)
+register("aten.mean.default", R, _all("avg"), linear=Linear.ALL)
+register("aten.mean.dim", R, _dims_keep(1, 2, "avg"), linear=Linear.ALL)
 register("aten.amax.default", R, _dims_keep(1, 2, "max"))
 register("aten.amin.default", R, _dims_keep(1, 2, "min"))
 register("aten.max.default", R, _all("max"))
@@ -96,7 +105,10 @@ def _log_softmax_rule(dim_index: int):
 
 register("aten._softmax.default aten.cumsum.default aten.cumprod.default "
          "aten.logcumsumexp.default", OpKind.NORM, _along_dim(1), flops=5)
-register("aten._log_softmax.default", OpKind.NORM, _log_softmax_rule(1), flops=5)
+# over a split class dim: all-reduced row max and sum of exp (forward), row sum of the gradient (backward)
+register("aten._log_softmax.default", OpKind.NORM, _log_softmax_rule(1), flops=5, lowering=Lowering.LOG_SOFTMAX,
+         reduces=2)
 register("aten._softmax_backward_data.default", OpKind.NORM, _along_dim(2), flops=5)
-register("aten._log_softmax_backward_data.default", OpKind.NORM, _log_softmax_rule(2), flops=5)
+register("aten._log_softmax_backward_data.default", OpKind.NORM, _log_softmax_rule(2), flops=5,
+         lowering=Lowering.LOG_SOFTMAX_BACKWARD, reduces=1)
 register("aten.sort.default aten.sort.stable", OpKind.INDEX, _along_dim(1, -1))

@@ -6,12 +6,12 @@ from typing import Mapping
 
 from .annotation import Annotation, Dim, parse
 from .graph import Ref
-from .registry import OpCall, OpKind, register
+from .registry import Family, Linear, Lowering, OpCall, OpKind, OutputRule, SizeArg, SizeRule, register
 from .rules import NewLetters, elementwise, letters
 
 M = OpKind.MATMUL
-register("aten.mm.default", M, "m k+, k+ n -> m n")
-register("aten.bmm.default", M, "b m k+, b k+ n -> b m n")
+register("aten.mm.default", M, "m k+, k+ n -> m n", linear=Linear.ONE)
+register("aten.bmm.default", M, "b m k+, b k+ n -> b m n", linear=Linear.ONE)
 register("aten.dot.default", M, "k+, k+ -> ")
 register("aten.mv.default", M, "m k+, k+ -> m")
 
@@ -153,8 +153,11 @@ def _conv_backward_flops(call: OpCall, ann: Annotation, sizes: Mapping[str, int]
     return fwd * sum(1 for t, m in zip(call.out_types[:2], call.args[10]) if t is not None and m)
 
 
-register("aten.convolution.default", OpKind.CONV, conv_rule, flops=_conv_flops)
-register("aten.convolution_backward.default", OpKind.CONV, conv_backward_rule, flops=_conv_backward_flops)
+register("aten.convolution.default", OpKind.CONV, conv_rule, flops=_conv_flops,
+         size_args=(SizeArg(8, SizeRule.GROUPS, index=0, dim=1),))
+register("aten.convolution_backward.default", OpKind.CONV, conv_backward_rule, flops=_conv_backward_flops,
+         size_args=(SizeArg(3, SizeRule.OUT_DIM_LIST, index=2), SizeArg(9, SizeRule.GROUPS, index=1, dim=1)),
+         lowering=Lowering.CONVOLUTION_BACKWARD)
 
 
 # -- attention -----------------------------------------------------------------
@@ -352,12 +355,19 @@ def group_norm_backward_rule(call: OpCall) -> Annotation:
 
 register("aten.native_layer_norm.default", N, layer_norm_rule, flops=8)
 register("aten.native_layer_norm_backward.default", N, layer_norm_backward_rule, flops=10)
-register("aten._native_batch_norm_legit_functional.default aten._native_batch_norm_legit.default "
-         "aten._native_batch_norm_legit_no_training.default aten._native_batch_norm_legit.no_stats "
-         "aten.native_batch_norm.default", N, batch_norm_rule, flops=8)
-register("aten.native_batch_norm_backward.default", N, batch_norm_backward_rule, flops=10)
-register("aten.native_group_norm.default", N, group_norm_rule, flops=8)
-register("aten.native_group_norm_backward.default", N, group_norm_backward_rule, flops=10)
+# batch norm in training over a split batch: one all-reduce of [2, C] statistics (lower/spmd_bn.py)
+register("aten._native_batch_norm_legit_functional.default aten.native_batch_norm.default", N, batch_norm_rule,
+         flops=8, lowering=Lowering.BATCH_NORM, reduces=1, per_channel=True, outputs=OutputRule.REPLICATED)
+register("aten._native_batch_norm_legit.no_stats", N, batch_norm_rule, flops=8, lowering=Lowering.BATCH_NORM_NO_STATS,
+         reduces=1, per_channel=True, outputs=OutputRule.REPLICATED)
+register("aten._native_batch_norm_legit_no_training.default", N, batch_norm_rule, flops=8,
+         outputs=OutputRule.REPLICATED)
+register("aten._native_batch_norm_legit.default", N, batch_norm_rule, flops=8)
+register("aten.native_batch_norm_backward.default", N, batch_norm_backward_rule, flops=10,
+         lowering=Lowering.BATCH_NORM_BACKWARD, reduces=1, per_channel=True, outputs=OutputRule.REPLICATED_IF_CUSTOM)
+register("aten.native_group_norm.default", N, group_norm_rule, flops=8, size_args=(SizeArg(3, SizeRule.IN_DIM),))
+register("aten.native_group_norm_backward.default", N, group_norm_backward_rule, flops=10,
+         size_args=(SizeArg(5, SizeRule.IN_DIM, index=1),))
 
 
 # -- embeddings and losses ---------------------------------------------------------
@@ -380,10 +390,11 @@ def embedding_backward_rule(call: OpCall) -> Annotation:
     return Annotation(ann.inputs, ann.outputs, reduced=ann.reduced, sizes=ann.sizes, custom=frozenset({"v"}))
 
 
-register("aten.embedding.default", I, embedding_rule)
+register("aten.embedding.default", I, embedding_rule, lowering=Lowering.EMBEDDING, family=Family.EMBEDDING)
 
 
-register("aten.embedding_dense_backward.default", I, embedding_backward_rule)
+register("aten.embedding_dense_backward.default", I, embedding_backward_rule, lowering=Lowering.EMBEDDING_BACKWARD,
+         size_args=(SizeArg(2, SizeRule.OUT_DIM),))
 
 
 def nll_rule(call: OpCall) -> Annotation:
@@ -420,8 +431,11 @@ def nll_backward_rule(call: OpCall) -> Annotation:
 
 
 L = OpKind.LOSS
-register("aten.nll_loss_forward.default aten.nll_loss2d_forward.default", L, nll_rule)
-register("aten.nll_loss_backward.default aten.nll_loss2d_backward.default", L, nll_backward_rule)
+# a mean over split rows or classes: all-reduced target sum and total weight
+register("aten.nll_loss_forward.default aten.nll_loss2d_forward.default", L, nll_rule, lowering=Lowering.NLL_LOSS,
+         reduces=2, outputs=OutputRule.REPLICATED_IF_MEAN)
+register("aten.nll_loss_backward.default aten.nll_loss2d_backward.default", L, nll_backward_rule,
+         lowering=Lowering.NLL_LOSS_BACKWARD)
 
 
 def mse_rule(call: OpCall) -> Annotation:
@@ -446,7 +460,7 @@ def mse_backward_rule(call: OpCall) -> Annotation:
 
 
 register("aten.mse_loss.default", L, mse_rule, flops=3)
-register("aten.mse_loss_backward.default", L, mse_backward_rule, flops=3)
+register("aten.mse_loss_backward.default", L, mse_backward_rule, flops=3, lowering=Lowering.MSE_LOSS_BACKWARD)
 
 
 def _like_input(call: OpCall, index: int) -> Annotation:

@@ -4,7 +4,7 @@ from __future__ import annotations
 from math import ceil, prod
 
 from .annotation import Annotation, Dim
-from .registry import OpCall, OpKind, register
+from .registry import Family, Linear, OpCall, OpKind, SizeArg, SizeRule, Values, register
 from .types import DType
 from .rules import NewLetters, fixed_from_types, letters, norm_dim
 
@@ -67,7 +67,11 @@ def view_rule(call: OpCall) -> Annotation:
     return Annotation((tuple(ins),), (tuple(outs),), fixed=frozenset(fixed), sizes=new.sizes)
 
 
-register("aten.view.default aten._unsafe_view.default aten.reshape.default", V, view_rule)
+_SHAPE_ARG = (SizeArg(1, SizeRule.OUT_SHAPE),)
+# a view of a shard may need a copy (the shard is laid out differently from the global tensor): reshape
+register("aten.view.default aten._unsafe_view.default", V, view_rule, size_args=_SHAPE_ARG,
+         local_op="aten.reshape.default", family=Family.RESHAPE)
+register("aten.reshape.default", V, view_rule, size_args=_SHAPE_ARG, family=Family.RESHAPE)
 
 
 def permute_rule(call: OpCall) -> Annotation:
@@ -129,11 +133,14 @@ def squeeze_rule(call: OpCall) -> Annotation:
     return Annotation((_spec(names),), (_spec([x for i, x in enumerate(names) if i not in drop]),))
 
 
-register("aten.permute.default", V, permute_rule)
-register("aten.transpose.int aten.t.default", V, transpose_rule)
-register("aten.expand.default", V, expand_rule)
+register("aten.permute.default", V, permute_rule, family=Family.PERMUTE)
+register("aten.transpose.int", V, transpose_rule, family=Family.TRANSPOSE)
+register("aten.t.default", V, transpose_rule, family=Family.PERMUTE)
+register("aten.expand.default", V, expand_rule, size_args=_SHAPE_ARG)
 register("aten.unsqueeze.default", V, unsqueeze_rule)
-register("aten.squeeze.dim aten.squeeze.dims aten.squeeze.default", V, squeeze_rule)
+# locally: squeeze the dims of global size 1 only (a split dim may have size 1 on a rank)
+register("aten.squeeze.dim aten.squeeze.dims aten.squeeze.default", V, squeeze_rule,
+         size_args=(SizeArg(1, SizeRule.SQUEEZED),), local_op="aten.squeeze.dims")
 
 
 def _one_dim_changes(call: OpCall, dim: int, out_sizes: list[int]) -> Annotation:
@@ -243,9 +250,11 @@ def stack_rule(call: OpCall) -> Annotation:
 D = OpKind.DATA_MOVEMENT
 register("aten.slice.Tensor", V, slice_rule)
 register("aten.select.int", V, select_rule)
-register("aten.split.Tensor aten.split_with_sizes.default", V, split_rule)
+register("aten.split.Tensor", V, split_rule, size_args=(SizeArg(1, SizeRule.SPLIT_SIZE),), family=Family.SPLIT)
+register("aten.split_with_sizes.default", V, split_rule, size_args=(SizeArg(1, SizeRule.SPLIT_SIZES),),
+         family=Family.SPLIT)
 register("aten.unbind.int", V, unbind_rule)
-register("aten.cat.default", D, cat_rule)
+register("aten.cat.default", D, cat_rule, linear=Linear.ALL, family=Family.CAT)
 register("aten.stack.default", D, stack_rule)
 
 
@@ -282,10 +291,15 @@ def sized_creation_rule(call: OpCall) -> Annotation:
 
 
 C = OpKind.CREATION
-register("aten.full.default aten.zeros.default aten.ones.default aten.empty.memory_format "
-         "aten.rand.default aten.randn.default aten.arange.default aten.arange.start "
-         "aten.arange.start_step aten.scalar_tensor.default aten.new_zeros.default aten.new_ones.default "
-         "aten.new_empty.default aten.new_full.default", C, sized_creation_rule)
+_SIZE_0, _SIZE_1 = (SizeArg(0, SizeRule.OUT_SHAPE),), (SizeArg(1, SizeRule.OUT_SHAPE),)
+register("aten.full.default aten.zeros.default aten.ones.default", C, sized_creation_rule, size_args=_SIZE_0)
+register("aten.empty.memory_format", C, sized_creation_rule, size_args=_SIZE_0, values=Values.UNINITIALIZED)
+register("aten.rand.default aten.randn.default", C, sized_creation_rule, size_args=_SIZE_0, values=Values.NOISE)
+register("aten.arange.default aten.arange.start aten.arange.start_step aten.scalar_tensor.default", C,
+         sized_creation_rule)
+register("aten.new_zeros.default aten.new_ones.default aten.new_full.default", C, sized_creation_rule,
+         size_args=_SIZE_1)
+register("aten.new_empty.default", C, sized_creation_rule, size_args=_SIZE_1, values=Values.UNINITIALIZED)
 
 # Indexing: shapes depend on index values or on structure the notation cannot
 # say; their dims are fixed (replicated) until a custom sharding rule exists.
@@ -490,6 +504,7 @@ register("aten.constant_pad_nd.default", I, pad_rule)
 register("aten.repeat.default", I, repeat_rule)
 register("aten.one_hot.default", I, one_hot_rule)
 register("aten.slice_scatter.default aten.select_scatter.default aten.index_add.default", I, scatter_into_rule)
-register("aten.slice_backward.default aten.select_backward.default", I, backward_into_rule)
+register("aten.slice_backward.default aten.select_backward.default", I, backward_into_rule,
+         size_args=(SizeArg(1, SizeRule.OUT_SHAPE),))
 register("aten.unfold.default", I, unfold_rule)
 register("aten.index.Tensor aten._unsafe_index.Tensor", I, index_rule)

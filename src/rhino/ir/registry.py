@@ -6,6 +6,15 @@ their arguments (reshape, reductions over given dims, convolutions) a small
 function returning one. From it come shape inference, FLOPs and, in later
 stages, the sharding rules. Ops not in the registry are *opaque*: executed as
 they are, never sharded.
+
+The registration is also the one place for the op's other *facts* (``OpDef`` fields), which the
+later stages read with ``lookup(op).<fact>`` instead of keeping tables keyed by op name:
+``linear`` (which inputs a Partial(sum) passes through), ``size_args`` (arguments holding global
+sizes that the SPMD lowering rewrites to local ones), ``local_op`` (the op a rank calls on its
+shard), ``lowering`` (the key of a custom SPMD lowering), ``reduces``/``per_channel`` (the
+all-reduces that lowering adds, for the cost model), ``outputs`` (output placements the lowering
+makes other than the annotation's), ``family`` (structural roles the planners look for) and
+``values`` (random or uninitialised results).
 """
 from __future__ import annotations
 
@@ -18,8 +27,9 @@ from .annotation import Annotation, letter_sizes, parse
 from .graph import Graph, Node, Ref
 from .types import TensorType
 
-__all__ = ["OpKind", "OpDef", "OpCall", "register", "lookup", "is_known", "annotate", "call_signature", "flops_of",
-           "bytes_of", "is_random", "REGISTRY"]
+__all__ = ["OpKind", "OpDef", "OpCall", "Linear", "SizeRule", "SizeArg", "Lowering", "OutputRule", "Family",
+           "Values", "register", "lookup", "is_known", "annotate", "call_signature", "flops_of", "bytes_of",
+           "is_random", "REGISTRY"]
 
 
 class OpKind(str, Enum):
@@ -36,6 +46,84 @@ class OpKind(str, Enum):
     LOSS = "loss"
     RANDOM = "random"
     OPAQUE = "opaque"
+
+
+class Linear(str, Enum):
+    """Tensor inputs in which the op is linear, so Partial(sum) inputs give a Partial(sum) output."""
+
+    ALL = "all"        # in all of them jointly
+    ONE = "one"        # in any one of them, the others fixed
+    FIRST = "first"    # in the first only
+    SUM = "sum"        # a sum of two tensors: ALL with two tensor operands (x + constant is affine)
+    CAST = "cast"      # a dtype cast: ALL unless it casts to a non-float type or narrows (rounds each part)
+
+
+class SizeRule(str, Enum):
+    """How the SPMD lowering rewrites an argument holding a global size (``SizeArg``); "local" sizes are
+    those of this rank's shards, of output ``index`` (``OUT_*``) or of the tensor argument ``index``."""
+
+    OUT_SHAPE = "out_shape"        # the local shape of output ``index`` (a list)
+    OUT_DIM = "out_dim"            # the local size of dim ``dim`` of output ``index``
+    OUT_DIM_LIST = "out_dim_list"  # [that size], when output ``index`` exists
+    SPLIT_SIZE = "split_size"      # split.Tensor: output 0's size along the split dim (two outputs or more)
+    SPLIT_SIZES = "split_sizes"    # every output's size along the split dim
+    IN_DIM = "in_dim"              # the local size of dim ``dim`` of the tensor argument ``index``
+    GROUPS = "groups"              # a group count (when not 1) scaled by the local share of argument ``index``'s dim
+    SQUEEZED = "squeezed"          # the dims of global size 1 the op removes; later arguments dropped
+
+
+@dataclass(frozen=True)
+class SizeArg:
+    """Argument ``at`` holds a global size; the lowering rewrites it by ``rule``."""
+
+    at: int
+    rule: SizeRule
+    index: int = 0
+    dim: int = 0
+
+
+class Lowering(str, Enum):
+    """Key of a custom SPMD lowering (``lower/spmd_custom.py``), used when a custom letter is split."""
+
+    EMBEDDING = "embedding"
+    EMBEDDING_BACKWARD = "embedding_backward"
+    LOG_SOFTMAX = "log_softmax"
+    LOG_SOFTMAX_BACKWARD = "log_softmax_backward"
+    NLL_LOSS = "nll_loss"                    # also when a mean reduction runs over split dims
+    NLL_LOSS_BACKWARD = "nll_loss_backward"
+    MSE_LOSS_BACKWARD = "mse_loss_backward"
+    CONVOLUTION_BACKWARD = "convolution_backward"
+    BATCH_NORM = "batch_norm"                # (input, weight, bias, running_mean, running_var, training, ...)
+    BATCH_NORM_NO_STATS = "batch_norm_no_stats"  # (input, weight, bias, training, momentum, eps)
+    BATCH_NORM_BACKWARD = "batch_norm_backward"
+
+
+class OutputRule(str, Enum):
+    """Output placements the op's SPMD lowering makes other than the annotation's (``sharding.plan``)."""
+
+    REPLICATED = "replicated"                  # Partial outputs are all-reduced (batch norm statistics)
+    REPLICATED_IF_MEAN = "replicated_if_mean"  # so, when argument 3 (reduction) is 1 (mean): nll_loss
+    REPLICATED_IF_CUSTOM = "replicated_if_custom"  # so, when the annotation has custom letters
+
+
+class Family(str, Enum):
+    """Structural roles that planners and reports look for in a graph."""
+
+    RESHAPE = "reshape"        # same elements, new shape (argument 1)
+    TRANSPOSE = "transpose"    # swaps the dims given as arguments 1 and 2
+    PERMUTE = "permute"        # reorders dims (permute, t)
+    SPLIT = "split"            # into chunks along a dim (arguments 1: sizes, 2: dim)
+    CAT = "cat"                # concatenation along a dim
+    EMBEDDING = "embedding"    # a lookup of rows of the table in argument 0
+
+
+class Values(str, Enum):
+    """What the op's output values are."""
+
+    COMPUTED = "computed"      # a function of the inputs
+    RANDOM = "random"          # drawn from the RNG with parameters from the inputs (dropout, bernoulli)
+    NOISE = "noise"            # drawn from the RNG independent of input values (rand, randn, *_like)
+    UNINITIALIZED = "uninitialized"  # unspecified (empty)
 
 
 @dataclass
@@ -74,23 +162,35 @@ FlopFn = Callable[[OpCall, Annotation, Mapping[str, int]], int]
 
 @dataclass(frozen=True)
 class OpDef:
+    """An op's registry entry: its annotation rule, FLOPs and facts (module docstring)."""
+
     name: str
     kind: OpKind
     rule: str | Rule | None
     flops: FlopFn | int | None = None  # int: FLOPs per output element; None: derived from kind
     reduce_kind: str = "sum"
+    linear: Linear | None = None
+    size_args: tuple[SizeArg, ...] = ()
+    local_op: str | None = None        # the op a rank calls on local shards instead (a view -> reshape)
+    lowering: Lowering | None = None
+    reduces: int = 0                   # all-reduces its custom lowering adds when a custom letter is split
+    per_channel: bool = False          # ... each of two values per channel (else one value per row)
+    outputs: OutputRule | None = None
+    family: Family | None = None
+    values: Values = Values.COMPUTED
 
 
 REGISTRY: dict[str, OpDef] = {}
 
 
 def register(names: str | list[str], kind: OpKind, rule: str | Rule | None,
-             flops: FlopFn | int | None = None, reduce_kind: str = "sum") -> None:
-    """Register ops; ``names`` are ``aten.<op>.<overload>`` strings (a list or space separated)."""
+             flops: FlopFn | int | None = None, reduce_kind: str = "sum", **facts: Any) -> None:
+    """Register ops; ``names`` are ``aten.<op>.<overload>`` strings (a list or space separated);
+    ``facts``: ``OpDef`` fields (module docstring)."""
     for name in (names.split() if isinstance(names, str) else names):
         if name in REGISTRY:
             raise ValueError(f"op {name} registered twice")
-        REGISTRY[name] = OpDef(name, kind, rule, flops, reduce_kind)
+        REGISTRY[name] = OpDef(name, kind, rule, flops, reduce_kind, **facts)
 
 
 def lookup(op: str) -> OpDef | None:
@@ -102,16 +202,11 @@ def is_known(op: str) -> bool:
     return lookup(op) is not None
 
 
-# aten ops that draw from the RNG (their kinds say what their shapes do: elementwise, creation)
-_RANDOM_NAMES = frozenset({"rand", "randn", "rand_like", "randn_like", "randint", "randint_like", "randperm",
-                           "bernoulli", "native_dropout", "normal", "uniform", "multinomial", "poisson",
-                           "exponential", "geometric", "cauchy", "log_normal"})
-
-
 def is_random(op: str) -> bool:
-    """Whether ``op`` draws random numbers (running it twice gives different values)."""
-    parts = op.split(".")
-    return len(parts) >= 2 and parts[0] == "aten" and parts[1].rstrip("_") in _RANDOM_NAMES
+    """Whether ``op`` draws random numbers (running it twice gives different values); opaque ops are
+    never rerun or sharded, so only registered ops are asked."""
+    opdef = lookup(op)
+    return opdef is not None and opdef.values in (Values.RANDOM, Values.NOISE)
 
 
 def call_of(graph: Graph, node: Node) -> OpCall:

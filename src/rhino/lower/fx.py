@@ -14,7 +14,7 @@ __all__ = ["lower", "resolve_op", "convert_arg", "add_constants", "emit_node", "
 
 
 def resolve_op(op: str) -> torch._ops.OpOverload:
-    """``"aten.mm.default"`` -> ``torch.ops.aten.mm.default``."""
+    """An IR op name (``aten.mm.default``) -> its torch overload (``torch.ops.aten.mm.default``)."""
     ns, name, overload = op.split(".")
     try:
         return getattr(getattr(getattr(torch.ops, ns), name), overload)

@@ -26,7 +26,7 @@ import torch
 
 from ..ir.annotation import letter_sizes
 from ..ir.graph import Graph, Node, Ref, Role
-from ..ir.registry import OpKind, annotate, call_of, lookup
+from ..ir.registry import OpKind, Values, annotate, call_of, lookup
 from ..ir.types import Device, DType, Layout, MemoryFormat, TensorType
 from ..sharding import simulate
 from ..sharding.mesh import Mesh
@@ -43,10 +43,9 @@ __all__ = ["RuleResult", "RecordedCall", "record_call", "strategies", "check_str
 #: The meshes of the check: 2 ranks, and 2 x 2.
 MESHES = (Mesh(("x",), (2,)), Mesh(("x", "y"), (2, 2)))
 
-#: Ops whose output values are unspecified or random: only shapes and dtypes are compared.
-VALUES_UNSPECIFIED = frozenset({
-    "aten.empty.memory_format", "aten.empty_like.default", "aten.new_empty.default", "aten.rand.default",
-    "aten.randn.default", "aten.rand_like.default", "aten.randn_like.default"})
+#: Output values (``ir.registry.Values``) of which only shapes and dtypes are compared: unspecified, or
+#: random independent of the inputs (random ops with parameters, as dropout, are checked at p = 0 or 1).
+VALUES_UNSPECIFIED = frozenset({Values.UNINITIALIZED, Values.NOISE})
 
 
 @dataclass
@@ -207,7 +206,7 @@ def check_strategy(call: RecordedCall, mesh: Mesh, strategy: tuple, seed: int = 
         if vid is None or want is None:
             continue
         pieces = [_np(envs[r][progs[r].value_nodes[vid]]) for r in range(world)]
-        if call.op in VALUES_UNSPECIFIED:
+        if lookup(call.op).values in VALUES_UNSPECIFIED:
             expect = local_shape(tuple(want.shape), rp.value[vid], mesh)
             if any(p.shape != expect or p.dtype != _np(want).dtype for p in pieces):
                 return RuleResult(call.op, mesh.sizes, tuple(strategy), False, float("inf"),

@@ -14,16 +14,16 @@ from dataclasses import dataclass, field
 import torch
 import torch.fx
 
-from ..ir.graph import Node, Ref
+from ..ir.graph import Node
 from ..sharding.placement import Sharding, local_shape, replicated
 from ..sharding.plan import ResolvedPlan
 from ..sharding.redistribute import comm_bytes, plan_redistribution
 from ..sharding.steps import is_communication
 from ..ir.modules import value_blocks
 from .fx import py_name, add_constants, convert_arg, emit_node
-from ..ir.registry import annotate, call_of
+from ..ir.registry import Lowering, SizeArg, SizeRule, annotate, call_of, lookup
 from ..sharding.rules import PASS, split_letter
-from .spmd_custom import CUSTOM_OPS, emit_custom
+from .spmd_custom import emit_custom
 from .spmd_ops import redistribute, step_args
 from .overlap import OverlapOptions, overlap_program
 from ..sharding.steps import AllGather, AllToAll, LocalSlice, ReduceScatter
@@ -61,55 +61,78 @@ class SpmdProgram:
 
 
 def _local_args(node: Node, rp: ResolvedPlan, need: dict[int, Sharding]) -> tuple[list, dict]:
-    """Rewrite arguments that carry global sizes to this rank's local sizes."""
+    """Rewrite the arguments that carry global sizes (the op's ``size_args`` fact) to this rank's local sizes."""
     args, kwargs = list(node.args), dict(node.kwargs)
+    opdef = lookup(node.op)
+    if opdef is None or not opdef.size_args:
+        return args, kwargs
     outs = [rp.local_shape(v) if v is not None else None for v in node.outputs]
-
-    def local_in(ref: Ref) -> tuple[int, ...]:
-        return local_shape(rp.graph.types[ref.id].shape, need[ref.id], rp.plan.mesh)
-
-    op = node.op
-    if op in ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default", "aten.expand.default"):
-        args[1] = list(outs[0])
-    elif op in ("aten.full.default", "aten.zeros.default", "aten.ones.default", "aten.empty.memory_format",
-                "aten.rand.default", "aten.randn.default"):
-        args[0] = list(outs[0])
-    elif op.startswith("aten.new_") or op in ("aten.slice_backward.default", "aten.select_backward.default"):
-        args[1] = list(outs[0])
-    elif op == "aten.split.Tensor" and len(outs) > 1:
-        dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-        args[1] = outs[0][dim]
-    elif op == "aten.split_with_sizes.default":
-        dim = args[2] if len(args) > 2 else kwargs.get("dim", 0)
-        args[1] = [o[dim] for o in outs]
-    elif op == "aten.embedding_dense_backward.default":
-        args[2] = outs[0][0]
-    elif op == "aten.convolution.default" and args[8] != 1:  # whole groups per rank: local group count
-        args[8] = args[8] * local_in(node.args[0])[1] // rp.graph.types[node.args[0].id].shape[1]
-    elif op == "aten.convolution_backward.default":
-        if outs[2] is not None:
-            args[3] = [outs[2][0]]
-        if args[9] != 1:
-            args[9] = args[9] * local_in(node.args[1])[1] // rp.graph.types[node.args[1].id].shape[1]
-    elif op == "aten.native_group_norm.default":
-        args[3] = local_in(node.args[0])[0]
-    elif op == "aten.native_group_norm_backward.default":
-        args[5] = local_in(node.args[1])[0]
+    for size_arg in opdef.size_args:
+        _REWRITE[size_arg.rule](size_arg, node, rp, need, outs, args, kwargs)
     return args, kwargs
 
 
-_NLL = ("aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default")
-_SQUEEZE = ("aten.squeeze.default", "aten.squeeze.dim", "aten.squeeze.dims")
+def _local_dim(node: Node, rp: ResolvedPlan, need: dict[int, Sharding], index: int, dim: int) -> tuple[int, int]:
+    """(local, global) size of dim ``dim`` of the tensor argument ``index``."""
+    ref = node.args[index]
+    shape = rp.graph.types[ref.id].shape
+    return local_shape(shape, need[ref.id], rp.plan.mesh)[dim], shape[dim]
 
 
-def _squeezed(node: Node, rp: ResolvedPlan) -> list[int]:
-    """The dims a squeeze removes, from the global shapes."""
+def _split_dim(args: list, kwargs: dict) -> int:
+    return args[2] if len(args) > 2 else kwargs.get("dim", 0)
+
+
+def _out_shape(sa: SizeArg, node, rp, need, outs, args, kwargs) -> None:
+    args[sa.at] = list(outs[sa.index])
+
+
+def _out_dim(sa: SizeArg, node, rp, need, outs, args, kwargs) -> None:
+    args[sa.at] = outs[sa.index][sa.dim]
+
+
+def _out_dim_list(sa: SizeArg, node, rp, need, outs, args, kwargs) -> None:
+    if outs[sa.index] is not None:
+        args[sa.at] = [outs[sa.index][sa.dim]]
+
+
+def _split_size(sa: SizeArg, node, rp, need, outs, args, kwargs) -> None:
+    if len(outs) > 1:
+        args[sa.at] = outs[0][_split_dim(args, kwargs)]
+
+
+def _split_sizes(sa: SizeArg, node, rp, need, outs, args, kwargs) -> None:
+    dim = _split_dim(args, kwargs)
+    args[sa.at] = [o[dim] for o in outs]
+
+
+def _in_dim(sa: SizeArg, node, rp, need, outs, args, kwargs) -> None:
+    args[sa.at] = _local_dim(node, rp, need, sa.index, sa.dim)[0]
+
+
+def _groups(sa: SizeArg, node, rp, need, outs, args, kwargs) -> None:
+    """Whole groups per rank: the local group count."""
+    if args[sa.at] != 1:
+        local, whole = _local_dim(node, rp, need, sa.index, sa.dim)
+        args[sa.at] = args[sa.at] * local // whole
+
+
+def _squeezed(sa: SizeArg, node, rp, need, outs, args, kwargs) -> None:
+    """The dims of global size 1 the op removes (a split dim may have size 1 locally)."""
     shape = rp.graph.types[node.args[0].id].shape
     dims = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim")
     if dims is None:
-        return [d for d, n in enumerate(shape) if n == 1]
-    dims = [dims] if isinstance(dims, int) else list(dims)
-    return sorted({d % len(shape) for d in dims if shape[d % len(shape)] == 1}) if shape else []
+        dims = [d for d, n in enumerate(shape) if n == 1]
+    else:
+        dims = [dims] if isinstance(dims, int) else list(dims)
+        dims = sorted({d % len(shape) for d in dims if shape[d % len(shape)] == 1}) if shape else []
+    args[sa.at:] = [dims]
+    kwargs.clear()
+
+
+_REWRITE = {SizeRule.OUT_SHAPE: _out_shape, SizeRule.OUT_DIM: _out_dim, SizeRule.OUT_DIM_LIST: _out_dim_list,
+            SizeRule.SPLIT_SIZE: _split_size, SizeRule.SPLIT_SIZES: _split_sizes, SizeRule.IN_DIM: _in_dim,
+            SizeRule.GROUPS: _groups, SizeRule.SQUEEZED: _squeezed}
 
 
 def whole_step(rp: ResolvedPlan) -> Part:
@@ -211,15 +234,14 @@ def _emit(fg, node: Node, rp: ResolvedPlan, rank: int, env: dict, moved, conv) -
         need[ref.id] = req
     args, kwargs = _local_args(node, rp, need)
     strategy = rp.plan.strategies.get(node.name, (None,) * mesh.ndim)
-    if node.op in CUSTOM_OPS:
+    opdef = lookup(node.op)
+    if opdef is not None and opdef.lowering is not None:
         ann = annotate(call_of(graph, node))
         split = {split_letter(e)[0] for e in strategy if e is not None and not e.startswith(PASS)}
-        mean_nll = node.op in _NLL and node.args[3] == 1 and split & ann.reduced
+        mean_nll = opdef.lowering is Lowering.NLL_LOSS and node.args[3] == 1 and split & ann.reduced
         if split & ann.custom or mean_nll:
             env.update(emit_custom(fg, node, conv(args, need), conv(kwargs, need), strategy, ann, rp, rank))
             return
     # local shards may be laid out differently from the global tensor: views become reshapes
-    op = "aten.reshape.default" if node.op in ("aten.view.default", "aten._unsafe_view.default") else node.op
-    if op in _SQUEEZE:  # squeeze the dims of global size 1 only (a split dim may be 1 locally)
-        op, args, kwargs = "aten.squeeze.dims", [args[0], _squeezed(node, rp)], {}
+    op = opdef.local_op if opdef is not None and opdef.local_op else node.op
     emit_node(fg, node, op, conv(args, need), conv(kwargs, need), env)

@@ -23,16 +23,12 @@ import operator
 import torch
 
 from ..ir.graph import Node
+from ..ir.registry import Lowering
 from ..sharding.placement import ReduceOp
 
-__all__ = ["BN_CUSTOM_OPS", "emit_batch_norm"]
+__all__ = ["emit_batch_norm"]
 
 aten = torch.ops.aten
-_FORWARD = ("aten._native_batch_norm_legit_functional.default", "aten._native_batch_norm_legit.no_stats",
-            "aten.native_batch_norm.default")
-_BACKWARD = "aten.native_batch_norm_backward.default"
-BN_CUSTOM_OPS = frozenset({*_FORWARD, _BACKWARD})
-
 
 def _channel_view(fg, t, rank: int):
     """A per-channel [C] tensor viewed as [1, C, 1, ...] to broadcast against an [N, C, *] input."""
@@ -52,26 +48,29 @@ def _cast(fg, t, have, want):
     return fg.call_function(aten._to_copy.default, (t,), {"dtype": want})
 
 
-def emit_batch_norm(fg, node: Node, args: list, axes: list[int], rp, all_reduce) -> dict[int, object]:
+def emit_batch_norm(fg, node: Node, key: Lowering, args: list, axes: list[int], rp, all_reduce) -> dict[int, object]:
     """Emit the lowering of ``node`` whose batch/spatial dims are split over mesh ``axes``;
     ``all_reduce(fg, x, axes, op)`` emits the all-reduces. Returns value id -> fx node. Reduced-precision
     inputs get their statistics and per-channel arithmetic in float32 (the kernels accumulate in it);
     every output takes the dtype the op gives it on one device."""
     graph, mesh = rp.graph, rp.plan.mesh
-    x_type = graph.types[node.args[1 if node.op == _BACKWARD else 0].id]
+    backward = key is Lowering.BATCH_NORM_BACKWARD
+    x_type = graph.types[node.args[1 if backward else 0].id]
     count = x_type.numel // x_type.shape[1]          # N * H * W of the global input
     acc = torch.float32 if x_type.dtype.name in ("float16", "bfloat16") else getattr(torch, x_type.dtype.value)
-    if node.op == _BACKWARD:
+    if backward:
         return _backward(fg, node, args, axes, x_type.rank, count, acc, graph, all_reduce)
     ranks = 1
     for a in axes:
         ranks *= mesh.sizes[a]
-    return _forward(fg, node, args, axes, x_type.rank, count, ranks, acc, graph, all_reduce)
+    return _forward(fg, node, args, axes, x_type.rank, count, ranks, acc, graph, all_reduce,
+                    key is Lowering.BATCH_NORM_NO_STATS)
 
 
-def _forward(fg, node: Node, args: list, axes, rank: int, count: int, ranks: int, acc, graph, all_reduce) -> dict:
+def _forward(fg, node: Node, args: list, axes, rank: int, count: int, ranks: int, acc, graph, all_reduce,
+             no_stats: bool) -> dict:
     call = fg.call_function
-    at = (0, 1, 2, None, None, 4, 5) if node.op.endswith(".no_stats") else (0, 1, 2, 3, 4, 6, 7)
+    at = (0, 1, 2, None, None, 4, 5) if no_stats else (0, 1, 2, 3, 4, 6, 7)
     x, w, b, rm, rv, momentum, eps = (None if i is None else args[i] for i in at)
     cast = [None if i is None else _cast(fg, args[i], _dtype(graph, node.args[i]), acc) for i in at[:5]]
     xs, w, b, rm, rv = cast

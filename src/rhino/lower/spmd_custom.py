@@ -15,7 +15,9 @@
 - batch norm in training mode over a split batch: all-reduced per-channel statistics (``spmd_bn``).
 Split dims of indices (embedding rows, classes) may be strided or split over several axes: an index
 is mapped to this rank's local position axis by axis, the way ``sharding.simulate`` slices.
-The emitted code is plain aten ops and ``redistribute`` calls, so ``--emit`` shows it.
+The emitted code is plain aten ops and ``redistribute`` calls, so ``--emit`` shows it. Which lowering an
+op gets is its registry entry's ``lowering`` fact (``ir.registry.Lowering``), so a new op with one of
+these lowerings is registered in ``ir/`` only.
 """
 from __future__ import annotations
 
@@ -24,22 +26,17 @@ import operator
 import torch
 
 from ..ir.graph import Node
+from ..ir.registry import Lowering, lookup
 from ..sharding.placement import ReduceOp, Shard
 from ..sharding.rules import PASS, split_letter
 from ..sharding.steps import AllReduce
 from .fx import resolve_op
-from .spmd_bn import BN_CUSTOM_OPS, emit_batch_norm
+from .spmd_bn import emit_batch_norm
 from .spmd_ops import redistribute, step_args
 
-__all__ = ["CUSTOM_OPS", "emit_custom"]
+__all__ = ["emit_custom"]
 
 aten = torch.ops.aten
-_NLL = ("aten.nll_loss_forward.default", "aten.nll_loss2d_forward.default")
-_NLL_BACKWARD = ("aten.nll_loss_backward.default", "aten.nll_loss2d_backward.default")
-CUSTOM_OPS = frozenset({"aten.embedding.default", "aten.embedding_dense_backward.default",
-                        "aten._log_softmax.default", "aten._log_softmax_backward_data.default",
-                        "aten.mse_loss_backward.default", "aten.convolution_backward.default",
-                        *_NLL, *_NLL_BACKWARD, *BN_CUSTOM_OPS})
 
 
 def _axes(strategy, letters) -> list[int]:
@@ -91,63 +88,74 @@ def _local_index(fg, idx, placements, dim: int, size: int, mesh, rank: int):
 
 
 def emit_custom(fg, node: Node, args: list, kwargs: dict, strategy, ann, rp, rank: int) -> dict[int, object]:
-    """Emit the custom lowering; returns value id -> fx node for the node's outputs."""
-    mesh, graph = rp.plan.mesh, rp.graph
-    op = node.op
+    """Emit the custom lowering the op's ``lowering`` fact names; returns value id -> fx node for the
+    node's outputs."""
+    key = lookup(node.op).lowering
+    if key in (Lowering.BATCH_NORM, Lowering.BATCH_NORM_NO_STATS, Lowering.BATCH_NORM_BACKWARD):
+        return emit_batch_norm(fg, node, key, args, _axes(strategy, ann.custom), rp, _all_reduce)
+    return _LOWERINGS[key](fg, node, args, kwargs, strategy, ann, rp, rank)
+
+
+def _embedding(fg, node: Node, args, kwargs, strategy, ann, rp, rank: int) -> dict[int, object]:
     ns = rp.node[node.name]
-    if op == "aten.embedding.default":
-        rows = graph.types[node.args[0].id].shape[0]
-        rel, outside = _local_index(fg, args[1], ns.inputs[0], 0, rows, mesh, rank)
-        safe = fg.call_function(aten.masked_fill.Scalar, (rel, outside, 0))
-        emb = fg.call_function(aten.embedding.default, (args[0], safe, *args[2:]), kwargs)
-        mask = fg.call_function(aten.unsqueeze.default, (outside, -1))
-        return {node.outputs[0]: fg.call_function(aten.masked_fill.Scalar, (emb, mask, 0.0))}
-    if op == "aten.embedding_dense_backward.default":
-        rows, held = graph.types[node.outputs[0]].shape[0], ns.outputs[0]
-        rel, outside = _local_index(fg, args[1], held, 0, rows, mesh, rank)
-        safe = fg.call_function(aten.masked_fill.Scalar, (rel, outside, 0))
-        grad = fg.call_function(aten.masked_fill.Scalar,
-                                (args[0], fg.call_function(aten.unsqueeze.default, (outside, -1)), 0.0))
-        pad = local_position(args[3], held, 0, rows, mesh, rank) if args[3] >= 0 else None
-        out = fg.call_function(aten.embedding_dense_backward.default,
-                               (grad, safe, rp.local_shape(node.outputs[0])[0], -1 if pad is None else pad, args[4]))
-        return {node.outputs[0]: out}
-    if op == "aten.mse_loss_backward.default":
-        numel = graph.types[node.args[1].id].numel
-        call = fg.call_function(aten.mse_loss_backward.default, (args[0], args[1], args[2], 2))
-        return {node.outputs[0]: fg.call_function(aten.div.Scalar, (call, numel))}
-    if op == "aten.convolution_backward.default":
-        call = fg.call_function(resolve_op(op), tuple(args), kwargs)
-        out = {v: fg.call_function(operator.getitem, (call, i)) for i, v in enumerate(node.outputs) if v is not None}
-        if node.outputs[2] is not None:  # (every rank emits the same code: the lockstep simulation needs it)
-            keep = 0.0 if any(mesh.coords(rank)[a] for a in _axes(strategy, {"c"})) else 1.0
-            out[node.outputs[2]] = fg.call_function(aten.mul.Scalar, (out[node.outputs[2]], keep))
-        return out
-    if op == "aten._log_softmax.default":
-        x, dim = args[0], args[1]
-        axes = _axes(strategy, ann.custom)
-        top = _all_reduce(fg, fg.call_function(aten.amax.default, (x, [dim], True)), axes, ReduceOp.MAX)
-        shifted = fg.call_function(aten.sub.Tensor, (x, top))
-        total = fg.call_function(aten.sum.dim_IntList, (fg.call_function(aten.exp.default, (shifted,)), [dim], True))
-        total = _all_reduce(fg, total, axes, ReduceOp.SUM)
-        return {node.outputs[0]: fg.call_function(aten.sub.Tensor, (shifted, fg.call_function(aten.log.default,
-                                                                                              (total,))))}
-    if op == "aten._log_softmax_backward_data.default":
-        grad, out, dim = args[0], args[1], args[2]
-        axes = _axes(strategy, ann.custom)
-        total = _all_reduce(fg, fg.call_function(aten.sum.dim_IntList, (grad, [dim], True)), axes, ReduceOp.SUM)
-        scaled = fg.call_function(aten.mul.Tensor, (fg.call_function(aten.exp.default, (out,)), total))
-        return {node.outputs[0]: fg.call_function(aten.sub.Tensor, (grad, scaled))}
-    if op in BN_CUSTOM_OPS:
-        return emit_batch_norm(fg, node, args, _axes(strategy, ann.custom), rp, _all_reduce)
-    if op in _NLL or op in _NLL_BACKWARD:
-        return _nll(fg, node, args, kwargs, strategy, rp, rank)
-    raise AssertionError(f"no custom lowering for {op}")
+    rows = rp.graph.types[node.args[0].id].shape[0]
+    rel, outside = _local_index(fg, args[1], ns.inputs[0], 0, rows, rp.plan.mesh, rank)
+    safe = fg.call_function(aten.masked_fill.Scalar, (rel, outside, 0))
+    emb = fg.call_function(aten.embedding.default, (args[0], safe, *args[2:]), kwargs)
+    mask = fg.call_function(aten.unsqueeze.default, (outside, -1))
+    return {node.outputs[0]: fg.call_function(aten.masked_fill.Scalar, (emb, mask, 0.0))}
 
 
-def _nll(fg, node: Node, args, kwargs, strategy, rp, rank: int) -> dict[int, object]:
+def _embedding_backward(fg, node: Node, args, kwargs, strategy, ann, rp, rank: int) -> dict[int, object]:
+    mesh = rp.plan.mesh
+    rows, held = rp.graph.types[node.outputs[0]].shape[0], rp.node[node.name].outputs[0]
+    rel, outside = _local_index(fg, args[1], held, 0, rows, mesh, rank)
+    safe = fg.call_function(aten.masked_fill.Scalar, (rel, outside, 0))
+    grad = fg.call_function(aten.masked_fill.Scalar,
+                            (args[0], fg.call_function(aten.unsqueeze.default, (outside, -1)), 0.0))
+    pad = local_position(args[3], held, 0, rows, mesh, rank) if args[3] >= 0 else None
+    out = fg.call_function(aten.embedding_dense_backward.default,
+                           (grad, safe, rp.local_shape(node.outputs[0])[0], -1 if pad is None else pad, args[4]))
+    return {node.outputs[0]: out}
+
+
+def _mse_loss_backward(fg, node: Node, args, kwargs, strategy, ann, rp, rank: int) -> dict[int, object]:
+    numel = rp.graph.types[node.args[1].id].numel
+    call = fg.call_function(aten.mse_loss_backward.default, (args[0], args[1], args[2], 2))
+    return {node.outputs[0]: fg.call_function(aten.div.Scalar, (call, numel))}
+
+
+def _convolution_backward(fg, node: Node, args, kwargs, strategy, ann, rp, rank: int) -> dict[int, object]:
+    call = fg.call_function(resolve_op(node.op), tuple(args), kwargs)
+    out = {v: fg.call_function(operator.getitem, (call, i)) for i, v in enumerate(node.outputs) if v is not None}
+    if node.outputs[2] is not None:  # (every rank emits the same code: the lockstep simulation needs it)
+        keep = 0.0 if any(rp.plan.mesh.coords(rank)[a] for a in _axes(strategy, {"c"})) else 1.0
+        out[node.outputs[2]] = fg.call_function(aten.mul.Scalar, (out[node.outputs[2]], keep))
+    return out
+
+
+def _log_softmax(fg, node: Node, args, kwargs, strategy, ann, rp, rank: int) -> dict[int, object]:
+    x, dim = args[0], args[1]
+    axes = _axes(strategy, ann.custom)
+    top = _all_reduce(fg, fg.call_function(aten.amax.default, (x, [dim], True)), axes, ReduceOp.MAX)
+    shifted = fg.call_function(aten.sub.Tensor, (x, top))
+    total = fg.call_function(aten.sum.dim_IntList, (fg.call_function(aten.exp.default, (shifted,)), [dim], True))
+    total = _all_reduce(fg, total, axes, ReduceOp.SUM)
+    return {node.outputs[0]: fg.call_function(aten.sub.Tensor, (shifted, fg.call_function(aten.log.default,
+                                                                                          (total,))))}
+
+
+def _log_softmax_backward(fg, node: Node, args, kwargs, strategy, ann, rp, rank: int) -> dict[int, object]:
+    grad, out, dim = args[0], args[1], args[2]
+    axes = _axes(strategy, ann.custom)
+    total = _all_reduce(fg, fg.call_function(aten.sum.dim_IntList, (grad, [dim], True)), axes, ReduceOp.SUM)
+    scaled = fg.call_function(aten.mul.Tensor, (fg.call_function(aten.exp.default, (out,)), total))
+    return {node.outputs[0]: fg.call_function(aten.sub.Tensor, (grad, scaled))}
+
+
+def _nll(fg, node: Node, args, kwargs, strategy, ann, rp, rank: int) -> dict[int, object]:
     mesh, graph = rp.plan.mesh, rp.graph
-    backward = node.op in _NLL_BACKWARD
+    backward = lookup(node.op).lowering is Lowering.NLL_LOSS_BACKWARD
     x_at, target_at, red_at, ignore_at = (1, 2, 4, 5) if backward else (0, 1, 3, 4)
     args = list(args)
     if _axes(strategy, {"c"}):
@@ -178,3 +186,9 @@ def _nll(fg, node: Node, args, kwargs, strategy, rp, rank: int) -> dict[int, obj
     if node.outputs[1] is not None:
         out[node.outputs[1]] = weight
     return out
+
+
+_LOWERINGS = {Lowering.EMBEDDING: _embedding, Lowering.EMBEDDING_BACKWARD: _embedding_backward,
+              Lowering.MSE_LOSS_BACKWARD: _mse_loss_backward, Lowering.CONVOLUTION_BACKWARD: _convolution_backward,
+              Lowering.LOG_SOFTMAX: _log_softmax, Lowering.LOG_SOFTMAX_BACKWARD: _log_softmax_backward,
+              Lowering.NLL_LOSS: _nll, Lowering.NLL_LOSS_BACKWARD: _nll}

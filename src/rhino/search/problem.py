@@ -30,7 +30,7 @@ from math import prod
 from ..cost.cluster import Cluster, axis_links
 from ..cost.collectives import step_seconds, steps_seconds
 from ..cost.compute import op_time
-from ..cost.step import _CUSTOM_ROW_REDUCES, custom_reduce_bytes, node_scale
+from ..cost.step import custom_reduce_bytes, custom_reduces, node_scale
 from ..ir.analysis import analyze
 from ..ir.graph import Graph, Role
 from ..sharding.mesh import Mesh
@@ -191,7 +191,7 @@ class Builder(MemoryRows):
     def custom_comm(self, i: int, strategy: tuple, required: Sharding) -> float:
         """Row all-reduces of the custom SPMD lowerings (``cost.step``)."""
         node = self.graph.nodes[i]
-        count = _CUSTOM_ROW_REDUCES.get(node.op)
+        count = custom_reduces(node.op)
         ann = self.space.info(i).ann
         if not count or ann is None:
             return 0.0
@@ -284,7 +284,7 @@ class Builder(MemoryRows):
                 fwd += t * (1 + self._recomputed(i))
             else:
                 bwd += t
-            if node.op in _CUSTOM_ROW_REDUCES and ns.inputs:
+            if custom_reduces(node.op) and ns.inputs:
                 comm["blocking"] += self.custom_comm(i, strategy, ns.inputs[0])
         return Derived(strategies, produced, required, (fwd, bwd, opt), comm)
 

@@ -10,7 +10,7 @@ from ..cost.cluster import Cluster, axis_links
 from ..cost.estimate import Estimate
 from ..ir.analysis import analyze
 from ..ir.graph import Graph, Role
-from ..ir.registry import OpKind, lookup
+from ..ir.registry import Family, OpKind, lookup
 from ..sharding.placement import Partial, Replicate, Shard
 from ..sharding.plan import ResolvedPlan
 from .experts import PresetScore
@@ -49,103 +49,130 @@ def _family(name: str) -> tuple[str, str]:
     return name[:m.start()] + ".*." + name[m.end():], m.group(1)
 
 
-def axis_roles(rp: ResolvedPlan) -> list[str]:
-    """One phrase per mesh axis: what is split along it."""
-    graph, plan = rp.graph, rp.plan
-    mesh = plan.mesh
+_LAYOUT = (Family.RESHAPE, Family.TRANSPOSE, Family.PERMUTE)
+
+
+def _family_of(op: str) -> Family | None:
+    opdef = lookup(op)
+    return opdef.family if opdef is not None else None
+
+
+def _uses(graph: Graph) -> tuple[dict[int, list], dict[int, int]]:
+    """(value id -> [(user node, input position)], output of a layout op -> its input): the layout ops
+    (reshapes, transposes, permutes) through which a weight is used as it is."""
     users: dict[int, list] = {}
-    for node in graph.nodes:
-        for k, r in enumerate(node.input_refs()):
-            users.setdefault(r.id, []).append((node, k))
-    views = {}
+    views: dict[int, int] = {}
     for node in graph.nodes:
         refs = node.input_refs()
-        if refs and node.op.split(".")[1] in ("t", "view", "transpose", "permute", "_unsafe_view", "reshape"):
+        for k, r in enumerate(refs):
+            users.setdefault(r.id, []).append((node, k))
+        if refs and _family_of(node.op) in _LAYOUT:
             for v in node.outputs:
                 if v is not None:
                     views[v] = refs[0].id
+    return users, views
 
-    def used_split(vid: int, axis: int) -> bool:
-        """Every use of the value (through views) takes it split along ``axis`` (no gather first)."""
-        todo, ok = [vid], True
-        while todo:
-            v = todo.pop()
-            for node, k in users.get(v, ()):
-                out = [o for o in node.outputs if o is not None and views.get(o) == v]
-                if out:
-                    todo += out
-                    continue
-                req = rp.node[node.name].inputs[k]
-                if not isinstance(req[axis], Shard):
-                    ok = False
-        return ok
 
-    boundary = analyze(graph).boundary
-    heavy_kinds = (OpKind.MATMUL, OpKind.CONV)
-    forward_heavy = [n for i, n in enumerate(graph.nodes) if i <= boundary and lookup(n.op) is not None
-                     and lookup(n.op).kind in heavy_kinds]
-    params = set()
-    for inp in graph.inputs:
-        if inp.role in (Role.PARAM, Role.FROZEN):
-            params.add(inp.value)
+def _used_split(rp: ResolvedPlan, users: dict, views: dict, vid: int, axis: int) -> bool:
+    """Every use of the value (through views) takes it split along ``axis`` (no gather first)."""
+    todo, ok = [vid], True
+    while todo:
+        v = todo.pop()
+        for node, k in users.get(v, ()):
+            out = [o for o in node.outputs if o is not None and views.get(o) == v]
+            if out:
+                todo += out
+                continue
+            req = rp.node[node.name].inputs[k]
+            if not isinstance(req[axis], Shard):
+                ok = False
+    return ok
+
+
+def _param_values(graph: Graph, views: dict) -> set[int]:
+    """Parameters (trained or frozen) and the layout views of them."""
+    params = {inp.value for inp in graph.inputs if inp.role in (Role.PARAM, Role.FROZEN)}
     for v, src in views.items():
         root = src
         while root in views:
             root = views[root]
         if root in params:
             params.add(v)
+    return params
+
+
+def _batch_phrases(rp: ResolvedPlan, a: int, forward_heavy: list, params: set[int]) -> list[str]:
+    """Data parallel (most forward matmuls/convolutions take their activation split by rows), or the batch
+    or sequence split at the input, along mesh axis ``a``."""
+    graph, parts = rp.graph, []
+    batch = [i for i in graph.inputs if i.role is Role.BATCH]
+    dims = {rp.value[i.value][a].dim for i in batch if isinstance(rp.value[i.value][a], Shard)}
+    heavy = split_rows = 0
+    for node in forward_heavy:
+        acts = [k for k, r in enumerate(node.input_refs()) if r.id not in params]
+        if not acts:
+            continue
+        heavy += 1
+        req = rp.node[node.name].inputs[acts[0]][a]
+        split_rows += isinstance(req, Shard) and req.dim == 0
+    if heavy and 2 * split_rows >= heavy:
+        parts.append(f"data parallel (batch split in {split_rows} of {heavy} forward matmuls/convolutions)")
+    elif 0 in dims:
+        parts.append("batch split at the input")
+    if dims - {0}:
+        parts.append("sequence split")
+    return parts
+
+
+def _weight_phrases(rp: ResolvedPlan, a: int, users: dict, views: dict) -> list[str]:
+    """Tensor parallel (weights used split), ZeRO-3 (stored split, gathered before use) and ZeRO-1/2
+    (optimizer state split) along mesh axis ``a``."""
+    graph = rp.graph
+    tp = zero3 = zero1 = 0
+    special = set()
+    for inp in graph.inputs:
+        if inp.role is not Role.PARAM:
+            continue
+        p = rp.value[inp.value][a]
+        if isinstance(p, Shard):
+            if not _used_split(rp, users, views, inp.value, a):
+                zero3 += 1
+                continue
+            tp += 1
+            if p.dim == 0 and any(_family_of(n.op) is Family.EMBEDDING and k == 0
+                                  for n, k in users.get(inp.value, ())):
+                special.add("vocabulary-parallel embedding")
+            if len(graph.types[inp.value].shape) == 3 and p.dim == 0:
+                special.add("experts split")
+        else:
+            states = [s for s in graph.inputs if s.role is Role.OPT_STATE and s.name.split("/")[1:2] ==
+                      [inp.name] and graph.types[s.value].rank > 0]
+            if any(isinstance(rp.value[s.value][a], Shard) for s in states):
+                zero1 += 1
+    parts = [f"tensor parallel ({tp} weights used split)"] if tp else []
+    parts += sorted(special)
+    if zero3:
+        parts.append(f"ZeRO-3 ({zero3} weights sharded, gathered before use)")
+    if zero1:
+        parts.append(f"ZeRO-1/2 ({zero1} optimizer states sharded)")
+    return parts
+
+
+def axis_roles(rp: ResolvedPlan) -> list[str]:
+    """One phrase per mesh axis: what is split along it."""
+    graph, mesh = rp.graph, rp.plan.mesh
+    users, views = _uses(graph)
+    boundary = analyze(graph).boundary
+    heavy_kinds = (OpKind.MATMUL, OpKind.CONV)
+    forward_heavy = [n for i, n in enumerate(graph.nodes) if i <= boundary and lookup(n.op) is not None
+                     and lookup(n.op).kind in heavy_kinds]
+    params = _param_values(graph, views)
     roles = []
-    for a, name in enumerate(mesh.names):
+    for a in range(mesh.ndim):
         if mesh.sizes[a] == 1:
             roles.append("unused")
             continue
-        parts = []
-        batch = [i for i in graph.inputs if i.role is Role.BATCH]
-        dims = {rp.value[i.value][a].dim for i in batch if isinstance(rp.value[i.value][a], Shard)}
-        heavy = split_rows = 0
-        for node in forward_heavy:
-            refs = node.input_refs()
-            acts = [k for k, r in enumerate(refs) if r.id not in params]
-            if not acts:
-                continue
-            heavy += 1
-            req = rp.node[node.name].inputs[acts[0]][a]
-            split_rows += isinstance(req, Shard) and req.dim == 0
-        if heavy and 2 * split_rows >= heavy:
-            parts.append(f"data parallel (batch split in {split_rows} of {heavy} forward matmuls/convolutions)")
-        elif 0 in dims:
-            parts.append("batch split at the input")
-        if dims - {0}:
-            parts.append("sequence split")
-        tp = zero3 = zero1 = 0
-        special = set()
-        for inp in graph.inputs:
-            if inp.role is not Role.PARAM:
-                continue
-            p = rp.value[inp.value][a]
-            if isinstance(p, Shard):
-                if used_split(inp.value, a):
-                    tp += 1
-                    shape = graph.types[inp.value].shape
-                    if any(n.op == "aten.embedding.default" and k == 0 for n, k in users.get(inp.value, ())) \
-                            and p.dim == 0:
-                        special.add("vocabulary-parallel embedding")
-                    if len(shape) == 3 and p.dim == 0:
-                        special.add("experts split")
-                else:
-                    zero3 += 1
-            else:
-                states = [s for s in graph.inputs if s.role is Role.OPT_STATE and s.name.split("/")[1:2] ==
-                          [inp.name] and graph.types[s.value].rank > 0]
-                if any(isinstance(rp.value[s.value][a], Shard) for s in states):
-                    zero1 += 1
-        if tp:
-            parts.append(f"tensor parallel ({tp} weights used split)")
-        parts += sorted(special)
-        if zero3:
-            parts.append(f"ZeRO-3 ({zero3} weights sharded, gathered before use)")
-        if zero1:
-            parts.append(f"ZeRO-1/2 ({zero1} optimizer states sharded)")
+        parts = _batch_phrases(rp, a, forward_heavy, params) + _weight_phrases(rp, a, users, views)
         roles.append(", ".join(parts) or "replicated (no split)")
     return roles
 

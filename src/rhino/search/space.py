@@ -29,10 +29,10 @@ from math import prod
 
 from ..ir.annotation import letter_sizes
 from ..ir.graph import Graph, Role
-from ..ir.registry import OpKind, annotate, call_of, call_signature, lookup
+from ..ir.registry import Family, OpKind, annotate, call_of, call_signature, lookup
 from ..sharding.mesh import Mesh
 from ..sharding.placement import Partial, ReduceOp, Replicate, Shard, Sharding, local_shape, replicated
-from ..sharding.plan import OUTPUT_OVERRIDES
+from ..sharding.plan import lowered_outputs
 from ..sharding.rules import NodeShardings, StrategyError, candidate_letters, partial_inputs, shardings_for
 from ..sharding.vocab import passthrough, strided
 from .options import SearchOptions
@@ -53,7 +53,8 @@ def fused_chunks(graph: Graph) -> set[tuple[int, int]]:
     ``k > 1`` equal chunks: a fused QKV ``[.., 3H]`` gives ``(3, 3H)``."""
     out: set[tuple[int, int]] = set()
     for node in graph.nodes:
-        if node.op not in ("aten.split.Tensor", "aten.split_with_sizes.default", "aten.cat.default"):
+        opdef = lookup(node.op)
+        if opdef is None or opdef.family not in (Family.SPLIT, Family.CAT):
             continue
         ann = annotate(call_of(graph, node))
         if ann is not None and "chunks" in ann.sizes and "c" in ann.sizes:
@@ -133,9 +134,7 @@ class Space:
                                  tuple(rep if t is not None else None for t in inf.call.out_types))
         try:
             ns = shardings_for(inf.ann, inf.shapes, strategy, mesh)
-            override = OUTPUT_OVERRIDES.get(self.graph.nodes[i].op)
-            if override is not None:
-                ns = NodeShardings(ns.inputs, override(inf.call, inf.ann, strategy, ns))
+            ns = NodeShardings(ns.inputs, lowered_outputs(inf.call, inf.ann, ns))
             for shape, sh in zip(inf.shapes, ns.inputs):
                 local_shape(shape, sh, mesh)
             for t, sh in zip(inf.call.out_types, ns.outputs):

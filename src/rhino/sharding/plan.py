@@ -11,13 +11,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..ir.graph import Graph, Role
-from ..ir.registry import annotate, call_of
+from ..ir.registry import OpCall, OutputRule, annotate, call_of, lookup
 from .mesh import Mesh
 from .placement import Partial, Replicate, Shard, Sharding, format_sharding, local_shape, parse_placement, replicated
 from .rules import NodeShardings, StrategyError, shardings_for
 from .vocab import RECOMPUTE_MODES
 
-__all__ = ["ShardingPlan", "ResolvedPlan", "resolve", "PLAN_FORMAT", "PlanError", "OUTPUT_OVERRIDES", "RECOMPUTE_MODES",
+__all__ = ["ShardingPlan", "ResolvedPlan", "resolve", "PLAN_FORMAT", "PlanError", "lowered_outputs", "RECOMPUTE_MODES",
            "check_step_fields"]
 
 PLAN_FORMAT = 1
@@ -92,33 +92,25 @@ class ResolvedPlan:
         return local_shape(self.graph.types[vid].shape, self.value[vid], self.plan.mesh)
 
 
-# Ops whose SPMD lowering produces other placements than the annotation says (the lowering emits the
-# extra collectives). Key: op; value: function(strategy letters, NodeShardings) -> output shardings.
-def _nll_outputs(ann, strategy, ns: NodeShardings, reduction: int) -> tuple:
-    if reduction != 1:  # none / sum: the annotation's placements are exact
-        return ns.outputs
+def _replicated(ns: NodeShardings) -> tuple:
+    """Every Partial output made Replicate (the lowering emits the all-reduces)."""
     return tuple(tuple(Replicate() if isinstance(p, Partial) else p for p in o) if o is not None else None
                  for o in ns.outputs)
 
 
-def _replicated_statistics(ns: NodeShardings, when: bool = True) -> tuple:
-    """Batch norm with a split batch: the statistics (forward) and the weight and bias gradients
-    (training backward) are all-reduced by the lowering (``lower/spmd_bn.py``), not left partial; the
-    empty statistics of eval mode are the same on every rank."""
-    if not when:
-        return ns.outputs
-    return tuple(tuple(Replicate() if isinstance(p, Partial) else p for p in o) if o is not None else None
-                 for o in ns.outputs)
-
-
-OUTPUT_OVERRIDES = {
-    "aten.nll_loss_forward.default": lambda call, ann, s, ns: _nll_outputs(ann, s, ns, call.args[3]),
-    "aten.nll_loss2d_forward.default": lambda call, ann, s, ns: _nll_outputs(ann, s, ns, call.args[3]),
-    **{op: lambda call, ann, s, ns: _replicated_statistics(ns) for op in (
-        "aten._native_batch_norm_legit_functional.default", "aten._native_batch_norm_legit.no_stats",
-        "aten._native_batch_norm_legit_no_training.default", "aten.native_batch_norm.default")},
-    "aten.native_batch_norm_backward.default": lambda call, ann, s, ns: _replicated_statistics(ns, bool(ann.custom)),
-}
+def lowered_outputs(call: OpCall, ann, ns: NodeShardings) -> tuple:
+    """The output shardings of a node whose strategy gives ``ns``, as its SPMD lowering produces them: the
+    annotation's, unless the op's ``outputs`` fact (``ir.registry.OutputRule``) says otherwise. A mean-reduced
+    nll_loss over split rows or classes is made replicated by its lowering (none / sum: the annotation is
+    exact); batch norm with a split batch all-reduces its statistics (forward) and, in training, its weight
+    and bias gradients (backward: custom letters), and the empty statistics of eval mode are the same on
+    every rank (``lower/spmd_bn.py``)."""
+    opdef = lookup(call.op)
+    rule = opdef.outputs if opdef is not None else None
+    if rule is OutputRule.REPLICATED or (rule is OutputRule.REPLICATED_IF_MEAN and call.args[3] == 1) or \
+            (rule is OutputRule.REPLICATED_IF_CUSTOM and ann.custom):
+        return _replicated(ns)
+    return ns.outputs
 
 
 def node_shardings(graph: Graph, node, strategy: tuple, mesh: Mesh) -> NodeShardings:
@@ -131,10 +123,7 @@ def node_shardings(graph: Graph, node, strategy: tuple, mesh: Mesh) -> NodeShard
         return NodeShardings(tuple(rep for _ in call.in_types), tuple(rep if t is not None else None
                                                                       for t in call.out_types))
     ns = shardings_for(ann, [t.shape for t in call.in_types], strategy, mesh)
-    override = OUTPUT_OVERRIDES.get(node.op)
-    if override is not None:
-        ns = NodeShardings(ns.inputs, override(call, ann, strategy, ns))
-    return ns
+    return NodeShardings(ns.inputs, lowered_outputs(call, ann, ns))
 
 
 def resolve(graph: Graph, plan: ShardingPlan) -> ResolvedPlan:

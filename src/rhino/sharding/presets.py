@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir.graph import Graph, Role
-from ..ir.registry import OpKind, lookup
+from ..ir.registry import Family, OpKind, lookup
 from .mesh import Mesh
 from .placement import Replicate, Shard, Sharding
 from .plan import ShardingPlan
@@ -155,7 +155,7 @@ def _megatron_rule(tp: int, sequence_parallel: bool):
             return None
         opdef = lookup(node.op)
         refs = node.input_refs()
-        if node.op == "aten.embedding.default":
+        if opdef is not None and opdef.family is Family.EMBEDDING:
             if sequence_parallel:  # tokens arrive split on the sequence: the lookup stays split too
                 return None
             return ["v"] if refs[0].id in prop.lazy and prop.input_param(refs[0].id) else None  # vocab-parallel
@@ -185,9 +185,9 @@ def _megatron_rule(tp: int, sequence_parallel: bool):
     return rule
 
 
-_RESHAPES = ("aten.view.default", "aten._unsafe_view.default", "aten.reshape.default")
-_SPLITS = ("aten.split.Tensor", "aten.split_with_sizes.default")
-_TRANSPOSES = ("aten.transpose.int",)
+def _family(op: str) -> Family | None:
+    opdef = lookup(op)
+    return opdef.family if opdef is not None else None
 
 
 def _chunks_downstream(graph: Graph, users: dict, node, width: int) -> int:
@@ -202,15 +202,16 @@ def _chunks_downstream(graph: Graph, users: dict, node, width: int) -> int:
             return 1
         user = nxt[0]
         rank = graph.types[vid].rank
-        if (user.op in _RESHAPES and col == rank - 1
+        family = _family(user.op)
+        if (family is Family.RESHAPE and col == rank - 1
                 and graph.types[user.outputs[0]].shape[-1] == graph.types[vid].shape[-1]):
             vid, col = user.outputs[0], graph.types[user.outputs[0]].rank - 1
             continue
-        if user.op in _TRANSPOSES:
+        if family is Family.TRANSPOSE:
             a, b = (int(x) % rank for x in user.args[1:3])
             vid, col = user.outputs[0], b if col == a else a if col == b else col
             continue
-        if user.op in _SPLITS:
+        if family is Family.SPLIT:
             dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
             if dim % rank != col:
                 return 1

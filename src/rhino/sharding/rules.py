@@ -19,6 +19,7 @@ from math import prod
 from typing import Sequence
 
 from ..ir.annotation import Annotation, Dim, letter_sizes
+from ..ir.registry import Linear, lookup
 from .mesh import Mesh
 from .placement import Partial, ReduceOp, Replicate, Shard, Sharding
 from .vocab import PASS, EntryKind, parse_entry, split_letter
@@ -30,38 +31,30 @@ Strategy = tuple  # tuple[str | None, ...], one entry per mesh axis
 
 # Strategy entries (split letters, strided splits ``x/k``, partial passthrough ``PASS``): ``vocab``.
 
-# Ops that are linear in the marked tensor inputs ("all": in all of them jointly; "one": in any one
-# of them with the others fixed; "first": in the first only).
-_LINEAR = {
-    "aten.add.Tensor": "all", "aten.sub.Tensor": "all", "aten.cat.default": "all",
-    "aten.neg.default": "all", "aten.mul.Scalar": "all", "aten.div.Scalar": "all",
-    "aten.clone.default": "all", "aten._to_copy.default": "all", "aten.alias.default": "all",
-    "aten.sum.default": "all", "aten.sum.dim_IntList": "all", "aten.mean.default": "all",
-    "aten.mean.dim": "all", "aten.mul.Tensor": "one", "aten.div.Tensor": "first",
-    "aten.mm.default": "one", "aten.bmm.default": "one",
-}
-
 
 def partial_inputs(op: str, kind_is_view: bool, n_inputs: int, args: Sequence,
                    kwargs: dict | None = None, in_dtype=None) -> list[list[int]]:
-    """The sets of input positions that may be Partial together under a passthrough strategy
-    (``in_dtype``: the first input's dtype, which tells a narrowing cast)."""
-    mode = "all" if kind_is_view and n_inputs == 1 else _LINEAR.get(op)
-    if op in ("aten.add.Tensor", "aten.sub.Tensor") and n_inputs != 2:
+    """The sets of input positions that may be Partial together under a passthrough strategy, from the
+    op's ``linear`` fact (``ir.registry.Linear``); a view of one input is linear in it (``in_dtype``: the
+    first input's dtype, which tells a narrowing cast)."""
+    opdef = lookup(op)
+    linear = opdef.linear if opdef is not None else None
+    if linear is Linear.SUM and n_inputs != 2:
         return []  # x + constant is not linear in x
     dtype = (kwargs or {}).get("dtype")
-    if op == "aten._to_copy.default" and dtype is not None:
+    if linear is Linear.CAST and dtype is not None:
         if not getattr(dtype, "is_floating", False):
             return []  # a cast to an integer or bool type truncates: not linear
         if in_dtype is not None and dtype.itemsize < in_dtype.itemsize:
             # a narrowing cast rounds each part, not the sum (float64 partial sums cast to float32, as a
             # float32 RMSNorm in a float64 model, differed by 7e-9): reduce first
             return []
-    if mode == "all":
+    mode = Linear.ALL if (kind_is_view and n_inputs == 1) or linear in (Linear.SUM, Linear.CAST) else linear
+    if mode is Linear.ALL:
         return [list(range(n_inputs))]
-    if mode == "one":
+    if mode is Linear.ONE:
         return [[k] for k in range(n_inputs)]
-    if mode == "first":
+    if mode is Linear.FIRST:
         return [[0]]
     return []
 
