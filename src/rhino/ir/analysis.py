@@ -4,7 +4,7 @@ and node roles (pure Python, never imports torch). The cost model (``cost.memory
 memory planner (``memory.from_graph``) all read it; none of them answers these questions itself.
 
 ``analyze(graph)`` computes it once per graph object (memoised per object, held weakly; a graph whose nodes,
-inputs, outputs or types were added or replaced after the first call is analysed again).
+inputs or outputs were added, removed or replaced after the first call is analysed again).
 
 Definitions (``n`` nodes in program order, ``graph.nodes[0..n-1]``):
 
@@ -123,9 +123,9 @@ _CACHE: dict[int, tuple] = {}
 
 
 def _signature(graph: Graph) -> tuple:
-    nodes = graph.nodes
-    return (len(nodes), len(graph.inputs), len(graph.outputs), len(graph.types), len(graph.constants),
-            id(nodes), id(nodes[-1]) if nodes else 0, id(graph.outputs))
+    """Changes when a node, input or output is added, removed or replaced (nodes are not edited in place)."""
+    return (hash(tuple(map(id, graph.nodes))), tuple(map(id, graph.inputs)), tuple(map(id, graph.outputs)),
+            len(graph.types), len(graph.constants))
 
 
 def analyze(graph: Graph) -> GraphAnalysis:
