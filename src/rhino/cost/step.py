@@ -41,7 +41,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import prod
 
-from ..ir.analysis import analyze
+from ..ir.analysis import GraphAnalysis, analyze
 from ..ir.graph import Graph, Role
 from ..ir.modules import block_of, value_blocks
 from ..ir.registry import OpKind, annotate, call_of, lookup
@@ -162,19 +162,19 @@ class _Bucket:
         return self.done
 
 
-def _gradient_buckets(rp: ResolvedPlan, boundary: int, opt: set[int], state_in: set[int], prod_of: dict,
-                      links, options: StepOptions) -> list[_Bucket]:
+def _gradient_buckets(rp: ResolvedPlan, a: GraphAnalysis, state_in: set[int], links,
+                      options: StepOptions) -> list[_Bucket]:
     """Gradient redistributions (one all-reduce or reduce-scatter step each) grouped as the runtime
     groups them: production order, same step and dtype, capped at ``first_bucket_mb`` until a bucket
     first fills, then at ``bucket_cap_mb``. Gradients needing other steps are left to the caller."""
     graph, mesh = rp.graph, rp.plan.mesh
     members: dict[tuple, tuple] = {}
-    for i in sorted(opt):
+    for i in sorted(a.optimizer):
         node = graph.nodes[i]
         for ref, req in zip(node.input_refs(), rp.node[node.name].inputs):
-            src = prod_of.get(ref.id)
+            src = a.producer.get(ref.id)
             have = rp.value[ref.id]
-            if ref.id in state_in or src is None or src <= boundary or have == req or (ref.id, req) in members:
+            if ref.id in state_in or src is None or a.is_forward(src) or have == req or (ref.id, req) in members:
                 continue
             t = graph.types[ref.id]
             steps = plan_redistribution(t.shape, have, req, mesh)
@@ -202,7 +202,7 @@ def _gradient_buckets(rp: ResolvedPlan, boundary: int, opt: set[int], state_in: 
     return out
 
 
-def _gather_buckets(rp: ResolvedPlan, boundary: int, state_in: set[int], links,
+def _gather_buckets(rp: ResolvedPlan, a: GraphAnalysis, state_in: set[int], links,
                     options: StepOptions) -> dict[tuple, _Bucket]:
     """(value id, wanted sharding, phase) -> its bucket, for the state-input redistributions that are one
     all-gather, grouped as ``lower/overlap.py`` groups them: in order of first use (per phase: before
@@ -217,7 +217,7 @@ def _gather_buckets(rp: ResolvedPlan, boundary: int, state_in: set[int], links,
     for i, node in enumerate(graph.nodes):
         for ref, req in zip(node.input_refs(), rp.node[node.name].inputs):
             have = rp.value[ref.id]
-            phase = int(options.reshard_after_forward and i > boundary)
+            phase = int(options.reshard_after_forward and not a.is_forward(i))
             if ref.id not in state_in or have == req or (ref.id, req, phase) in seen:
                 continue
             seen.add((ref.id, req, phase))
@@ -245,17 +245,17 @@ class _Streams:
         graph = rp.graph
         a = analyze(graph)
         self.rp, self.links, self.options, self.graph, self.mesh = rp, links, options, graph, rp.plan.mesh
-        self.boundary = a.boundary
+        self.a = a
         self.opt = a.optimizer
         self.state_in = {v for v, r in a.input_role.items() if r is not Role.BATCH}
         self.prod_of = a.producer
         self.cache: dict[tuple, float] = {}
         self.counts: dict[str, int] = {}
         self.by_kind = {"blocking": 0.0, "gradient": 0.0, "prefetch": 0.0}
-        buckets = _gradient_buckets(rp, a.boundary, a.optimizer, self.state_in, a.producer, links, options) \
+        buckets = _gradient_buckets(rp, a, self.state_in, links, options) \
             if options.overlap_gradient_reduction else []
         self.bucket_of = {key: b for b in buckets for key in b.members}
-        self.gather_of = _gather_buckets(rp, a.boundary, self.state_in, links, options) \
+        self.gather_of = _gather_buckets(rp, a, self.state_in, links, options) \
             if options.prefetch_parameters else {}
         self.closing: dict[int, list[_Bucket]] = {}
         for b in buckets:
@@ -297,7 +297,7 @@ class _Streams:
                 ready = max(ready, b.done)
                 continue
             prefetch = options.prefetch_parameters and ref.id in self.state_in
-            phase = int(prefetch and options.reshard_after_forward and i > self.boundary)
+            phase = int(prefetch and options.reshard_after_forward and not self.a.is_forward(i))
             if (ref.id, req, phase) in self.gather_of:     # one collective per bucket, issued at its first use
                 b = self.gather_of[(ref.id, req, phase)]
                 if b.done is None:

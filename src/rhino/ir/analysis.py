@@ -93,6 +93,10 @@ class GraphAnalysis:
     def is_optimizer(self, i: int) -> bool:
         return i in self.optimizer
 
+    def is_forward(self, i: int) -> bool:
+        """Node ``i`` runs in the forward pass (FORWARD or LOSS; every node of a graph without a loss)."""
+        return self.boundary < 0 or i <= self.boundary
+
     @property
     def end(self) -> int:
         """The "end of the step" index that ``last_use`` gives values live to the end."""

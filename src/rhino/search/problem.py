@@ -115,7 +115,8 @@ class Builder(MemoryRows):
         self.space = space or Space(graph, mesh, options)
         self.cones = cones or build_cones(graph, self.space, options)
         self.fingerprint = fingerprint
-        self.boundary = analyze(graph).boundary
+        self.analysis = analyze(graph)
+        self.boundary = self.analysis.boundary
         self.inputs = {i.name: i for i in graph.inputs}
         self.state_out: dict[int, list[str]] = {}
         self.other_out: dict[int, int] = {}
@@ -279,7 +280,7 @@ class Builder(MemoryRows):
             t = self.op_seconds(i, strategy)
             if i in self.cones.optimizer:
                 opt += t
-            elif i <= self.boundary:
+            elif self.analysis.is_forward(i):
                 fwd += t * (1 + self._recomputed(i))
             else:
                 bwd += t
@@ -394,7 +395,7 @@ class Builder(MemoryRows):
         if pslot[0] == "in" and inp is not None and self.inputs[inp].role is not Role.BATCH:
             return "prefetch"   # a state input gathered as it is (cost.step: may start any time)
         p = self._producer().get(vid)
-        if rep_u.kind is ConeKind.OPTIMIZER and p is not None and p[0] > self.boundary:
+        if rep_u.kind is ConeKind.OPTIMIZER and p is not None and not self.analysis.is_forward(p[0]):
             return "gradient"
         return "blocking"
 
