@@ -51,20 +51,32 @@ def _graph(cap_or_graph):
     return cap_or_graph.graph if isinstance(cap_or_graph, Captured) else cap_or_graph
 
 
-def estimate(cap: Captured, cluster: str, *, strategy: str | None = None, plan: ShardingPlan | None = None) -> Estimate:
-    """Predicted step time and per-device memory of a strategy string or a plan on ``cluster``."""
+def estimate(cap: Captured, cluster: str, *, strategy: str | None = None, plan: ShardingPlan | None = None,
+             schedule: str = "1f1b", overlap: bool = True, allow_tf32: bool = False, profile=None) -> Estimate:
+    """Predicted step time and per-device memory of a strategy string (default: data parallelism over the whole
+    cluster) or a plan on ``cluster``. ``schedule``: the pipeline schedule (1f1b, gpipe); ``overlap``: gradient
+    reduction overlaps the backward pass; ``allow_tf32``: fp32 matmuls on TF32 tensor cores; ``profile``: a
+    ``rhino profile`` file (or a loaded ``MachineProfile``) whose measured numbers replace the datasheet's."""
     from .cost.estimate import estimate as _estimate, estimate_strategy
-    c = parse_cluster(cluster)
+    from .cost.machine_profile import load_profile
+    from .cost.step import StepOptions
+    c, prof = parse_cluster(cluster), None
+    if profile is not None:
+        c, prof = (load_profile(profile) if isinstance(profile, (str, Path)) else profile).apply(c)
+    options = StepOptions(overlap_gradient_reduction=overlap, allow_tf32=allow_tf32, profile=prof)
     if plan is not None:
         return _estimate(_graph(cap), c, plan, pp=1, microbatches=getattr(plan, "microbatches", 1),
-                         recompute=getattr(plan, "recompute", "none"))
-    return estimate_strategy(_graph(cap), c, strategy or f"dp={c.world}")
+                         recompute=getattr(plan, "recompute", "none"), schedule=schedule, options=options)
+    return estimate_strategy(_graph(cap), c, strategy or f"dp={c.world}", options=options, schedule=schedule)
 
 
-def plan(cap: Captured, cluster: str, *, level: str = "O1", time_limit: float = 60.0, presets: bool = True):
-    """Search the fastest plan that fits ``cluster``: ``(ShardingPlan, report)`` (``report.text()``)."""
+def plan(cap: Captured, cluster: str, *, level: str = "O1", time_limit: float = 60.0, presets: bool = True,
+         workload: str = "", progress=None):
+    """Search the fastest plan that fits ``cluster``: ``(ShardingPlan, report)`` (``report.text()``).
+    ``workload`` names it in the report; ``progress(event, info)`` gets the search's events."""
     from .search.planning import plan_workload
-    return plan_workload(_graph(cap), parse_cluster(cluster), level=level, time_limit=time_limit, presets=presets)
+    return plan_workload(_graph(cap), parse_cluster(cluster), level=level, time_limit=time_limit, presets=presets,
+                         workload=workload, progress=progress)
 
 
 def plan_and_run(cap: Captured, cluster: str = "cpu:4", *, level: str = "O2", time_limit: float = 10.0,

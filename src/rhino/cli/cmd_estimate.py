@@ -5,10 +5,8 @@ from pathlib import Path
 
 from ..capture import capture, load_workload
 from ..cost.cluster import parse_cluster
-from ..cost.estimate import estimate, estimate_strategy
 from ..cost.machine_profile import load_profile
 from ..cost.pipeline import Schedule
-from ..cost.step import StepOptions
 from ..sharding.plan import ShardingPlan
 from .common import emit_json, quiet_warnings, status
 
@@ -32,28 +30,22 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def _options(args, profile) -> StepOptions:
-    return StepOptions(overlap_gradient_reduction=not args.no_overlap, allow_tf32=args.allow_tf32, profile=profile)
-
-
 def run(args) -> int:
-    cluster = parse_cluster(args.cluster)
-    profile = None
-    if args.profile:
-        cluster, profile = load_profile(args.profile).apply(cluster)
+    from ..api import estimate
+    cluster = parse_cluster(args.cluster)   # a bad cluster or profile fails before the capture
+    profile = load_profile(args.profile) if args.profile else None
     status(f"capturing {args.workload} ...", not args.json)
     with quiet_warnings():
         cap = capture(load_workload(args.workload))
     status(f"estimating on {cluster} ...", not args.json)
+    plan = None
     if args.plan:
         path = Path(args.plan)
         if not path.exists():
             raise FileNotFoundError(f"plan file {args.plan!r} does not exist")
         plan = ShardingPlan.from_json(path.read_text())
-        est = estimate(cap.graph, cluster, plan, schedule=args.schedule, options=_options(args, profile))
-    else:
-        est = estimate_strategy(cap.graph, cluster, args.strategy or f"dp={cluster.world}",
-                                options=_options(args, profile), schedule=args.schedule)
+    est = estimate(cap, args.cluster, strategy=args.strategy, plan=plan, schedule=args.schedule,
+                   overlap=not args.no_overlap, allow_tf32=args.allow_tf32, profile=profile)
     if args.json:
         emit_json({"ok": True, "capture_seconds": round(cap.seconds, 3), **est.to_dict()})
     else:

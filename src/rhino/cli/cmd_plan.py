@@ -9,7 +9,6 @@ from pathlib import Path
 
 from ..capture import capture, load_workload
 from ..cost.cluster import parse_cluster
-from ..search.planning import plan_workload
 from .common import emit_json, quiet_warnings, status, write_atomic
 
 __all__ = ["add_parser", "run"]
@@ -78,7 +77,8 @@ def _describe(event: str, info: dict) -> str | None:
 
 
 def run(args) -> int:
-    cluster = parse_cluster(args.cluster)
+    from ..api import plan as api_plan
+    parse_cluster(args.cluster)   # a bad cluster fails before the capture
     if args.time_limit <= 0:
         raise ValueError("--time-limit must be a positive number of seconds")
     status(f"capturing {args.workload} ...", not args.json)
@@ -86,8 +86,8 @@ def run(args) -> int:
         cap = capture(load_workload(args.workload))
     progress = _Progress(not args.json)
     try:
-        plan, report = plan_workload(cap.graph, cluster, level=args.level, time_limit=args.time_limit,
-                                     presets=not args.no_presets, workload=args.workload, progress=progress)
+        plan, report = api_plan(cap, args.cluster, level=args.level, time_limit=args.time_limit,
+                                presets=not args.no_presets, workload=args.workload, progress=progress)
     finally:
         progress.stop()
     text = plan.to_json()
