@@ -48,7 +48,7 @@ from ..ir.registry import OpKind, annotate, call_of, lookup
 from ..sharding.placement import ReduceOp, replicated
 from ..sharding.plan import ResolvedPlan
 from ..sharding.redistribute import local_numel, plan_redistribution
-from ..sharding.rules import PASS, split_letter
+from ..sharding.vocab import is_split, split_letter
 from ..sharding.steps import AllGather, AllReduce, ReduceScatter, Step, is_communication
 from .cluster import AxisLink
 from .collectives import step_seconds, steps_seconds
@@ -114,7 +114,7 @@ def node_scale(strategy, mesh) -> float:
     """Fraction of a node's iteration space one rank executes under ``strategy``."""
     if strategy is None:
         return 1.0
-    return 1.0 / prod(mesh.sizes[a] for a, e in enumerate(strategy) if e is not None and not e.startswith(PASS))
+    return 1.0 / prod(mesh.sizes[a] for a, e in enumerate(strategy) if is_split(e))
 
 
 def node_compute(graph: Graph, node, strategy, mesh, device: DeviceSpec, *, allow_tf32: bool = False,
@@ -132,7 +132,7 @@ def _custom_comm(graph: Graph, node, strategy, mesh, links, rp: ResolvedPlan) ->
     if ann is None:
         return 0.0, 0
     axes = [a for a, e in enumerate(strategy)
-            if e is not None and not e.startswith(PASS) and split_letter(e)[0] in ann.custom]
+            if is_split(e) and split_letter(e)[0] in ann.custom]
     if not axes:
         return 0.0, 0
     ref = node.input_refs()[0]

@@ -32,7 +32,8 @@ from ..sharding import simulate
 from ..sharding.mesh import Mesh
 from ..sharding.placement import Partial, local_shape
 from ..sharding.plan import PlanError, ShardingPlan, node_shardings, resolve
-from ..sharding.rules import PASS, StrategyError, candidate_letters, partial_inputs
+from ..sharding.rules import StrategyError, candidate_letters, partial_inputs
+from ..sharding.vocab import passthrough, strided
 from .fx import resolve_op
 from .simulate_spmd import lockstep
 from .spmd import lower_rank
@@ -125,13 +126,13 @@ def _axis_options(call: RecordedCall, n: int) -> list:
         return [None]
     sizes = letter_sizes(ann, [t.shape for t in call.inputs])
     letters = candidate_letters(ann, sizes, n)
-    opts: list = [None] + letters + [f"{x}/2" for x in letters if sizes[x] % (2 * n) == 0]
+    opts: list = [None] + letters + [strided(x, 2) for x in letters if sizes[x] % (2 * n) == 0]
     n_in = len(call.inputs)
     kind = lookup(call.op).kind
     for group in partial_inputs(call.op, kind is OpKind.VIEW, n_in, call.node.args, call.node.kwargs,
                                 call.inputs[0].dtype if call.inputs else None):
         if all(call.inputs[k].is_floating_point() for k in group):
-            opts.append(PASS if (len(group) == n_in and n_in > 1) or n_in == 1 else PASS + str(group[0]))
+            opts.append(passthrough(group, n_in))
     return opts
 
 

@@ -22,7 +22,7 @@ from ..sharding.steps import is_communication
 from ..ir.modules import value_blocks
 from .fx import py_name, add_constants, convert_arg, emit_node
 from ..ir.registry import Lowering, SizeArg, SizeRule, annotate, call_of, lookup
-from ..sharding.rules import PASS, split_letter
+from ..sharding.vocab import is_split, split_letter
 from .spmd_custom import emit_custom
 from .spmd_ops import redistribute, step_args
 from .overlap import OverlapOptions, overlap_program
@@ -237,7 +237,7 @@ def _emit(fg, node: Node, rp: ResolvedPlan, rank: int, env: dict, moved, conv) -
     opdef = lookup(node.op)
     if opdef is not None and opdef.lowering is not None:
         ann = annotate(call_of(graph, node))
-        split = {split_letter(e)[0] for e in strategy if e is not None and not e.startswith(PASS)}
+        split = {split_letter(e)[0] for e in strategy if is_split(e)}
         mean_nll = opdef.lowering is Lowering.NLL_LOSS and node.args[3] == 1 and split & ann.reduced
         if split & ann.custom or mean_nll:
             env.update(emit_custom(fg, node, conv(args, need), conv(kwargs, need), strategy, ann, rp, rank))

@@ -28,7 +28,7 @@ import torch
 from ..ir.graph import Node
 from ..ir.registry import Lowering, lookup
 from ..sharding.placement import ReduceOp, Shard
-from ..sharding.rules import PASS, split_letter
+from ..sharding.vocab import is_split, split_letter
 from ..sharding.steps import AllReduce
 from .fx import resolve_op
 from .spmd_bn import emit_batch_norm
@@ -42,7 +42,7 @@ aten = torch.ops.aten
 def _axes(strategy, letters) -> list[int]:
     """Mesh axes splitting one of ``letters`` (plain or strided)."""
     return [axis for axis, entry in enumerate(strategy)
-            if entry is not None and not entry.startswith(PASS) and split_letter(entry)[0] in letters]
+            if is_split(entry) and split_letter(entry)[0] in letters]
 
 
 def _all_reduce(fg, x, axes, op: ReduceOp):

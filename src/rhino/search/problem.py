@@ -37,7 +37,7 @@ from ..sharding.mesh import Mesh
 from ..sharding.placement import ReduceOp, Sharding, local_shape, replicated
 from ..sharding.plan import ResolvedPlan, ShardingPlan
 from ..sharding.redistribute import plan_redistribution
-from ..sharding.rules import PASS, split_letter
+from ..sharding.vocab import is_split, split_letter
 from ..sharding.steps import AllReduce
 from .coarsen import Cone, ConeKind, Cones, build_cones
 from .memrows import CopyTerm, MemoryRows, MemRow, copy_bytes
@@ -196,7 +196,7 @@ class Builder(MemoryRows):
         if not count or ann is None:
             return 0.0
         axes = [a for a, e in enumerate(strategy)
-                if e is not None and not e.startswith(PASS) and split_letter(e)[0] in ann.custom]
+                if is_split(e) and split_letter(e)[0] in ann.custom]
         if not axes:
             return 0.0
         ref = node.input_refs()[0]

@@ -28,7 +28,7 @@ from .mesh import Mesh
 from .placement import Replicate, Shard, Sharding
 from .plan import ShardingPlan
 from .propagate import Propagator
-from .vocab import RECOMPUTE_MODES, Recompute
+from .vocab import RECOMPUTE_MODES, Recompute, strided
 
 __all__ = ["StrategySpec", "parse_strategy", "preset_plan"]
 
@@ -181,7 +181,7 @@ def _megatron_rule(tp: int, sequence_parallel: bool):
             return None
         blocks = _chunks_downstream(prop.graph, prop.users, node, ann.sizes.get(column[0]) or
                                     prop.graph.types[node.outputs[0]].shape[-1])
-        return [column[0] if blocks == 1 else f"{column[0]}/{blocks}"]  # column-parallel
+        return [strided(column[0], blocks)]  # column-parallel
     return rule
 
 
