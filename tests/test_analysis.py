@@ -17,11 +17,15 @@ The three consumers measure:
   comparison is cost model against rows.
 
 On one device all three must give the same bytes at every node (and so the same peak). Under the
-presets ``rhino run`` supports on 2 ranks (those the search's cones can express: a preset whose split
-a tied or following cone cannot take is skipped, and at least one must be compared), the rows must
-never be below the cost model (the safe side) and must equal it at every node when the plan makes no
-redistributed copy. Sampled to keep the file near a minute: every example on one device, the presets
-on ``mlp``, ``gpt`` and ``resnet``; about 200 nodes per program plus each model's peak node.
+presets ``rhino run`` supports on 2 ranks, those the search's cones can express are compared (today
+``dp=2`` on all three sampled examples and ``tp=2`` on GPT and ResNet; for the ZeRO presets and MLP's
+``tp=2`` some cone class has no candidate reproducing the preset's shardings, so they are skipped; at
+least one preset per example must be compared). Every one of these
+plans makes redistributed copies, which the rows price on the safe side, so the rows must be at or
+above the cost model at every node and within 15% of it (the bound ``tests/test_search.py`` states for
+a searched plan; measured: at most 13%, GPT ``tp=2``; equal at 74 of 82, 393 of 478 and 203 of 213
+nodes under ``dp=2``). Sampled to keep the file short: every example on one device, the presets on
+``mlp``, ``gpt`` and ``resnet``; about 200 nodes per program plus each model's peak node.
 """
 import warnings
 from functools import lru_cache
@@ -118,11 +122,6 @@ def _choice_for(b: Builder, plan) -> list[int] | None:
     return choice
 
 
-def _no_copies(rp) -> bool:
-    return all(req is None or tuple(req) == tuple(rp.value[r.id])
-               for node in rp.graph.nodes for r, req in zip(node.input_refs(), rp.node[node.name].inputs))
-
-
 @pytest.mark.parametrize("name", ["mlp", "gpt", "resnet"])
 def test_cost_model_and_rows_agree_under_presets(name):
     g = _graph(name)
@@ -139,9 +138,7 @@ def test_cost_model_and_rows_agree_under_presets(name):
         every = _estimate_per_node(g, rp)
         nodes = sorted(set(_sample(len(g.nodes))) | {every.index(max(every))})
         est, rows = [every[i] for i in nodes], _rows_per_node(b, choice, nodes)
-        assert all(e <= r for e, r in zip(est, rows)), strategy
-        if _no_copies(rp):
-            assert est == rows, strategy
+        assert all(e <= r <= 1.15 * e for e, r in zip(est, rows)), strategy
         assert max(every) == estimate_memory(g, rp).peak
     assert matched >= 1
 
