@@ -9,6 +9,10 @@
 - Small functions and modules (design.md's house rules, issue #16): no function over 80 lines except the
   compiled branch-and-bound kernel (``memory/layout_bnb_core.run``, one numba function by design), no module
   over 800 lines.
+- Graph semantics live in ``ir/analysis.py`` (issue #16): in the pure packages no ordering comparison with a
+  ``boundary`` (the loss node's index: a name or attribute so called, or a local assigned from a ``.boundary``),
+  no ``OpKind.VIEW`` outside ``ir/`` and no op-name regex (``re.compile`` of a pattern naming ``rand`` or
+  ``dropout``) outside ``ir/``, except the functions listed in ``SEMANTICS_BY_DESIGN``.
 """
 from __future__ import annotations
 
@@ -20,6 +24,17 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "rhino"
 PURE = ("ir", "sharding", "cost", "search", "memory")
 MAX_FUNCTION_LINES, MAX_MODULE_LINES = 80, 800
 LONG_BY_DESIGN = {"rhino/memory/layout_bnb_core.py:run"}   # the numba kernel: one compiled loop
+# file:function -> why it may still use what ``graph_semantics_outside_analysis`` looks for
+SEMANTICS_BY_DESIGN = {
+    # recomputation's cut positions: indices 0..boundary of a MemoryEstimate's forward (no graph at hand)
+    "rhino/cost/remat.py:forward_cuts": "boundary",
+    "rhino/cost/remat.py:segment_choices": "boundary",
+    # op facts, not liveness: a view op's kernel time, and its linearity / sharding pass-through
+    "rhino/cost/compute.py:op_time": "view",
+    "rhino/search/space.py:_Info.__init__": "view",
+    "rhino/sharding/propagate.py:Propagator.run": "view",
+    "rhino/sharding/propagate.py:Propagator._options": "view",
+}
 # package -> the rhino packages and top-level modules it may import (besides itself)
 ALLOWED = {
     "ir": set(),
@@ -137,6 +152,61 @@ def long_functions() -> list[str]:
     return bad
 
 
+_ORDER = (ast.Lt, ast.LtE, ast.Gt, ast.GtE, ast.Eq, ast.NotEq)
+
+
+def _scopes(tree: ast.AST, prefix: str = ""):
+    """(qualified name, function node) for every function, methods as ``Class.name``."""
+    for node in ast.iter_child_nodes(tree):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            yield prefix + node.name, node
+            yield from _scopes(node, prefix + node.name + ".")
+        elif isinstance(node, ast.ClassDef):
+            yield from _scopes(node, prefix + node.name + ".")
+
+
+def _semantic_uses(scope: ast.AST, ir: bool):
+    """(line, kind, text) for each use ``graph_semantics_outside_analysis`` looks for directly in ``scope``
+    (nested functions are scopes of their own)."""
+    body = []
+    todo = list(ast.iter_child_nodes(scope))
+    while todo:
+        node = todo.pop()
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            body.append(node)
+            todo.extend(ast.iter_child_nodes(node))
+    named = {"boundary"} | {t.id for n in body if isinstance(n, ast.Assign) and isinstance(n.value, ast.Attribute)
+                            and n.value.attr == "boundary" for t in n.targets if isinstance(t, ast.Name)}
+    for n in body:
+        if isinstance(n, ast.Compare) and any(isinstance(op, _ORDER) for op in n.ops):
+            for x in [n.left, *n.comparators]:
+                name = x.id if isinstance(x, ast.Name) else x.attr if isinstance(x, ast.Attribute) else None
+                if name in named:
+                    yield n.lineno, "boundary", f"compares {name}"
+        elif not ir and isinstance(n, ast.Attribute) and n.attr == "VIEW" and isinstance(n.value, ast.Name) \
+                and n.value.id == "OpKind":
+            yield n.lineno, "view", "OpKind.VIEW"
+        elif not ir and isinstance(n, ast.Call) and isinstance(n.func, ast.Attribute) and n.func.attr == "compile" \
+                and n.args and isinstance(n.args[0], ast.Constant) and isinstance(n.args[0].value, str) \
+                and any(w in n.args[0].value for w in ("rand", "dropout")):
+            yield n.lineno, "regex", "op-name regex"
+
+
+def graph_semantics_outside_analysis() -> list[str]:
+    bad = []
+    for module, file in sorted(MODULES.items()):
+        parts = module.split(".")
+        rel = str(file.relative_to(SRC.parent))
+        if len(parts) < 2 or parts[1] not in PURE or rel == "rhino/ir/analysis.py":
+            continue
+        tree = ast.parse(file.read_text())
+        for qual, scope in [("<module>", tree), *_scopes(tree)]:
+            for line, kind, text in _semantic_uses(scope, parts[1] == "ir"):
+                if SEMANTICS_BY_DESIGN.get(f"{rel}:{qual}") != kind:
+                    bad.append(f"{rel}:{line}: {qual} {text}")
+    return sorted(bad, key=lambda b: (b.split(':')[0], int(b.split(':')[1]), b))
+
+
 def test_no_private_name_crosses_a_module():
     assert cross_module_private_imports() == []
 
@@ -151,6 +221,10 @@ def test_pure_packages_never_import_torch():
 
 def test_no_function_over_80_lines_and_no_module_over_800():
     assert long_functions() == []
+
+
+def test_graph_semantics_only_in_ir_analysis():
+    assert graph_semantics_outside_analysis() == []
 
 
 def _write(tmp_path: Path, files: dict[str, str]) -> None:
@@ -170,6 +244,12 @@ def test_the_scans_catch_each_kind_of_violation(tmp_path, monkeypatch):
         "cost/__init__.py": "", "cost/c.py": "def g():\n    import torch.nn\n",
         "memory/__init__.py": "", "memory/m.py": "from ..runtime import coll\n",
         "search/__init__.py": "", "search/s.py": "def big():\n" + "    x = 1\n" * 80,
+        "search/fwd.py": ("import re\nfrom ..ir.registry import OpKind\n_R = re.compile(r'(^|\\.)dropout')\n"
+                          "class K:\n    def f(self, a, i):\n        b = a.boundary\n        return i <= b, a.boundary < 0\n"
+                          "def g(node, boundary, kind):\n    x = [i for i in node if i > boundary]\n"
+                          "    return x, kind is OpKind.VIEW, 3 in boundary\n"),
+        "ir/__init__.py": "", "ir/analysis.py": "def f(boundary):\n    return boundary < 0\n",
+        "ir/registry.py": "import re\n_R = re.compile('rand')\ndef v(k, boundary):\n    return k is OpKind.VIEW, 0 > boundary\n",
     })
     here = sys.modules[__name__]
     monkeypatch.setattr(here, "SRC", tmp_path / "rhino")
@@ -179,3 +259,8 @@ def test_the_scans_catch_each_kind_of_violation(tmp_path, monkeypatch):
     assert sorted(p.split(": ", 1)[1] for p in upward_imports()) == ["lower imports runtime", "memory imports runtime"]
     assert [p.split(": ", 1)[1] for p in torch_in_pure_packages()] == ["imports torch.nn"]
     assert long_functions() == ["rhino/search/s.py:1: big has 81 lines"]
+    assert graph_semantics_outside_analysis() == [
+        "rhino/ir/registry.py:4: v compares boundary",
+        "rhino/search/fwd.py:3: <module> op-name regex",
+        "rhino/search/fwd.py:7: K.f compares b", "rhino/search/fwd.py:7: K.f compares boundary",
+        "rhino/search/fwd.py:9: g compares boundary", "rhino/search/fwd.py:10: g OpKind.VIEW"]

@@ -56,7 +56,7 @@ def split_step(graph: Graph) -> StepSplit:
     """The cut described in the module docstring."""
     nodes = graph.nodes
     a = analyze(graph)
-    if a.boundary < 0:
+    if a.loss_node is None:
         raise SplitError("the step has no loss node, so it cannot be cut into micro-batches")
     dep = _batch_dependent(graph)
     producer = a.producer

@@ -281,12 +281,11 @@ def _breakdown(a: GraphAnalysis, life: _Lifetimes, sizes, cat, at: int) -> dict[
 
 def _spans(a: GraphAnalysis, sizes, cat) -> tuple[list, list, list, list]:
     """(activation spans, forward-only spans, their storages) for ``MemoryEstimate``."""
-    boundary = a.boundary if a.boundary >= 0 else a.n   # no loss: everything is forward
     spans, fwd_spans, span_values, fwd_values = [], [], [], []
     for s, b in a.born.items():
-        if b < 0 or b > boundary:
+        if b < 0 or not a.is_forward(b):
             continue
-        last_fwd = max([u for u in a.readers.get(s, ()) if u <= boundary], default=b)
+        last_fwd = a.last_forward_use(s)
         if cat[s] == _ACT:
             spans.append((b, last_fwd, sizes[s]))
             span_values.append(s)

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from ..ir.analysis import analyze
 from ..ir.graph import Graph
 from ..sharding.plan import ResolvedPlan
 from .memory import MemoryEstimate, estimate_memory
@@ -71,7 +72,7 @@ def apply_recompute(graph: Graph, mem: MemoryEstimate, nodes: list[NodeCost], mo
     rerun nodes' (``remat_effect`` prices a plan's rewritten program itself)."""
     mode = Recompute(mode)
     total = sum(s for _, _, s in mem.activation_spans)
-    if mode is Recompute.NONE or total == 0 or mem.boundary < 0:
+    if mode is Recompute.NONE or total == 0 or analyze(graph).loss_node is None:
         return RecomputeEffect(mode, total, total, 0.0, 0.0)
     new, origin = remat(graph, mode)
     kept = set(estimate_memory(new).activation_values)   # storages the rewritten backward reads

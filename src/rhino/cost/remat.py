@@ -238,9 +238,10 @@ def remat(graph: Graph, mode: Recompute | str, mem: MemoryEstimate | None = None
     estimate whose activation spans place the cuts (default: ``estimate_memory(graph)``, global
     sizes, so every rank and the cost model cut the same program)."""
     mode = Recompute(mode)
-    b = analyze(graph).boundary
-    if mode is Recompute.NONE or b < 0:
+    a = analyze(graph)
+    if mode is Recompute.NONE or a.loss_node is None:
         return graph, {}
+    b = a.boundary
     if mem is not None:
         return _remat(graph, mode, b, mem)
     key = (id(graph), len(graph.nodes), mode)

@@ -51,7 +51,7 @@ from enum import Enum
 from .graph import STATE_ROLES, Graph, Role
 from .registry import OpKind, lookup
 
-__all__ = ["NodeRole", "GraphAnalysis", "analyze"]
+__all__ = ["NodeRole", "GraphAnalysis", "analyze", "update_feeders"]
 
 
 class NodeRole(str, Enum):
@@ -98,6 +98,21 @@ class GraphAnalysis:
         return self.boundary < 0 or i <= self.boundary
 
     @property
+    def loss_node(self) -> int | None:
+        """The loss node's index (``boundary``), None when the graph has no loss node."""
+        return self.boundary if self.boundary >= 0 else None
+
+    def at_or_before_loss(self, i: int) -> bool:
+        """Node ``i`` is the loss node or runs before it (False for every node of a graph without a loss,
+        where ``is_forward`` is True)."""
+        return i <= self.boundary
+
+    def last_forward_use(self, s: int) -> int:
+        """The last forward node (``is_forward``) reading storage ``s`` through any alias, or the node
+        that made ``s`` when no forward node reads it (-1 for an unread input or constant)."""
+        return max((u for u in self.readers.get(s, ()) if self.is_forward(u)), default=self.born[s])
+
+    @property
     def end(self) -> int:
         """The "end of the step" index that ``last_use`` gives values live to the end."""
         return self.n
@@ -141,6 +156,28 @@ def analyze(graph: Graph) -> GraphAnalysis:
     if hit is None or hit[0]() is not graph:
         weakref.finalize(graph, _CACHE.pop, key, None)
     _CACHE[key] = (weakref.ref(graph), sig, out)
+    return out
+
+
+def update_feeders(graph: Graph) -> set[str]:
+    """Names of the nodes that only feed the state update, the sharding propagator's reading (it keeps a
+    Partial gradient in its wider type there, as DDP reduces fp32 ``.grad``): the nodes reading an
+    OPT_STATE input directly or defining a value that is a graph output with a state role (anywhere in
+    the step, unlike ``NodeRole.OPTIMIZER``), and, in reverse program order, the registered element-wise
+    ops and views whose every user (of their values directly, not through aliases) is one of them (the
+    casts and sums that form a parameter's gradient)."""
+    opt_in = {i.value for i in graph.inputs if i.role is Role.OPT_STATE}
+    state_out = {o.value for o in graph.outputs if o.role in STATE_ROLES}
+    users = graph.users()
+    out = {n.name for n in graph.nodes
+           if any(r.id in opt_in for r in n.input_refs()) or any(v in state_out for v in n.outputs)}
+    for n in reversed(graph.nodes):
+        d = lookup(n.op)
+        if n.name in out or d is None or d.kind not in (OpKind.ELEMENTWISE, OpKind.VIEW):
+            continue
+        us = [u for v in n.outputs if v is not None for u in users.get(v, [])]
+        if us and all(u.name in out for u in us):
+            out.add(n.name)
     return out
 
 

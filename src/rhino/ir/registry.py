@@ -18,6 +18,7 @@ makes other than the annotation's), ``family`` (structural roles the planners lo
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 from enum import Enum
 from math import prod
@@ -29,7 +30,7 @@ from .types import TensorType
 
 __all__ = ["OpKind", "OpDef", "OpCall", "Linear", "SizeRule", "SizeArg", "Lowering", "OutputRule", "Family",
            "Values", "register", "lookup", "is_known", "annotate", "call_signature", "flops_of", "bytes_of",
-           "is_random", "REGISTRY"]
+           "is_random", "draws_rng", "REGISTRY"]
 
 
 class OpKind(str, Enum):
@@ -207,6 +208,21 @@ def is_random(op: str) -> bool:
     never rerun or sharded, so only registered ops are asked."""
     opdef = lookup(op)
     return opdef is not None and opdef.values in (Values.RANDOM, Values.NOISE)
+
+
+# ops drawing from the generator's stream, by name (registered or not); ``draws_rng``
+_RNG_NAME = re.compile(r"(^|\.)(_?native_dropout|dropout|bernoulli|rand|randn|randint|randperm|rand_like|randn_like|"
+                       r"randint_like|normal|uniform|multinomial|exponential|geometric|cauchy|log_normal|random)"
+                       r"(_|\.|$)")
+
+
+def draws_rng(op: str) -> bool:
+    """Whether ``op`` (``aten.<name>.<overload>``, registered or not) draws from the random generator's
+    stream, so that reordering two such ops changes the numbers each gets: its name after the namespace
+    matches a sampling op's (dropout, bernoulli, rand*, normal, uniform, multinomial, ...; in-place
+    ``_`` forms included). A rule on names, not the ``values`` fact of ``is_random``, because the memory
+    planner must keep the order of unregistered (opaque) sampling ops too."""
+    return _RNG_NAME.search(op.split(".", 1)[-1]) is not None
 
 
 def call_of(graph: Graph, node: Node) -> OpCall:

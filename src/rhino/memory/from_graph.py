@@ -43,20 +43,17 @@ be lower.
 """
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 from ..ir.analysis import GraphAnalysis, analyze
 from ..ir.graph import STATE_ROLES, Graph, Role
+from ..ir.registry import draws_rng
 from .problem import MemOp, MemProblem, MemTensor, OpRole, TensorKind, lifetimes
 
 __all__ = ["GraphMemory", "problem_from_graph", "aligned_offsets", "PERSISTENT_ROLES", "DEFAULT_ALIGN"]
 
 PERSISTENT_ROLES = (*STATE_ROLES, Role.CONST)
 DEFAULT_ALIGN = 64  # bytes; >= every dtype's item size (and a cache line)
-_RANDOM = re.compile(r"(^|\.)(_?native_dropout|dropout|bernoulli|rand|randn|randint|randperm|rand_like|randn_like|"
-                     r"randint_like|normal|uniform|multinomial|exponential|geometric|cauchy|log_normal|random)"
-                     r"(_|\.|$)")
 
 
 @dataclass
@@ -178,7 +175,7 @@ def _after_edges(graph: Graph, st: _Storage, inplace, keep_random_order: bool) -
     if keep_random_order:
         prev = None
         for i, node in enumerate(nodes):
-            if _RANDOM.search(node.op.split(".", 1)[-1]):
+            if draws_rng(node.op):
                 if prev is not None:
                     after[i].add(prev)
                 prev = i

@@ -101,8 +101,9 @@ class MemoryRows:
         if n == 0:
             return []
         points = {n - 1}
-        if self.boundary >= 0:
-            points.add(self.boundary)
+        loss = self._analysis.loss_node
+        if loss is not None:
+            points.add(loss)
         if "timeline" not in self.shared:
             self.shared["timeline"] = estimate_memory(self.graph).timeline
         timeline = self.shared["timeline"]

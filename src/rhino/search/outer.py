@@ -181,7 +181,7 @@ class MeshSearch:
         self.say("build", {"mesh": str(mesh), "recompute": self.recompute})
         p = self.problem = self.builder.build()
         self.say("solve", {"mesh": str(mesh), **p.size()})
-        self.critical = critical_classes(self.graph, self.cones, self.builder.boundary)
+        self.critical = critical_classes(self.graph, self.cones)
         sol = self.sol = solve_problem(p, self.options, deadline=self.deadline, critical=self.critical)
         self.cand = Candidate(mesh, self.recompute, self._assemble(sol.choice), None, 0.0, sol.objective, sol.status,
                               p.size(), sol.steps, model_peak=p.capacity + memory_over(p, sol.choice),

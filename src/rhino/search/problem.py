@@ -116,7 +116,6 @@ class Builder(MemoryRows):
         self.cones = cones or build_cones(graph, self.space, options)
         self.fingerprint = fingerprint
         self.analysis = analyze(graph)
-        self.boundary = self.analysis.boundary
         self.inputs = {i.name: i for i in graph.inputs}
         self.state_out: dict[int, list[str]] = {}
         self.other_out: dict[int, int] = {}

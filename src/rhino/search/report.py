@@ -162,9 +162,9 @@ def axis_roles(rp: ResolvedPlan) -> list[str]:
     """One phrase per mesh axis: what is split along it."""
     graph, mesh = rp.graph, rp.plan.mesh
     users, views = _uses(graph)
-    boundary = analyze(graph).boundary
+    an = analyze(graph)
     heavy_kinds = (OpKind.MATMUL, OpKind.CONV)
-    forward_heavy = [n for i, n in enumerate(graph.nodes) if i <= boundary and lookup(n.op) is not None
+    forward_heavy = [n for i, n in enumerate(graph.nodes) if an.at_or_before_loss(i) and lookup(n.op) is not None
                      and lookup(n.op).kind in heavy_kinds]
     params = _param_values(graph, views)
     roles = []

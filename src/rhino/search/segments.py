@@ -31,6 +31,7 @@ split whose gathers come later.
 """
 from __future__ import annotations
 
+from ..ir.analysis import analyze
 from ..ir.graph import Graph
 from .coarsen import ConeKind, Cones
 from .local import local_search, propagate, seed_data_parallel
@@ -40,11 +41,13 @@ from .problem import Problem
 __all__ = ["critical_classes", "solve_o1", "followed_data_parallel"]
 
 
-def critical_classes(graph: Graph, cones: Cones, boundary: int) -> list[int]:
-    """Classes of the critical forward cones, the most repeated first."""
-    producer = {v: i for i, n in enumerate(graph.nodes) for v in n.outputs if v is not None}
+def critical_classes(graph: Graph, cones: Cones) -> list[int]:
+    """Classes of the critical forward cones (of the nodes at or before the loss: none without a loss),
+    the most repeated first."""
+    a = analyze(graph)
+    producer = a.producer
     spine = sorted({c for i, c in enumerate(cones.cone_of_node)
-                    if i <= boundary and cones.cones[c].kind is ConeKind.NODE},
+                    if a.at_or_before_loss(i) and cones.cones[c].kind is ConeKind.NODE},
                    key=lambda c: cones.cones[c].members[0])
     pos = {c: k for k, c in enumerate(spine)}
     n = len(spine)
@@ -54,7 +57,7 @@ def critical_classes(graph: Graph, cones: Cones, boundary: int) -> list[int]:
     linked_in = [False] * n
     linked_out = [False] * n
     for i, node in enumerate(graph.nodes):
-        if i > boundary:
+        if not a.at_or_before_loss(i):
             continue
         w = pos.get(cones.cone_of_node[i])
         if w is None:

@@ -22,6 +22,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Callable
 
+from ..ir.analysis import update_feeders
 from ..ir.graph import Graph, Node, Ref, Role, STATE_ROLES
 from ..ir.registry import OpKind, annotate, call_of, call_signature, lookup
 from ..ir.annotation import letter_sizes
@@ -77,7 +78,7 @@ class Propagator:
         self.output_state = {o.value: o.name for o in self.graph.outputs if o.role in STATE_ROLES}
         self.users = self.graph.users()
         self._ns_cache: dict[tuple, object] = {}   # (call signature, strategy) -> NodeShardings | error
-        self._to_optimizer = self._optimizer_bound()
+        self._to_optimizer = update_feeders(self.graph)
 
     # -- public ---------------------------------------------------------------------------
     def run(self) -> ShardingPlan:
@@ -117,7 +118,7 @@ class Propagator:
     def _widens(self, node: Node, partial_refs: list[Ref]) -> bool:
         """Whether ``node``'s output is of a wider dtype than one of its Partial inputs (a bf16 matmul result
         added to an fp32 residual stream under autocast, or cast to fp32), unless the node forms a parameter's
-        gradient (``_optimizer_bound``): that is reduced in its wider type, as DDP reduces fp32 ``.grad``."""
+        gradient (``ir.analysis.update_feeders``): that is reduced in its wider type, as DDP reduces fp32 ``.grad``."""
         outs = [v for v in node.outputs if v is not None]
         if not outs:
             return False
@@ -125,21 +126,6 @@ class Propagator:
         if not any(self.graph.types[r.id].dtype.itemsize < wide for r in partial_refs):
             return False
         return node.name not in self._to_optimizer
-
-    def _optimizer_bound(self) -> set[str]:
-        """Names of the optimizer nodes (they read optimizer state or make new state) and of the element-wise
-        ops and views whose every user is one of them (the casts and sums that form a parameter's gradient)."""
-        opt_in = {i.value for i in self.graph.inputs if i.role is Role.OPT_STATE}
-        out = {n.name for n in self.graph.nodes
-               if any(r.id in opt_in for r in n.input_refs()) or any(v in self.output_state for v in n.outputs)}
-        for n in reversed(self.graph.nodes):
-            d = lookup(n.op)
-            if n.name in out or d is None or d.kind not in (OpKind.ELEMENTWISE, OpKind.VIEW):
-                continue
-            users = [u for v in n.outputs if v is not None for u in self.users.get(v, [])]
-            if users and all(u.name in out for u in users):
-                out.add(n.name)
-        return out
 
     # -- deciding a node ------------------------------------------------------------------
     def _options(self, node: Node, ann, sizes, axis: int) -> list:
