@@ -203,3 +203,49 @@ def test_sgd_weight_decay_is_part_of_the_update_and_its_gradients_bucket():
     st = step_time(rp, cluster.device, axis_links(cluster, rp.plan.mesh))
     assert st.comm_by_kind["blocking"] == 0.0 and st.comm_by_kind["gradient"] > 0.0
     assert st.collectives.get("AllReduce", 0) < len(params)
+
+
+def _forward_graph(with_loss: bool):
+    """x -> n0 relu a -> n1 view v(a) -> n2 relu b(a) [the loss when ``with_loss``] -> n3 c = v + b."""
+    from rhino.ir.graph import Graph, GraphOutput, Node, Ref, Role
+    from rhino.ir.types import DType, TensorType
+    g = Graph()
+    t = TensorType((4, 4), DType.float32)
+    x = g.add_input("x", Role.BATCH, t)
+    vals = []
+    for op, ins in [("aten.relu.default", ["x"]), ("aten.t.default", [0]), ("aten.relu.default", [0]),
+                    ("aten.add.Tensor", [1, 2])]:
+        v = g.new_value(t)
+        g.nodes.append(Node(f"n{len(g.nodes)}", op, [Ref(x if k == "x" else vals[k]) for k in ins], {}, [v]))
+        vals.append(v)
+    if with_loss:
+        g.outputs.append(GraphOutput("loss", Role.LOSS, vals[2]))
+    return g, vals
+
+
+def test_forward_queries_with_and_without_a_loss():
+    """``at_or_before_loss`` (none without a loss: the search's critical classes and report) differs from
+    ``is_forward`` (all without a loss) only there; ``last_forward_use`` follows views and stops at the
+    loss; ``loss_node`` is None without a loss."""
+    g, (a_, v_, b_, c_) = _forward_graph(True)
+    a = analyze(g)
+    assert a.loss_node == 2
+    assert [a.at_or_before_loss(i) for i in range(4)] == [a.is_forward(i) for i in range(4)] == [True] * 3 + [False]
+    assert a.last_forward_use(a_) == 2            # n1 (view) and n2 read a in the forward; n3 reads it via v after
+    assert a.last_forward_use(b_) == 2            # only the backward-side n3 reads b: its producer
+    g, (a_, v_, b_, c_) = _forward_graph(False)
+    a = analyze(g)
+    assert a.loss_node is None
+    assert [a.at_or_before_loss(i) for i in range(4)] == [False] * 4
+    assert [a.is_forward(i) for i in range(4)] == [True] * 4
+    assert a.last_forward_use(a_) == 3 and a.last_forward_use(b_) == 3 and a.last_forward_use(c_) == 3
+
+
+def test_draws_rng_names_the_sampling_ops():
+    from rhino.ir.registry import draws_rng
+    yes = ["aten.native_dropout.default", "aten.dropout.default", "aten.bernoulli_.float", "aten.rand.default",
+           "aten.randn_like.default", "aten.randint.low", "aten.randperm.default", "aten.normal_.default",
+           "aten.uniform_.default", "aten.multinomial.default", "aten.exponential_.default", "aten.random_.from"]
+    no = ["aten.relu.default", "aten.operand.default", "aten.abnormal.default", "aten.brand.default",
+          "aten.randomize.default", "aten.mm.default"]
+    assert [op for op in yes if not draws_rng(op)] == [] and [op for op in no if draws_rng(op)] == []
