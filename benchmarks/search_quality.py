@@ -59,7 +59,7 @@ def _search(graph, cluster, level: str, limit: float) -> dict:
         return {"fits": False, "error": str(exc), "seconds": time.perf_counter() - t0}
     return {"fits": True, "step_seconds": r.estimate.step_seconds, "seconds": r.search_seconds,
             "mesh": dict(zip(r.plan.mesh.names, r.plan.mesh.sizes)), "recompute": r.best.recompute,
-            "peak_bytes": r.estimate.memory_bytes["peak"], "status": r.best.status}
+            "peak_bytes": r.estimate.memory_bytes["peak"], "status": r.best.status.text()}
 
 
 def quality(args) -> list[dict]:
