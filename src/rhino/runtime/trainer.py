@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from ..capture import Captured, Workload, capture, default_dtype, load_workload
+from ..capture import Captured, Workload, capture, default_dtype
 from ..ir.graph import Role
 from ..sharding.plan import ShardingPlan, resolve
 from ..sharding.presets import parse_strategy, preset_plan
