@@ -87,12 +87,6 @@ class GraphAnalysis:
     output_roots: frozenset[int]      # storages of graph outputs
     updates: dict[str, int]           # state input name -> value of its new-state output
 
-    def role(self, i: int) -> NodeRole:
-        return self.roles[i]
-
-    def is_optimizer(self, i: int) -> bool:
-        return i in self.optimizer
-
     def is_forward(self, i: int) -> bool:
         """Node ``i`` runs in the forward pass (FORWARD or LOSS; every node of a graph without a loss)."""
         return self.boundary < 0 or i <= self.boundary
@@ -111,11 +105,6 @@ class GraphAnalysis:
         """The last forward node (``is_forward``) reading storage ``s`` through any alias, or the node
         that made ``s`` when no forward node reads it (-1 for an unread input or constant)."""
         return max((u for u in self.readers.get(s, ()) if self.is_forward(u)), default=self.born[s])
-
-    @property
-    def end(self) -> int:
-        """The "end of the step" index that ``last_use`` gives values live to the end."""
-        return self.n
 
     def is_activation(self, s: int, last_use: int | None = None) -> bool:
         """Whether storage ``s`` is an activation: made at or before the loss node and still live after
