@@ -32,7 +32,7 @@ def two_branch(pp, capacity=None, flight=None):
     edges = [(0, 1), (0, 2), (1, 3), (2, 4), (3, 5), (4, 5), (0, 5), (5, 6)]
     values = [(0, [1, 2, 5], 8), (1, [3], 6), (2, [4], 2), (3, [5], 5), (4, [5], 1), (5, [6], 3)]
     return StageProblem([4, 3, 5, 2, 6, 3, 4], [3, 1, 2, 3, 1, 2, 2], [4, 2, 2, 1, 1, 1, 1], edges, values, pp,
-                        flight=flight or [], capacity=capacity)
+                        flight=flight or [], capacity=capacity, last=[6])
 
 
 def random_dag(seed, n=7, pp=3):
@@ -45,7 +45,8 @@ def random_dag(seed, n=7, pp=3):
             values.append((u, readers, rng.randint(1, 9)))
     return StageProblem([rng.randint(1, 9) for _ in range(n)], [rng.randint(0, 5) for _ in range(n)],
                         [rng.randint(0, 3) for _ in range(n)], edges, values, pp,
-                        flight=[min(pp - k, 4) for k in range(pp)], capacity=rng.choice([None, 30]))
+                        flight=[min(pp - k, 4) for k in range(pp)], capacity=rng.choice([None, 30]),
+                        last=[n - 1] if seed % 2 else [])
 
 
 def _monotone(p, stage):

@@ -18,7 +18,8 @@ repeated layers alike.
 objective; design.md "Facts from the sources"). Variables: ``x[u,k]`` in {0,1} (unit ``u`` on stage
 ``k``, one per unit), ``s[u] = sum_k k x[u,k]``, ``far[v]`` (the last stage reading value ``v``), ``L``.
 
-- ``add_one_stage_each``: ``sum_k x[u,k] = 1``; ``add_stages_nonempty``: ``sum_u x[u,k] >= 1``;
+- ``add_one_stage_each``: ``sum_k x[u,k] = 1``; ``add_stages_nonempty``: ``sum_u x[u,k] >= 1``, and the
+  loss's unit on the last stage (``ir.stages`` runs the backward from there);
 - ``add_monotone``: ``s[u] <= s[v]`` on every edge ``u -> v`` (no linear order assumed);
 - ``add_memory``: ``sum_u x[u,k] (state[u] + act[u] * flight[k]) <= capacity`` with ``flight[k]`` the
   micro-batches stage ``k`` holds in flight (1F1B: ``min(pp - k, m)``; GPipe: ``m``);
@@ -67,6 +68,7 @@ class StageProblem:
     capacity: float | None = None
     tolerance: float = STAGE_TOLERANCE
     order: list[int] = field(default_factory=list)
+    last: list[int] = field(default_factory=list)     # units pinned to the last stage (the loss's)
 
     def __post_init__(self) -> None:
         n = len(self.time)
@@ -131,7 +133,8 @@ def memory_ok(p: StageProblem, stage: list[int]) -> bool:
 
 
 def _valid(p: StageProblem, stage: list[int]) -> bool:
-    return len(set(stage)) == p.pp and all(stage[u] <= stage[v] for u, v in p.edges)
+    return len(set(stage)) == p.pp and all(stage[u] <= stage[v] for u, v in p.edges) and \
+        all(stage[u] == p.pp - 1 for u in p.last)
 
 
 # -- contiguous windows of a topological order ---------------------------------------------------------------
@@ -178,7 +181,8 @@ def solve_contiguous(p: StageProblem) -> StageSolution:
     total = sum(p.time)
     lo, hi = max(max(p.time), total / p.pp), total
     if _greedy_stages(p, seq, hi) > p.pp:     # memory: no packing into pp windows; balance time only
-        p = StageProblem(p.time, p.state, p.act, p.edges, p.values, p.pp, p.flight, None, p.tolerance, p.order)
+        p = StageProblem(p.time, p.state, p.act, p.edges, p.values, p.pp, p.flight, None, p.tolerance, p.order,
+                         p.last)
     for _ in range(60):
         mid = (lo + hi) / 2
         if _greedy_stages(p, seq, mid) <= p.pp:
@@ -192,14 +196,19 @@ def solve_contiguous(p: StageProblem) -> StageSolution:
     for k, u in enumerate(seq):
         pos[u] = k
     cross = _prefix_cuts(p, pos)
-    stage = _window_dp(p, seq, limit, cross) or _window_dp(p, seq, hi * (1 + 1e-9), cross)
-    assert stage is not None, "the bisection's limit admits a packing"
+    stage = _window_dp(p, seq, limit, cross)
+    while stage is None:     # the pinned loss unit (or memory) needs a looser limit than the greedy packing
+        if limit > total * (1 + 1e-9):
+            raise ValueError(f"no cut into {p.pp} stages keeps the loss on the last stage within memory")
+        hi, limit = hi * 1.05, limit * 1.05
+        stage = _window_dp(p, seq, limit, cross)
     return StageSolution(stage, max(loads(p, stage)), cut_bytes(p, stage), "contiguous", least=hi)
 
 
 def _window_dp(p: StageProblem, seq: list[int], limit: float, cross: list[float]) -> list[int] | None:
     """Exactly pp windows, loads <= limit, memory within capacity, least sum of cross at the cuts."""
     n, pp, inf = len(seq), p.pp, math.inf
+    first_last = min((k for k, u in enumerate(seq) if u in set(p.last)), default=n)
     pre_t, pre_s, pre_a = [0.0], [0.0], [0.0]
     for u in seq:
         pre_t.append(pre_t[-1] + p.time[u])
@@ -211,6 +220,8 @@ def _window_dp(p: StageProblem, seq: list[int], limit: float, cross: list[float]
     for k in range(1, pp + 1):
         fl = p.flight[k - 1]
         for j in range(k, n - (pp - k) + 1):
+            if k < pp and j > first_last:
+                break          # a pinned unit would leave the last window
             i = j - 1
             while i >= k - 1 and pre_t[j] - pre_t[i] <= limit * (1 + 1e-12):
                 mem = pre_s[j] - pre_s[i] + fl * (pre_a[j] - pre_a[i])
@@ -263,6 +274,8 @@ class _Model:
     def add_stages_nonempty(self) -> None:
         for k in range(self.p.pp):
             self.m.Add(sum(row[k] for row in self.x) >= 1)
+        for u in self.p.last:          # the loss's unit on the last stage
+            self.m.Add(self.x[u][self.p.pp - 1] == 1)
 
     def add_monotone(self) -> None:
         for u, v in self.p.edges:
@@ -462,8 +475,9 @@ def graph_units(graph: Graph, rp, st, mem, pp: int, m: int, *, cones: Cones | No
             act[unit_of[p]] += b / m
     values = _unit_values(graph, a, rp, unit_of, m)
     flight = [in_flight(schedule, pp, m, s) for s in range(pp)]
+    loss = [unit_of[a.boundary]] if a.boundary >= 0 and unit_of[a.boundary] >= 0 else []
     problem = StageProblem(time, state, act, edges, values, pp, flight, capacity, tolerance,
-                           order=sorted(range(k), key=pos.get))
+                           order=sorted(range(k), key=pos.get), last=loss)
     return GraphUnits(problem, unit_of)
 
 
