@@ -171,3 +171,28 @@ def test_in_flight_activations_per_schedule():
         # 1F1B holds min(pp - s, m) micro-batches, GPipe all m (integer bytes: within one byte per category)
         assert ag == pytest.approx(a1 * 8 / min(4 - s, 8), abs=8)
     assert loads  # the module's helpers stay importable
+
+
+def test_search_tries_pipelines_by_rule_and_reports_them():
+    from rhino.search import SearchOptions, search
+    from rhino.search.planning import plan_workload
+    g = graph("gpt")
+    cluster = parse_cluster("8xA100-80G")
+    on = search(g, cluster, SearchOptions(level="O1", pipeline="always", time_limit=20))
+    piped = [c for c in on.candidates if c.estimate is not None and c.estimate.pp > 1]
+    assert piped
+    batch = next(i for i in g.inputs if i.role.value == "batch")
+    for c in piped:
+        e = c.estimate
+        assert c.plan.mesh.world * e.pp == cluster.world and e.microbatches % e.pp == 0
+        assert g.types[batch.value].shape[0] % e.microbatches == 0
+        assert e.stages and len(e.stages) == e.pp and e.memory_bytes["peak"] == max(s["peak_bytes"] for s in e.stages)
+    fitting = [c for c in on.candidates if c.fits]
+    assert on.estimate.step_seconds == min(c.step_seconds for c in fitting)
+    off = search(g, cluster, SearchOptions(level="O1", pipeline="never", time_limit=20))
+    assert all(c.estimate is None or c.estimate.pp == 1 for c in off.candidates)
+    assert on.estimate.step_seconds <= off.estimate.step_seconds
+    plan, report = plan_workload(g, cluster, level="O1", time_limit=20, presets=False)
+    d = report.to_dict()
+    assert d["pipeline"] == {"stages": report.estimate.pp, "microbatches": report.estimate.microbatches,
+                             "schedule": "1f1b"}

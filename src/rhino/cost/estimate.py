@@ -239,7 +239,7 @@ def _compose(graph, cluster, rp, st, pl, pp, m, schedule, recompute, strategy, n
 
 def estimate_strategy(graph: Graph, cluster: Cluster, strategy: str | StrategySpec,
                       options: StepOptions = StepOptions(), schedule: str | Schedule = Schedule.ONE_F_ONE_B,
-                      profile: Profile | None = None) -> Estimate:
+                      profile: Profile | None = None, stages: Cut = None) -> Estimate:
     """``estimate`` of the expert preset ``strategy`` (dp/tp/zero/sp on the stage mesh, pp and
     micro-batches analytic). Degrees left out fill the cluster with data parallelism."""
     spec = parse_strategy(strategy) if isinstance(strategy, str) else strategy
@@ -256,5 +256,5 @@ def estimate_strategy(graph: Graph, cluster: Cluster, strategy: str | StrategySp
     if profile is not None:
         options = dataclasses.replace(options, profile=profile)
     return estimate(graph, cluster, plan, pp=spec.pp, microbatches=spec.microbatches, recompute=spec.recompute,
-                    schedule=schedule, options=options, strategy=str(spec))
+                    schedule=schedule, options=options, strategy=str(spec), stages=stages)
 
