@@ -128,8 +128,11 @@ def test_cut_of_multi_branch_examples_is_monotone_balanced_and_priced(name):
     assert sol.bottleneck <= cont.least * 1.08 * (1 + 1e-9)
     assert all(s["forward_ops"] > 0 for s in e.stages) and len(e.stages) == 2
     assert 0 < e.bubble_fraction < 0.5 and e.pp == 2
+    # the runtime's default cut (ir.stages.contiguous_cut): when it is as balanced, it crosses no fewer bytes
     contiguous = estimate(g, cluster, plan, pp=2, microbatches=4)
-    assert contiguous.node_stage != [] and sol.cut <= _cut_of(g, plan, cluster, contiguous.node_stage) + 1e-6
+    other_cut, other_bottleneck = _cut_of(g, plan, cluster, contiguous.node_stage)
+    if other_bottleneck <= sol.least * 1.08:
+        assert sol.cut <= other_cut + 1e-6
 
 
 def _problem_args(g, plan, cluster):
@@ -157,7 +160,7 @@ def _cut_of(g, plan, cluster, node_stage):
     for i, u in enumerate(gu.unit_of):
         if u >= 0:
             unit_stage[u] = node_stage[i]
-    return cut_bytes(gu.problem, unit_stage)
+    return cut_bytes(gu.problem, unit_stage), max(loads(gu.problem, unit_stage))
 
 
 def test_in_flight_activations_per_schedule():
@@ -169,8 +172,7 @@ def test_in_flight_activations_per_schedule():
     for s in range(4):
         a1, ag = one.stages[s]["memory"]["activations"], gp.stages[s]["memory"]["activations"]
         # 1F1B holds min(pp - s, m) micro-batches, GPipe all m (integer bytes: within one byte per category)
-        assert ag == pytest.approx(a1 * 8 / min(4 - s, 8), abs=8)
-    assert loads  # the module's helpers stay importable
+        assert a1 > 0 and ag == pytest.approx(a1 * 8 / min(4 - s, 8), abs=8)
 
 
 def test_search_tries_pipelines_by_rule_and_reports_them():

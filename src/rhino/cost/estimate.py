@@ -41,7 +41,7 @@ from .cluster import Cluster, axis_links, make_cluster
 from .accumulate import accumulation_windows
 from .compute import Profile
 from .memory import estimate_memory
-from .pipeline import Schedule, pipeline_time
+from .pipeline import Schedule, pipeline_time, stage_list
 from .recompute import Recompute, apply_recompute, remat_effect
 
 from .step import StepOptions, step_time
@@ -150,15 +150,21 @@ def stage_cluster(cluster: Cluster, stage_world: int) -> Cluster:
     return make_cluster(stage_world // dpn, dpn, cluster.device, cluster.inter_node, cluster.nics_per_node)
 
 
-def estimate(graph: Graph, cluster: Cluster, plan: ShardingPlan | ResolvedPlan | None = None, *, pp: int = 1,
+def estimate(graph: Graph, cluster: Cluster, plan: ShardingPlan | ResolvedPlan | None = None, *, pp: int | None = None,
              microbatches: int | None = None, recompute: str | Recompute | None = None,
              schedule: str | Schedule = Schedule.ONE_F_ONE_B, options: StepOptions = StepOptions(),
              strategy: str = "", stages: Cut = None) -> Estimate:
     """Predict one training step of ``graph`` under ``plan`` (None: one replicated device per stage).
     ``microbatches`` / ``recompute`` left as None take the plan's own (``ShardingPlan.microbatches``,
-    ``.recompute``); ``stages``: the stage cut when ``pp > 1`` (``Cut``; None: contiguous)."""
+    ``.recompute``); ``pp`` None takes the plan's ``stages``; ``stages``: the stage cut when ``pp > 1``
+    (``Cut``; None: the plan's ``stage_of``, or when it has none the default cut)."""
     rp = _resolved(graph, plan)
     m = rp.plan.microbatches if microbatches is None else microbatches
+    if pp is None:
+        pp = rp.plan.stages
+        schedule = rp.plan.schedule if schedule == Schedule.ONE_F_ONE_B else schedule
+    if stages is None and pp > 1 and rp.plan.stages == pp and rp.plan.stage_of:
+        stages = stage_list(graph, rp.plan.stage_of)
     return estimate_microbatches(graph, cluster, rp, pp=pp, microbatches=[m], recompute=recompute,
                                  schedule=schedule, options=options, strategy=strategy, stages=stages)[0]
 

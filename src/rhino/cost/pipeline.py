@@ -5,10 +5,9 @@ strategies on its own nodes); ``pp`` stages and ``m`` micro-batches are modelled
 (Narayanan et al. 2021, arXiv 2104.04473, section 2.2), from a **stage per node**:
 
 - **The cut**: a stage per forward node with ``stage(u) <= stage(v)`` on every edge (the search's
-  ``search.stages``; without one, ``contiguous_stages`` splits the forward nodes in program order into
-  ``pp`` runs of equal forward compute). Every other node follows (``node_stages``): a node after the
-  loss takes the smallest stage among the values it reads (a backward node reads its forward op's
-  activations and the gradient from the stage after it; an optimizer node reads its parameter).
+  ``search.stages``; without one, the runtime's default ``ir.stages.contiguous_cut``). Every other node
+  follows as the runtime runs it (``ir.stages.assign_stages``: backward nodes with their forward ops,
+  optimizer updates on every stage holding their parameter, a tied parameter on both stages).
 - **Per stage and micro-batch**: forward time ``F_s`` and backward time ``B_s`` are the roofline times of
   the stage's nodes at ``1/m`` of their work (``step.node_compute``: smaller GEMMs run less efficiently)
   plus their blocking (tensor-parallel) communication at ``1/m`` (its bandwidth term); recomputation
@@ -40,10 +39,10 @@ With ``pp = 1`` the single-stage formulas are unchanged: with one micro-batch th
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 
-from ..ir.analysis import GraphAnalysis, analyze
+from ..ir.analysis import analyze
 from ..ir.graph import Graph, Role
+from ..ir.stages import Phase, Schedule, StageAssignment, assign_stages, contiguous_cut
 from ..sharding.placement import local_shape
 from ..sharding.plan import ResolvedPlan
 from .cluster import AxisLink, Cluster
@@ -52,12 +51,7 @@ from .recompute import RecomputeEffect
 from .step import StepOptions, StepTime, node_compute
 
 __all__ = ["Schedule", "PipelineTime", "StageCost", "pipeline_time", "scaled_memory", "accumulation_memory",
-           "contiguous_stages", "node_stages", "simulate", "in_flight", "value_bytes"]
-
-
-class Schedule(str, Enum):
-    ONE_F_ONE_B = "1f1b"
-    GPIPE = "gpipe"
+           "simulate", "in_flight", "value_bytes", "stage_list"]
 
 
 @dataclass
@@ -157,45 +151,6 @@ def scaled_memory(mem: MemoryEstimate, rc: RecomputeEffect, pp: int, m: int, sch
     return {k: int(v) for k, v in out.items()}
 
 
-def contiguous_stages(graph: Graph, node_seconds: list[float], pp: int) -> list[int]:
-    """A stage per node for the forward nodes (-1 elsewhere): program order cut into ``pp`` runs of about
-    equal forward compute (program order is topological, so the cut is monotone on every edge)."""
-    a = analyze(graph)
-    fwd = [i for i in range(len(graph.nodes)) if a.is_forward(i)]
-    if len(fwd) < pp:
-        raise ValueError(f"pp={pp} stages need at least {pp} forward ops; the graph has {len(fwd)}")
-    total = sum(node_seconds[i] for i in fwd) or 1.0
-    out, acc, k = [-1] * len(graph.nodes), 0.0, 0
-    for pos, i in enumerate(fwd):
-        left = len(fwd) - pos
-        # move on when this stage has its share, or when each remaining stage needs one of the remaining ops
-        if k < pp - 1 and pos > 0 and (acc >= total * (k + 1) / pp or left == pp - 1 - k):
-            k += 1
-        out[i] = k
-        acc += node_seconds[i]
-    return out
-
-
-def node_stages(graph: Graph, forward_stage: list[int], pp: int) -> list[int]:
-    """Every node's stage from the forward nodes' (module docstring): a node after the loss takes the
-    smallest stage of the values it reads; one reading no staged value, the last stage."""
-    a = analyze(graph)
-    out = list(forward_stage)
-    value_stage: dict[int, int] = {}
-    for inp in graph.inputs:     # a state input: the stage of its first forward reader
-        readers = [u for u in a.readers.get(a.root.get(inp.value, inp.value), ()) if a.is_forward(u)]
-        if readers:
-            value_stage[inp.value] = min(out[u] for u in readers)
-    for i, node in enumerate(graph.nodes):
-        if not a.is_forward(i):
-            staged = [value_stage[r.id] for r in node.input_refs() if r.id in value_stage]
-            out[i] = min(staged) if staged else pp - 1
-        for v in node.outputs:
-            if v is not None:
-                value_stage[v] = out[i]
-    return out
-
-
 def simulate(fwd: list[float], bwd: list[float], send_f: list[float], send_b: list[float], m: int,
              schedule: Schedule) -> tuple[list[float], list[float]]:
     """Event simulation of one pipeline (module docstring): per stage, (time its last operation ends,
@@ -249,27 +204,27 @@ def value_bytes(graph: Graph, rp: ResolvedPlan, vid: int) -> int:
     return n * t.dtype.itemsize
 
 
-def _boundaries(graph: Graph, a: GraphAnalysis, rp: ResolvedPlan, stage: list[int], pp: int) -> tuple[list, list]:
-    """Per boundary s (stage s to s+1): forward bytes and gradient bytes per step (whole batch)."""
-    fwd, bwd = [0] * max(pp - 1, 0), [0] * max(pp - 1, 0)
-    far: dict[int, int] = {}     # value -> the latest stage of a forward node reading it (as it is)
-    for u, node in enumerate(graph.nodes):
-        if a.is_forward(u):
-            for r in node.input_refs():
-                far[r.id] = max(far.get(r.id, -1), stage[u])
-    for v, last in far.items():
-        p = a.producer.get(v)
-        if p is None or not a.is_forward(p) or last <= stage[p]:
+def stage_list(graph: Graph, stage_of: dict[str, int]) -> list[int]:
+    """A stage per node index from forward node name -> stage (-1 for nodes without one)."""
+    return [stage_of.get(n.name, -1) for n in graph.nodes]
+
+
+def _boundaries(graph: Graph, rp: ResolvedPlan, sa: StageAssignment, pp: int) -> tuple[list, list, list]:
+    """Per boundary s (stage s to s+1): forward and backward bytes per step (whole batch, per rank), and per
+    stage the bytes it receives once after the pipeline (update phase: a tied weight's summed gradient)."""
+    fwd, bwd, upd = [0] * (pp - 1), [0] * (pp - 1), [0] * pp
+    for c in sa.crossings:
+        b = value_bytes(graph, rp, c.value)
+        if c.phase is Phase.UPDATE:
+            upd[c.dst] += b
             continue
-        b = value_bytes(graph, rp, v)
-        for k in range(stage[p], last):
-            fwd[k] += b
-            if graph.types[v].dtype.is_floating:
-                bwd[k] += b
-    return fwd, bwd
+        lo, hi = min(c.src, c.dst), max(c.src, c.dst)
+        for k in range(lo, hi):
+            (fwd if c.phase is Phase.FORWARD else bwd)[k] += b
+    return fwd, bwd, upd
 
 
-def _shares(graph: Graph, a: GraphAnalysis, rp: ResolvedPlan, mem: MemoryEstimate, stage: list[int],
+def _shares(graph: Graph, rp: ResolvedPlan, mem: MemoryEstimate, sa: StageAssignment, stage: list[int],
             pp: int) -> tuple[list[dict], list[int]]:
     """Per stage: its share of parameters, optimizer state and saved activations; parameter counts."""
     par, opt, act, count = [0] * pp, [0] * pp, [0] * pp, [0] * pp
@@ -277,12 +232,7 @@ def _shares(graph: Graph, a: GraphAnalysis, rp: ResolvedPlan, mem: MemoryEstimat
         if inp.role not in (Role.PARAM, Role.FROZEN, Role.BUFFER, Role.OPT_STATE):
             continue
         b = value_bytes(graph, rp, inp.value)
-        readers = a.readers.get(a.root.get(inp.value, inp.value), ())
-        if inp.role is Role.OPT_STATE:
-            where = {min((stage[u] for u in readers), default=0)}
-        else:
-            where = {stage[u] for u in readers if a.is_forward(u)} or {stage[u] for u in readers} or {0}
-        for s in where:
+        for s in sa.holders.get(inp.name, (0,)):
             if inp.role is Role.OPT_STATE:
                 opt[s] += b
             else:
@@ -312,28 +262,29 @@ def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstim
                   options: StepOptions, accumulators: int | None = None,
                   stages: list[int] | None = None) -> PipelineTime:
     """Step time and memory of ``pp`` stages x ``microbatches`` (module docstring). ``stages``: a stage per
-    node for the forward nodes (others are derived); None: ``contiguous_stages``."""
+    node for the forward nodes (-1 elsewhere; others are derived); None: ``ir.stages.contiguous_cut``."""
     m = microbatches
     if pp == 1:
         return _single_stage(graph, rp, st, mem, rc, cluster, m, schedule, options, accumulators)
-    if stages is None:
-        stages = contiguous_stages(graph, [c.compute for c in st.nodes], pp)
+    stage_of = contiguous_cut(graph, pp) if stages is None else \
+        {graph.nodes[i].name: s for i, s in enumerate(stages) if s >= 0}
+    sa = assign_stages(graph, stage_of, pp)
     a = analyze(graph)
-    stage = node_stages(graph, stages, pp)
+    stage = [sa.node_stage.get(n.name, -1) for n in graph.nodes]
     mesh = rp.plan.mesh
     f_mb, b_mb = [0.0] * pp, [0.0] * pp
     f_full = [0.0] * pp
     grad, pref, opt = [0.0] * pp, [0.0] * pp, [0.0] * pp
     ops = [0] * pp
     for i, (node, cost) in enumerate(zip(graph.nodes, st.nodes)):
-        s = stage[i]
-        if cost.kind == "gradient":
-            grad[s] += cost.comm
-        elif cost.kind == "prefetch":
-            pref[s] += cost.comm
-        if cost.optimizer:
-            opt[s] += cost.compute
+        where = sa.update_stages.get(node.name, ()) if cost.optimizer or stage[i] < 0 else (stage[i],)
+        for s in where:
+            grad[s] += cost.comm if cost.kind == "gradient" else 0.0
+            pref[s] += cost.comm if cost.kind == "prefetch" else 0.0
+            opt[s] += cost.compute if cost.optimizer or stage[i] < 0 else 0.0
+        if cost.optimizer or stage[i] < 0:
             continue
+        s = stage[i]
         t = node_compute(graph, node, rp.plan.strategies.get(node.name), mesh, cluster.device,
                          allow_tf32=options.allow_tf32, profile=options.profile, extra_scale=1.0 / m).seconds \
             if cost.compute else 0.0
@@ -347,7 +298,7 @@ def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstim
     total_f = sum(f_full) or 1.0
     for s in range(pp):   # the recomputed forward runs before each stage's backward
         b_mb[s] += (rc.extra_seconds + rc.extra_comm_seconds) * f_full[s] / total_f / m
-    fb, bb = _boundaries(graph, a, rp, stage, pp)
+    fb, bb, upd = _boundaries(graph, rp, sa, pp)
     send_f, send_b, notes = [], [], []
     for k in range(pp - 1):
         bw, lat, same = _link(cluster, mesh.world, k)
@@ -364,13 +315,15 @@ def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstim
         window = b_mb[s] if options.overlap_gradient_reduction else 0.0
         gathers = pref[s] * m
         hidden = busy[s] if options.prefetch_parameters else 0.0
-        finish.append(end[s] + max(0.0, grad[s] - window) + max(0.0, gathers - hidden) + opt[s])
+        bw, lat, _ = _link(cluster, mesh.world, max(s - 1, 0))
+        summed = upd[s] / bw + lat if upd[s] else 0.0     # a tied weight's gradient from the other stage
+        finish.append(end[s] + max(0.0, grad[s] - window) + max(0.0, gathers - hidden) + summed + opt[s])
     step = max(finish)
     crit = max(range(pp), key=lambda s: finish[s])
     compute = busy[crit] + opt[crit]
     bubble = max(0.0, pipe - max(busy))
     comm_total = sum(c.comm for c in st.nodes) / pp + (m) * (sum(send_f) + sum(send_b))
-    shares, params = _shares(graph, a, rp, mem, stage, pp)
+    shares, params = _shares(graph, rp, mem, sa, stage, pp)
     costs = []
     for s in range(pp):
         memory = scaled_memory(mem, rc, pp, m, schedule, shares=shares[s], stage=s)

@@ -27,6 +27,7 @@ import time
 from ..cost.cluster import Cluster
 from ..cost.estimate import Estimate, estimate_microbatches, stage_cluster
 from ..cost.pipeline import Schedule
+from ..ir.analysis import analyze
 from ..ir.graph import Graph, Role
 from ..sharding.mesh import Mesh
 from ..sharding.placement import local_shape
@@ -123,8 +124,9 @@ def pipeline_candidates(graph: Graph, cluster: Cluster, cands: list, options: Se
             ests = estimate_microbatches(graph, cluster, rp, pp=pp, microbatches=counts, recompute=c.recompute,
                                          stages=cut)
             e = _best(ests)
-            plan.microbatches = e.microbatches
-            plan.meta.update({"pipeline": {"stages": pp, "microbatches": e.microbatches, "schedule": e.schedule}})
+            plan.microbatches, plan.stages, plan.schedule = e.microbatches, pp, e.schedule
+            plan.stage_of = {graph.nodes[i].name: s for i, s in enumerate(e.node_stage) if s >= 0 and
+                             analyze(graph).is_forward(i)}
             cand = Candidate(plan.mesh, c.recompute, plan, None, time.perf_counter() - t0, status=c.status,
                              problem=dict(c.problem))
             cand.keep(plan, e)
