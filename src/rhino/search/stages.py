@@ -475,7 +475,7 @@ def graph_units(graph: Graph, rp, st, mem, pp: int, m: int, *, cones: Cones | No
             act[unit_of[p]] += b / m
     values = _unit_values(graph, a, rp, unit_of, m)
     flight = [in_flight(schedule, pp, m, s) for s in range(pp)]
-    loss = [unit_of[a.boundary]] if a.boundary >= 0 and unit_of[a.boundary] >= 0 else []
+    loss = [unit_of[a.loss_node]] if a.loss_node is not None and unit_of[a.loss_node] >= 0 else []
     problem = StageProblem(time, state, act, edges, values, pp, flight, capacity, tolerance,
                            order=sorted(range(k), key=pos.get), last=loss)
     return GraphUnits(problem, unit_of)
