@@ -108,7 +108,13 @@ class SearchOptions:
     #: Largest pipeline degree tried (Megatron-LM's largest in arXiv 2104.04473 Table 1 is 64).
     max_pp: int = 64
     #: Single-stage candidates whose plans are tried as stage plans (the best first).
-    pipeline_plans: int = 2
+    pipeline_plans: int = 1
+    #: Stop raising the pipeline degree of a stage plan at the first degree that fits and prices slower
+    #: than the one before. Off: every degree up to ``max_pp`` is priced.
+    pipeline_stop_early: bool = True
+    #: Also try the expert tensor-parallel preset (tp = devices per node, dp across nodes) as a stage plan
+    #: (Megatron-LM's 3D layout). Off: only the searched single-stage plans.
+    pipeline_megatron_start: bool = True
     #: Micro-batch counts priced per pipeline degree (the largest that divide the rank's batch).
     pipeline_microbatch_counts: int = 3
     #: Stage cut: CP-SAT on the unit DAG up to this many unit x stage variables, else the contiguous DP.

@@ -8,13 +8,19 @@ the world, at most ``max_pp``, dividing the candidate's outermost mesh axis, wit
    (Megatron-LM's layout: tensor parallelism inside a node, pipeline and data parallelism across
    nodes; ``cost.estimate``: stage ``s`` is ranks ``s W .. (s+1) W - 1``). Every node keeps its strategy,
    so each stage runs the plan's strategies on its own nodes.
-2. **Micro-batches**: ``m`` in ``pp, 2 pp, 4 pp, ...`` dividing the rank's batch (at most
-   ``pipeline_microbatch_counts`` of them, the largest).
+2. **Micro-batches**: ``m`` in ``pp, 2 pp, 4 pp, ...`` and the rank's whole batch (micro-batches of one
+   sample), those dividing the rank's batch (at most ``pipeline_microbatch_counts`` of them, the largest).
 3. **Stage cut** per ``m`` (``search.stages``: balanced stage time, memory with the micro-batches in flight,
    least boundary bytes), priced with ``cost.estimate`` (event simulation of the schedule, per-stage memory
    with the in-flight activations: the fit check).
 
-The best (fits, then step time) per (candidate, pp) joins the candidates. Rule ``pipeline``: ``auto``
+Rule ``pipeline_megatron_start`` adds one more stage plan: the expert tensor-parallel preset with ``tp`` =
+devices per node and data parallelism across nodes (Megatron-LM's 3D layout, arXiv 2104.04473 section 3).
+The best (fits, then step time) per (candidate, pp) joins the candidates. Degrees are tried in increasing
+order; rule ``pipeline_stop_early`` stops at the first degree that fits and prices slower than the degree
+before it (the bubble grows with ``pp`` while the communication it saves shrinks). The best searched
+stage plan's and the Megatron start's degrees are always priced; further stage plans only before the
+search's time limit. Rule ``pipeline``: ``auto``
 tries pipelines only when no single-stage plan fits, or when the fastest fitting one's step is more than
 ``1 + pipeline_min_gain`` times its compute (a reshaped plan does the same compute per device, each stage
 1/pp of the nodes on 1/pp of the devices, plus a bubble, so it can only win back exposed communication);
@@ -32,6 +38,7 @@ from ..ir.graph import Graph, Role
 from ..sharding.mesh import Mesh
 from ..sharding.placement import local_shape
 from ..sharding.plan import PlanError, ShardingPlan, resolve
+from ..sharding.presets import StrategySpec, preset_plan
 from .coarsen import Cones
 from .options import PipelineWhen, SearchOptions
 from .stages import stage_cut
@@ -75,6 +82,8 @@ def _microbatch_counts(graph: Graph, rp, pp: int, options: SearchOptions) -> lis
         if local % m == 0:
             out.append(m)
         m *= 2
+    if local % pp == 0 and local not in out:
+        out.append(local)          # micro-batches of one sample (Megatron-LM's choice)
     return out[-options.pipeline_microbatch_counts:]
 
 
@@ -91,6 +100,20 @@ def _degrees(cluster: Cluster, mesh: Mesh, options: SearchOptions) -> list[int]:
     return out
 
 
+def _megatron_start(graph: Graph, cluster: Cluster, like) -> list:
+    """Rule ``pipeline_megatron_start``: the expert tensor-parallel preset (tp = devices per node, data
+    parallel across nodes) as one more stage plan, with ``like``'s recomputation (a bare ``Candidate``)."""
+    from .outer import Candidate
+    tp = cluster.devices_per_node
+    if tp < 2 or cluster.world % tp or cluster.world == tp:
+        return []
+    try:
+        plan = preset_plan(graph, StrategySpec(dp=cluster.world // tp, tp=tp))
+    except ValueError:
+        return []
+    return [Candidate(plan.mesh, like.recompute, plan, None, 0.0, status=like.status)]
+
+
 def _best(ests: list[Estimate]) -> Estimate:
     return min(ests, key=lambda e: (not e.fits, e.step_seconds))
 
@@ -103,11 +126,16 @@ def pipeline_candidates(graph: Graph, cluster: Cluster, cands: list, options: Se
     base = [c for c in cands if c.plan is not None]
     base.sort(key=lambda c: (not c.fits, c.estimate is None,
                              c.step_seconds if c.estimate is not None else c.model_seconds))
+    base = base[:options.pipeline_plans]
+    if options.pipeline_megatron_start and base:
+        base[1:1] = _megatron_start(graph, cluster, base[0])
+    forced = 2 if options.pipeline_megatron_start else 1
     out = []
-    for c in base[:options.pipeline_plans]:
+    for k, c in enumerate(base):
+        last = None
         for pp in _degrees(cluster, c.mesh, options):
-            if time.perf_counter() > deadline:
-                return out
+            if k >= forced and time.perf_counter() > deadline:
+                return out      # the best searched plan and the Megatron start are always priced
             t0 = time.perf_counter()
             plan = stage_plan(c.plan, pp)
             try:
@@ -133,4 +161,8 @@ def pipeline_candidates(graph: Graph, cluster: Cluster, cands: list, options: Se
             out.append(cand)
             say("scored", {"mesh": f"pp={pp} x {plan.mesh}", "step_seconds": e.step_seconds, "fits": e.fits,
                            "peak": e.memory_bytes["peak"]})
+            if options.pipeline_stop_early and last is not None and last.fits and e.fits and \
+                    e.step_seconds > last.step_seconds:
+                break       # rule pipeline_stop_early: more stages priced slower than fewer
+            last = e
     return out
