@@ -23,7 +23,7 @@ class RecomputeWhen(StrEnum):
 
 class PipelineWhen(StrEnum):
     """When the outer search tries pipeline stages (``pipelines``)."""
-    AUTO = "auto"       # when no single-stage plan fits, or the best one's exposed share is over pipeline_min_gain
+    AUTO = "auto"       # no single-stage plan fits, or (several nodes) the best one's exposed share is large
     NEVER = "never"
     ALWAYS = "always"
 
@@ -100,9 +100,8 @@ class SearchOptions:
     recompute: RecomputeWhen = RecomputeWhen.AUTO
 
     # -- pipelines (``pipelines``, ``stages``) ---------------------------------------------------------
-    #: Try pipeline stages: "auto" when no single-stage plan fits or the fastest one's step exceeds its
-    #: compute by more than ``pipeline_min_gain`` (a pipeline keeps the compute and can only win back
-    #: exposed communication), "never", "always".
+    #: Try pipeline stages: "auto" when no single-stage plan fits or, on several nodes, when the fastest
+    #: one's step exceeds its compute by more than ``pipeline_min_gain`` (``pipelines``), "never", "always".
     pipeline: PipelineWhen = PipelineWhen.AUTO
     pipeline_min_gain: float = 0.05
     #: Largest pipeline degree tried (Megatron-LM's largest in arXiv 2104.04473 Table 1 is 64).

@@ -324,7 +324,7 @@ def search(graph: Graph, cluster: Cluster, options: SearchOptions = SearchOption
         unpriced = sorted((c for c in cands if c.estimate is None), key=lambda c: c.model_peak)
         for c in unpriced[:2]:      # the least-memory candidates, priced (and refitted) at last
             c.search.finish()
-    if worth_pipelining(cands, options):     # pipeline degree, cut and micro-batches (``pipelines``)
+    if worth_pipelining(cands, options, cluster):     # pipeline degree, cut and micro-batches (``pipelines``)
         cands += pipeline_candidates(graph, cluster, cands, options, cones, t0 + options.time_limit, say)
     fitting = [c for c in cands if c.fits]
     seconds = time.perf_counter() - t0

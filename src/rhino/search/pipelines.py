@@ -46,7 +46,7 @@ from .stages import stage_cut
 __all__ = ["pipeline_candidates", "worth_pipelining", "stage_plan"]
 
 
-def worth_pipelining(cands: list, options: SearchOptions) -> bool:
+def worth_pipelining(cands: list, options: SearchOptions, cluster: Cluster) -> bool:
     """Rule ``pipeline`` (module docstring)."""
     if options.pipeline is PipelineWhen.NEVER:
         return False
@@ -55,6 +55,8 @@ def worth_pipelining(cands: list, options: SearchOptions) -> bool:
     fitting = [c for c in cands if c.fits]
     if not fitting:
         return True
+    if cluster.nodes < 2:
+        return False
     best = min(fitting, key=lambda c: c.step_seconds).estimate
     return best.step_seconds > (1 + options.pipeline_min_gain) * best.compute_seconds
 
