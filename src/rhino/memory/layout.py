@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
 from .layout_bnb import LayoutOptions, SearchStatus, preorder_indices, search_layout
+from .layout_split import decompose, splittable
 
 __all__ = ["Buffer", "GreedyOrder", "LayoutStatus", "LayoutResult", "LayoutOptions", "validate_layout",
            "lower_bound", "height", "greedy_layout", "solve_layout"]
@@ -146,11 +147,15 @@ def _align(x: int, a: int) -> int:
     return -(-x // a) * a
 
 
-def greedy_layout(buffers: Sequence[Buffer], order: GreedyOrder | str = GreedyOrder.SIZE) -> dict:
+def greedy_layout(buffers: Sequence[Buffer], order: GreedyOrder | str = GreedyOrder.SIZE,
+                  floor: dict | None = None, deadline: float | None = None) -> dict | None:
     """Best-fit placement in ``order``: each buffer goes into the smallest gap (between buffers already
     placed that overlap it in time) that holds it, else on top of them; ties go to the lowest gap.
-    Each placement is vectorised over the placed buffers (numpy), so n buffers cost n array passes."""
+    Each placement is vectorised over the placed buffers (numpy), so n buffers cost n array passes.
+    ``floor``: the lowest offset of some buffers (by id). None when ``deadline`` (``time.monotonic``)
+    passes first."""
     order = GreedyOrder(order)
+    floor = floor or {}
     n = len(buffers)
     lo, up = np.empty(n, np.int64), np.empty(n, np.int64)
     off, end = np.empty(n, np.int64), np.empty(n, np.int64)
@@ -160,20 +165,23 @@ def greedy_layout(buffers: Sequence[Buffer], order: GreedyOrder | str = GreedyOr
         if b.size == 0:
             offsets[b.id] = 0
             continue
+        if deadline is not None and count % 256 == 0 and time.monotonic() > deadline:
+            return None
+        f = _align(floor.get(b.id, 0), b.alignment)
         live = np.flatnonzero((lo[:count] < b.upper) & (up[:count] > b.lower))
-        best = 0
+        best = f
         if live.size:
             o, e = off[live], end[live]
             rank = np.lexsort((e, o))
             o, e = o[rank], e[rank]
             below = np.maximum.accumulate(np.concatenate(([0], e[:-1])))  # highest end under each gap
-            start = -(-below // b.alignment) * b.alignment
+            start = np.maximum(-(-below // b.alignment) * b.alignment, f)
             waste = o - start - b.size
             fits = np.flatnonzero(waste >= 0)
             if fits.size:
                 best = int(start[fits[np.argmin(waste[fits])]])
             else:
-                best = _align(max(int(below[-1]), int(e[-1])), b.alignment)
+                best = max(_align(max(int(below[-1]), int(e[-1])), b.alignment), f)
         offsets[b.id] = best
         lo[count], up[count], off[count], end[count] = b.lower, b.upper, best, best + b.size
         count += 1
@@ -192,8 +200,9 @@ def _best_greedy(buffers: Sequence[Buffer]) -> tuple[dict, int, str]:
 
 
 def _fit(buffers: Sequence[Buffer], capacity: int, deadline: float, options: LayoutOptions,
-         say: Progress) -> tuple[SearchStatus, dict | None, str, int]:
-    """One capacity: branch and bound here and CP-SAT in a thread, the first answer wins."""
+         say: Progress, floor: list[int] | None = None) -> tuple[SearchStatus, dict | None, str, int]:
+    """One capacity: branch and bound here and CP-SAT in a thread, the first answer wins (``floor``:
+    a lowest offset per buffer)."""
     from .layout_cpsat import CpsatRun, CpStrategy
     lo, up = [b.lower for b in buffers], [b.upper for b in buffers]
     sz, al = [b.size for b in buffers], [b.alignment for b in buffers]
@@ -217,7 +226,7 @@ def _fit(buffers: Sequence[Buffer], capacity: int, deadline: float, options: Lay
                 run = CpsatRun()
                 runs.append(run)
                 name = f"cp-sat/{strategy.value}" + (f"-{p.value}" if p is not None else "")
-                st, offs = run.solve(lo, up, sz, al, capacity, strategy, orders.get(p), min(slice_s, left))
+                st, offs = run.solve(lo, up, sz, al, capacity, strategy, orders.get(p), min(slice_s, left), floor)
                 if st is not SearchStatus.LIMIT:
                     found.append((st, offs, name))
                     stop.set()
@@ -233,7 +242,8 @@ def _fit(buffers: Sequence[Buffer], capacity: int, deadline: float, options: Lay
     nodes = 0
     try:
         if bnb:
-            res = search_layout(lo, up, sz, al, capacity, options, deadline=deadline, stop=stop, progress=tick)
+            res = search_layout(lo, up, sz, al, capacity, options, deadline=deadline, stop=stop, progress=tick,
+                                floor=floor)
             nodes = res.nodes
             if res.status is not SearchStatus.LIMIT:
                 found.insert(0, (res.status, res.offsets, "bnb"))
@@ -265,6 +275,12 @@ def solve_layout(buffers: Sequence[Buffer], capacity: int | None = None, time_li
     ids = [b.id for b in buffers]
     if len(set(ids)) != len(ids):
         raise ValueError("buffer ids must be unique")
+    split = options.split
+    if exact and split.enabled and len(buffers) > split.above:
+        res = _solve_split(buffers, capacity, deadline, options, say)
+        if res is not None:
+            res.seconds = time.perf_counter() - t0
+            return res
     lb = lower_bound(buffers)
     offsets, h, how = _best_greedy(buffers)
     say(f"layout: greedy {h:,} ({how}), lower bound {lb:,}")
@@ -309,6 +325,75 @@ def solve_layout(buffers: Sequence[Buffer], capacity: int | None = None, time_li
     valid = not validate_layout(buffers, offsets, capacity if fits else None)
     say(f"layout: {status.value}, height {h:,} ({solver}){'' if valid else ', INVALID'}")
     return LayoutResult(status, offsets, h, lb, time.perf_counter() - t0, solver, nodes=nodes, valid=valid)
+
+
+def _solve_split(buffers: Sequence[Buffer], capacity: int | None, deadline: float, options: LayoutOptions,
+                 say: Progress) -> LayoutResult | None:
+    """``solve_layout`` by leaves (``layout_split``), each on the floors of the buffers stacked below
+    it, at the height ``H`` (the lower bound, or the capacity): best-fit greedy first, the exact search
+    (``_fit``) where greedy does not fit; a leaf that fits neither keeps its best greedy layout and
+    raises ``H`` (later leaves get that slack). None when the sizes do not allow an exact peel
+    (``splittable``) or the bound is above the capacity (the plain path reports that)."""
+    lo, up = np.array([b.lower for b in buffers]), np.array([b.upper for b in buffers])
+    sz, al = np.array([b.size for b in buffers]), np.array([b.alignment for b in buffers])
+    lb = lower_bound(buffers)
+    if not splittable(sz, al) or (capacity is not None and lb > capacity):
+        return None
+    opts = options.split
+    target = lb if capacity is None else capacity
+    dec = decompose(lo, up, sz, opts.max_leaf, opts.cuts, opts.cut_band, opts.cut_samples,
+                    max_bound=int(target * (1 + opts.cut_tolerance)) if capacity is None else capacity)
+    say(f"layout: {len(buffers):,} buffers split into {len(dec.leaves):,} leaves ({dec.stacked:,} stacked, "
+        f"{dec.cuts} cuts, largest {max((len(leaf.index) for leaf in dec.leaves), default=0):,}); "
+        f"lower bound {lb:,}")
+    offsets = {b.id: int(o) for b, o in zip(buffers, dec.offsets.tolist()) if o >= 0}
+    reserve = 2e-5 * len(buffers)  # for the final validation (~1 s at 60,000 buffers)
+    H, solvers = target, {}
+    for leaf in sorted(dec.leaves, key=lambda leaf: -len(leaf.index)):
+        bufs = [buffers[i] for i in leaf.index]
+        floor = dec.floor[leaf.index].tolist()
+        offs, name = _leaf(bufs, floor, H, deadline - reserve, options, say)
+        H = max(H, height(bufs, offs))
+        solvers[name] = solvers.get(name, 0) + 1
+        offsets.update(offs)
+    h = height(buffers, offsets)
+    fits = capacity is None or h <= capacity
+    status = LayoutStatus.OPTIMAL if h == lb else LayoutStatus.FEASIBLE if fits else LayoutStatus.UNKNOWN
+    valid = not validate_layout(buffers, offsets, capacity if fits else None)
+    top = max(solvers, key=solvers.get) if solvers else "none"
+    solver = f"split/{len(dec.leaves)} leaves, {dec.cuts} cuts/{top}"
+    say(f"layout: {status.value}, height {h:,} ({solver}){'' if valid else ', INVALID'}")
+    return LayoutResult(status, offsets, h, lb, 0.0, solver, valid=valid)
+
+
+def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, options: LayoutOptions,
+          say: Progress) -> tuple[dict, str]:
+    """One leaf at or under ``cap`` if greedy or the exact search finds it in time, else its lowest
+    greedy layout (greedy orders past the first stop at the deadline)."""
+    floors = {b.id: f for b, f in zip(bufs, floor)}
+    best, best_h, how = None, 0, ""
+    for order in GreedyOrder:
+        offs = greedy_layout(bufs, order, floors, deadline)
+        if offs is None:
+            break
+        h = height(bufs, offs)
+        if best is None or h < best_h:
+            best, best_h, how = offs, h, f"greedy/{order.value}"
+        if best_h <= cap:
+            return best, how
+    if len(bufs) <= options.split.max_leaf and deadline - time.monotonic() > 0.1:
+        st, offs, name, _ = _fit(bufs, cap, deadline, options, say, floor)
+        if (st is SearchStatus.FOUND and offs is not None and all(offs[b.id] >= f for b, f in zip(bufs, floor))
+                and _accept(bufs, offs, cap, name, say)):
+            return offs, name
+    if best is None:  # out of time before one greedy pass: each buffer on top of the one before
+        say(f"layout: no time for a leaf of {len(bufs):,} buffers; stacked")
+        end = 0
+        best, how = {}, "stacked"
+        for b, f in zip(bufs, floor):
+            best[b.id] = _align(max(end, f), b.alignment)
+            end = best[b.id] + b.size
+    return best, how
 
 
 def _accept(buffers: Sequence[Buffer], offsets: dict, capacity: int, solver: str, say) -> bool:

@@ -64,6 +64,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import layout_bnb_core as core
+from .layout_split import SplitOptions
 
 __all__ = ["Preorder", "LayoutOptions", "SearchStatus", "SearchResult", "search_layout", "preorder_indices"]
 
@@ -97,6 +98,7 @@ class LayoutOptions:
     dynamic_preorder: bool = True
     preorders: tuple[Preorder, ...] = (Preorder.WAT, Preorder.TAW, Preorder.TWA)
     cpsat: bool = True  # solve_layout: also run the CP-SAT portfolio (layout_cpsat.py) alongside
+    split: SplitOptions = SplitOptions()  # solve_layout on large problems: leaves (layout_split.py)
 
 
 class SearchStatus(str, Enum):
@@ -115,7 +117,8 @@ class SearchResult:
 class _Problem:
     """Lifetimes, sections and time-neighbours of the non-empty buffers (input labels)."""
 
-    def __init__(self, lower, upper, size, alignment):
+    def __init__(self, lower, upper, size, alignment, floor=None):
+        self.floor = np.zeros(len(size), np.int64) if floor is None else np.asarray(floor, dtype=np.int64)
         self.lower = np.asarray(lower, dtype=np.int64)
         self.upper = np.asarray(upper, dtype=np.int64)
         self.size = np.asarray(size, dtype=np.int64)
@@ -183,6 +186,7 @@ class _Tree:
         self.cap = int(capacity)
         self.flags = _flags(opts)
         order = self.order = prob.preorder(preorder)
+        self.floor = np.ascontiguousarray(prob.floor[order])
         n = self.n = prob.n
         self.inv = inv = np.empty(n, np.int64)
         inv[order] = np.arange(n)
@@ -215,7 +219,7 @@ class _Tree:
         for k in range(n):
             cuts[SLO[k]:SHI[k] - 1] += 1
         self.init = (out_left, prob.section_total.copy(), cuts)
-        self.M = (np.zeros(n, np.int64), np.ones(n + 1, np.int64), out_left.copy(), np.zeros(S, np.int64),
+        self.M = (self.floor.copy(), np.ones(n + 1, np.int64), out_left.copy(), np.zeros(S, np.int64),
                   prob.section_total.copy(), cuts.copy(), np.zeros(n, np.int64), np.arange(n, dtype=np.int64),
                   np.full(S, n, np.int64))
         self.M[1][n] = 0  # sentinel: "no twin" is never unplaced
@@ -242,7 +246,7 @@ class _Tree:
     def start(self, a: int, b: int) -> None:
         """A fresh search of the part of sections ``[a, b)`` (the node count and cache carry on)."""
         mo, un, out_left, top, total, cuts, _, rank, _ = self.M
-        mo[:] = 0
+        mo[:] = self.floor
         un[:self.n] = 1
         top[:] = 0
         out_left[:], total[:], cuts[:] = self.init
@@ -281,13 +285,15 @@ def _flags(opts: LayoutOptions) -> int:
 def search_layout(lower: Sequence[int], upper: Sequence[int], size: Sequence[int], alignment: Sequence[int],
                   capacity: int, options: LayoutOptions = LayoutOptions(), deadline: float = float("inf"),
                   node_limit: int | None = None, stop: threading.Event | None = None,
-                  progress: Callable[[int], None] | None = None) -> SearchResult:
+                  progress: Callable[[int], None] | None = None,
+                  floor: Sequence[int] | None = None) -> SearchResult:
     """Offsets under ``capacity`` (FOUND), a proof that none exist (INFEASIBLE), or LIMIT when the node
     limit, ``deadline`` (``time.monotonic()``) or ``stop`` came first. With several preorders and no
     node limit, each independent part runs them round robin with node limits doubling from twice its
     size; otherwise the first preorder runs one complete search (what the option tests count).
     The compiled search runs in chunks of ``_CHUNK`` nodes, between which the deadline and ``stop``
-    are checked; ``progress(nodes)`` is called about every two seconds."""
+    are checked; ``progress(nodes)`` is called about every two seconds. ``floor``: a lowest offset per
+    buffer (0 if None); the canonical solutions then rest on a neighbour or on their floor."""
     if not options.preorders:
         raise ValueError("LayoutOptions.preorders must name at least one Preorder")
     sizes = np.asarray(size, dtype=np.int64)
@@ -299,7 +305,10 @@ def search_layout(lower: Sequence[int], upper: Sequence[int], size: Sequence[int
     capacity = int(capacity) // unit
     if capacity * (len(nz) + 1) >= 2 ** 62:
         raise ValueError(f"capacity {capacity * unit} is too large for the exact search")
-    prob = _Problem(np.asarray(lower)[nz], np.asarray(upper)[nz], sizes[nz] // unit, aligns[nz] // unit)
+    al_u = aligns[nz] // unit
+    fl = np.zeros(nz.size, np.int64) if floor is None else np.asarray(floor, dtype=np.int64)[nz]
+    fl = -(-fl // (unit * al_u)) * al_u  # in units, rounded up to each alignment
+    prob = _Problem(np.asarray(lower)[nz], np.asarray(upper)[nz], sizes[nz] // unit, al_u, fl)
     trees: dict[Preorder, _Tree] = {}
     next_report = time.monotonic() + 2.0
 
