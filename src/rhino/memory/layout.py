@@ -40,6 +40,7 @@ Progress = Callable[[str], None]
 # above this CP-SAT only. Measured: GPT-2 XL (7,282 buffers) at its lower bound, 7,282 nodes, set-up
 # 0.8 s + search 2.5 s (2 cores, load 2.2); both grow about quadratically, so ~25 s at 20,000
 _BNB_MAX_BUFFERS = 20000
+_CHUNK = 256  # validate_layout: buffers checked against the live ones at once
 
 
 @dataclass(frozen=True)
@@ -125,11 +126,19 @@ def validate_layout(buffers: Sequence[Buffer], offsets: dict, capacity: int | No
     up = np.array([b.upper for b in ok], np.int64)
     start = np.array([offsets[b.id] for b in ok], np.int64)
     end = start + np.array([b.size for b in ok], np.int64)
-    for i, b in enumerate(ok):  # earlier buffers still live at b's start that share an address with it
-        for j in np.flatnonzero((up[:i] > lo[i]) & (start[:i] < end[i]) & (start[i] < end[:i])).tolist():
-            a = ok[j]
+    live = np.zeros(0, np.int64)  # earlier buffers still live at the chunk's first start
+    for c0 in range(0, len(ok), _CHUNK):
+        c1 = min(c0 + _CHUNK, len(ok))
+        live = live[up[live] > lo[c0]]
+        js = np.concatenate([live, np.arange(c0, c1)])
+        i = np.arange(c0, c1)[:, None]  # each buffer against the earlier ones live at its start
+        hit = (js[None, :] < i) & (up[js][None, :] > lo[i]) & (start[js][None, :] < end[i]) & \
+            (start[i] < end[js][None, :])
+        for r, q in zip(*np.nonzero(hit)):
+            a, b, j, k = ok[js[q]], ok[c0 + r], js[q], c0 + r
             errors.append(f"buffers {a.id} [{a.lower},{a.upper}) @ {start[j]}+{a.size} and {b.id} "
-                          f"[{b.lower},{b.upper}) @ {start[i]}+{b.size} overlap in time and address")
+                          f"[{b.lower},{b.upper}) @ {start[k]}+{b.size} overlap in time and address")
+        live = js[up[js] > lo[c1 - 1]]
     return errors
 
 
@@ -148,26 +157,33 @@ def _align(x: int, a: int) -> int:
 
 
 def greedy_layout(buffers: Sequence[Buffer], order: GreedyOrder | str = GreedyOrder.SIZE,
-                  floor: dict | None = None, deadline: float | None = None) -> dict | None:
+                  floor: dict | None = None, deadline: float | None = None, finish: bool = False) -> dict | None:
     """Best-fit placement in ``order``: each buffer goes into the smallest gap (between buffers already
     placed that overlap it in time) that holds it, else on top of them; ties go to the lowest gap.
     Each placement is vectorised over the placed buffers (numpy), so n buffers cost n array passes.
-    ``floor``: the lowest offset of some buffers (by id). None when ``deadline`` (``time.monotonic``)
-    passes first."""
+    ``floor``: the lowest offset of some buffers (by id). When ``deadline`` (``time.monotonic``) passes
+    first: None, or with ``finish`` the buffers left each go on top of all placed so far."""
     order = GreedyOrder(order)
     floor = floor or {}
     n = len(buffers)
     lo, up = np.empty(n, np.int64), np.empty(n, np.int64)
     off, end = np.empty(n, np.int64), np.empty(n, np.int64)
     count = 0
+    top = None  # set when the deadline passed: the highest end so far
     offsets: dict = {}
     for b in sorted(buffers, key=_key(order)):
         if b.size == 0:
             offsets[b.id] = 0
             continue
         if deadline is not None and count % 256 == 0 and time.monotonic() > deadline:
-            return None
+            if not finish:
+                return None
+            deadline, top = None, int(end[:count].max(initial=0))
         f = _align(floor.get(b.id, 0), b.alignment)
+        if top is not None:  # out of time: on top of everything
+            offsets[b.id] = top = _align(max(top, f), b.alignment)
+            top += b.size
+            continue
         live = np.flatnonzero((lo[:count] < b.upper) & (up[:count] > b.lower))
         best = f
         if live.size:
@@ -188,10 +204,13 @@ def greedy_layout(buffers: Sequence[Buffer], order: GreedyOrder | str = GreedyOr
     return offsets
 
 
-def _best_greedy(buffers: Sequence[Buffer]) -> tuple[dict, int, str]:
+def _best_greedy(buffers: Sequence[Buffer], deadline: float | None = None) -> tuple[dict, int, str]:
+    """The lowest greedy layout; orders after the first stop at ``deadline``."""
     best = None
     for order in GreedyOrder:
-        offs = greedy_layout(buffers, order)
+        offs = greedy_layout(buffers, order, deadline=None if best is None else deadline)
+        if offs is None:
+            break
         h = height(buffers, offs)
         if best is None or h < best[1]:
             best = (offs, h, order.value)
@@ -236,27 +255,36 @@ def _fit(buffers: Sequence[Buffer], capacity: int, deadline: float, options: Lay
     def tick(nodes: int) -> None:
         say(f"layout: capacity {capacity:,}: {nodes:,} nodes, {time.monotonic() - t0:.0f}s")
 
+    def exact() -> None:
+        res = search_layout(lo, up, sz, al, capacity, options, deadline=deadline, stop=stop, progress=tick,
+                            floor=floor)
+        done.append(res)
+        if res.status is not SearchStatus.LIMIT:
+            found.insert(0, (res.status, res.offsets, "bnb"))
+            stop.set()
+
+    # both run in threads that this one leaves at the deadline (their set-up cannot be interrupted; they
+    # stop at their next check of ``stop``), so that the time limit holds
+    done: list = []
     worker = threading.Thread(target=portfolio, daemon=True) if options.cpsat else None
-    if worker is not None:
-        worker.start()
-    nodes = 0
+    searcher = threading.Thread(target=exact, daemon=True) if bnb else None
+    for t in (worker, searcher):
+        if t is not None:
+            t.start()
     try:
-        if bnb:
-            res = search_layout(lo, up, sz, al, capacity, options, deadline=deadline, stop=stop, progress=tick,
-                                floor=floor)
-            nodes = res.nodes
-            if res.status is not SearchStatus.LIMIT:
-                found.insert(0, (res.status, res.offsets, "bnb"))
-        elif worker is None:
+        if searcher is None and worker is None:
             return SearchStatus.LIMIT, None, "", 0
-        else:  # CP-SAT alone: wait for its answer or the deadline
-            worker.join(max(0.0, deadline - time.monotonic()))
+        while not stop.is_set() and time.monotonic() < deadline and any(
+                t is not None and t.is_alive() for t in (worker, searcher)):
+            stop.wait(min(0.05, max(0.0, deadline - time.monotonic())))
     finally:
         stop.set()
         for run in runs:
             run.stop()
-        if worker is not None:
-            worker.join()
+        for t in (worker, searcher):
+            if t is not None:
+                t.join(0.2)
+    nodes = done[0].nodes if done else 0
     if not found:
         return SearchStatus.LIMIT, None, "", nodes
     st, offs, name = found[0]
@@ -282,7 +310,7 @@ def solve_layout(buffers: Sequence[Buffer], capacity: int | None = None, time_li
             res.seconds = time.perf_counter() - t0
             return res
     lb = lower_bound(buffers)
-    offsets, h, how = _best_greedy(buffers)
+    offsets, h, how = _best_greedy(buffers, deadline)
     say(f"layout: greedy {h:,} ({how}), lower bound {lb:,}")
     solver, nodes = f"greedy/{how}", 0
     if capacity is not None:
@@ -334,6 +362,7 @@ def _solve_split(buffers: Sequence[Buffer], capacity: int | None, deadline: floa
     (``_fit``) where greedy does not fit; a leaf that fits neither keeps its best greedy layout and
     raises ``H`` (later leaves get that slack). None when the sizes do not allow an exact peel
     (``splittable``) or the bound is above the capacity (the plain path reports that)."""
+    t0 = time.monotonic()
     lo, up = np.array([b.lower for b in buffers]), np.array([b.upper for b in buffers])
     sz, al = np.array([b.size for b in buffers]), np.array([b.alignment for b in buffers])
     lb = lower_bound(buffers)
@@ -347,7 +376,9 @@ def _solve_split(buffers: Sequence[Buffer], capacity: int | None, deadline: floa
         f"{dec.cuts} cuts, largest {max((len(leaf.index) for leaf in dec.leaves), default=0):,}); "
         f"lower bound {lb:,}")
     offsets = {b.id: int(o) for b, o in zip(buffers, dec.offsets.tolist()) if o >= 0}
-    reserve = 2e-5 * len(buffers)  # for the final validation (~1 s at 60,000 buffers)
+    # for the final validation and height: about as long as reading the buffers took (a loaded machine
+    # slows both alike)
+    reserve = 2 * (time.monotonic() - t0)
     H, solvers = target, {}
     for leaf in sorted(dec.leaves, key=lambda leaf: -len(leaf.index)):
         bufs = [buffers[i] for i in leaf.index]
@@ -373,7 +404,7 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
     floors = {b.id: f for b, f in zip(bufs, floor)}
     best, best_h, how = None, 0, ""
     for order in GreedyOrder:
-        offs = greedy_layout(bufs, order, floors, deadline)
+        offs = greedy_layout(bufs, order, floors, deadline, finish=best is None)
         if offs is None:
             break
         h = height(bufs, offs)
@@ -386,13 +417,7 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
         if (st is SearchStatus.FOUND and offs is not None and all(offs[b.id] >= f for b, f in zip(bufs, floor))
                 and _accept(bufs, offs, cap, name, say)):
             return offs, name
-    if best is None:  # out of time before one greedy pass: each buffer on top of the one before
-        say(f"layout: no time for a leaf of {len(bufs):,} buffers; stacked")
-        end = 0
-        best, how = {}, "stacked"
-        for b, f in zip(bufs, floor):
-            best[b.id] = _align(max(end, f), b.alignment)
-            end = best[b.id] + b.size
+    assert best is not None  # the first greedy pass always finishes
     return best, how
 
 
