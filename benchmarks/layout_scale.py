@@ -5,6 +5,8 @@ Traces (MiniMalloc CSV, written to ``--dir``):
 - ``gptN``: the training step of a GPT-2 XL-wide GPT with N layers (hidden 1600, 25 heads, sequence 1024,
   AdamW) captured on the meta device, converted by ``memory.from_graph`` with its parameter and optimizer
   state included (live the whole step), buffers in program order (``memory.problem.buffers``).
+- ``gpt2xl-xK``: K training steps of GPT-2 XL (``gpt48``) one after another (a longer step): its
+  parameter and optimizer state is one buffer live over all K steps, every other buffer repeats per step.
 - ``train-S``: a seeded synthetic training step (generator below): parameters and optimizer state live the
   whole step; per layer a forward chain of temporaries and saved activations (freed by the matching
   backward op, in reverse), gradients live from their backward op to the optimizer update, optimizer
@@ -15,7 +17,7 @@ Traces (MiniMalloc CSV, written to ``--dir``):
 Each trace runs the CLI in a child process (``--json``); its peak RSS is the child's ``ru_maxrss``
 (``os.wait4``). Writes the section "Memory layout: large traces" of docs/benchmarks.md.
 
-    .venv/bin/python benchmarks/layout_scale.py [--traces gpt384,train-1,random-1] [--time-limit 60]
+    .venv/bin/python benchmarks/layout_scale.py [--traces gpt2xl-x11,train-1,random-1] [--time-limit 60]
 """
 from __future__ import annotations
 
@@ -107,12 +109,22 @@ def captured_gpt(layers: int) -> list[tuple[int, int, int]]:
     return [(b.lower, b.upper, b.size) for b in buffers(prob, range(len(prob.ops)))]
 
 
+def repeat_steps(rows: list[tuple[int, int, int]], k: int) -> list[tuple[int, int, int]]:
+    """``k`` steps of a trace in a row; buffers live over the whole step (state) stay live over all."""
+    end = max(up for _, up, _ in rows)
+    state = [(0, k * end, sz) for lo, up, sz in rows if lo == 0 and up == end]
+    step = [r for r in rows if not (r[0] == 0 and r[1] == end)]
+    return state + [(lo + i * end, up + i * end, sz) for i in range(k) for lo, up, sz in step]
+
+
 def make_trace(name: str, out: Path) -> Path:
     path = out / f"{name}.csv"
     if path.exists():
         return path
     kind, _, arg = name.partition("-")
-    if kind.startswith("gpt"):
+    if kind == "gpt2xl":
+        rows = repeat_steps(captured_gpt(48), int(arg.lstrip("x")))
+    elif kind.startswith("gpt"):
         rows = captured_gpt(int(kind[3:]))
     elif kind == "train":
         rows = synthetic_training(int(arg))
@@ -141,7 +153,7 @@ def run_cli(path: Path, time_limit: float) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--traces", default="gpt384,train-1,train-2,random-1")
+    ap.add_argument("--traces", default="gpt2xl-x11,train-1,train-2,random-1")
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--dir", default="/tmp/rhino-layout-scale")
     ap.add_argument("--doc", default=str(ROOT / "docs/benchmarks.md"))

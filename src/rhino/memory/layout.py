@@ -17,6 +17,21 @@ Solvers (``solve_layout``):
    lower bound and the best height found (the bound first, then halving the gap); an unanswered
    capacity leaves the best layout so far (never nothing).
 
+3. Large problems (more than ``LayoutOptions.split.above`` buffers): ``layout_split`` peels the buffers
+   that span their window (exact) and cuts leaves larger than ``split.max_leaf`` at key points (only
+   where the cut's bound stays within ``split.cut_tolerance`` of the lower bound); each leaf is laid
+   out on the floors of the buffers stacked below it: greedy first, the portfolio above where greedy
+   does not reach the height ``H`` (the bound or the capacity), in a share of the time by its size;
+   identical leaves (repeated layers or steps) share one layout. The branch and bound never sees more
+   than ``split.max_leaf`` buffers there, which bounds its memory (its time-neighbour lists, undo logs
+   and candidate pool grow with buffers x live buffers; buffers live over the whole step, such as
+   parameters and optimizer state, neighbour every other one and are exactly what the peel removes).
+
+Time limit: greedy orders after the first stop at the deadline (the first one places the buffers it
+has not reached on top when it passes), and the exact search runs in threads that are left at the
+deadline (their set-up cannot be interrupted; they stop at their next check), so ``solve_layout``
+returns about when its limit is up (plus validating the result).
+
 ``lower_bound``: the most bytes live at one time; a height equal to it is optimal.
 ``validate_layout`` is the independent checker every result goes through.
 """
@@ -37,8 +52,9 @@ __all__ = ["Buffer", "GreedyOrder", "LayoutStatus", "LayoutResult", "LayoutOptio
            "lower_bound", "height", "greedy_layout", "solve_layout"]
 
 Progress = Callable[[str], None]
-# above this CP-SAT only. Measured: GPT-2 XL (7,282 buffers) at its lower bound, 7,282 nodes, set-up
-# 0.8 s + search 2.5 s (2 cores, load 2.2); both grow about quadratically, so ~25 s at 20,000
+# above this CP-SAT only (with the split off; with it, leaves hold at most split.max_leaf buffers).
+# Measured: GPT-2 XL (7,282 buffers) at its lower bound, 7,282 nodes, set-up 0.8 s + search 2.5 s (2
+# cores, load 2.2); both grow about quadratically, so ~25 s at 20,000
 _BNB_MAX_BUFFERS = 20000
 _CHUNK = 256  # validate_layout: buffers checked against the live ones at once
 
@@ -378,15 +394,25 @@ def _solve_split(buffers: Sequence[Buffer], capacity: int | None, deadline: floa
     offsets = {b.id: int(o) for b, o in zip(buffers, dec.offsets.tolist()) if o >= 0}
     # for the final validation and height: about as long as reading the buffers took (a loaded machine
     # slows both alike)
-    reserve = 2 * (time.monotonic() - t0)
-    H, solvers = target, {}
-    for leaf in sorted(dec.leaves, key=lambda leaf: -len(leaf.index)):
+    reserve = 3 * (time.monotonic() - t0)
+    # identical leaves (the same buffers and floors shifted in time: repeated layers or steps) share a
+    # layout; the time left is shared among distinct leaves by their sizes
+    leaves = sorted(dec.leaves, key=lambda leaf: -len(leaf.index))
+    keys = [np.stack([lo[x] - lo[x].min(), up[x] - lo[x].min(), sz[x], al[x], dec.floor[x]]).tobytes()
+            for x in (leaf.index for leaf in leaves)]
+    left_n = sum(dict(zip(keys, (len(leaf.index) for leaf in leaves))).values())
+    H, solvers, done = target, {}, {}
+    for leaf, key in zip(leaves, keys):
         bufs = [buffers[i] for i in leaf.index]
-        floor = dec.floor[leaf.index].tolist()
-        offs, name = _leaf(bufs, floor, H, deadline - reserve, options, say)
-        H = max(H, height(bufs, offs))
+        if key not in done:
+            share = max(0.0, deadline - reserve - time.monotonic()) * len(bufs) / max(left_n, 1)
+            left_n -= len(bufs)
+            offs, name = _leaf(bufs, dec.floor[leaf.index].tolist(), H, time.monotonic() + share, options, say)
+            done[key] = ([offs[b.id] for b in bufs], name)
+        pos, name = done[key]
+        H = max(H, max(o + b.size for o, b in zip(pos, bufs)))
         solvers[name] = solvers.get(name, 0) + 1
-        offsets.update(offs)
+        offsets.update((b.id, o) for b, o in zip(bufs, pos))
     h = height(buffers, offsets)
     fits = capacity is None or h <= capacity
     status = LayoutStatus.OPTIMAL if h == lb else LayoutStatus.FEASIBLE if fits else LayoutStatus.UNKNOWN

@@ -1,22 +1,27 @@
 """Decomposition of a large layout problem into independent leaves (pure numpy; no torch).
 
-Peel (exact). Let a window be a set of buffers with time span ``[A, B)`` (the lowest start, the
-highest end). A buffer live over all of ``[A, B)`` ("spanning") overlaps every other buffer of the
+Peel (exact while no cut was made). Let a window be a set of buffers with time span ``[A, B)`` (the
+lowest start, the highest end). A buffer live over all of ``[A, B)`` ("spanning") overlaps every other buffer of the
 window in time, so in any layout every other buffer lies wholly below or wholly above it; moving the
 spanning buffers to the bottom of the window and shifting the buffers below them up by their sizes
 keeps the layout valid (when every size is a multiple of every alignment) and its height. So the
 spanning buffers are stacked at the window's base, and the rest splits into its independent
 components (groups with no buffer crossing between them in time), each a window on top of that
-stack. Repeated, this gives leaves ``(buffers, base)``: no leaf has a spanning buffer or splits
-further, and the problem's optimal height is ``max over leaves of base + the leaf's optimal height``
-(each leaf's offsets are its own layout plus its base).
+stack (each buffer of the window gets that stack's top as its floor). Repeated, this gives leaves: no
+leaf has a spanning buffer or splits further, and the problem's optimal height is the most over
+leaves of the leaf's optimal height on its floor.
 
-Key-point cut (heuristic, option ``cuts``): a leaf of more than ``max_leaf`` buffers is cut at the
-time ``t`` of least live bytes among the starts between the ``cut_band`` quantiles of its buffers
-(by start): the buffers live across ``t`` are stacked as if spanning the leaf (ROAM's key points, the
-times of small live memory, where it divides the graph), and both sides split apart. The stacked
-buffers keep their bytes over the whole leaf, so a cut can cost height: the leaf's bound
-``base + lower_bound(leaf)`` is compared with the problem's bound by the caller, which reports both.
+Key-point cut (heuristic, option ``cuts``): a leaf of more than ``max_leaf`` buffers is cut at a time
+``t`` among the starts between the ``cut_band`` quantiles of its buffers (ROAM's key points divide
+the graph where little memory is live; here the time is chosen by the bound below). The buffers live
+across ``t`` are stacked (longest-lived to the right lowest, as saved activations nest), and every
+other buffer of the leaf gets a floor: the highest end of the stacked buffers it overlaps in time
+(a staircase, not the whole stack: a buffer after ``t`` rests only on those still live when it
+starts). Both sides then split apart. The cut's bound is the most, over times ``u``, of the highest
+stacked end a buffer live at ``u`` must rest on plus the other bytes live at ``u``; a cut is made only
+when it is at most ``max_bound``. With floors, leaves are no longer independent of the stack, so a
+decomposition with cuts is not exact (``Decomposition.exact``); the caller reports the height against
+the problem's own lower bound.
 """
 from __future__ import annotations
 
