@@ -12,7 +12,7 @@ from conftest import ROOT
 from test_memory_order import all_orders, random_order, random_problem, training_problem
 from rhino.memory.order import Division, OrderOptions, order_ops, program_order
 from rhino.memory.order_graph import IndexedProblem
-from rhino.memory.order_tree import TreeSettings, build_tree, improve_tree, merge_seam
+from rhino.memory.order_tree import TreeSettings, build_tree, improve_tree, merge_parts, merge_seam
 from rhino.memory.problem import MemOp, MemProblem, MemTensor, OpRole, TensorKind
 from rhino.memory.simulate import check_order, replay
 
@@ -53,6 +53,16 @@ def test_merge_is_the_best_valid_interleaving(seed, n, split):
     valid = [m for m in _interleavings(order[a:c], order[c:b]) if g.is_topological(order[:a] + m + order[b:])]
     best = min(max(g.profile(order[:a] + m + order[b:])[a:b]) for m in valid)
     assert max(wlive) == best <= max(live[a:b])
+    # any split into two parts (ROAM's sub-graphs need not be runs of positions), e.g. every other op
+    in_b = [(t * 7 + split) % 3 == 0 for t in range(a, b)]
+    ops, wlive = merge_parts(g, order, live, a, b, in_b)
+    new = order[:a] + ops + order[b:]
+    check_order(p, g.to_ids(new))
+    assert g.profile(new) == live[:a] + wlive + live[b:]
+    part_a = [order[t] for t in range(a, b) if not in_b[t - a]]
+    part_b = [order[t] for t in range(a, b) if in_b[t - a]]
+    valid = [m for m in _interleavings(part_a, part_b) if g.is_topological(order[:a] + m + order[b:])]
+    assert max(wlive) == min(max(g.profile(order[:a] + m + order[b:])[a:b]) for m in valid) <= max(live[a:b])
 
 
 def _edge_problem(with_edge: bool) -> MemProblem:
@@ -120,7 +130,7 @@ def test_tree_valid_and_never_worse_than_program_order(seed, n):
     p = random_problem(seed, n, p_edge=0.15)
     g = IndexedProblem(p)
     opts = OrderOptions(division="tree", segment_size=6, merge_span=5, tree_peak_only=seed % 2 == 0,
-                        window_time_limit=0.5)
+                        tree_branch_merge=seed % 3 != 0, window_time_limit=0.5)
     r = order_ops(p, "O2", opts, time_limit=3)
     check_order(p, r.order)
     assert r.peak == replay(p, r.order).peak <= replay(p, program_order(p)).peak

@@ -102,6 +102,7 @@ class OrderOptions:
     division: Division | str = Division.FLAT  # O2's task division (see ``Division``)
     merge_span: int = 150  # tree division: ops of each child a seam merge interleaves
     tree_peak_only: bool = True  # tree division: solve only leaves and seams holding a peak step
+    tree_branch_merge: bool = True  # tree division: also interleave spine and side-branch ops (order_tree)
 
     def __post_init__(self) -> None:
         try:
@@ -600,7 +601,7 @@ def _divide(g: IndexedProblem, order: list[int], opts: OrderOptions, lb: int, de
     if opts.division is Division.FLAT:
         return _improve(g, order, opts, lb, deadline, progress, stats)
     settings = TreeSettings(opts.segment_size, opts.window_booleans, opts.window_time_limit, opts.workers,
-                            opts.merge_span, opts.tree_peak_only)
+                            opts.merge_span, opts.tree_peak_only, opts.tree_branch_merge)
     order, ts = improve_tree(g, order, lb, deadline, settings, progress, TreeStats())
     stats.windows, stats.improved, stats.stopped = ts.leaves + ts.merges, ts.improved, ts.stopped
     return order

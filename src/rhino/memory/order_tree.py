@@ -22,7 +22,11 @@ neighbouring children across their seam: the last ``merge_span`` ops of the left
 and the first ``merge_span`` ops of the right one (``B``) are interleaved, each child keeping its own
 solved order. The merge's order constraints are the edges between them: an op of ``B`` may run before
 an op of ``A`` only if it does not depend on it (and conversely). Among these interleavings the one
-with the smallest peak is exact, by dynamic programming (:func:`merge_seam`):
+with the smallest peak is exact, by dynamic programming (:func:`merge_seam`). With ``branch_merge`` a
+parent also merges two sub-graphs that are not runs of positions: its spine ops
+(``IndexedProblem.spine``: forward, loss and backward chain) and its side-branch ops (weight updates,
+floating ops), each in its current order, over the ``2 * merge_span`` positions around its highest step
+(:func:`merge_parts`, the same program):
 
 - state ``(i, j)``: the first ``i`` ops of ``A`` and the first ``j`` of ``B`` have run; the bytes live
   between steps, ``L(i, j)``, depend on the state only (a tensor is live once its producer ran, until
@@ -48,7 +52,7 @@ from dataclasses import dataclass, field
 from .order_graph import IndexedProblem
 from .order_ilp import Window, solve_window, window_booleans
 
-__all__ = ["TreeSettings", "TreeStats", "Task", "build_tree", "improve_tree", "merge_seam"]
+__all__ = ["Task", "TreeSettings", "TreeStats", "build_tree", "improve_tree", "merge_parts", "merge_seam"]
 
 Progress = Callable[[str], None]
 
@@ -63,6 +67,7 @@ class TreeSettings:
     workers: int = 2  # CP-SAT workers
     merge_span: int = 150  # ops of each child on either side of a seam that a merge interleaves
     peak_only: bool = True  # solve only leaves and seams holding a step at the current peak
+    branch_merge: bool = True  # also interleave each task's spine and side-branch ops around the peak
 
 
 @dataclass
@@ -124,12 +129,56 @@ def merge_seam(g: IndexedProblem, order: Sequence[int], live: Sequence[int], a: 
     ``live`` is ``g.profile(order)``. Returns the window's new ops and live bytes, or None when the
     deadline passed first.
     """
+    return merge_parts(g, order, live, a, b, [t >= c for t in range(a, b)], deadline)
+
+
+def merge_parts(g: IndexedProblem, order: Sequence[int], live: Sequence[int], a: int, b: int,
+                in_b: Sequence[bool], deadline: float = float("inf")) -> tuple[list[int], list[int]] | None:
+    """Like :func:`merge_seam` for any split of the window ``[a, b)`` into two parts: ``A``, the ops at
+    positions ``a + u`` with ``in_b[u]`` false, and ``B``, the others, each kept in its current order."""
     w = Window(g, order, live, a, b)
-    m, k = c - a, b - a
-    nb = k - m
-    out_w = [0] * k  # bytes an op's outputs hold during its step
-    gain = [0] * k  # bytes of its outputs still live after its step
-    frees: list[list[tuple[int, int]]] = [[] for _ in range(k)]  # (size, last reader in the other part)
+    k = b - a
+    part_a = [u for u in range(k) if not in_b[u]]
+    part_b = [u for u in range(k) if in_b[u]]
+    idx = [0] * k
+    for i, u in enumerate(part_a):
+        idx[u] = i
+    for j, u in enumerate(part_b):
+        idx[u] = j
+    m, nb = len(part_a), len(part_b)
+    out_w, gain, frees, start = _seam_bytes(w, in_b, idx, part_a, part_b)
+    need = [0] * k  # ops of the other part that must have run first (a prefix length)
+    for u in range(k):
+        for p in w.preds[u]:
+            if in_b[p] != in_b[u]:
+                need[u] = max(need[u], idx[p] + 1)
+    par = _interleave(w, part_a, part_b, out_w, gain, frees, need, start, deadline)
+    if par is None:
+        return None
+    peak, par = par
+    seq: list[int] = []
+    i, j = m, nb
+    while i or j:
+        if par[i][j] == 1:
+            i -= 1
+            seq.append(part_a[i])
+        else:
+            j -= 1
+            seq.append(part_b[j])
+    seq.reverse()
+    new_live = w.live_of(seq)
+    assert max(new_live) == peak, "the merge's dynamic program disagrees with the window's live bytes"
+    return [w.ops[u] for u in seq], new_live
+
+
+def _seam_bytes(w: Window, in_b: Sequence[bool], idx: Sequence[int], part_a: list[int], part_b: list[int]):
+    """Per window slot: bytes its outputs hold during its step, bytes still live after it, and the
+    tensors it frees as ``(size, last reader's index in the other part)``; plus the bytes live at the
+    window's start."""
+    k = w.k
+    out_w = [0] * k
+    gain = [0] * k
+    frees: list[list[tuple[int, int]]] = [[] for _ in range(k)]
     start = 0
     for size, slot, readers, to_end in w.tensors:
         if slot is not None:
@@ -140,20 +189,23 @@ def merge_seam(g: IndexedProblem, order: Sequence[int], live: Sequence[int], a: 
             start += size
         if to_end or not readers:
             continue
-        last_a = max((r for r in readers if r < m), default=-1)
-        last_b = max((r - m for r in readers if r >= m), default=-1)
-        if last_a >= 0:
-            frees[last_a].append((size, last_b))
-        if last_b >= 0:
-            frees[m + last_b].append((size, last_a))
-    need = [0] * k  # ops of the other part that must have run first (a prefix length)
-    for u in range(k):
-        for p in w.preds[u]:
-            if (p < m) != (u < m):
-                need[u] = max(need[u], (p if p < m else p - m) + 1)
+        ia = max((idx[r] for r in readers if not in_b[r]), default=-1)  # last reader in A (its A index)
+        ib = max((idx[r] for r in readers if in_b[r]), default=-1)
+        if ia >= 0:
+            frees[part_a[ia]].append((size, ib))
+        if ib >= 0:
+            frees[part_b[ib]].append((size, ia))
+    return out_w, gain, frees, start
+
+
+def _interleave(w: Window, part_a: list[int], part_b: list[int], out_w: list[int], gain: list[int],
+                frees: list[list[tuple[int, int]]], need: list[int], start: int, deadline: float):
+    """The dynamic program over states ``(i, j)``: the smallest peak and the move into each state
+    (1: ran ``A[i-1]``, 2: ran ``B[j-1]``); None when the deadline passes."""
+    m, nb = len(part_a), len(part_b)
     inf = float("inf")
     best = [[inf] * (nb + 1) for _ in range(m + 1)]
-    par = [[0] * (nb + 1) for _ in range(m + 1)]  # 1: came by running A[i-1], 2: by B[j-1]
+    par = [[0] * (nb + 1) for _ in range(m + 1)]
     between = [[0] * (nb + 1) for _ in range(m + 1)]
     best[0][0] = 0
     between[0][0] = start
@@ -162,9 +214,10 @@ def merge_seam(g: IndexedProblem, order: Sequence[int], live: Sequence[int], a: 
             return None
         row, brow, prow = best[i], between[i], par[i]
         nxt = best[i + 1] if i < m else None
+        ua = part_a[i] if i < m else -1
         for j in range(nb + 1):
             if j > 0:
-                u = m + j - 1  # B[j-1] run from state (i, j-1)
+                u = part_b[j - 1]  # B[j-1] run from state (i, j-1)
                 lb = brow[j - 1]
                 brow[j] = lb + gain[u] - sum(sz for sz, other in frees[u] if other < i)
                 if need[u] <= i and row[j - 1] < inf:
@@ -172,26 +225,13 @@ def merge_seam(g: IndexedProblem, order: Sequence[int], live: Sequence[int], a: 
                     if cost < row[j]:
                         row[j], prow[j] = cost, 2
             elif i > 0:
-                u = i - 1  # A[i-1] run from state (i-1, 0)
-                lb = between[i - 1][0]
-                brow[0] = lb + gain[u] - sum(sz for sz, other in frees[u] if other < 0)
-            if nxt is not None and need[i] <= j and row[j] < inf:
-                cost = max(row[j], w.base[i + j] + brow[j] + out_w[i])  # A[i] from state (i, j)
+                u = part_a[i - 1]  # A[i-1] run from state (i-1, 0)
+                brow[0] = between[i - 1][0] + gain[u] - sum(sz for sz, other in frees[u] if other < 0)
+            if nxt is not None and need[ua] <= j and row[j] < inf:
+                cost = max(row[j], w.base[i + j] + brow[j] + out_w[ua])  # A[i] from state (i, j)
                 if cost < nxt[j]:
                     nxt[j], par[i + 1][j] = cost, 1
-    seq: list[int] = []
-    i, j = m, nb
-    while i or j:
-        if par[i][j] == 1:
-            i -= 1
-            seq.append(i)
-        else:
-            j -= 1
-            seq.append(m + j)
-    seq.reverse()
-    new_live = w.live_of(seq)
-    assert max(new_live) == best[m][nb], "the merge's dynamic program disagrees with the window's live bytes"
-    return [w.ops[u] for u in seq], new_live
+    return best[m][nb], par
 
 
 class _Search:
@@ -204,6 +244,7 @@ class _Search:
         self.peak = max(self.live)
         self.progress, self.stats = progress, stats
         self.failed: set[tuple[int, ...]] = set()
+        self.spine = g.spine()
         self.changed = False
         self.last_report = time.perf_counter()
 
@@ -259,7 +300,28 @@ class _Search:
             if self.done():
                 return
             self.seam(t.a, left.b, t.b)
+        if self.s.branch_merge and not self.done():
+            self.branches(t)
         self.report(t)
+
+    def branches(self, t: Task) -> None:
+        """Interleave the task's spine ops and its side-branch ops (each in its current order) over the
+        ``2 * merge_span`` positions around its highest step."""
+        top = max(range(t.a, t.b), key=self.live.__getitem__)
+        lo, hi = max(t.a, top - self.s.merge_span), min(t.b, top + self.s.merge_span)
+        sig = (-1, lo, hi, hash(tuple(self.order[lo:hi])))
+        if sig in self.failed or not self.worth(lo, hi):
+            return
+        side = [not self.spine[op] for op in self.order[lo:hi]]
+        if all(side) or not any(side):
+            return
+        old = max(self.live[lo:hi])
+        res = merge_parts(self.g, self.order, self.live, lo, hi, side, self.deadline)
+        self.stats.merges += 1
+        if res is not None and max(res[1]) < old:
+            self.accept(lo, hi, *res)
+        elif res is not None:
+            self.failed.add(sig)
 
     def report(self, t: Task) -> None:
         if self.progress and time.perf_counter() - self.last_report > 1.0:
