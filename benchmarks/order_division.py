@@ -3,14 +3,16 @@
 For every (model, batch) row (``benchmarks/roam_models.py``: the ROAM models at batch 1 and 32 and
 GPT-2 XL at batch 1 by default), capture the training step on the meta device and convert it as
 ``benchmarks/roam.py`` does, then order its ops with ``order_ops(level="O2")`` twice under the same time
-limit (by default a fifth of ROAM's published solve time, as in ``benchmarks/roam.py``):
+limit (by default a fifth of ROAM's published solve time, as in ``benchmarks/roam.py``, but at least
+``--min-time-limit`` seconds):
 ``OrderOptions(division="flat")`` (windows around the peak step) and ``division="tree"``
 (``memory/order_tree.py``). Reported per row: the peak of live bytes and the seconds of each, why each
 stopped, the order lower bound (``IndexedProblem.lower_bound``) and, as evidence about the gap to it, a
 second bound at the loss step (:func:`loss_pair_bound`).
 
     .venv/bin/python benchmarks/order_division.py [--models efficientnet] [--batches 32] [--time-limit 20]
-        [--cache DIR] [--out results.json] [--docs docs/benchmarks.md]
+        [--min-time-limit 10] [--cache DIR] [--out results.json] [--resume results.json]
+        [--docs docs/benchmarks.md] [--notes notes.md]
 """
 from __future__ import annotations
 
@@ -147,6 +149,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--batches", nargs="+", type=int)
     ap.add_argument("--time-limit", type=float,
                     help="seconds per order search, each division (default: ROAM's solve time / 5, as roam.py)")
+    ap.add_argument("--min-time-limit", type=float, default=10.0,
+                    help="floor of the default time limit (a fifth of ROAM's time leaves no search on small rows)")
+    ap.add_argument("--resume", type=Path, help="keep the rows already in this JSON file (from --out)")
     ap.add_argument("--cache", type=Path, help="directory of captured problems (read, or written after capture)")
     ap.add_argument("--out", type=Path, help="write the rows as JSON (updated as it runs)")
     ap.add_argument("--docs", type=Path, help="write the section into this markdown file")
@@ -155,9 +160,15 @@ def main(argv: list[str] | None = None) -> int:
     rows = [(m, b) for m, b in DEFAULT_ROWS
             if (not args.models or m in args.models) and (not args.batches or b in args.batches)]
     published = roam.roam_published()
+    old = json.loads(args.resume.read_text()) if args.resume and args.resume.exists() else []
+    kept = {(r["model"], r["batch"]): r for r in old}
     out: list[dict] = []
     for name, batch in rows:
-        limit = args.time_limit or published.get((name, batch), {}).get("roam_seconds", 300.0) / roam.TIME_FRACTION
+        if (name, batch) in kept:
+            out.append(kept[(name, batch)])
+            continue
+        roam_limit = published.get((name, batch), {}).get("roam_seconds", 300.0) / roam.TIME_FRACTION
+        limit = args.time_limit or max(args.min_time_limit, roam_limit)
         print(f"{name} batch {batch}: time limit {limit:.1f} s ...", file=sys.stderr, flush=True)
         r = run_row(name, batch, limit, args.cache)
         print(f"{name} b{batch}: flat {r['flat']['peak']:,} B in {r['flat']['seconds']:.1f} s, tree "
@@ -168,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(out))
     if args.docs:
         shown = list(argv if argv is not None else sys.argv[1:])
-        for flag in ("--notes", "--cache", "--out"):  # local file names: not part of the command to rerun
+        for flag in ("--notes", "--cache", "--out", "--resume"):  # local file names: not part of the command to rerun
             while flag in shown:
                 i = shown.index(flag)
                 del shown[i:i + 2]

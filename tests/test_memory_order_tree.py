@@ -163,3 +163,12 @@ def test_tree_on_a_captured_example():
     prog = replay(p, program_order(p)).peak
     assert tree.peak == replay(p, tree.order).peak <= prog
     assert tree.lower_bound <= tree.peak and tree.seconds < 2 + 1.0
+
+
+def test_plan_memory_takes_the_tree_division():
+    from rhino.memory.plan import plan_memory
+
+    p = training_problem(4, layers=8)
+    plan = plan_memory(p, "O2", time_limit=4, options=OrderOptions(division="tree", window_time_limit=0.5))
+    check_order(p, plan.order)
+    assert plan.valid and plan.lower_bound == replay(p, plan.order).peak <= replay(p, program_order(p)).peak
