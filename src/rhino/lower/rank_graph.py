@@ -150,7 +150,7 @@ class _Converter:
         if n.target is operator.getitem and isinstance(self.ref[n.args[0]], Ref):   # t[i]: a select view
             res = self.meta[n.args[0]][n.args[1]]
             vid = self._value(res)
-            self.g.nodes.append(Node(n.name, "aten.select.int", [self.ref[n.args[0]], 0, n.args[1]], {}, [vid]))
+            self.g.nodes.append(Node(n.name, _op_name(torch.ops.aten.select.int), [self.ref[n.args[0]], 0, n.args[1]], {}, [vid]))
             self.ref[n], self.meta[n] = Ref(vid), res
             return
         if n.target is operator.getitem:
