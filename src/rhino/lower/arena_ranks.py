@@ -23,7 +23,7 @@ from .rank_graph import RankMemory
 from .simulate_spmd import simulate_ranks
 from .spmd_ops import step_from_args
 
-__all__ = ["rank_arena", "lockstep_arenas", "simulate_arenas", "compare_arena_ranks"]
+__all__ = ["rank_arena", "lockstep_arenas", "local_inputs", "simulate_arenas", "compare_arena_ranks"]
 
 
 def rank_arena(rm: RankMemory, report: RankMemoryReport, device: torch.device | str = "cpu", debug: bool = False,
@@ -62,7 +62,7 @@ def lockstep_arenas(arenas: list[ArenaProgram], states: list[dict], batches: lis
             sends = [torch.from_numpy(np.array(y)).to(r[0].dtype) for y, r in zip(ys, reqs)]
 
 
-def _local_inputs(rp: ResolvedPlan, state: dict, batch: tuple) -> list[tuple[dict, tuple]]:
+def local_inputs(rp: ResolvedPlan, state: dict, batch: tuple) -> list[tuple[dict, tuple]]:
     """Each rank's shard of the state and of the batch (``sharding.simulate.shard``, as ``simulate_ranks``)."""
     mesh, graph = rp.plan.mesh, rp.graph
     out = []
@@ -84,7 +84,7 @@ def simulate_arenas(rp: ResolvedPlan, memories: list[RankMemory], report: RankMe
     """``steps`` steps of every rank in its arena, in lockstep: {"rank_losses", "local" (each rank's state),
     "arena_bytes" (each rank's arena)}."""
     arenas = [rank_arena(rm, report, debug=debug) for rm in memories]
-    inputs = _local_inputs(rp, state, batch)
+    inputs = local_inputs(rp, state, batch)
     states = [st for st, _ in inputs]
     rank_losses: list[list[float]] = [[] for _ in arenas]
     for _ in range(steps):
