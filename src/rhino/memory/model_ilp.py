@@ -21,7 +21,7 @@ Sizes are in units of the gcd of all sizes (offsets stay multiples of it).
   long-lived tensors: an OUTPUT is kept from its creation to the end (``keep[e,t] >= keep[e,t-1] +
   gen[e,t-1]``), an INPUT is kept at step 0 and never made again (``also_output``: kept at every step);
   ``addr[e] + size[e] <= H``; ``below[e,f] => addr[e] + size[e] <= addr[f]``; ``both[e,f] >= live[e,t]
-  + live[f,t] - 1`` at every common step, ``live = gen + keep``; ``below[e,f] + below[f,e] >= both[e,f]``
+  + live[f,t] - 1``, ``live = gen + keep``; ``below[e,f] + below[f,e] >= both[e,f]``
   (live together means disjoint addresses); redundant, as in MODeL with a memory limit: ``sum_e
   size[e] * live[e,t] <= H``.
 - Objective: minimise ``H``; its lower end is the order lower bound (``order_graph.IndexedProblem``),
@@ -31,7 +31,10 @@ Simplified, and why: no rematerialisation and no spilling (MODeL's ``fetch`` var
 plans neither); one op per step with ``n`` steps instead of MODeL's ~1.01 x longest-path steps with
 several nodes per step (the lifetime contract is per op step; several nodes per step could only
 over-count memory); MODeL's big-M disjunctions are CP-SAT enforcement literals (same solutions);
-variables that the precedence fixes (``keep`` = 1 between ``alap`` of the producer and ``asap`` of a
+``both`` is bounded at the steps where one of the two is made, not at every common step (live steps
+are contiguous, so two tensors that share a step share the later one's creation step: the same
+solutions with far fewer constraints); pairs the dependencies keep apart (MODeL's
+``can_overlap_in_time``) get no variables; variables that the precedence fixes (``keep`` = 1 between ``alap`` of the producer and ``asap`` of a
 reader, and the mandatory disjunction of two tensors live together for certain) are constants; no
 hint from Rhino's plan (a baseline does not start from it): the hint, when on, is the problem's own
 program order with a best-fit layout (``ModelOptions.hint_program_order``). The model lives in memory: above ``max_size``
@@ -62,9 +65,9 @@ class ModelOptions:
     """Named knobs of the MODeL baseline."""
 
     workers: int = 2  # CP-SAT workers (the development machine has two cores)
-    # largest model built (booleans + pair-step constraints): about 1 GB of Python model at ~500 B per
-    # term (measured: tests/test_model_ilp.py::test_model_size_guard prints the model's size)
-    max_size: int = 2_000_000
+    # largest model built (booleans + pair-step constraints). Measured: AlexNet b1 of benchmarks/roam.py
+    # (255 ops, size 4.3e6) was not built within 60 s on 2 loaded cores, 0.6 GB RSS at that point
+    max_size: int = 6_000_000
     start_at_bound: bool = True  # H's lower end = the order lower bound (stops the search when reached)
     # hint CP-SAT with the problem's own program order and its best-fit layout (the input a MODeL user
     # has too; Gurobi finds a first solution by itself, CP-SAT often does not on 40+ ops; measured in
@@ -112,6 +115,7 @@ class _Data:
                 m |= desc[s] | (1 << s)
             desc[i] = m
             _tick(deadline)
+        self.anc = anc
         self.asap = [a.bit_count() for a in anc]
         self.alap = [n - 1 - d.bit_count() for d in desc]
         unit = 0
@@ -133,24 +137,38 @@ class _Data:
         self.mem = [j for j in range(g.m) if g.size[j] > 0]
 
     def pairs(self, cap: int, deadline: float) -> list[tuple[int, int]] | None:
-        """Tensor pairs (non-zero sizes) whose windows share a step; None when more than ``cap``."""
+        """Tensor pairs (non-zero sizes) whose windows share a step and that the dependencies do not keep
+        apart (MODeL's ``can_overlap_in_time``); None when more than ``cap``."""
         by_lo = sorted(self.mem, key=lambda j: self.lo[j])
         los = [self.lo[j] for j in by_lo]
         out: list[tuple[int, int]] = []
         for a, j in enumerate(by_lo):
             end = bisect.bisect_right(los, self.hi[j], lo=a + 1)
-            if len(out) + end - a - 1 > cap:
+            out.extend((j, k) for k in by_lo[a + 1:end] if not (self.dead_before(j, k) or self.dead_before(k, j)))
+            if len(out) > cap:
                 return None
-            out.extend((j, by_lo[b]) for b in range(a + 1, end))
             _tick(deadline)
         return out
+
+    def dead_before(self, e: int, f: int) -> bool:
+        """Tensor ``e`` is freed before ``f`` is made in every order: each op that ends ``e``'s lifetime (its
+        readers, or its producer when nobody reads it) is an ancestor of ``f``'s producer."""
+        g = self.g
+        if g.keep[e] or g.prod[f] < 0:
+            return False
+        ends = g.cons[e] or ((g.prod[e],) if g.prod[e] >= 0 else ())
+        a = self.anc[g.prod[f]]
+        return bool(ends) and all(a >> c & 1 for c in ends)
 
     def size(self, pairs: list[tuple[int, int]]) -> int:
         """Booleans and pair-step constraints of the model (an upper estimate)."""
         g = self.g
         runs = sum(self.alap[i] - self.asap[i] + 1 for i in range(g.n))
         keeps = sum(self.hi[j] - self.lo[j] + 1 for j in self.mem)
-        steps = sum(min(self.hi[e], self.hi[f]) - max(self.lo[e], self.lo[f]) + 1 for e, f in pairs)
+        def made(e: int, f: int) -> int:  # steps at which f may be made while e may be live
+            p = g.prod[f]
+            return 0 if p < 0 else max(0, min(self.alap[p], self.hi[e]) - max(self.asap[p], self.lo[e]) + 1)
+        steps = sum(made(e, f) + made(f, e) for e, f in pairs)
         return runs + keeps + 3 * len(pairs) + steps
 
 
@@ -173,6 +191,7 @@ class _Model:
         self.m = cp_model.CpModel()
         self.run: list[dict[int, cp_model.IntVar]] = []
         self.keep: dict[int, dict[int, object]] = {}  # tensor -> step -> 0/1 or variable
+        self.certain: dict[int, tuple[int, int]] = {}  # tensor -> the steps at which it is live in every order
         self.pair_vars: list[tuple[int, int, cp_model.IntVar, cp_model.IntVar, cp_model.IntVar | None]] = []
 
     def gen(self, j: int, t: int) -> object:
@@ -225,6 +244,9 @@ class _Model:
                     certain = True
                 row[t] = 1 if certain else m.new_bool_var(f"keep{j}_{t}")
             self.keep[j] = row
+            ones = [t for t, x in row.items() if isinstance(x, int)]  # contiguous by construction
+            if ones:
+                self.certain[j] = (ones[0], ones[-1])
             for t, x in row.items():
                 before = [y for y in (self.kept(j, t - 1), self.gen(j, t - 1)) if not isinstance(y, int)]
                 if t > 0 and not (isinstance(self.kept(j, t - 1), int) and self.kept(j, t - 1) == 1):
@@ -262,33 +284,40 @@ class _Model:
 
     def disjoint(self, pairs: list[tuple[int, int]]) -> None:
         """Two tensors live at a common step get disjoint addresses (``below``/``both`` of the docstring)."""
-        g, d, m, u = self.g, self.d, self.m, self.d.unit
-        for k, (e, f) in enumerate(pairs):
-            steps = range(max(d.lo[e], d.lo[f]), min(d.hi[e], d.hi[f]) + 1)
-            lives = [(self.live(e, t), self.live(f, t)) for t in steps]
-            lives = [(a, b) for a, b in lives if a and b]
-            if not lives:
-                continue
+        g, m, u = self.g, self.m, self.d.unit
+        for e, f in pairs:
             ef, fe = m.new_bool_var(f"b{e}_{f}"), m.new_bool_var(f"b{f}_{e}")
             m.add(self.addr[e] + g.size[e] // u <= self.addr[f]).only_enforce_if(ef)
             m.add(self.addr[f] + g.size[f] // u <= self.addr[e]).only_enforce_if(fe)
+            ce, cf = self.certain.get(e), self.certain.get(f)
             both = None
-            if any(_is_one(a) and _is_one(b) for a, b in lives):
-                m.add_bool_or([ef, fe])
+            if ce and cf and max(ce[0], cf[0]) <= min(ce[1], cf[1]):
+                m.add_bool_or([ef, fe])  # live together in every order
             else:
                 both = m.new_bool_var(f"both{e}_{f}")
-                # both >= live[e,t] + live[f,t] - 1 as clauses (gen and keep exclude each other), written
-                # into the model's proto directly: the API call per clause was 3/4 of the building time
-                cons = m.proto.constraints
-                for a, b in lives:
-                    for x in a:
-                        for y in b:
-                            cons.add().bool_or.literals.extend(
-                                [both.index, *(-v.index - 1 for v in (x, y) if not isinstance(v, int))])
+                self.made_while_live(e, f, both)
+                self.made_while_live(f, e, both)
                 m.add_bool_or([ef, fe]).only_enforce_if(both)
             self.pair_vars.append((e, f, ef, fe, both))
             _tick(self.deadline)
 
+    def made_while_live(self, e: int, f: int, both: cp_model.IntVar) -> None:
+        """``both >= gen[f,t] + live[e,t] - 1`` at every step ``f`` may be made. Live steps are contiguous, so two
+        tensors live at a common step are live together where the later one is made: these steps say as
+        much as MODeL's every-step constraints. Written as clauses into the model's proto (``gen`` and
+        ``keep`` exclude each other): the API call per clause was most of the building time."""
+        g, d = self.g, self.d
+        p = g.prod[f]
+        if p < 0:
+            return
+        cons = self.m.proto.constraints
+        for t, r in self.run[p].items():
+            if d.lo[e] <= t <= d.hi[e]:
+                for x in self.live(e, t):
+                    lits = [both.index, -r.index - 1]
+                    if not isinstance(x, int):
+                        lits.append(-x.index - 1)
+                    cons.add().bool_or.literals.extend(lits)
 
     def hint(self, h: cp_model.IntVar) -> None:
         """A complete solution: program order (op ``i`` at step ``i``), its lifetimes, a best-fit layout."""
