@@ -102,6 +102,8 @@ def run_plan(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, time
     """
     start = time.perf_counter()
     graph = cap.graph
+    if plan.stages > 1:
+        raise ValueError(f"the plan has {plan.stages} pipeline stages; rhino run does not run pipelines yet")
     rp: ResolvedPlan = resolve(graph, plan)
     if plan.mesh.world != nproc:
         raise ValueError(f"the plan's mesh {plan.mesh} has {plan.mesh.world} devices but --nproc is {nproc}; "

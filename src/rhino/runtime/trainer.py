@@ -80,6 +80,8 @@ class Trainer:
             say("capturing the training step ...")
             self.cap: Captured = capture(self.workload)
             self.plan = self._plan(plan, strategy, cluster, level, time_limit, say)
+        if self.plan.stages > 1:
+            raise ValueError(f"the plan has {self.plan.stages} pipeline stages; the Trainer does not run pipelines yet")
         if self.plan.mesh.world != self.world:
             raise ValueError(f"the plan's mesh {self.plan.mesh} has {self.plan.mesh.world} devices but the job "
                              f"has {self.world} processes; start {self.plan.mesh.world} or choose another plan")
