@@ -136,19 +136,31 @@ class _Data:
                 self.hi[j] = max(last, self.alap[p])
         self.mem = [j for j in range(g.m) if g.size[j] > 0]
 
-    def pairs(self, cap: int, deadline: float) -> list[tuple[int, int]] | None:
+    def pairs(self, cap: int, deadline: float) -> tuple[list[tuple[int, int]] | None, int]:
         """Tensor pairs (non-zero sizes) whose windows share a step and that the dependencies do not keep
-        apart (MODeL's ``can_overlap_in_time``); None when more than ``cap``."""
+        apart (MODeL's ``can_overlap_in_time``), and the model's size (booleans and pair-step constraints);
+        no pairs, and a size just above ``cap``, once the size passes ``cap``."""
+        g = self.g
+        size = sum(self.alap[i] - self.asap[i] + 1 for i in range(g.n))
+        size += sum(self.hi[j] - self.lo[j] + 1 for j in self.mem)
         by_lo = sorted(self.mem, key=lambda j: self.lo[j])
         los = [self.lo[j] for j in by_lo]
         out: list[tuple[int, int]] = []
         for a, j in enumerate(by_lo):
             end = bisect.bisect_right(los, self.hi[j], lo=a + 1)
-            out.extend((j, k) for k in by_lo[a + 1:end] if not (self.dead_before(j, k) or self.dead_before(k, j)))
-            if len(out) > cap:
-                return None
+            for k in by_lo[a + 1:end]:
+                if not (self.dead_before(j, k) or self.dead_before(k, j)):
+                    out.append((j, k))
+                    size += 3 + self.made(j, k) + self.made(k, j)
+            if size > cap:
+                return None, size
             _tick(deadline)
-        return out
+        return out, size
+
+    def made(self, e: int, f: int) -> int:
+        """Steps at which ``f`` may be made while ``e`` may be live (the clauses of ``_Model.made_while_live``)."""
+        p = self.g.prod[f]
+        return 0 if p < 0 else max(0, min(self.alap[p], self.hi[e]) - max(self.asap[p], self.lo[e]) + 1)
 
     def dead_before(self, e: int, f: int) -> bool:
         """Tensor ``e`` is freed before ``f`` is made in every order: each op that ends ``e``'s lifetime (its
@@ -159,17 +171,6 @@ class _Data:
         ends = g.cons[e] or ((g.prod[e],) if g.prod[e] >= 0 else ())
         a = self.anc[g.prod[f]]
         return bool(ends) and all(a >> c & 1 for c in ends)
-
-    def size(self, pairs: list[tuple[int, int]]) -> int:
-        """Booleans and pair-step constraints of the model (an upper estimate)."""
-        g = self.g
-        runs = sum(self.alap[i] - self.asap[i] + 1 for i in range(g.n))
-        keeps = sum(self.hi[j] - self.lo[j] + 1 for j in self.mem)
-        def made(e: int, f: int) -> int:  # steps at which f may be made while e may be live
-            p = g.prod[f]
-            return 0 if p < 0 else max(0, min(self.alap[p], self.hi[e]) - max(self.asap[p], self.lo[e]) + 1)
-        steps = sum(made(e, f) + made(f, e) for e, f in pairs)
-        return runs + keeps + 3 * len(pairs) + steps
 
 
 def _tick(deadline: float) -> None:
@@ -357,9 +358,8 @@ def solve_model(problem: MemProblem, time_limit: float = 60.0, options: ModelOpt
 
     try:
         d = _Data(g, deadline)
-        pairs = d.pairs(opts.max_size, deadline)
-        size = d.size(pairs) if pairs is not None else opts.max_size + 1
-        if size > opts.max_size:
+        pairs, size = d.pairs(opts.max_size, deadline)
+        if pairs is None:
             return done("too large", size, f"the model has more than {opts.max_size:,} booleans and pair-step "
                                            f"constraints (ModelOptions.max_size)")
         md = _Model(d, deadline)
