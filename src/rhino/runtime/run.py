@@ -36,6 +36,7 @@ class RunResult:
     seconds: float = 0.0
     step_seconds: list[float] = field(default_factory=list)   # per step, slowest rank (measure=True)
     peak_live_bytes: list[int] = field(default_factory=list)  # per rank, first step (measure=True)
+    pipeline: dict | None = None   # plans with stages: busy/idle seconds per step and stage (runtime.pipeline_run)
 
     def to_dict(self) -> dict:
         """The ``rhino run --json`` object."""
@@ -43,7 +44,8 @@ class RunResult:
                 "steps": self.steps, "comm_bytes_per_step": self.comm_bytes_per_step,
                 "collectives_per_step": self.collectives_per_step, "losses": self.losses,
                 "reference_losses": self.reference_losses, "first_mismatch": self.first_mismatch,
-                "state_bytes_per_rank": self.local_state_bytes, "seconds": round(self.seconds, 2)}
+                "state_bytes_per_rank": self.local_state_bytes, "seconds": round(self.seconds, 2),
+                **({"pipeline": self.pipeline} if self.pipeline is not None else {})}
 
 
 def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, steps: int, timeout_s: float,
@@ -103,7 +105,10 @@ def run_plan(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, time
     start = time.perf_counter()
     graph = cap.graph
     if plan.stages > 1:
-        raise ValueError(f"the plan has {plan.stages} pipeline stages; rhino run does not run pipelines yet")
+        if measure or overlap:
+            raise ValueError("measure and overlap are not supported with pipeline stages yet")
+        from .pipeline_run import run_pipeline
+        return run_pipeline(cap, plan, nproc, steps, timeout_s, tol)
     rp: ResolvedPlan = resolve(graph, plan)
     if plan.mesh.world != nproc:
         raise ValueError(f"the plan's mesh {plan.mesh} has {plan.mesh.world} devices but --nproc is {nproc}; "
