@@ -1,7 +1,8 @@
 """``plan_memory``: an operator order and an arena offset for every tensor (ROAM's two stages).
 
 1. Order (``order.order_ops``): heuristics and ROAM's rules, then (level ``O2``) exact CP-SAT windows,
-   with about half of ``time_limit``.
+   with about half of ``time_limit``; ``options.division`` picks flat windows around the peak (default)
+   or ROAM's task tree (``order_tree``).
 2. Layout of that order's buffers (``problem.buffers``): the greedy layouts of ``layout.py`` by size
    and long-lived first, ROAM's cross-loss rule (option ``cross_loss_bottom``: the tensors live across
    the loss are pre-placed at the bottom of the arena, the latest freed lowest, and the rest placed

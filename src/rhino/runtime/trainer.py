@@ -59,12 +59,15 @@ class Trainer:
     comparisons). ``overlap``: issue collectives asynchronously in buckets (off: blocking, one per tensor).
     ``release_memory``: freed tensors go back to the OS at once (``runtime.init.return_freed_memory``, glibc),
     so the resident set follows the live bytes; for models near the memory limit (costs page faults).
+    ``memory_plan``: a memory-planning level (O1, O2): the step runs in its planned order inside one arena
+    (``runtime.arena_step.ArenaRankStep``; blocking collectives, one micro-batch).
     """
 
     def __init__(self, workload, plan: ShardingPlan | str | None = None, *, strategy: str | None = None,
                  cluster: str | None = None, level: str = "O1", time_limit: float = 20.0,
                  dtype: torch.dtype | None = None, overlap: bool = True, timeout_s: float = 300.0,
-                 release_memory: bool = False, progress: Callable[[str], None] | None = None) -> None:
+                 release_memory: bool = False, progress: Callable[[str], None] | None = None,
+                 memory_plan: str | None = None) -> None:
         if sum(x is not None for x in (plan, strategy, cluster)) != 1:
             raise ValueError("give exactly one of plan, strategy or cluster")
         say = progress or (lambda message: None)
@@ -96,8 +99,13 @@ class Trainer:
         set_context(self.plan.mesh, self.mesh_rank, self.groups, TORCH_COLLECTIVES)
         say("lowering the per-rank programs ...")
         if self.pipelined:
+            if memory_plan:
+                raise ValueError("--memory-plan is not supported with pipeline stages yet; drop it or the pp key")
             from .pipeline import PipelineStep
             self.program = PipelineStep(self.cap, self.plan, self.rank, self.device)
+        elif memory_plan:
+            from .arena_step import ArenaRankStep
+            self.program = ArenaRankStep(self.cap.graph, self.plan, self.rank, self.device, level=memory_plan)
         else:
             from .rank_step import RankStep
             self.program = RankStep(self.cap, self.plan, self.rank, self.device, overlap=overlap)
@@ -290,7 +298,7 @@ def train(workload: str, nproc: int, *, plan: str | None = None, strategy: str |
           cluster: str | None = None, level: str = "O1", steps: int = 10, dtype: torch.dtype | None = None,
           overlap: bool = True, timeout_s: float = 300.0, log: str | None = None, progress: bool = True,
           measure_live: bool = True, release_memory: bool = False, checkpoint: str | None = None, every: int = 0,
-          resume: bool = False) -> TrainResult:
+          resume: bool = False, memory_plan: str | None = None) -> TrainResult:
     """Train ``workload`` (a ``FILE[:FUNC]`` spec) for ``steps`` steps on ``nproc`` local processes (gloo).
 
     Rank 0 prints progress on stderr (step, loss, step time, samples/s) and appends one JSON line per
@@ -298,7 +306,7 @@ def train(workload: str, nproc: int, *, plan: str | None = None, strategy: str |
     (slower step; excluded from the step times). ``checkpoint``: a directory to save sharded checkpoints in,
     every ``every`` steps (0: only at the end) and after the last step; ``resume``: continue from its latest
     checkpoint (under this run's plan, which may differ from the saver's) up to ``steps`` steps in total,
-    or start from step 0 when it holds none.
+    or start from step 0 when it holds none. ``memory_plan``: each rank runs in its planned arena (``Trainer``).
     """
     if nproc < 1 or steps < 1:
         raise ValueError("nproc and steps must be at least 1")
@@ -307,7 +315,7 @@ def train(workload: str, nproc: int, *, plan: str | None = None, strategy: str |
     start = time.perf_counter()
     results = launch(train_rank, nproc, workload, plan, strategy, cluster, level, steps, dtype, overlap,
                      timeout_s, log, progress, measure_live, release_memory, checkpoint, every, resume,
-                     timeout_s=timeout_s)
+                     memory_plan, timeout_s=timeout_s)
     return summarize(results, measure_live, time.perf_counter() - start)
 
 
@@ -315,7 +323,7 @@ def train_torchrun(workload: str, *, plan: str | None = None, strategy: str | No
                    cluster: str | None = None, level: str = "O1", steps: int = 10, dtype: torch.dtype | None = None,
                    overlap: bool = True, timeout_s: float = 300.0, log: str | None = None, progress: bool = True,
                    measure_live: bool = True, release_memory: bool = False, checkpoint: str | None = None,
-                   every: int = 0, resume: bool = False) -> TrainResult | None:
+                   every: int = 0, resume: bool = False, memory_plan: str | None = None) -> TrainResult | None:
     """``train`` as one rank of a ``torchrun`` job: every rank trains; rank 0 returns the summary (others None)."""
     start = time.perf_counter()
     check_checkpointing(checkpoint, every, resume)
@@ -324,7 +332,7 @@ def train_torchrun(workload: str, *, plan: str | None = None, strategy: str | No
     try:
         mine = train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, overlap, timeout_s, log,
                           progress, measure_live, release_memory, checkpoint=checkpoint, every=every,
-                          resume=resume)
+                          resume=resume, memory_plan=memory_plan)
         results = [None] * ctx.world_size
         dist.all_gather_object(results, mine)
     finally:
@@ -399,7 +407,7 @@ def _check_world(nproc: int, plan, strategy, cluster) -> None:
 
 
 def train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, overlap, timeout_s, log, progress,
-                measure_live, release_memory=False, checkpoint=None, every=0, resume=False):
+                measure_live, release_memory=False, checkpoint=None, every=0, resume=False, memory_plan=None):
     """One rank of ``train``: build the trainer, resume (``resume``) from ``checkpoint``'s latest checkpoint,
     train up to ``steps`` steps in total, saving every ``every`` steps and after the last one."""
     import os
@@ -407,7 +415,8 @@ def train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, over
     say = (lambda m: print(f"rhino train: {m}", file=sys.stderr, flush=True)) if progress and ctx.rank == 0 \
         else (lambda m: None)
     trainer = Trainer(workload, plan, strategy=strategy, cluster=cluster, level=level, dtype=dtype,
-                      overlap=overlap, timeout_s=timeout_s, release_memory=release_memory, progress=say)
+                      overlap=overlap, timeout_s=timeout_s, release_memory=release_memory, progress=say,
+                      memory_plan=memory_plan)
     measure_live = measure_live and not trainer.pipelined   # pipelines: no live-bytes meter yet (peak 0)
     resumed = _resume(trainer, checkpoint, say) if resume else None
     first = trainer.steps_done
