@@ -33,7 +33,7 @@ def test_presets_carry_microbatches_and_recompute_through_the_plan_json(mlp):
     plan = preset_plan(mlp.graph, parse_strategy("dp=2,microbatches=4,recompute=full"))
     assert (plan.microbatches, plan.recompute) == (4, "full")
     d = json.loads(plan.to_json())
-    assert d["pipeline"] == {"stages": 1, "microbatches": 4} and d["recompute"] == "full"
+    assert d["pipeline"] == {"stages": 1, "microbatches": 4, "schedule": "1f1b"} and d["recompute"] == "full"
     back = ShardingPlan.from_json(plan.to_json())
     assert (back.microbatches, back.recompute) == (4, "full")
     assert back.inputs == plan.inputs and back.strategies == plan.strategies
@@ -46,7 +46,7 @@ def test_an_old_plan_file_without_the_fields_reads_as_one_microbatch_no_recomput
     assert (back.microbatches, back.recompute) == (1, "none")
 
 
-@pytest.mark.parametrize("edit, match", [({"pipeline": {"stages": 2, "microbatches": 4}}, "pipeline stages"),
+@pytest.mark.parametrize("edit, match", [({"pipeline": {"stages": 0, "microbatches": 4}}, "pipeline stages"),
                                          ({"pipeline": {"stages": 1, "microbatches": 0}}, "microbatches"),
                                          ({"recompute": "some"}, "recompute")])
 def test_bad_plan_fields_are_one_clear_error(mlp, edit, match):
@@ -56,9 +56,9 @@ def test_bad_plan_fields_are_one_clear_error(mlp, edit, match):
         ShardingPlan.from_json(json.dumps(d))
 
 
-def test_pp_stays_rejected_by_the_presets(mlp):
-    with pytest.raises(ValueError, match="pp > 1"):
-        preset_plan(mlp.graph, parse_strategy("dp=2,pp=2,microbatches=4"))
+def test_pp_presets_are_pipeline_plans_on_the_stage_mesh(mlp):
+    plan = preset_plan(mlp.graph, parse_strategy("dp=2,pp=2,microbatches=4"))
+    assert (plan.stages, plan.mesh.world, plan.world) == (2, 2, 4) and len(plan.stage_of) > 0
 
 
 def test_estimate_prices_a_plan_files_microbatches_like_the_strategy_string(mlp):

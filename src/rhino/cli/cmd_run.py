@@ -25,6 +25,9 @@ def add_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck collective fails")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="build the workload and its reference under this "
                    "default dtype; float64 compares every rank at 1e-9 (float32: rtol 1e-4, atol 1e-5)")
+    p.add_argument("--memory-plan", nargs="?", const="O1", choices=("O1", "O2"), metavar="LEVEL",
+                   help="each rank runs its planned operator order inside one preallocated arena (memory plan per "
+                   "rank at LEVEL, default O1); collectives block (no overlap) in this mode; one micro-batch")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -63,7 +66,7 @@ def _run(args) -> int:
     status(f"running {args.steps} steps on {args.nproc} processes, mesh {plan.mesh} ...", not args.json)
     from ..runtime.run import run_plan
     try:
-        r = run_plan(cap, plan, args.nproc, args.steps, args.timeout)
+        r = run_plan(cap, plan, args.nproc, args.steps, args.timeout, memory_plan=args.memory_plan)
     except RankFailedError as exc:
         raise ValueError(str(exc)) from None
     if in_torchrun() and int(__import__("os").environ.get("RANK", "0")) != 0:
@@ -73,6 +76,9 @@ def _run(args) -> int:
     elif r.ok:
         print(f"run OK: nproc={r.nproc} mesh={r.mesh} steps={r.steps} max_abs_diff={r.max_abs_diff:.3g} "
               f"comm_bytes_per_step={r.comm_bytes_per_step}")
+        for m in r.memory_plan:
+            print(f"  rank {m['rank']}: arena {m['arena_bytes']} bytes "
+                  f"({'=' if m['arena_bytes'] == m['plan_bytes'] else '!='} plan {m['plan_bytes']})")
     else:
         print(f"run FAILED: {r.first_mismatch}")
     return 0 if r.ok else 1

@@ -131,6 +131,9 @@ class RankStep:
                  overlap: bool = True, micro_graph: Graph | None = None) -> None:
         cap = graph if isinstance(graph, Captured) else None
         graph = cap.graph if cap is not None else graph
+        if plan.stages > 1:
+            raise ValueError(f"the plan has {plan.stages} pipeline stages; RankStep runs one stage's step, "
+                             f"runtime.pipeline runs pipelines")
         resolve(graph, plan)  # the plan is for this workload (fingerprint), every sharding checks
         self.plan, self.rank, self.device, self.overlap = plan, rank, torch.device(device), overlap
         self.microbatches = m = plan.microbatches

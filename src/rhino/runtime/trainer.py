@@ -59,12 +59,15 @@ class Trainer:
     comparisons). ``overlap``: issue collectives asynchronously in buckets (off: blocking, one per tensor).
     ``release_memory``: freed tensors go back to the OS at once (``runtime.init.return_freed_memory``, glibc),
     so the resident set follows the live bytes; for models near the memory limit (costs page faults).
+    ``memory_plan``: a memory-planning level (O1, O2): the step runs in its planned order inside one arena
+    (``runtime.arena_step.ArenaRankStep``; blocking collectives, one micro-batch).
     """
 
     def __init__(self, workload, plan: ShardingPlan | str | None = None, *, strategy: str | None = None,
                  cluster: str | None = None, level: str = "O1", time_limit: float = 20.0,
                  dtype: torch.dtype | None = None, overlap: bool = True, timeout_s: float = 300.0,
-                 release_memory: bool = False, progress: Callable[[str], None] | None = None) -> None:
+                 release_memory: bool = False, progress: Callable[[str], None] | None = None,
+                 memory_plan: str | None = None) -> None:
         if sum(x is not None for x in (plan, strategy, cluster)) != 1:
             raise ValueError("give exactly one of plan, strategy or cluster")
         say = progress or (lambda message: None)
@@ -80,6 +83,8 @@ class Trainer:
             say("capturing the training step ...")
             self.cap: Captured = capture(self.workload)
             self.plan = self._plan(plan, strategy, cluster, level, time_limit, say)
+        if self.plan.stages > 1:
+            raise ValueError(f"the plan has {self.plan.stages} pipeline stages; the Trainer does not run pipelines yet")
         if self.plan.mesh.world != self.world:
             raise ValueError(f"the plan's mesh {self.plan.mesh} has {self.plan.mesh.world} devices but the job "
                              f"has {self.world} processes; start {self.plan.mesh.world} or choose another plan")
@@ -90,8 +95,12 @@ class Trainer:
         say(f"materialising rank {self.rank}'s shards ...")
         self.state = self._local_state()
         say("lowering the per-rank programs ...")
-        from .rank_step import RankStep
-        self.program = RankStep(self.cap, self.plan, self.rank, self.device, overlap=overlap)
+        if memory_plan:
+            from .arena_step import ArenaRankStep
+            self.program = ArenaRankStep(self.cap.graph, self.plan, self.rank, self.device, level=memory_plan)
+        else:
+            from .rank_step import RankStep
+            self.program = RankStep(self.cap, self.plan, self.rank, self.device, overlap=overlap)
         self._stream = None
         self.steps_done = 0
         self.data_position = 0            # global batches taken from the stream by next_batch (checkpointed)
@@ -268,7 +277,7 @@ def train(workload: str, nproc: int, *, plan: str | None = None, strategy: str |
           cluster: str | None = None, level: str = "O1", steps: int = 10, dtype: torch.dtype | None = None,
           overlap: bool = True, timeout_s: float = 300.0, log: str | None = None, progress: bool = True,
           measure_live: bool = True, release_memory: bool = False, checkpoint: str | None = None, every: int = 0,
-          resume: bool = False) -> TrainResult:
+          resume: bool = False, memory_plan: str | None = None) -> TrainResult:
     """Train ``workload`` (a ``FILE[:FUNC]`` spec) for ``steps`` steps on ``nproc`` local processes (gloo).
 
     Rank 0 prints progress on stderr (step, loss, step time, samples/s) and appends one JSON line per
@@ -276,7 +285,7 @@ def train(workload: str, nproc: int, *, plan: str | None = None, strategy: str |
     (slower step; excluded from the step times). ``checkpoint``: a directory to save sharded checkpoints in,
     every ``every`` steps (0: only at the end) and after the last step; ``resume``: continue from its latest
     checkpoint (under this run's plan, which may differ from the saver's) up to ``steps`` steps in total,
-    or start from step 0 when it holds none.
+    or start from step 0 when it holds none. ``memory_plan``: each rank runs in its planned arena (``Trainer``).
     """
     if nproc < 1 or steps < 1:
         raise ValueError("nproc and steps must be at least 1")
@@ -285,7 +294,7 @@ def train(workload: str, nproc: int, *, plan: str | None = None, strategy: str |
     start = time.perf_counter()
     results = launch(train_rank, nproc, workload, plan, strategy, cluster, level, steps, dtype, overlap,
                      timeout_s, log, progress, measure_live, release_memory, checkpoint, every, resume,
-                     timeout_s=timeout_s)
+                     memory_plan, timeout_s=timeout_s)
     return summarize(results, measure_live, time.perf_counter() - start)
 
 
@@ -293,7 +302,7 @@ def train_torchrun(workload: str, *, plan: str | None = None, strategy: str | No
                    cluster: str | None = None, level: str = "O1", steps: int = 10, dtype: torch.dtype | None = None,
                    overlap: bool = True, timeout_s: float = 300.0, log: str | None = None, progress: bool = True,
                    measure_live: bool = True, release_memory: bool = False, checkpoint: str | None = None,
-                   every: int = 0, resume: bool = False) -> TrainResult | None:
+                   every: int = 0, resume: bool = False, memory_plan: str | None = None) -> TrainResult | None:
     """``train`` as one rank of a ``torchrun`` job: every rank trains; rank 0 returns the summary (others None)."""
     start = time.perf_counter()
     check_checkpointing(checkpoint, every, resume)
@@ -302,7 +311,7 @@ def train_torchrun(workload: str, *, plan: str | None = None, strategy: str | No
     try:
         mine = train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, overlap, timeout_s, log,
                           progress, measure_live, release_memory, checkpoint=checkpoint, every=every,
-                          resume=resume)
+                          resume=resume, memory_plan=memory_plan)
         results = [None] * ctx.world_size
         dist.all_gather_object(results, mine)
     finally:
@@ -379,7 +388,7 @@ def _check_world(nproc: int, plan, strategy, cluster) -> None:
 
 
 def train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, overlap, timeout_s, log, progress,
-                measure_live, release_memory=False, checkpoint=None, every=0, resume=False):
+                measure_live, release_memory=False, checkpoint=None, every=0, resume=False, memory_plan=None):
     """One rank of ``train``: build the trainer, resume (``resume``) from ``checkpoint``'s latest checkpoint,
     train up to ``steps`` steps in total, saving every ``every`` steps and after the last one."""
     import os
@@ -387,7 +396,8 @@ def train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, over
     say = (lambda m: print(f"rhino train: {m}", file=sys.stderr, flush=True)) if progress and ctx.rank == 0 \
         else (lambda m: None)
     trainer = Trainer(workload, plan, strategy=strategy, cluster=cluster, level=level, dtype=dtype,
-                      overlap=overlap, timeout_s=timeout_s, release_memory=release_memory, progress=say)
+                      overlap=overlap, timeout_s=timeout_s, release_memory=release_memory, progress=say,
+                      memory_plan=memory_plan)
     resumed = _resume(trainer, checkpoint, say) if resume else None
     first = trainer.steps_done
     losses, times, peak_live, samples, saved = [], [], 0, 0, []

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..ir.graph import Graph, Role
+from ..ir.stages import Schedule, StageError, check_stage_fields
 from ..ir.registry import OpCall, OutputRule, annotate, call_of, lookup
 from .mesh import Mesh
 from .placement import Partial, Replicate, Shard, Sharding, format_sharding, local_shape, parse_placement, replicated
@@ -37,9 +38,29 @@ class ShardingPlan:
     meta: dict[str, Any] = field(default_factory=dict)
     microbatches: int = 1                        # gradient accumulation: micro-batches per step
     recompute: str = "none"                      # a ``vocab.Recompute`` value: none | full | selective
+    stages: int = 1                              # pipeline stages; ``mesh`` is one stage's mesh
+    schedule: str = Schedule.ONE_F_ONE_B.value   # an ``ir.stages.Schedule`` value: 1f1b | gpipe
+    stage_of: dict[str, int] = field(default_factory=dict)  # forward node name -> stage (empty: default cut)
 
     def __post_init__(self) -> None:
         check_step_fields(self.microbatches, self.recompute)
+        try:
+            check_stage_fields(self.stages, self.schedule, self.stage_of)
+        except StageError as exc:
+            raise PlanError(str(exc)) from None
+
+    @property
+    def world(self) -> int:
+        """Devices of the whole job: ``stages`` stage meshes (stage-major ranks: stage ``s`` has ranks
+        ``[s * mesh.world, (s + 1) * mesh.world)``)."""
+        return self.stages * self.mesh.world
+
+    def pipeline_dict(self) -> dict:
+        """The plan file's ``"pipeline"`` object (``stage_of`` only with more than one stage)."""
+        d = {"stages": self.stages, "microbatches": self.microbatches, "schedule": str(Schedule(self.schedule).value)}
+        if self.stages > 1:
+            d["stage_of"] = dict(self.stage_of)
+        return d
 
     def to_json(self) -> str:
         return json.dumps({
@@ -47,7 +68,7 @@ class ShardingPlan:
             "mesh": {"names": list(self.mesh.names), "sizes": list(self.mesh.sizes)},
             "inputs": {k: [str(p) for p in v] for k, v in self.inputs.items()},
             "strategies": {k: list(v) for k, v in self.strategies.items()},
-            "pipeline": {"stages": 1, "microbatches": self.microbatches}, "recompute": self.recompute,
+            "pipeline": self.pipeline_dict(), "recompute": self.recompute,
             "meta": self.meta,
         }, indent=1)
 
@@ -61,12 +82,14 @@ class ShardingPlan:
             raise PlanError(f"plan format {d.get('format')!r} is not supported (expected {PLAN_FORMAT})")
         mesh = Mesh(tuple(d["mesh"]["names"]), tuple(d["mesh"]["sizes"]))
         pipeline = d.get("pipeline") or {}
-        if pipeline.get("stages", 1) != 1:
-            raise PlanError(f"the plan has {pipeline['stages']} pipeline stages; the runtime runs one stage only")
+        if not isinstance(pipeline, dict) or not isinstance(pipeline.get("stage_of", {}), dict):
+            raise PlanError("the plan's \"pipeline\" must be an object with stages, microbatches, schedule and "
+                            "stage_of (forward node name -> stage)")
         return cls(mesh, {k: tuple(parse_placement(p) for p in v) for k, v in d["inputs"].items()},
                    {k: tuple(v) for k, v in d["strategies"].items()}, d.get("fingerprint", ""),
                    d.get("strategy", ""), d.get("meta", {}), pipeline.get("microbatches", 1),
-                   d.get("recompute", "none"))
+                   d.get("recompute", "none"), pipeline.get("stages", 1),
+                   pipeline.get("schedule", Schedule.ONE_F_ONE_B.value), dict(pipeline.get("stage_of", {})))
 
 
 

@@ -1,7 +1,7 @@
 """Expert presets from the strategy string, expressed as placements found from the graph's structure.
 
-Grammar (design.md): ``dp=4,tp=2,pp=2,zero=1,sp=on,microbatches=8,recompute=full|selective|none``;
-missing keys take defaults. The presets:
+Grammar (design.md): ``dp=4,tp=2,pp=2,zero=1,sp=on,microbatches=8,recompute=full|selective|none``,
+plus ``schedule=1f1b|gpipe`` for pipelines; missing keys take defaults. The presets:
 
 - ``dp``: the batch is split on dim 0 along ``dp``; parameters replicated; gradients all-reduced (DDP).
 - ``zero=1|2``: optimizer state sharded along ``dp`` (gradients reduce-scattered into it; in a
@@ -17,6 +17,8 @@ missing keys take defaults. The presets:
 - ``sp=on``: Megatron sequence parallelism: the batch's sequence dim (dim 1) is split along ``tp``;
   propagation then keeps the residual stream, norms and element-wise regions split on the sequence,
   all-gathers it before each column-parallel matmul and reduce-scatters after each row-parallel one.
+- ``pp``: ``pp`` pipeline stages, each running the plan of the other keys on its own mesh of
+  ``dp * tp`` devices; the stages come from ``ir.stages.contiguous_cut`` (no hints needed).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from dataclasses import dataclass
 
 from ..ir.graph import Graph, Role
 from ..ir.registry import Family, OpKind, lookup
+from ..ir.stages import SCHEDULES, Schedule, contiguous_cut
 from .mesh import Mesh
 from .placement import Replicate, Shard, Sharding
 from .plan import ShardingPlan
@@ -42,6 +45,7 @@ class StrategySpec:
     sp: bool = False
     microbatches: int = 1
     recompute: str = Recompute.NONE
+    schedule: str = Schedule.ONE_F_ONE_B.value
 
     @property
     def world(self) -> int:
@@ -55,6 +59,7 @@ class StrategySpec:
         parts += ["sp=on"] if self.sp else []
         parts += [f"microbatches={self.microbatches}"] if self.microbatches > 1 else []
         parts += [f"recompute={self.recompute}"] if self.recompute != Recompute.NONE else []
+        parts += [f"schedule={self.schedule}"] if self.pp > 1 and self.schedule != Schedule.ONE_F_ONE_B.value else []
         return ",".join(parts)
 
 
@@ -79,8 +84,13 @@ def parse_strategy(text: str) -> StrategySpec:
             if val not in RECOMPUTE_MODES:
                 raise ValueError(f"strategy recompute={val!r}: use full, selective or none")
             values["recompute"] = Recompute(val)
+        elif key == "schedule":
+            if val not in SCHEDULES:
+                raise ValueError(f"strategy schedule={val!r}: use {' or '.join(SCHEDULES)}")
+            values["schedule"] = val
         else:
-            raise ValueError(f"unknown strategy key {key!r}; known keys: dp, tp, pp, zero, sp, microbatches, recompute")
+            raise ValueError(f"unknown strategy key {key!r}; known keys: dp, tp, pp, zero, sp, microbatches, recompute, "
+                             f"schedule")
     spec = StrategySpec(**values)
     if spec.zero > 3:
         raise ValueError("zero must be 0, 1, 2 or 3")
@@ -108,9 +118,8 @@ def _split_first_divisible(shape, n: int, axis: int, ndim: int) -> Sharding:
 
 
 def preset_plan(graph: Graph, spec: StrategySpec) -> ShardingPlan:
-    """The expert plan for ``spec`` on this graph."""
-    if spec.pp > 1:
-        raise ValueError("pipeline parallelism (pp > 1) is not supported by the sharded runtime yet; drop the pp key")
+    """The expert plan for ``spec`` on this graph (with ``pp > 1``: each stage's plan, the same on every
+    stage, and the default stage cut)."""
     mesh = mesh_for(spec)
     dp = mesh.names.index("dp") if "dp" in mesh.names else None
     tp = mesh.names.index("tp") if "tp" in mesh.names else None
@@ -146,6 +155,8 @@ def preset_plan(graph: Graph, spec: StrategySpec) -> ShardingPlan:
     plan.fingerprint = graph.fingerprint()
     plan.strategy_string = str(spec)
     plan.microbatches, plan.recompute = spec.microbatches, spec.recompute
+    plan.stages, plan.schedule = spec.pp, spec.schedule
+    plan.stage_of = contiguous_cut(graph, spec.pp) if spec.pp > 1 else {}
     return plan
 
 
