@@ -136,8 +136,11 @@ def write_docs(path: Path, rows: list[dict], command: str, notes: str) -> None:
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     body = f"{SECTION}\n\n```\n{command}\n```\n\n{notes}\n\n{table(rows)}\n"
     pattern = re.compile(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", re.S | re.M)
+    after = re.compile(rf"^{re.escape(roam.SECTION)}\n.*?(?=^## )", re.S | re.M)  # right after the ROAM table
     if pattern.search(text):
         text = pattern.sub(lambda _: body + "\n", text, count=1)
+    elif after.search(text):
+        text = after.sub(lambda mt: mt.group(0) + body + "\n", text, count=1)
     else:
         text = text.rstrip("\n") + "\n\n" + body
     path.write_text(text.rstrip("\n") + "\n")
