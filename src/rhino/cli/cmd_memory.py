@@ -116,8 +116,9 @@ def _print_table(r: dict) -> None:
     print(f"{'':{w}}{'peak':>12}  {'Rhino saves':>11}")
     for name, b, red in rows:
         print(f"{name:{w}}{human(b):>12}  {red * 100:>10.1f}%")
-    print(f"{'Rhino':{w}}{human(r['rhino_peak_bytes']):>12}")
-    print(f"{'lower bound':{w}}{human(r['lower_bound_bytes']):>12}")
+    print(f"{'Rhino':{w}}{human(r['rhino_peak_bytes']):>12}" + ("  optimal (equals a bound)" if r.get("optimal") else ""))
+    print(f"{'live peak of this order':{w}}{human(r['lower_bound_bytes']):>12}  (no layout of it is lower)")
+    print(f"{'order lower bound':{w}}{human(r['order_lower_bound_bytes']):>12}  (no order is lower)")
     print(f"solve seconds: {r['solve_seconds']:.2f}   valid: {'yes' if r['valid'] else 'NO: ' + r.get('invalid_reason', '')}")
     print(f"state outside the arena: {human(r['state_bytes'])} (parameters {human(r['param_bytes'])}); "
           f"{r['inplace_state_updates']} state tensors updated in place")

@@ -71,6 +71,8 @@ class StepMemoryReport:
             "heuristic_peak_bytes": int(plan.heuristic_peak),
             "rhino_peak_bytes": int(plan.height),
             "lower_bound_bytes": int(plan.lower_bound),
+            "order_lower_bound_bytes": int(plan.order_lower_bound),
+            "optimal": proven_optimal(plan),
             "solve_seconds": round(float(plan.solve_seconds), 3),
             "valid": self.valid,
             "source": getattr(plan, "source", ""),
@@ -87,6 +89,13 @@ class StepMemoryReport:
         return d
 
 
+def proven_optimal(plan: MemoryPlan) -> bool:
+    """True only when the arena equals a bound computed from the problem alone: the order lower bound (bytes
+    every order holds at some step), or, for a MODeL plan, the bound CP-SAT proved for the joint program."""
+    bounds = [plan.order_lower_bound, int(plan.stats.get("model_bound", 0))]
+    return plan.valid and plan.height <= max(bounds)
+
+
 def reduction(ours: int, base: int) -> float:
     """The fraction of ``base`` bytes that ``ours`` saves (0 for an empty baseline), to 4 places."""
     return round(1.0 - ours / base, 4) if base > 0 else 0.0
@@ -94,9 +103,10 @@ def reduction(ours: int, base: int) -> float:
 
 def plan_step_memory(problem: MemProblem, mapping: GraphMemory, *, workload: str = "",
                      level: OptLevel | str = OptLevel.O2, time_limit: float = 60.0,
-                     progress: Callable[[str], None] | None = None) -> StepMemoryReport:
-    """Plan ``problem`` (``plan.plan_memory``), align its offsets for the executor and check it."""
-    plan = plan_memory(problem, level=level, time_limit=time_limit, progress=progress)
+                     progress: Callable[[str], None] | None = None, method: str = "rhino") -> StepMemoryReport:
+    """Plan ``problem`` (``plan.plan_memory``; ``method``: "rhino" or the "model" baseline), align its offsets
+    for the executor and check it."""
+    plan = plan_memory(problem, level=level, time_limit=time_limit, progress=progress, method=method)
     realigned = align_plan(problem, plan, mapping.align)
     return StepMemoryReport(workload, OptLevel(level).value, problem, mapping, plan, realigned,
                             check_plan(problem, plan))
