@@ -12,7 +12,7 @@ from conftest import ROOT
 from test_memory_order import all_orders, random_order, random_problem, training_problem
 from rhino.memory.order import Division, OrderOptions, order_ops, program_order
 from rhino.memory.order_graph import IndexedProblem
-from rhino.memory.order_tree import TreeSettings, build_tree, improve_tree, merge_parts, merge_seam
+from rhino.memory.order_tree import TaskKind, TreeSettings, build_tree, improve_tree, merge_parts, merge_seam
 from rhino.memory.problem import MemOp, MemProblem, MemTensor, OpRole, TensorKind
 from rhino.memory.simulate import check_order, replay
 
@@ -71,7 +71,8 @@ def _edge_problem(with_edge: bool) -> MemProblem:
     ordering edge ``u -> v`` forbids."""
     t = {0: MemTensor(0, 100, K.INPUT, "H"), 1: MemTensor(1, 100, K.INTERMEDIATE, "U"),
          2: MemTensor(2, 0, K.INTERMEDIATE, "V"), 3: MemTensor(3, 1, K.OUTPUT, "Z")}
-    ops = [MemOp(0, "u", (), (1,), OpRole.FORWARD), MemOp(1, "v", (0,), (2,), OpRole.FORWARD, (0,) if with_edge else ()),
+    ops = [MemOp(0, "u", (), (1,), OpRole.FORWARD),
+           MemOp(1, "v", (0,), (2,), OpRole.FORWARD, (0,) if with_edge else ()),
            MemOp(2, "z", (1, 2), (3,), OpRole.FORWARD)]
     p = MemProblem(ops, t, "edge")
     p.validate()
@@ -96,7 +97,7 @@ def test_merge_keeps_the_order_constraints_between_children(with_edge):
 
 # -- the task tree --------------------------------------------------------------------------------------
 def _leaves(t):
-    return [t] if t.kind == "leaf" else [x for c in t.children for x in _leaves(c)]
+    return [t] if t.kind is TaskKind.LEAF else [x for c in t.children for x in _leaves(c)]
 
 
 def test_tree_cuts_at_key_points_and_the_loss():

@@ -12,8 +12,8 @@ Decomposition (:func:`build_tree`), applied from the root ``[0, n)`` down:
 2. otherwise, if key points of the graph (``IndexedProblem.chain_points``: spine key points and the loss)
    sit strictly inside it, it is cut right after each of them (``"key points"``);
 3. otherwise, if the LOSS op sits inside it, it is cut right after the loss into a forward side and a
-   backward side (``"loss"``): nested at every level, the seams of these cuts hold the last forward and
-   the first backward ops, ROAM's rings around the loss;
+   backward side (``"loss"``): the merge across this seam reorders the last forward and the first
+   backward ops together, ROAM's innermost ring around the loss;
 4. otherwise it is cut in the middle (``"halves"``).
 
 Solving, bottom-up (children before their parent): a leaf is reordered exactly by CP-SAT
@@ -48,11 +48,12 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from enum import Enum
 
 from .order_graph import IndexedProblem
 from .order_ilp import Window, solve_window, window_booleans
 
-__all__ = ["Task", "TreeSettings", "TreeStats", "build_tree", "improve_tree", "merge_parts", "merge_seam"]
+__all__ = ["Task", "TaskKind", "TreeSettings", "TreeStats", "build_tree", "improve_tree", "merge_parts", "merge_seam"]
 
 Progress = Callable[[str], None]
 
@@ -81,13 +82,22 @@ class TreeStats:
     stopped: str = ""
 
 
+class TaskKind(str, Enum):
+    """A leaf, or the rule that cut a task into its children (the module docstring's rules 2-4)."""
+
+    LEAF = "leaf"
+    KEY_POINTS = "key points"
+    LOSS = "loss"
+    HALVES = "halves"
+
+
 @dataclass
 class Task:
-    """Positions ``[a, b)`` of the order; ``kind``: "leaf", "key points", "loss" or "halves"."""
+    """Positions ``[a, b)`` of the order and how the task is divided."""
 
     a: int
     b: int
-    kind: str
+    kind: TaskKind
     children: list[Task] = field(default_factory=list)
 
 
@@ -110,14 +120,14 @@ def _is_leaf(g: IndexedProblem, order: Sequence[int], a: int, b: int, s: TreeSet
 def _divide(g: IndexedProblem, order: Sequence[int], a: int, b: int, cuts: list[int], loss_cut: int,
             s: TreeSettings) -> Task:
     if _is_leaf(g, order, a, b, s):
-        return Task(a, b, "leaf")
+        return Task(a, b, TaskKind.LEAF)
     inside = [c for c in cuts if a < c < b]
     if inside:
-        kind, bounds = "key points", [a, *inside, b]
+        kind, bounds = TaskKind.KEY_POINTS, [a, *inside, b]
     elif a < loss_cut < b:
-        kind, bounds = "loss", [a, loss_cut, b]
+        kind, bounds = TaskKind.LOSS, [a, loss_cut, b]
     else:
-        kind, bounds = "halves", [a, (a + b) // 2, b]
+        kind, bounds = TaskKind.HALVES, [a, (a + b) // 2, b]
     return Task(a, b, kind, [_divide(g, order, lo, hi, cuts, loss_cut, s) for lo, hi in zip(bounds, bounds[1:])])
 
 
@@ -291,7 +301,7 @@ class _Search:
     def solve(self, t: Task) -> None:
         if self.done():
             return
-        if t.kind == "leaf":
+        if t.kind is TaskKind.LEAF:
             self.leaf(t)
             return
         for child in t.children:
@@ -327,7 +337,7 @@ class _Search:
         if self.progress and time.perf_counter() - self.last_report > 1.0:
             self.last_report = time.perf_counter()
             st = self.stats
-            self.progress(f"order: tree task [{t.a}, {t.b}) ({t.kind}) merged, peak {self.peak:,} B (lower bound "
+            self.progress(f"order: tree task [{t.a}, {t.b}) ({t.kind.value}) merged, peak {self.peak:,} B (lower bound "
                           f"{self.lb:,} B), {st.leaves} leaves, {st.merges} merges, {st.improved} improved")
 
 

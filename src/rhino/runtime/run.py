@@ -37,6 +37,7 @@ class RunResult:
     step_seconds: list[float] = field(default_factory=list)   # per step, slowest rank (measure=True)
     peak_live_bytes: list[int] = field(default_factory=list)  # per rank, first step (measure=True)
     memory_plan: list[dict] = field(default_factory=list)     # per rank: {rank, arena_bytes, plan_bytes} (--memory-plan)
+    pipeline: dict | None = None   # plans with stages: busy/idle seconds per step and stage (runtime.pipeline_run)
 
     def to_dict(self) -> dict:
         """The ``rhino run --json`` object."""
@@ -45,7 +46,8 @@ class RunResult:
                 "collectives_per_step": self.collectives_per_step, "losses": self.losses,
                 "reference_losses": self.reference_losses, "first_mismatch": self.first_mismatch,
                 "state_bytes_per_rank": self.local_state_bytes, "seconds": round(self.seconds, 2),
-                **({"memory_plan": self.memory_plan} if self.memory_plan else {})}
+                **({"memory_plan": self.memory_plan} if self.memory_plan else {}),
+                **({"pipeline": self.pipeline} if self.pipeline is not None else {})}
 
 
 def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, steps: int, timeout_s: float,
@@ -115,7 +117,10 @@ def run_plan(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, time
     start = time.perf_counter()
     graph = cap.graph
     if plan.stages > 1:
-        raise ValueError(f"the plan has {plan.stages} pipeline stages; rhino run does not run pipelines yet")
+        if measure or overlap or memory_plan:
+            raise ValueError("measure, overlap and --memory-plan are not supported with pipeline stages yet")
+        from .pipeline_run import run_pipeline
+        return run_pipeline(cap, plan, nproc, steps, timeout_s, tol)
     rp: ResolvedPlan = resolve(graph, plan)
     if plan.mesh.world != nproc:
         raise ValueError(f"the plan's mesh {plan.mesh} has {plan.mesh.world} devices but --nproc is {nproc}; "
