@@ -314,3 +314,22 @@ def test_one_reduce_scatter_in_flight():
             elif n.op == "call_function" and n.target is wait:
                 pending.discard(n.args[0])
         assert count > limit + 1 and most == limit
+
+
+def test_custom_lowered_all_reduces_are_sized_and_the_loss_sums_share_one():
+    """The all-reduces a custom lowering emits (a split mean ``nll_loss``'s summed loss and total weight,
+    a split ``_log_softmax``'s max and sum, batch-norm statistics) carry their local size, so no issued
+    collective is reported as 0 bytes (``mlp dp=2`` reported ``[0, 0, 44328]``: the two 4-byte loss sums,
+    unsized, each in its own collective). The two loss sums now travel in one; batch-norm statistics
+    stay apart from the gradients (one collective per statistics all-reduce)."""
+    cap = _cap("mlp", torch.float32)
+    prog = lower_rank(resolve(cap.graph, preset_plan(cap.graph, parse_strategy("dp=2"))), 0, overlap=True)
+    params = sum(p.numel() * 4 for p in cap.workload.model.parameters())
+    assert (prog.overlap.bucket_bytes, prog.overlap.bucket_members) == ([8, params], [2, 8])
+    for name, strategy in (("gpt", "tp=2"), ("resnet", "dp=2")):
+        cap = _cap(name, torch.float32)
+        prog = lower_rank(resolve(cap.graph, preset_plan(cap.graph, parse_strategy(strategy))), 1, overlap=True)
+        assert min(prog.overlap.bucket_bytes) > 0, (name, strategy)
+        for s in _nodes(prog, start):
+            stacked = [x for x in s.args[0] if x.target is torch.ops.aten.stack.default]   # batch-norm statistics
+            assert not stacked or len(s.args[0]) == 1, (name, s.args[0])

@@ -6,6 +6,7 @@
     plan, report = rhino.plan(cap, "8xA100-80G", level="O1")
     mem = rhino.memory_plan(cap, level="O1")                           # one device: operator order + arena layout
     rep = rhino.memory_report(cap, level="O1", execute=True)          # the same, aligned, checked and executed
+    ranks = rhino.memory_report(cap, level="O1", strategy="dp=2,tp=2")  # every rank of a parallel plan
     result = rhino.train("examples/gpt.py", nproc=2, strategy="dp=2", steps=20)   # local processes
     trainer = rhino.Trainer("examples/gpt.py", strategy="dp=2")   # one rank, e.g. inside torchrun
     loss = trainer.step()
@@ -27,7 +28,8 @@ from .cost.estimate import Estimate
 from .runtime.trainer import Trainer, TrainResult, train
 from .sharding.plan import ShardingPlan
 
-__all__ = ["capture_step", "estimate", "plan", "plan_and_run", "memory_plan", "memory_report", "Trainer",
+__all__ = ["capture_step", "estimate", "plan", "plan_and_run", "memory_plan", "memory_report", "rank_memory_report",
+           "Trainer",
            "TrainResult", "train", "ShardingPlan"]
 
 
@@ -114,12 +116,20 @@ def memory_plan(cap: Captured, *, level: str = "O1", time_limit: float = 60.0):
 
 
 def memory_report(cap: Captured, *, level: str = "O2", time_limit: float = 60.0, execute: bool = False,
-                  name: str = "", progress=None, status=None):
+                  name: str = "", progress=None, status=None, strategy: str | None = None,
+                  plan: ShardingPlan | None = None, cluster: str | None = None):
     """What ``rhino memory`` reports: one device's memory plan (``memory_plan``) with offsets aligned for the
     arena executor, checked independently (order and layout), and with ``execute`` one step run in the
     planned arena and compared with plain PyTorch (``lower.arena.compare_arena_step``). Returns a
     ``memory.step_report.StepMemoryReport`` (``.ok``, ``.to_dict()``). ``progress`` gets the solver's
-    messages, ``status`` one line before each stage."""
+    messages, ``status`` one line before each stage.
+
+    With ``strategy`` (a strategy string), ``plan`` (a ``ShardingPlan``) or ``cluster`` (a plan is searched
+    for it at O1), every rank of that parallel plan is planned instead (``rank_memory_report``)."""
+    if strategy is not None or plan is not None or cluster is not None:
+        return rank_memory_report(cap, strategy=strategy, plan=plan, cluster=cluster, level=level,
+                                  time_limit=time_limit, execute=execute, name=name, progress=progress,
+                                  status=status)
     from .check import ATOL, RTOL
     from .memory.from_graph import problem_from_graph
     from .memory.step_report import plan_step_memory
@@ -138,4 +148,45 @@ def memory_report(cap: Captured, *, level: str = "O2", time_limit: float = 60.0,
         say("executing one step in the arena and in plain PyTorch ...")
         report.execute = compare_arena_step(cap.graph, problem, mapping, report.plan, cap.initial_state,
                                             cap.workload.batch, RTOL, ATOL)
+    return report
+
+
+def rank_memory_report(cap: Captured, *, strategy: str | None = None, plan: ShardingPlan | None = None,
+                       cluster: str | None = None, level: str = "O2", time_limit: float = 60.0, execute: bool = False,
+                       name: str = "", progress=None, status=None):
+    """Memory plans for every rank of a parallel plan (exactly one of ``strategy``, ``plan`` or ``cluster``):
+    each rank's program (``lower.rank_graph``, communication buffers included) as a memory problem, each
+    distinct problem planned once (``memory.step_report.plan_rank_memory``, ``time_limit`` each). ``execute``
+    runs every rank in its planned arena in lockstep in this process and compares every rank's loss and
+    state with the plain rank programs (``lower.arena_ranks.compare_arena_ranks``). Returns a
+    ``memory.step_report.RankMemoryReport`` (``.ok``, ``.to_dict()``)."""
+    from .check import ATOL, RTOL
+    from .lower.rank_graph import rank_memories
+    from .memory.step_report import plan_rank_memory
+    from .runtime.arena_step import rank_resolved_plan
+    from .sharding.presets import parse_strategy, preset_plan
+    say = status or (lambda message: None)
+    if sum(x is not None for x in (strategy, plan, cluster)) != 1:
+        raise ValueError("give exactly one of strategy, plan or cluster")
+    if execute and cap.workload.on_meta:
+        raise ValueError("the workload builds its model on the meta device, which holds no data; plan without "
+                         "execute, or build the workload on a real device to execute it")
+    if cluster is not None:
+        say(f"searching a plan for {cluster} ...")
+        from .search.planning import plan_workload
+        plan, _ = plan_workload(_graph(cap), parse_cluster(cluster), level="O1", workload=name)
+    elif plan is None:
+        plan = preset_plan(cap.graph, parse_strategy(strategy))
+    rp = rank_resolved_plan(cap.graph, plan)
+    say(f"building the {plan.mesh.world} rank programs of mesh {plan.mesh} ...")
+    mems = rank_memories(rp)
+    say(f"planning each distinct rank program at {level} (time limit {time_limit:g} s each) ...")
+    report = plan_rank_memory([(m.rank, m.problem, m.mapping) for m in mems], workload=name, mesh=str(plan.mesh),
+                              strategy=plan.strategy_string or "plan file", level=level, time_limit=time_limit,
+                              progress=progress)
+    if execute:
+        from .lower.arena_ranks import compare_arena_ranks
+        say("executing one step of every rank in its arena and in the plain rank programs (lockstep) ...")
+        report.execute = compare_arena_ranks(rp, mems, report, cap.initial_state(),
+                                             tuple(b.detach() for b in cap.workload.batch), RTOL, ATOL)
     return report

@@ -1,4 +1,5 @@
-"""``rhino memory FILE[:FUNC] [--level O1|O2] [--time-limit S] [--execute] [--report DIR] [--json]``.
+"""``rhino memory FILE[:FUNC] [--strategy S | --plan P | --cluster C] [--level O1|O2] [--time-limit S] [--execute]
+[--report DIR] [--json]``.
 
 Captures the step (fake/meta tensors: nothing is allocated) and calls ``rhino.api.memory_report``: a memory
 problem (``memory.from_graph``), an operator order and an arena layout (``memory.plan.plan_memory``),
@@ -7,6 +8,11 @@ runs one step with the arena executor and compares it with the plain single-devi
 (``lower.arena.compare_arena_step``); ``--report DIR`` writes PNGs.
 Peaks count the arena only (the step's tensors); the state (parameters, optimizer state, buffers) lives
 outside it and is printed on its own line.
+
+With ``--strategy``, ``--plan`` or ``--cluster`` (a plan searched at O1) every rank of that parallel plan is
+planned (``rhino.api.rank_memory_report``): each rank's program with its communication buffers, each distinct
+program once; one table row per rank; ``--execute`` runs every rank in its arena in lockstep in this process
+and compares it with the plain rank programs.
 """
 from __future__ import annotations
 
@@ -28,7 +34,11 @@ def add_parser(sub) -> None:
                    help="seconds for the solver (default 60); the best plan found by then is kept")
     p.add_argument("--execute", action="store_true",
                    help="run one step with the planned arena and compare with plain PyTorch")
-    p.add_argument("--report", metavar="DIR", help="write PNGs: memory over time, layout")
+    p.add_argument("--report", metavar="DIR", help="write PNGs: memory over time, layout (one device only)")
+    g = p.add_mutually_exclusive_group()
+    g.add_argument("--strategy", help="plan every rank of this parallel strategy, e.g. dp=2,tp=2 or dp=4,zero=3")
+    g.add_argument("--plan", help="plan every rank of this plan file (JSON) made for the workload")
+    g.add_argument("--cluster", help="plan every rank of the plan rhino plan --level O1 finds for this cluster")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -65,10 +75,24 @@ def run(args) -> int:
         raise ValueError(f"{args.workload} builds its model on the meta device, which holds no data; drop "
                          f"--execute to plan only, or build the workload on a real device to execute it")
     show = not args.json
+    ranks = args.strategy is not None or args.plan is not None or args.cluster is not None
+    if ranks and report is not None:
+        raise ValueError("--report draws one device's plan; drop it with --strategy, --plan or --cluster")
+    plan = None
+    if args.plan is not None:
+        from ..runtime.trainer import load_plan_file
+        plan = load_plan_file(args.plan)
     status(f"capturing {args.workload} ...", show)
     with quiet_warnings():
         cap = capture(w)
     from ..api import memory_report
+    if ranks:
+        rep = memory_report(cap, level=args.level, time_limit=args.time_limit, execute=args.execute,
+                            name=args.workload, progress=_Progress(show), status=lambda m: status(m, show),
+                            strategy=args.strategy, plan=plan, cluster=args.cluster)
+        result = rep.to_dict()
+        emit_json(result) if args.json else _print_ranks(result)
+        return 0 if result["ok"] else 1
     rep = memory_report(cap, level=args.level, time_limit=args.time_limit, execute=args.execute,
                         name=args.workload, progress=_Progress(show), status=lambda m: status(m, show))
     result = rep.to_dict()
@@ -92,8 +116,9 @@ def _print_table(r: dict) -> None:
     print(f"{'':{w}}{'peak':>12}  {'Rhino saves':>11}")
     for name, b, red in rows:
         print(f"{name:{w}}{human(b):>12}  {red * 100:>10.1f}%")
-    print(f"{'Rhino':{w}}{human(r['rhino_peak_bytes']):>12}")
-    print(f"{'lower bound':{w}}{human(r['lower_bound_bytes']):>12}")
+    print(f"{'Rhino':{w}}{human(r['rhino_peak_bytes']):>12}" + ("  optimal (equals a bound)" if r.get("optimal") else ""))
+    print(f"{'live peak of this order':{w}}{human(r['lower_bound_bytes']):>12}  (no layout of it is lower)")
+    print(f"{'order lower bound':{w}}{human(r['order_lower_bound_bytes']):>12}  (no order is lower)")
     print(f"solve seconds: {r['solve_seconds']:.2f}   valid: {'yes' if r['valid'] else 'NO: ' + r.get('invalid_reason', '')}")
     print(f"state outside the arena: {human(r['state_bytes'])} (parameters {human(r['param_bytes'])}); "
           f"{r['inplace_state_updates']} state tensors updated in place")
@@ -105,6 +130,23 @@ def _print_table(r: dict) -> None:
               f"{ex['out_variant_ops']}, copied in {ex['copied_ops']}, views {ex['view_ops']}")
     for p in r.get("report", []):
         print(f"wrote {p}")
+
+
+def _print_ranks(r: dict) -> None:
+    print(f"memory plans per rank for {r['workload']}: mesh {r['mesh']} ({r['strategy']}), level {r['level']}, "
+          f"{r['distinct_programs']} distinct rank program(s)")
+    cols = (("rank", "rank"), ("PyTorch live", "pytorch_live_peak_bytes"), ("PyTorch alloc", "pytorch_peak_bytes"),
+            ("best-fit", "bestfit_peak_bytes"), ("heuristic", "heuristic_peak_bytes"), ("Rhino", "rhino_peak_bytes"),
+            ("order bound", "order_lower_bound_bytes"), ("layout bound", "lower_bound_bytes"))
+    print("".join(f"{name:>14}" for name, _ in cols) + "  valid")
+    for row in r["ranks"]:
+        cells = [f"{row['rank']:>14}"] + [f"{human(row[k]):>14}" for _, k in cols[1:]]
+        print("".join(cells) + f"  {'yes' if row['valid'] else 'NO: ' + row.get('invalid_reason', '')}")
+    ex = r.get("execute")
+    if ex:
+        print(f"execute (every rank, lockstep): {'OK' if ex['equal'] else 'MISMATCH'} (bitwise "
+              f"{'yes' if ex['bitwise'] else 'no'}, max abs diff {ex['max_abs_diff']:.3g}); arena bytes "
+              f"{'=' if ex['arena_equals_plan'] else '!='} plan on every rank")
 
 
 def write_report(problem, plan, out: Path) -> list[Path]:

@@ -17,7 +17,8 @@ def add_parser(sub) -> None:
                    "with --plan: the plan's device count by default")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--strategy", help="expert preset, e.g. dp=4, dp=2,tp=2,sp=on or dp=2,microbatches=4 (gradient "
-                   "accumulation: the reference is PyTorch's accumulation loop)")
+                   "accumulation: the reference is PyTorch's accumulation loop); pp=2,microbatches=4[,dp=2|tp=2]"
+                   "[,schedule=gpipe] runs a pipeline (stages cut automatically)")
     g.add_argument("--plan", help="a plan file (JSON) made for this workload")
     p.add_argument("--steps", type=int, default=2, help="training steps (default 2)")
     p.add_argument("--emit", metavar="DIR", help="write each rank's program as Python to DIR")
@@ -25,6 +26,9 @@ def add_parser(sub) -> None:
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck collective fails")
     p.add_argument("--dtype", choices=sorted(DTYPES), help="build the workload and its reference under this "
                    "default dtype; float64 compares every rank at 1e-9 (float32: rtol 1e-4, atol 1e-5)")
+    p.add_argument("--memory-plan", nargs="?", const="O1", choices=("O1", "O2"), metavar="LEVEL",
+                   help="each rank runs its planned operator order inside one preallocated arena (memory plan per "
+                   "rank at LEVEL, default O1); collectives block (no overlap) in this mode; one micro-batch")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -39,7 +43,7 @@ def _run(args) -> int:
     from ..runtime.trainer import load_plan_file
     plan = load_plan_file(args.plan) if args.plan else None
     if args.nproc is None and plan is not None and not in_torchrun():
-        args.nproc = plan.mesh.world
+        args.nproc = plan.world
     if args.nproc is None:
         if not in_torchrun():
             raise ValueError("give --nproc N (the number of local processes to start)")
@@ -59,11 +63,14 @@ def _run(args) -> int:
     if args.save_plan:
         write_atomic(args.save_plan, plan.to_json())
     if args.emit:
+        if plan.stages > 1:
+            raise ValueError("--emit does not write pipeline programs yet; drop --emit or the pp key")
         _emit(cap, rp, args.emit)
-    status(f"running {args.steps} steps on {args.nproc} processes, mesh {plan.mesh} ...", not args.json)
+    mesh = f"pp{plan.stages}x{plan.mesh}" if plan.stages > 1 else str(plan.mesh)
+    status(f"running {args.steps} steps on {args.nproc} processes, mesh {mesh} ...", not args.json)
     from ..runtime.run import run_plan
     try:
-        r = run_plan(cap, plan, args.nproc, args.steps, args.timeout)
+        r = run_plan(cap, plan, args.nproc, args.steps, args.timeout, memory_plan=args.memory_plan)
     except RankFailedError as exc:
         raise ValueError(str(exc)) from None
     if in_torchrun() and int(__import__("os").environ.get("RANK", "0")) != 0:
@@ -72,7 +79,11 @@ def _run(args) -> int:
         emit_json(r.to_dict())
     elif r.ok:
         print(f"run OK: nproc={r.nproc} mesh={r.mesh} steps={r.steps} max_abs_diff={r.max_abs_diff:.3g} "
-              f"comm_bytes_per_step={r.comm_bytes_per_step}")
+              f"comm_bytes_per_step={r.comm_bytes_per_step}"
+              + (f" idle_fraction={r.pipeline['idle_fraction']}" if r.pipeline else ""))
+        for m in r.memory_plan:
+            print(f"  rank {m['rank']}: arena {m['arena_bytes']} bytes "
+                  f"({'=' if m['arena_bytes'] == m['plan_bytes'] else '!='} plan {m['plan_bytes']})")
     else:
         print(f"run FAILED: {r.first_mismatch}")
     return 0 if r.ok else 1

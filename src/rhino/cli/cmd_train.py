@@ -39,6 +39,9 @@ def add_parser(sub) -> None:
     p.add_argument("--max-restarts", type=int, metavar="N", help="run under torchrun's elastic agent: restart the "
                    "job from the last checkpoint up to N times when a rank dies (needs --checkpoint)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds before a stuck collective fails")
+    p.add_argument("--memory-plan", nargs="?", const="O1", choices=("O1", "O2"), metavar="LEVEL",
+                   help="each rank runs its planned operator order inside one preallocated arena (memory plan per "
+                   "rank at LEVEL, default O1); collectives block (no overlap) in this mode; one micro-batch")
     p.add_argument("--json", action="store_true", help="print one JSON object: losses, step_seconds, "
                    "samples_per_second, peak_live_bytes, peak_rss_bytes, resumed_from_step, checkpoints")
     p.set_defaults(run=run)
@@ -52,6 +55,8 @@ def run(args) -> int:
     from ..runtime.trainer import check_checkpointing
     check_checkpointing(args.checkpoint, args.every, args.resume)
     if args.max_restarts is not None:
+        if args.memory_plan:
+            raise ValueError("--memory-plan does not run under the elastic agent yet; drop --max-restarts or --memory-plan")
         return _run_elastic(args)
     if in_torchrun():
         return _run_torchrun(args)
@@ -62,7 +67,7 @@ def run(args) -> int:
         r = train(args.workload, nproc, plan=args.plan, strategy=args.strategy, cluster=args.cluster,
                   level=args.level, steps=args.steps, dtype=DTYPES.get(args.dtype), overlap=not args.no_overlap,
                   timeout_s=args.timeout, log=args.log, release_memory=args.release_memory,
-                  checkpoint=args.checkpoint, every=args.every, resume=args.resume)
+                  checkpoint=args.checkpoint, every=args.every, resume=args.resume, memory_plan=args.memory_plan)
     except RankFailedError as exc:
         raise ValueError(str(exc)) from None
     _report(r, args.json)
@@ -116,7 +121,8 @@ def _run_torchrun(args) -> int:
     r = train_torchrun(args.workload, plan=args.plan, strategy=args.strategy, cluster=args.cluster,
                        level=args.level, steps=args.steps, dtype=DTYPES.get(args.dtype), overlap=not args.no_overlap,
                        timeout_s=args.timeout, log=args.log, release_memory=args.release_memory,
-                       checkpoint=args.checkpoint, every=args.every, resume=args.resume)
+                       checkpoint=args.checkpoint, every=args.every, resume=args.resume,
+                       memory_plan=args.memory_plan)
     if r is not None:
         _report(r, args.json)
     return 0

@@ -25,6 +25,13 @@ The model (what ``estimate_memory`` assumes):
   freed as soon as the copy exists, before the node runs. A view of a copy aliases the copy: the copy
   lives to the view's last use. Allocator fragmentation, workspaces inside ops and communication
   buffers are not modelled.
+- ``copy_rule``: the two bullets above are ``CopyRule.RUNTIME`` (the default: what the lowering does).
+  ``CopyRule.SOURCE_HELD`` is the search's memory rows' safe side (``search.memrows``), whose
+  liveness cannot depend on the choice: every storage lives to its last reader, a read through a copy
+  included (never freed once its copy exists), and a copy a view is taken of lives to the view's
+  reach (``ir.analysis``: its last reader through any reader, not only those reading the copy), the
+  source too (through the view's readers). Under it the rows and this model give the same bytes at
+  every node (tests/test_analysis.py).
 
 Storages, views, last uses, the loss boundary, optimizer nodes and gradients are those of
 ``ir.analysis`` (the single definition the search and the memory planner use too). Categories: new
@@ -39,12 +46,20 @@ is the most temporary bytes live at once; ``breakdown`` gives each category's by
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from enum import Enum
 
 from ..ir.analysis import GraphAnalysis, analyze
 from ..ir.graph import Graph, Role
 from ..sharding.placement import local_shape
 
-__all__ = ["MemoryEstimate", "estimate_memory", "CATEGORIES"]
+__all__ = ["MemoryEstimate", "estimate_memory", "CATEGORIES", "CopyRule"]
+
+
+class CopyRule(str, Enum):
+    """How a redistributed copy and its source live (module docstring)."""
+
+    RUNTIME = "runtime"            # as the lowering runs: source freed once its last copy exists
+    SOURCE_HELD = "source_held"    # the search rows' safe side: source held to its last reader
 
 CATEGORIES = ("params", "optimizer", "buffers", "batch", "activations", "gradients", "updated_state",
               "temporaries")
@@ -129,9 +144,10 @@ class _Lifetimes:
     freed_early: dict[int, int] = field(default_factory=dict)     # storage -> node its last copy is made for
 
 
-def _lifetimes(graph: Graph, a: GraphAnalysis, resolved_plan) -> _Lifetimes:
+def _lifetimes(graph: Graph, a: GraphAnalysis, resolved_plan, rule: CopyRule = CopyRule.RUNTIME) -> _Lifetimes:
     if resolved_plan is None:
         return _Lifetimes(dict(a.last_use))
+    held = rule is CopyRule.SOURCE_HELD
     mesh, rvalue = resolved_plan.plan.mesh, resolved_plan.value
     read: dict[int, int] = {}         # storage -> last node reading it directly
     copies: dict[tuple, list[int]] = {}
@@ -144,20 +160,23 @@ def _lifetimes(graph: Graph, a: GraphAnalysis, resolved_plan) -> _Lifetimes:
             rr = a.root[r.id]
             req = tuple(need[k]) if need[k] is not None else None
             if req is not None and req != tuple(rvalue.get(r.id, req)):
+                end = a.view_reach[i] if held and k == 0 and a.is_view[i] else i
                 c = copies.get((r.id, req))
                 if c is None:
-                    copies[(r.id, req)] = [i, i, _local_bytes(graph.types[r.id], req, mesh)]
+                    copies[(r.id, req)] = [i, end, _local_bytes(graph.types[r.id], req, mesh)]
                     pre_last[rr] = max(pre_last.get(rr, -1), i)
                 else:
-                    c[1] = i
+                    c[1] = max(c[1], end)
                 first_copy = (r.id, req) if k == 0 else first_copy
-            elif r.id in via_copy:    # a view of a copy keeps the copy alive, not its source
+            elif r.id in via_copy and not held:   # a view of a copy keeps the copy alive, not its source
                 copies[via_copy[r.id]][1] = i
                 first_copy = via_copy[r.id] if k == 0 else first_copy
             else:
                 read[rr] = i
         if a.is_view[i] and first_copy is not None:
             via_copy.update({v: first_copy for v in node.outputs if v is not None})
+    if held:                          # every storage to its last reader (``ir.analysis``), copies as made
+        return _Lifetimes(dict(a.last_use), copies)
     for o in graph.outputs:
         if o.value in via_copy:
             copies[via_copy[o.value]][1] = a.n - 1
@@ -296,14 +315,15 @@ def _spans(a: GraphAnalysis, sizes, cat) -> tuple[list, list, list, list]:
 
 
 def estimate_memory(graph: Graph, resolved_plan=None, rank: int = 0,
-                    windows: list[tuple[int, int]] = ()) -> MemoryEstimate:
+                    windows: list[tuple[int, int]] = (), copy_rule: CopyRule = CopyRule.RUNTIME) -> MemoryEstimate:
     """Liveness-based memory of ``graph`` on ``rank`` (local sizes when ``resolved_plan`` is given).
     ``windows``: node index ranges [lo, hi) whose own peak and breakdown are reported too
-    (``MemoryEstimate.window_peaks``; gradient accumulation prices its two programs with them)."""
+    (``MemoryEstimate.window_peaks``; gradient accumulation prices its two programs with them).
+    ``copy_rule``: how redistributed copies and their sources live (``CopyRule``, module docstring)."""
     _check(graph, resolved_plan, rank)
     a = analyze(graph)
     sizes = _sizes(graph, a, resolved_plan)
-    life = _lifetimes(graph, a, resolved_plan)
+    life = _lifetimes(graph, a, resolved_plan, CopyRule(copy_rule))
     cat = _categories(graph, a, life.last)
     peak, peak_i, tmp_max, timeline, wpeak = _replay(_events(a, life, sizes, cat), a.n, windows)
     totals = [0] * len(CATEGORIES)

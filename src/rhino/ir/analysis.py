@@ -19,6 +19,10 @@ Definitions (``n`` nodes in program order, ``graph.nodes[0..n-1]``):
   step") for state inputs (PARAM, FROZEN, BUFFER, OPT_STATE), CONST inputs, constants and the storage
   of any graph output; for a batch input its last reader (-1: never read, never live); for an
   intermediate storage its last reader, or its producer when nobody reads it.
+- **View reach** ``view_reach[i]`` of a view node ``i``: the last node reading one of its values
+  directly, or through a view node taking it as its first tensor input (that node's reach); ``n - 1``
+  when one of them is a graph output; ``i`` when nobody reads them. A redistributed copy a view is
+  taken of lives that long (``cost.memory``, ``search.memrows``).
 - **Loss boundary** ``boundary``: the index of the node that made the loss output's storage
   (following views back to it); -1 when the graph has no loss output or the loss is an input.
 - **Roles** (``NodeRole``). Without a boundary every node is FORWARD. Otherwise the boundary node is
@@ -86,6 +90,7 @@ class GraphAnalysis:
     state_outputs: frozenset[int]     # values of outputs with a state role
     output_roots: frozenset[int]      # storages of graph outputs
     updates: dict[str, int]           # state input name -> value of its new-state output
+    view_reach: dict[int, int]        # view node index -> last node reading its values (module docstring)
 
     def is_forward(self, i: int) -> bool:
         """Node ``i`` runs in the forward pass (FORWARD or LOSS; every node of a graph without a loss)."""
@@ -258,6 +263,24 @@ def _optimizer_nodes(graph: Graph, boundary: int, root, born, is_view, node_root
     return opt
 
 
+def _view_reach(graph: Graph, is_view) -> dict[int, int]:
+    """``view_reach`` (module docstring), in reverse program order."""
+    n = len(graph.nodes)
+    outputs = {o.value for o in graph.outputs}
+    reach: dict[int, int] = {}
+    last: dict[int, int] = {}         # value -> last node reading it, through first-input views
+    for j in range(n - 1, -1, -1):
+        node = graph.nodes[j]
+        if is_view[j]:
+            r = max([j] + [last.get(v, j) for v in node.outputs if v is not None] +
+                    [n - 1 for v in node.outputs if v in outputs])
+            reach[j] = r
+        for k, ref in enumerate(node.input_refs()):
+            far = reach[j] if is_view[j] and k == 0 else j
+            last[ref.id] = max(last.get(ref.id, -1), far)
+    return reach
+
+
 def _boundary(graph: Graph, root, born) -> int:
     loss = next((o for o in graph.outputs if o.role is Role.LOSS), None)
     return -1 if loss is None else born[root[loss.value]]
@@ -291,6 +314,6 @@ def _analyze(graph: Graph) -> GraphAnalysis:
                if o.role in STATE_ROLES and o.name in by_name and by_name[o.name].role in STATE_ROLES}
     out = GraphAnalysis(n, root, born, producer, tuple(is_view), tuple(node_roots), readers, last_read,
                         {}, boundary, roles, frozenset(opt), gradients, input_role, state_in, opt_in,
-                        batch, persistent, state_out, output_roots, updates)
+                        batch, persistent, state_out, output_roots, updates, _view_reach(graph, is_view))
     out.last_use.update({s: out.end_of(s, r) for s, r in last_read.items()})
     return out

@@ -19,6 +19,13 @@ in the planned order:
   tensor only as an exact alias, else computed and copied in): ``step`` updates ``state``'s tensors in
   place, as ``optimizer.step()`` does. Other new state values and the loss are cloned out of the arena.
 
+**Rank graphs** (``lower.rank_graph``: a rank's program of a parallel plan): a communication node
+(``rank_graph.COMM_OP``) runs its step with ``communicate(x, kind, axis, *params)`` (default
+``spmd_ops.redistribute``: the collectives of the process context that ``spmd_ops.set_context`` set; blocking,
+one step at a time, in program order) and its result is copied into its slot. ``steps`` is the same step as a
+generator that yields each communication request instead, so a driver can run several ranks in lockstep
+(``lower.arena_ranks``).
+
 ``debug=True`` adds two runtime guards: before an output is written, its byte range is checked against
 every tensor live at that step (the lifetime rule of ``memory/problem.py``), and the bytes of every
 tensor whose lifetime ends are filled with 0xFF (NaN for floats), so a plan that frees a tensor too early
@@ -38,6 +45,8 @@ from ..memory.problem import MemProblem, TensorKind, lifetimes
 from ..memory.simulate import check_order
 from .execute import StepProgram
 from .fx import constant_tensor, convert_arg, resolve_op
+from .rank_graph import is_comm
+from .spmd_ops import redistribute
 
 __all__ = ["ArenaProgram", "ArenaStats", "out_overload", "compare_arena_step"]
 
@@ -99,7 +108,7 @@ class ArenaProgram:
     """One training step per ``step(state, batch)`` call, every intermediate in one planned arena."""
 
     def __init__(self, graph: Graph, problem: MemProblem, mapping: GraphMemory, order, offsets: dict[int, int],
-                 height: int, device: torch.device | str = "cpu", debug: bool = False) -> None:
+                 height: int, device: torch.device | str = "cpu", debug: bool = False, communicate=None) -> None:
         self.device = torch.device(device)
         if self.device.type == "meta":
             raise ValueError("the arena executor runs real tensors; the meta device has no data "
@@ -118,7 +127,8 @@ class ArenaProgram:
         self.stats = ArenaStats()
         self.lifetimes = lifetimes(problem, self.order)
         self._check_layout()
-        self._fns = [resolve_op(n.op) for n in graph.nodes]
+        self.communicate = communicate or redistribute
+        self._fns = [None if is_comm(n.op) else resolve_op(n.op) for n in graph.nodes]
         self._strides = self._natural_strides()
         self._no_out: set[int] = set()   # nodes whose out= call failed once: copy from then on
         self._constants = {v: constant_tensor(graph, v, self.device) for v in graph.constants}
@@ -152,8 +162,8 @@ class ArenaProgram:
         with torch.no_grad():
             for i, node in enumerate(graph.nodes):
                 conv = lambda a: convert_arg(a, lambda r: env[r.id], meta)  # noqa: E731
-                try:
-                    res = self._fns[i](*conv(node.args), **conv(node.kwargs))
+                try:   # a communication step is not run here: its result is contiguous
+                    res = None if self._fns[i] is None else self._fns[i](*conv(node.args), **conv(node.kwargs))
                 except (NotImplementedError, RuntimeError, TypeError, ValueError):
                     res = None
                 vals = list(res) if node.multi and res is not None else [res]
@@ -190,6 +200,18 @@ class ArenaProgram:
     # -- one step --------------------------------------------------------------------------------------
     def step(self, state: dict[str, torch.Tensor], batch: tuple) -> torch.Tensor:
         """One step in the planned order; ``state``'s tensors are updated (in place where planned); returns the loss."""
+        gen = self.steps(state, batch)
+        result = None
+        while True:
+            try:
+                x, kind, axis, params = gen.send(result)
+            except StopIteration as stop:
+                return stop.value
+            result = self.communicate(x, kind, axis, *params)
+
+    def steps(self, state: dict[str, torch.Tensor], batch: tuple):
+        """``step`` as a generator: yields ``(x, kind, axis, params)`` at each communication node and takes
+        the step's result back (``send``); returns the loss."""
         graph, mapping = self.graph, self.mapping
         n_batch = sum(1 for i in graph.inputs if i.role is Role.BATCH)
         if len(batch) != n_batch:
@@ -232,7 +254,8 @@ class ArenaProgram:
                 else:
                     if guard is not None:
                         guard.before_write(s, i)
-                    self._run_node(i, node, args, kwargs, env, inplace_slot, stats)
+                    res = (yield args[0], args[1], args[2], tuple(args[3:])) if self._fns[i] is None else None
+                    self._run_node(i, node, args, kwargs, env, inplace_slot, stats, res)
                 if guard is not None:
                     guard.after_step(s)
             loss = None
@@ -263,7 +286,8 @@ class ArenaProgram:
                 stats.view_copies += 1
             env[v] = t
 
-    def _run_node(self, i, node, args, kwargs, env, inplace_slot, stats) -> None:
+    def _run_node(self, i, node, args, kwargs, env, inplace_slot, stats, result=None) -> None:
+        """Write node ``i``'s outputs into their slots (``result``: a communication step's, computed already)."""
         slots: list[torch.Tensor | None] = []
         state_out = False
         for v in node.outputs:
@@ -274,7 +298,7 @@ class ArenaProgram:
                 state_out = True
             else:
                 slots.append(self._slots.get(v))
-        ov = None if i in self._no_out else out_overload(node.op)
+        ov = None if i in self._no_out or result is not None else out_overload(node.op)
         use_out = ov is not None and all(s is not None for s in slots) and len(ov[1]) == len(slots)
         if use_out and state_out:
             use_out = self._alias_ok(node, env, [s for v, s in zip(node.outputs, slots) if v in inplace_slot])
@@ -288,7 +312,7 @@ class ArenaProgram:
             else:
                 stats.out_variant += 1
         if not use_out:
-            res = self._fns[i](*args, **kwargs)
+            res = result if result is not None else self._fns[i](*args, **kwargs)
             vals = list(res) if node.multi else [res]
             for slot, t in zip(slots, vals):
                 if slot is not None and isinstance(t, torch.Tensor):

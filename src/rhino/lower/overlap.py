@@ -294,7 +294,8 @@ def _make_async(g: torch.fx.Graph, opts: OverlapOptions, stats: OverlapStats) ->
             free.append(n)
     order = {n: i for i, n in enumerate(g.nodes)}
     comms = [_Comm(n, n.meta.pop("rhino_anchor", n.args[0]), _first_user(n, order),
-                   (tuple(n.args[1:]), _dtype(n), n.meta.get("rhino_block") if n.args[1] == "ReduceScatter" else None),
+                   (tuple(n.args[1:]), _dtype(n), n.meta.get("rhino_block") if n.args[1] == "ReduceScatter" else None,
+                    n.meta.get("rhino_owner")),
                    _nbytes(n)) for n in free]
     scatters: list[torch.fx.Node] = []
     for bucket in _buckets(comms, order, opts):

@@ -48,22 +48,28 @@ def _cast(fg, t, have, want):
     return fg.call_function(aten._to_copy.default, (t,), {"dtype": want})
 
 
-def emit_batch_norm(fg, node: Node, key: Lowering, args: list, axes: list[int], rp, all_reduce) -> dict[int, object]:
+def emit_batch_norm(fg, node: Node, key: Lowering, args: list, axes: list[int], rp, all_reduce,
+                    channels: int) -> dict[int, object]:
     """Emit the lowering of ``node`` whose batch/spatial dims are split over mesh ``axes``;
-    ``all_reduce(fg, x, axes, op)`` emits the all-reduces. Returns value id -> fx node. Reduced-precision
-    inputs get their statistics and per-channel arithmetic in float32 (the kernels accumulate in it);
-    every output takes the dtype the op gives it on one device."""
+    ``all_reduce(fg, x, axes, op, (local shape, dtype name), node name)`` emits the all-reduces;
+    ``channels``: the input's local channel count (two statistics per channel are all-reduced). Returns
+    value id -> fx node. Reduced-precision inputs get their statistics and per-channel arithmetic in
+    float32 (the kernels accumulate in it); every output takes the dtype the op gives it on one device."""
     graph, mesh = rp.graph, rp.plan.mesh
     backward = key is Lowering.BATCH_NORM_BACKWARD
     x_type = graph.types[node.args[1 if backward else 0].id]
     count = x_type.numel // x_type.shape[1]          # N * H * W of the global input
     acc = torch.float32 if x_type.dtype.name in ("float16", "bfloat16") else getattr(torch, x_type.dtype.value)
+    stats = ((2, channels), str(acc).removeprefix("torch."))    # two statistics per channel, in ``acc``
+
+    def reduce(fg, x, axes, op):
+        return all_reduce(fg, x, axes, op, stats, node.name)
     if backward:
-        return _backward(fg, node, args, axes, x_type.rank, count, acc, graph, all_reduce)
+        return _backward(fg, node, args, axes, x_type.rank, count, acc, graph, reduce)
     ranks = 1
     for a in axes:
         ranks *= mesh.sizes[a]
-    return _forward(fg, node, args, axes, x_type.rank, count, ranks, acc, graph, all_reduce,
+    return _forward(fg, node, args, axes, x_type.rank, count, ranks, acc, graph, reduce,
                     key is Lowering.BATCH_NORM_NO_STATS)
 
 

@@ -27,7 +27,7 @@ import torch
 
 from ..ir.graph import Node
 from ..ir.registry import Lowering, lookup
-from ..sharding.placement import ReduceOp, Shard
+from ..sharding.placement import ReduceOp, Shard, local_shape
 from ..sharding.vocab import is_split, split_letter
 from ..sharding.steps import AllReduce
 from .fx import resolve_op
@@ -45,10 +45,28 @@ def _axes(strategy, letters) -> list[int]:
             if is_split(entry) and split_letter(entry)[0] in letters]
 
 
-def _all_reduce(fg, x, axes, op: ReduceOp):
+def _all_reduce(fg, x, axes, op: ReduceOp, local: tuple[tuple[int, ...], str], owner: str):
+    """``x`` all-reduced over ``axes``. ``local``: its (local shape, dtype name), which ``lower.overlap``
+    reads to size and bucket the step (as ``lower_rank`` records it for a plan's redistributions);
+    ``owner``: the IR node lowered, so that ``lower.overlap`` buckets its all-reduces only together
+    (the two sums of a split ``nll_loss``), never with gradients."""
     for a in axes:
         x = fg.call_function(redistribute, (x,) + step_args(AllReduce(a, op)))
+        x.meta["rhino_local"] = local
+        x.meta["rhino_owner"] = owner
     return x
+
+
+def _input_local(node: Node, k: int, rp) -> tuple[tuple[int, ...], str]:
+    """(local shape, dtype name) of ``node``'s input ``k`` as the node reads it on one rank."""
+    t = rp.graph.types[node.args[k].id]
+    return local_shape(t.shape, rp.node[node.name].inputs[k], rp.plan.mesh), t.dtype.value
+
+
+def _reduced_local(node: Node, k: int, dim: int, rp) -> tuple[tuple[int, ...], str]:
+    """That of input ``k`` reduced over ``dim`` with the dim kept."""
+    shape, dtype = _input_local(node, k, rp)
+    return tuple(1 if d == dim % len(shape) else s for d, s in enumerate(shape)), dtype
 
 
 def _pieces(placements, dim: int, size: int, mesh, rank: int):
@@ -92,7 +110,8 @@ def emit_custom(fg, node: Node, args: list, kwargs: dict, strategy, ann, rp, ran
     node's outputs."""
     key = lookup(node.op).lowering
     if key in (Lowering.BATCH_NORM, Lowering.BATCH_NORM_NO_STATS, Lowering.BATCH_NORM_BACKWARD):
-        return emit_batch_norm(fg, node, key, args, _axes(strategy, ann.custom), rp, _all_reduce)
+        channels = _input_local(node, 1 if key is Lowering.BATCH_NORM_BACKWARD else 0, rp)[0][1]
+        return emit_batch_norm(fg, node, key, args, _axes(strategy, ann.custom), rp, _all_reduce, channels)
     return _LOWERINGS[key](fg, node, args, kwargs, strategy, ann, rp, rank)
 
 
@@ -137,10 +156,11 @@ def _convolution_backward(fg, node: Node, args, kwargs, strategy, ann, rp, rank:
 def _log_softmax(fg, node: Node, args, kwargs, strategy, ann, rp, rank: int) -> dict[int, object]:
     x, dim = args[0], args[1]
     axes = _axes(strategy, ann.custom)
-    top = _all_reduce(fg, fg.call_function(aten.amax.default, (x, [dim], True)), axes, ReduceOp.MAX)
+    local = _reduced_local(node, 0, dim, rp)
+    top = _all_reduce(fg, fg.call_function(aten.amax.default, (x, [dim], True)), axes, ReduceOp.MAX, local, node.name)
     shifted = fg.call_function(aten.sub.Tensor, (x, top))
     total = fg.call_function(aten.sum.dim_IntList, (fg.call_function(aten.exp.default, (shifted,)), [dim], True))
-    total = _all_reduce(fg, total, axes, ReduceOp.SUM)
+    total = _all_reduce(fg, total, axes, ReduceOp.SUM, local, node.name)
     return {node.outputs[0]: fg.call_function(aten.sub.Tensor, (shifted, fg.call_function(aten.log.default,
                                                                                           (total,))))}
 
@@ -148,7 +168,8 @@ def _log_softmax(fg, node: Node, args, kwargs, strategy, ann, rp, rank: int) -> 
 def _log_softmax_backward(fg, node: Node, args, kwargs, strategy, ann, rp, rank: int) -> dict[int, object]:
     grad, out, dim = args[0], args[1], args[2]
     axes = _axes(strategy, ann.custom)
-    total = _all_reduce(fg, fg.call_function(aten.sum.dim_IntList, (grad, [dim], True)), axes, ReduceOp.SUM)
+    total = _all_reduce(fg, fg.call_function(aten.sum.dim_IntList, (grad, [dim], True)), axes, ReduceOp.SUM,
+                        _reduced_local(node, 0, dim, rp), node.name)
     scaled = fg.call_function(aten.mul.Tensor, (fg.call_function(aten.exp.default, (out,)), total))
     return {node.outputs[0]: fg.call_function(aten.sub.Tensor, (grad, scaled))}
 
@@ -180,8 +201,9 @@ def _nll(fg, node: Node, args, kwargs, strategy, ann, rp, rank: int) -> dict[int
     call = fg.call_function(resolve_op(node.op), tuple(args), kwargs)
     total, weight = (fg.call_function(operator.getitem, (call, i)) for i in range(2))
     axes = _axes(strategy, {"n", "c"})
-    total = _all_reduce(fg, total, axes, ReduceOp.SUM)
-    weight = _all_reduce(fg, weight, axes, ReduceOp.SUM)
+    scalar = ((), graph.types[node.outputs[0]].dtype.value)     # the summed loss and total weight: 0-dim
+    total = _all_reduce(fg, total, axes, ReduceOp.SUM, scalar, node.name)
+    weight = _all_reduce(fg, weight, axes, ReduceOp.SUM, scalar, node.name)
     out = {node.outputs[0]: fg.call_function(aten.div.Tensor, (total, weight))}
     if node.outputs[1] is not None:
         out[node.outputs[1]] = weight

@@ -34,6 +34,9 @@ Orders (all lists of op ids; ``simulate.check_order`` accepts every one of them)
   ops). A window is accepted only when it lowers its own peak below the current peak; the loop stops
   at the lower bound (``IndexedProblem.lower_bound``), when no window around a peak step improves,
   or at the time limit. A slow window keeps the best solution found; nothing ever fails.
+  This is ``division="flat"``. ``division="tree"`` replaces the windows around the peak with ROAM's
+  recursive task tree (``order_tree``: key-point, loss and halving cuts down to exact leaves, children
+  merged across their seams by an exact interleaving under the order constraints between them).
 """
 from __future__ import annotations
 
@@ -45,10 +48,12 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 from .order_graph import IndexedProblem
-from .order_ilp import solve_window
+from .order_ilp import solve_window, window_booleans
+from .order_tree import TreeSettings, TreeStats, improve_tree
 from .problem import MemProblem, OpRole
 
 __all__ = [
+    "Division",
     "OptLevel",
     "OrderOptions",
     "OrderResult",
@@ -64,6 +69,14 @@ class OptLevel(str, Enum):
 
     O1 = "O1"
     O2 = "O2"
+
+
+class Division(str, Enum):
+    """How ``O2`` divides the order into exact subproblems: ``flat`` windows around the peak step
+    (default), or ROAM's recursive ``tree`` (``order_tree``)."""
+
+    FLAT = "flat"
+    TREE = "tree"
 
 
 @dataclass
@@ -86,6 +99,17 @@ class OrderOptions:
     window_booleans: int = 4000  # about this many run/started booleans per window (fewer ops if needed)
     window_time_limit: float = 2.0  # seconds per window solve
     workers: int = 2  # CP-SAT workers
+    division: Division | str = Division.FLAT  # O2's task division (see ``Division``)
+    merge_span: int = 150  # tree division: ops of each child a seam merge interleaves
+    tree_peak_only: bool = True  # tree division: solve only leaves and seams holding a peak step
+    tree_branch_merge: bool = True  # tree division: also interleave spine and side-branch ops (order_tree)
+
+    def __post_init__(self) -> None:
+        try:
+            self.division = Division(self.division)
+        except ValueError:
+            raise ValueError(f"unknown order division {self.division!r}; use one of "
+                             f"{[d.value for d in Division]}") from None
 
 
 @dataclass
@@ -95,7 +119,7 @@ class OrderResult:
     order: list[int]
     peak: int  # max live bytes over the steps of ``order``
     lower_bound: int  # no order of this problem has a smaller peak
-    source: str  # the candidate the result came from, "+windows" when CP-SAT improved it
+    source: str  # the candidate the result came from, "+windows" ("+tree") when the flat (tree) division improved it
     candidates: dict[str, int] = field(default_factory=dict)  # heuristic name -> its peak
     seconds: float = 0.0
     windows: int = 0  # window solves run
@@ -484,27 +508,6 @@ def _candidates(g: IndexedProblem, opts: OrderOptions, progress: Progress | None
     return out
 
 
-def _window_booleans(g: IndexedProblem, order: Sequence[int], a: int, b: int) -> int:
-    """Run/started variables a window would get (its ops' slack between ASAP and ALAP, twice)."""
-    loc = {op: t for t, op in enumerate(order[a:b])}
-    k = b - a
-    anc = [0] * k
-    for u, op in enumerate(order[a:b]):
-        m = 0
-        for p in g.preds[op]:
-            q = loc.get(p)
-            if q is not None:
-                m |= anc[q] | (1 << q)
-        anc[u] = m
-    desc = [0] * k
-    for u in range(k - 1, -1, -1):
-        for p in g.preds[order[a + u]]:
-            q = loc.get(p)
-            if q is not None:
-                desc[q] |= desc[u] | (1 << u)
-    return sum(2 * (k - 1 - desc[u].bit_count() - anc[u].bit_count()) + 1 for u in range(k))
-
-
 def _windows_around(g: IndexedProblem, order: Sequence[int], s: int, size: int, budget: int,
                     segment: tuple[int, int] | None) -> list[tuple[int, int]]:
     """Windows ``[a, b)`` containing step ``s``, at most ``size`` ops and about ``budget`` booleans:
@@ -514,14 +517,14 @@ def _windows_around(g: IndexedProblem, order: Sequence[int], s: int, size: int, 
     out: list[tuple[int, int]] = []
     if segment is not None:
         lo, hi = segment
-        if hi - lo <= size and _window_booleans(g, order, lo, hi) <= budget:
+        if hi - lo <= size and window_booleans(g, order, lo, hi) <= budget:
             out.append((lo, hi))
     for frac in (0.5, 0.8, 0.2):
         w = min(size, n)
         while w >= 2:
             a = max(0, min(s - int(w * frac), n - w))
             b = a + w
-            if _window_booleans(g, order, a, b) <= budget or w <= 8:
+            if window_booleans(g, order, a, b) <= budget or w <= 8:
                 if (a, b) not in out:
                     out.append((a, b))
                 break
@@ -592,6 +595,18 @@ def _improve(g: IndexedProblem, order: list[int], opts: OrderOptions, lb: int, d
     return order
 
 
+def _divide(g: IndexedProblem, order: list[int], opts: OrderOptions, lb: int, deadline: float,
+            progress: Progress | None, stats: OrderResult) -> list[int]:
+    """O2's exact improvement of ``order`` by the chosen division; ``stats`` gets the counts."""
+    if opts.division is Division.FLAT:
+        return _improve(g, order, opts, lb, deadline, progress, stats)
+    settings = TreeSettings(opts.segment_size, opts.window_booleans, opts.window_time_limit, opts.workers,
+                            opts.merge_span, opts.tree_peak_only, opts.tree_branch_merge)
+    order, ts = improve_tree(g, order, lb, deadline, settings, progress, TreeStats())
+    stats.windows, stats.improved, stats.stopped = ts.leaves + ts.merges, ts.improved, ts.stopped
+    return order
+
+
 def order_ops(problem: MemProblem, level: OptLevel | str = OptLevel.O2, options: OrderOptions | None = None,
               time_limit: float = 60.0, progress: Progress | None = None) -> OrderResult:
     """The best order found for ``problem`` at ``level`` within ``time_limit`` seconds."""
@@ -610,11 +625,12 @@ def order_ops(problem: MemProblem, level: OptLevel | str = OptLevel.O2, options:
         progress("order: heuristics " + ", ".join(f"{k} {v:,} B" for k, v in peaks.items()))
     res = OrderResult(list(cands[name]), peaks[name], lb, name, peaks)
     if level is OptLevel.O2 and peaks[name] > lb:
-        order = _improve(g, list(cands[name]), opts, lb, t0 + time_limit, progress, res)
+        order = _divide(g, list(cands[name]), opts, lb, t0 + time_limit, progress, res)
         peak = g.peak(order)
         assert peak <= res.peak and g.is_topological(order)
         if peak < res.peak:
-            res.order, res.peak, res.source = order, peak, name + "+windows"
+            tag = "+tree" if opts.division is Division.TREE else "+windows"
+            res.order, res.peak, res.source = order, peak, name + tag
     elif level is OptLevel.O2:
         res.stopped = "lower bound"
     res.order = g.to_ids(res.order)

@@ -35,7 +35,7 @@ from ortools.sat.python import cp_model
 
 from .order_graph import IndexedProblem
 
-__all__ = ["WindowResult", "solve_window"]
+__all__ = ["Window", "WindowResult", "solve_window", "window_booleans"]
 
 
 @dataclass
@@ -50,8 +50,32 @@ class WindowResult:
     booleans: int
 
 
-class _Window:
-    """The data of one window: ops, bounds, tensors and the constant part of the live bytes."""
+def window_booleans(g: IndexedProblem, order: Sequence[int], a: int, b: int) -> int:
+    """Run/started variables the model of window ``[a, b)`` would get (its ops' slack between ASAP and
+    ALAP, twice), without building it."""
+    loc = {op: t for t, op in enumerate(order[a:b])}
+    k = b - a
+    anc = [0] * k
+    for u, op in enumerate(order[a:b]):
+        m = 0
+        for p in g.preds[op]:
+            q = loc.get(p)
+            if q is not None:
+                m |= anc[q] | (1 << q)
+        anc[u] = m
+    desc = [0] * k
+    for u in range(k - 1, -1, -1):
+        for p in g.preds[order[a + u]]:
+            q = loc.get(p)
+            if q is not None:
+                desc[q] |= desc[u] | (1 << u)
+    return sum(2 * (k - 1 - desc[u].bit_count() - anc[u].bit_count()) + 1 for u in range(k))
+
+
+class Window:
+    """The data of one window: ops, bounds, tensors and the part of the live bytes its order cannot change
+    (``base``). Slot ``u`` is the op at position ``a + u`` of the order; ``tensors`` holds
+    ``(size, producer slot or None, reader slots, to_end)`` for every tensor the window's order affects."""
 
     def __init__(self, g: IndexedProblem, order: Sequence[int], live: Sequence[int], a: int, b: int) -> None:
         self.ops = list(order[a:b])
@@ -128,7 +152,7 @@ class _Window:
 class _Model:
     """CP-SAT model of a window (see the module docstring); each constraint family has its function."""
 
-    def __init__(self, w: _Window, scale: int) -> None:
+    def __init__(self, w: Window, scale: int) -> None:
         self.w = w
         self.scale = scale
         self.m = cp_model.CpModel()
@@ -259,7 +283,7 @@ def solve_window(g: IndexedProblem, order: Sequence[int], live: Sequence[int], a
     profile is unchanged by construction.
     """
     t0 = time.perf_counter()
-    w = _Window(g, order, live, a, b)
+    w = Window(g, order, live, a, b)
     scale = 0
     for size, *_ in w.tensors:
         scale = math.gcd(scale, size)

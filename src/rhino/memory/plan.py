@@ -1,7 +1,8 @@
 """``plan_memory``: an operator order and an arena offset for every tensor (ROAM's two stages).
 
 1. Order (``order.order_ops``): heuristics and ROAM's rules, then (level ``O2``) exact CP-SAT windows,
-   with about half of ``time_limit``.
+   with about half of ``time_limit``; ``options.division`` picks flat windows around the peak (default)
+   or ROAM's task tree (``order_tree``).
 2. Layout of that order's buffers (``problem.buffers``): the greedy layouts of ``layout.py`` by size
    and long-lived first, ROAM's cross-loss rule (option ``cross_loss_bottom``: the tensors live across
    the loss are pre-placed at the bottom of the arena, the latest freed lowest, and the rest placed
@@ -15,6 +16,9 @@
    takes the baseline's order and layout (``source`` says which), so Rhino is never worse.
 
 Every plan is checked (``simulate.check_order`` and ``layout.validate_layout``); ``valid`` records it.
+``order_lower_bound`` is ``IndexedProblem.lower_bound``: bytes every order must hold at some step,
+computed from the graph alone (not from the plan), so a plan whose ``height`` equals it is optimal.
+``method="model"`` plans with the MODeL baseline (``model_ilp``) instead of steps 1-3.
 """
 from __future__ import annotations
 
@@ -25,6 +29,7 @@ from dataclasses import dataclass, field
 
 from .allocator import AllocatorStats, simulate_allocator
 from .layout import Buffer, GreedyOrder, greedy_layout, solve_layout, validate_layout
+from .order_graph import IndexedProblem
 from .order import OptLevel, OrderOptions, OrderResult, least_peak_order, order_ops, program_order
 from .problem import MemProblem, OpRole, buffers, lifetimes
 from .simulate import check_order, replay
@@ -106,17 +111,26 @@ def stacked_layout(bufs: Sequence[Buffer], bottom: Sequence[int], rest_key: Call
     return offsets
 
 
+METHODS = ("rhino", "model")  # plan_memory's planners: ROAM-style (ours), MODeL's joint program (baseline)
+
+
 def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_limit: float = 60.0,
-                progress: Progress | None = None, options: OrderOptions | None = None) -> MemoryPlan:
+                progress: Progress | None = None, options: OrderOptions | None = None,
+                method: str = "rhino") -> MemoryPlan:
     """Plan ``problem``: an order and a layout whose arena is as low as the level and time allow.
 
     ``time_limit`` (seconds) bounds the exact searches (CP-SAT windows, exact layout); the baselines
     and heuristics always run (a few seconds on a 12,000-op graph). ``progress`` gets one-line
-    messages, at least every couple of seconds during the searches.
+    messages, at least every couple of seconds during the searches. ``method="model"`` plans with the
+    MODeL baseline instead (``model_ilp.solve_model``: order and addresses in one CP-SAT program, its
+    plan as found, never replaced by a better baseline); it raises ``ValueError`` when that finds no plan
+    within ``time_limit``.
     """
     t0 = time.perf_counter()
     level = OptLevel(level)
     opts = options or OrderOptions()
+    if method not in METHODS:
+        raise ValueError(f"unknown planning method {method!r}; choose one of {', '.join(METHODS)}")
     problem.validate()
 
     def say(msg: str) -> None:
@@ -126,6 +140,8 @@ def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_l
     base = _Baselines.of(problem)
     say(f"baselines: PyTorch {base.pytorch_live:,} B live, {base.alloc.peak_reserved:,} B reserved; best-fit "
         f"{base.bestfit.height:,} B; heuristic {base.heuristic.height:,} B")
+    if method == "model":
+        return _model_plan(problem, base, level, t0, time_limit, say)
 
     # 1. order
     share = time_limit * 0.5 if level is OptLevel.O2 else time_limit
@@ -140,6 +156,26 @@ def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_l
     # 3. never worse than the baselines
     best = min((ours, base.heuristic, base.bestfit), key=lambda c: c.height)  # ties: Rhino's, then the order here
     return _checked_plan(problem, best, res, base, level, t0, t_layout, say)
+
+
+def _model_plan(problem: MemProblem, base: _Baselines, level: OptLevel, t0: float, time_limit: float,
+                say: Progress) -> MemoryPlan:
+    """The MODeL baseline's plan, through the same checks as Rhino's (``_checked_plan``)."""
+    from .model_ilp import solve_model
+    left = max(0.0, time_limit - (time.perf_counter() - t0))
+    r = solve_model(problem, time_limit=left)
+    say(f"MODeL: {r.status}, arena {r.height if r.height is not None else '-'} B, bound {r.bound:,} B, "
+        f"{r.seconds:.1f}s")
+    if r.order is None or r.offsets is None:
+        raise ValueError(f"MODeL found no plan for {problem.name or 'the problem'} within {time_limit:g} s "
+                         f"({r.status}: {r.reason}); raise the time limit or plan with method='rhino'")
+    bufs = buffers(problem, r.order)
+    offsets = {b.id: r.offsets[b.id] for b in bufs}
+    cand = _Candidate("model", r.order, bufs, offsets, _height(bufs, offsets), f"model/{r.status}")
+    res = OrderResult(r.order, replay(problem, r.order).peak, IndexedProblem(problem).lower_bound(), "model")
+    plan = _checked_plan(problem, cand, res, base, level, t0, 0.0, say)
+    plan.stats.update({"model_bound": r.bound, "model_size": r.size})
+    return plan
 
 
 @dataclass

@@ -6,6 +6,10 @@ with ``plan.plan_memory``, makes the offsets usable by the arena executor (each 
 order with ``simulate.check_order`` and the layout with ``layout.validate_layout`` (``check_plan``). Running
 the step in the arena and comparing with plain PyTorch needs torch: ``lower.arena.compare_arena_step`` fills
 ``StepMemoryReport.execute``.
+
+``plan_rank_memory`` does the same for every rank of a parallel plan (the problems of
+``lower.rank_graph``): each *distinct* problem (``problem_key``: same ops, edges and tensor sizes) is planned
+once and its plan serves every rank with that problem; ``RankMemoryReport`` lists them per rank.
 """
 from __future__ import annotations
 
@@ -19,7 +23,8 @@ from .plan import MemoryPlan, plan_memory
 from .problem import MemProblem, buffers
 from .simulate import check_order
 
-__all__ = ["StepMemoryReport", "plan_step_memory", "align_plan", "check_plan", "BASELINES"]
+__all__ = ["StepMemoryReport", "plan_step_memory", "align_plan", "check_plan", "BASELINES", "RankMemoryReport",
+           "plan_rank_memory", "problem_key"]
 
 # (name in the report, MemoryPlan attribute): the baselines Rhino's arena is compared with
 BASELINES = (("pytorch_live", "pytorch_live_peak"), ("pytorch", "pytorch_peak"), ("bestfit", "bestfit_peak"),
@@ -66,6 +71,8 @@ class StepMemoryReport:
             "heuristic_peak_bytes": int(plan.heuristic_peak),
             "rhino_peak_bytes": int(plan.height),
             "lower_bound_bytes": int(plan.lower_bound),
+            "order_lower_bound_bytes": int(plan.order_lower_bound),
+            "optimal": proven_optimal(plan),
             "solve_seconds": round(float(plan.solve_seconds), 3),
             "valid": self.valid,
             "source": getattr(plan, "source", ""),
@@ -82,6 +89,13 @@ class StepMemoryReport:
         return d
 
 
+def proven_optimal(plan: MemoryPlan) -> bool:
+    """True only when the arena equals a bound computed from the problem alone: the order lower bound (bytes
+    every order holds at some step), or, for a MODeL plan, the bound CP-SAT proved for the joint program."""
+    bounds = [plan.order_lower_bound, int(plan.stats.get("model_bound", 0))]
+    return plan.valid and plan.height <= max(bounds)
+
+
 def reduction(ours: int, base: int) -> float:
     """The fraction of ``base`` bytes that ``ours`` saves (0 for an empty baseline), to 4 places."""
     return round(1.0 - ours / base, 4) if base > 0 else 0.0
@@ -89,9 +103,10 @@ def reduction(ours: int, base: int) -> float:
 
 def plan_step_memory(problem: MemProblem, mapping: GraphMemory, *, workload: str = "",
                      level: OptLevel | str = OptLevel.O2, time_limit: float = 60.0,
-                     progress: Callable[[str], None] | None = None) -> StepMemoryReport:
-    """Plan ``problem`` (``plan.plan_memory``), align its offsets for the executor and check it."""
-    plan = plan_memory(problem, level=level, time_limit=time_limit, progress=progress)
+                     progress: Callable[[str], None] | None = None, method: str = "rhino") -> StepMemoryReport:
+    """Plan ``problem`` (``plan.plan_memory``; ``method``: "rhino" or the "model" baseline), align its offsets
+    for the executor and check it."""
+    plan = plan_memory(problem, level=level, time_limit=time_limit, progress=progress, method=method)
     realigned = align_plan(problem, plan, mapping.align)
     return StepMemoryReport(workload, OptLevel(level).value, problem, mapping, plan, realigned,
                             check_plan(problem, plan))
@@ -117,3 +132,79 @@ def check_plan(problem: MemProblem, plan: MemoryPlan) -> str | None:
         return f"order: {exc}"
     errors = validate_layout(buffers(problem, plan.order), plan.offsets, capacity=plan.height)
     return f"layout: {errors[0]}" if errors else None
+
+
+def problem_key(problem: MemProblem) -> tuple:
+    """Equal for two problems with the same ops, edges and tensors: one plan serves both."""
+    ops = tuple((o.id, o.inputs, o.outputs, o.role, o.after) for o in problem.ops)
+    tensors = tuple(sorted((t.id, t.size, t.kind, t.also_output) for t in problem.tensors.values()))
+    return ops, tensors
+
+
+#: the per-rank fields of ``RankMemoryReport.to_dict`` (``StepMemoryReport.to_dict`` keys)
+RANK_FIELDS = ("ops", "tensors", "pytorch_live_peak_bytes", "pytorch_peak_bytes", "bestfit_peak_bytes",
+               "heuristic_peak_bytes", "rhino_peak_bytes", "lower_bound_bytes", "solve_seconds", "valid",
+               "source", "state_bytes", "param_bytes", "realigned", "reduction")
+
+
+@dataclass
+class RankMemoryReport:
+    """Every rank's memory plan of a parallel plan: ``reports[k]`` plans the ranks ``groups[k]`` (equal
+    problems); ``execute``: the lockstep run of every rank in its arena against the plain rank programs."""
+
+    workload: str
+    level: str
+    mesh: str
+    strategy: str
+    groups: list[list[int]]
+    reports: list[StepMemoryReport]
+    execute: dict | None = None
+
+    def of_rank(self, rank: int) -> StepMemoryReport:
+        return next(rep for ranks, rep in zip(self.groups, self.reports) if rank in ranks)
+
+    @property
+    def valid(self) -> bool:
+        return all(rep.valid for rep in self.reports)
+
+    @property
+    def ok(self) -> bool:
+        ex = self.execute
+        return self.valid and (ex is None or bool(ex["equal"] and ex["arena_equals_plan"]))
+
+    def to_dict(self) -> dict:
+        """The ``rhino memory --strategy/--plan --json`` object: ``ranks: [{rank, program, ...}]``."""
+        ranks = []
+        for k, (group, rep) in enumerate(zip(self.groups, self.reports)):
+            d = rep.to_dict()
+            row = {f: d[f] for f in RANK_FIELDS}
+            row["order_lower_bound_bytes"] = int(rep.plan.order_lower_bound)
+            if rep.invalid_reason is not None:
+                row["invalid_reason"] = rep.invalid_reason
+            ranks += [{"rank": r, "program": k, **row} for r in group]
+        out = {"ok": self.ok, "workload": self.workload, "level": self.level, "mesh": self.mesh,
+               "strategy": self.strategy, "distinct_programs": len(self.groups),
+               "ranks": sorted(ranks, key=lambda x: x["rank"])}
+        if self.execute is not None:
+            out["execute"] = self.execute
+        return out
+
+
+def plan_rank_memory(problems: list[tuple[int, MemProblem, GraphMemory]], *, workload: str = "", mesh: str = "",
+                     strategy: str = "", level: OptLevel | str = OptLevel.O2, time_limit: float = 60.0,
+                     progress: Callable[[str], None] | None = None) -> RankMemoryReport:
+    """Plan each distinct problem of ``problems`` ((rank, problem, mapping) per rank) once, aligned and checked
+    as ``plan_step_memory`` does; ``time_limit`` is for each distinct problem."""
+    by_key: dict[tuple, int] = {}
+    groups: list[list[int]] = []
+    reports: list[StepMemoryReport] = []
+    for rank, problem, mapping in problems:
+        key = problem_key(problem)
+        if key in by_key:
+            groups[by_key[key]].append(rank)
+            continue
+        by_key[key] = len(groups)
+        groups.append([rank])
+        reports.append(plan_step_memory(problem, mapping, workload=f"{workload} rank {rank}", level=level,
+                                        time_limit=time_limit, progress=progress))
+    return RankMemoryReport(workload, OptLevel(level).value, mesh, strategy, groups, reports)

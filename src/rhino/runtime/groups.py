@@ -12,7 +12,7 @@ import torch.distributed as dist
 
 from ..sharding.mesh import Mesh
 
-__all__ = ["MeshGroups", "build_groups"]
+__all__ = ["MeshGroups", "build_groups", "build_stage_groups"]
 
 
 class MeshGroups:
@@ -64,3 +64,28 @@ def build_groups(mesh: Mesh, timeout_s: float | None = None) -> MeshGroups:
             groups.append((tuple(ranks), group))
         by_axis.append(groups)
     return MeshGroups(mesh, dist.get_rank(), by_axis)
+
+
+def build_stage_groups(mesh: Mesh, stages: int, timeout_s: float | None = None) -> MeshGroups:
+    """The groups of this rank's pipeline stage: the job is ``stages`` copies of ``mesh`` (stage-major
+    ranks, ``runtime.pipeline``); every stage's groups are created on every rank (collective, same
+    order), and the returned lookup has the stage's mesh, this rank's local rank and local rank tuples."""
+    if not dist.is_initialized():
+        raise ValueError("build_stage_groups needs an initialized process group: call it inside launch() "
+                         "or after init_from_env()")
+    world, W = dist.get_world_size(), mesh.world
+    if stages * W != world:
+        raise ValueError(f"{stages} stages of mesh {mesh} need {stages * W} ranks but the process group has "
+                         f"{world}; start {stages * W} processes")
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
+    stage, local = divmod(dist.get_rank(), W)
+    by_axis = []
+    for axis in range(mesh.ndim):
+        mine = []
+        for s in range(stages):
+            for ranks in mesh.groups(axis):
+                group = dist.new_group([s * W + r for r in ranks], timeout=timeout)
+                if s == stage:
+                    mine.append((tuple(ranks), group))
+        by_axis.append(mine)
+    return MeshGroups(mesh, local, by_axis)

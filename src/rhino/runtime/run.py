@@ -36,6 +36,8 @@ class RunResult:
     seconds: float = 0.0
     step_seconds: list[float] = field(default_factory=list)   # per step, slowest rank (measure=True)
     peak_live_bytes: list[int] = field(default_factory=list)  # per rank, first step (measure=True)
+    memory_plan: list[dict] = field(default_factory=list)     # per rank: {rank, arena_bytes, plan_bytes} (--memory-plan)
+    pipeline: dict | None = None   # plans with stages: busy/idle seconds per step and stage (runtime.pipeline_run)
 
     def to_dict(self) -> dict:
         """The ``rhino run --json`` object."""
@@ -43,19 +45,26 @@ class RunResult:
                 "steps": self.steps, "comm_bytes_per_step": self.comm_bytes_per_step,
                 "collectives_per_step": self.collectives_per_step, "losses": self.losses,
                 "reference_losses": self.reference_losses, "first_mismatch": self.first_mismatch,
-                "state_bytes_per_rank": self.local_state_bytes, "seconds": round(self.seconds, 2)}
+                "state_bytes_per_rank": self.local_state_bytes, "seconds": round(self.seconds, 2),
+                **({"memory_plan": self.memory_plan} if self.memory_plan else {}),
+                **({"pipeline": self.pipeline} if self.pipeline is not None else {})}
 
 
 def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, steps: int, timeout_s: float,
-               measure: bool = False, micro_json: str | None = None, overlap: bool = False):
+               measure: bool = False, micro_json: str | None = None, overlap: bool = False,
+               memory_plan: str | None = None):
     graph = Graph.from_json(graph_json)
     plan = ShardingPlan.from_json(plan_json)
     rp = resolve(graph, plan)
     mesh = plan.mesh
     groups = build_groups(mesh, timeout_s)
     set_context(mesh, ctx.rank, groups, TORCH_COLLECTIVES)
-    step_fn = RankStep(graph, plan, ctx.rank, ctx.device, overlap=overlap,
-                       micro_graph=Graph.from_json(micro_json) if micro_json else None)
+    if memory_plan:   # this rank's step in its planned arena (level ``memory_plan``)
+        from .arena_step import ArenaRankStep
+        step_fn = ArenaRankStep(graph, plan, ctx.rank, ctx.device, level=memory_plan)
+    else:
+        step_fn = RankStep(graph, plan, ctx.rank, ctx.device, overlap=overlap,
+                           micro_graph=Graph.from_json(micro_json) if micro_json else None)
     local = {inp.name: shard_tensor(state[inp.name].to(ctx.device), rp.value[inp.value], mesh, ctx.rank)
              for inp in graph.inputs if inp.role is not Role.BATCH}
     batch_local = step_fn.local_batch(batch)
@@ -74,7 +83,8 @@ def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, 
             times.append(time.perf_counter() - t0)
         losses.append(loss)
     own = {name: t.detach().cpu() for name, t in local.items()}  # this rank's shards, compared one by one
-    return {"losses": losses, "local": own, "held": held, "times": times, "peak": peak}
+    arena = {"arena_bytes": step_fn.arena_bytes, "plan_bytes": step_fn.plan_bytes} if memory_plan else {}
+    return {"losses": losses, "local": own, "held": held, "times": times, "peak": peak, **arena}
 
 
 def bytes_by_role(graph: Graph, local: dict) -> dict[str, int]:
@@ -87,12 +97,16 @@ def bytes_by_role(graph: Graph, local: dict) -> dict[str, int]:
 
 
 def run_plan(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, timeout_s: float = 60.0,
-             measure: bool = False, tol: Tolerance | None = None, overlap: bool = False) -> RunResult:
+             measure: bool = False, tol: Tolerance | None = None, overlap: bool = False,
+             memory_plan: str | None = None) -> RunResult:
     """Run ``steps`` steps of ``plan`` on ``nproc`` local processes (gloo) and compare every rank's loss
     and state shards with single-device training (``tol``: by default from the state's dtype, see
     ``runtime.compare.tolerance_for``); each rank runs its ``RankStep``. With ``plan.microbatches > 1`` the
     reference is PyTorch's gradient-accumulation loop (``runtime.compare.accumulation_steps``).
     ``overlap``: the ranks run the overlapped programs (``lower.overlap``) instead of the blocking ones.
+    ``memory_plan``: a memory-planning level (O1, O2): each rank runs its planned order inside one arena
+    (``runtime.arena_step.ArenaRankStep``; blocking collectives); ``RunResult.memory_plan`` gives each
+    rank's arena bytes and plan height.
 
     ``measure``: the first step counts each rank's peak of live tensor bytes (``LiveBytesMeter``) and
     the later steps are timed between barriers (``RunResult.step_seconds``: slowest rank per step).
@@ -103,17 +117,23 @@ def run_plan(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, time
     start = time.perf_counter()
     graph = cap.graph
     if plan.stages > 1:
-        raise ValueError(f"the plan has {plan.stages} pipeline stages; rhino run does not run pipelines yet")
+        if measure or overlap or memory_plan:
+            raise ValueError("measure, overlap and --memory-plan are not supported with pipeline stages yet")
+        from .pipeline_run import run_pipeline
+        return run_pipeline(cap, plan, nproc, steps, timeout_s, tol)
     rp: ResolvedPlan = resolve(graph, plan)
     if plan.mesh.world != nproc:
         raise ValueError(f"the plan's mesh {plan.mesh} has {plan.mesh.world} devices but --nproc is {nproc}; "
                          f"pass --nproc {plan.mesh.world} or another strategy")
+    if memory_plan:
+        from .arena_step import check_memory_plan_supported
+        check_memory_plan_supported(plan)
     micro = microbatch_graph(cap, plan.microbatches) if plan.microbatches > 1 else None
     prog0 = RankStep(graph, plan, 0, micro_graph=micro).programs[0]  # checks the plan before processes start
     state = cap.initial_state()
     batch = tuple(b.detach() for b in cap.workload.batch)
     args = (graph.to_json(), plan.to_json(), state, batch, steps, timeout_s, measure,
-            micro.to_json() if micro is not None else None, overlap)
+            micro.to_json() if micro is not None else None, overlap, memory_plan)
     if in_torchrun():
         results = {int(__import__("os").environ["RANK"]): run_from_env(_rank_main, *args, timeout_s=timeout_s)}
     else:
@@ -137,5 +157,7 @@ def compare_results(cap: Captured, rp: ResolvedPlan, prog0, results: dict[int, d
                        peak_live_bytes=[results[r].get("peak", 0) for r in ranks])
     cmp = compare_ranks(rp, results, ref, tol)
     result.ok, result.max_abs_diff, result.first_mismatch = cmp.ok, cmp.max_abs_diff, cmp.first_mismatch
+    result.memory_plan = [{"rank": r, "arena_bytes": results[r]["arena_bytes"], "plan_bytes": results[r]["plan_bytes"]}
+                          for r in ranks if "arena_bytes" in results[r]]
     result.seconds = time.perf_counter() - start
     return result

@@ -59,12 +59,15 @@ class Trainer:
     comparisons). ``overlap``: issue collectives asynchronously in buckets (off: blocking, one per tensor).
     ``release_memory``: freed tensors go back to the OS at once (``runtime.init.return_freed_memory``, glibc),
     so the resident set follows the live bytes; for models near the memory limit (costs page faults).
+    ``memory_plan``: a memory-planning level (O1, O2): the step runs in its planned order inside one arena
+    (``runtime.arena_step.ArenaRankStep``; blocking collectives, one micro-batch).
     """
 
     def __init__(self, workload, plan: ShardingPlan | str | None = None, *, strategy: str | None = None,
                  cluster: str | None = None, level: str = "O1", time_limit: float = 20.0,
                  dtype: torch.dtype | None = None, overlap: bool = True, timeout_s: float = 300.0,
-                 release_memory: bool = False, progress: Callable[[str], None] | None = None) -> None:
+                 release_memory: bool = False, progress: Callable[[str], None] | None = None,
+                 memory_plan: str | None = None) -> None:
         if sum(x is not None for x in (plan, strategy, cluster)) != 1:
             raise ValueError("give exactly one of plan, strategy or cluster")
         say = progress or (lambda message: None)
@@ -80,20 +83,34 @@ class Trainer:
             say("capturing the training step ...")
             self.cap: Captured = capture(self.workload)
             self.plan = self._plan(plan, strategy, cluster, level, time_limit, say)
-        if self.plan.stages > 1:
-            raise ValueError(f"the plan has {self.plan.stages} pipeline stages; the Trainer does not run pipelines yet")
-        if self.plan.mesh.world != self.world:
-            raise ValueError(f"the plan's mesh {self.plan.mesh} has {self.plan.mesh.world} devices but the job "
-                             f"has {self.world} processes; start {self.plan.mesh.world} or choose another plan")
+        if self.plan.world != self.world:
+            raise ValueError(f"the plan has {self.plan.world} devices ({self.plan.stages} stage(s) of mesh "
+                             f"{self.plan.mesh}) but the job has {self.world} processes; start {self.plan.world} "
+                             f"or choose another plan")
         self.rp = resolve(self.cap.graph, self.plan)
         self.microbatches = getattr(self.plan, "microbatches", 1)
-        self.groups = build_groups(self.plan.mesh, timeout_s)
-        set_context(self.plan.mesh, self.rank, self.groups, TORCH_COLLECTIVES)
+        self.pipelined = self.plan.stages > 1
+        self.mesh_rank = self.rank % self.plan.mesh.world     # this rank within its stage's mesh
+        if self.pipelined:
+            from .groups import build_stage_groups
+            self.groups = build_stage_groups(self.plan.mesh, self.plan.stages, timeout_s)
+        else:
+            self.groups = build_groups(self.plan.mesh, timeout_s)
+        set_context(self.plan.mesh, self.mesh_rank, self.groups, TORCH_COLLECTIVES)
+        say("lowering the per-rank programs ...")
+        if self.pipelined:
+            if memory_plan:
+                raise ValueError("--memory-plan is not supported with pipeline stages yet; drop it or the pp key")
+            from .pipeline import PipelineStep
+            self.program = PipelineStep(self.cap, self.plan, self.rank, self.device)
+        elif memory_plan:
+            from .arena_step import ArenaRankStep
+            self.program = ArenaRankStep(self.cap.graph, self.plan, self.rank, self.device, level=memory_plan)
+        else:
+            from .rank_step import RankStep
+            self.program = RankStep(self.cap, self.plan, self.rank, self.device, overlap=overlap)
         say(f"materialising rank {self.rank}'s shards ...")
         self.state = self._local_state()
-        say("lowering the per-rank programs ...")
-        from .rank_step import RankStep
-        self.program = RankStep(self.cap, self.plan, self.rank, self.device, overlap=overlap)
         self._stream = None
         self.steps_done = 0
         self.data_position = 0            # global batches taken from the stream by next_batch (checkpointed)
@@ -134,7 +151,11 @@ class Trainer:
         """This rank's shards, one full tensor at a time (replayed from the recording, or copied from an
         in-memory model that this process holds anyway)."""
         from .init import local_state
-        return local_state(self.cap, self.rp, self.rank, self._source, self.device)
+        state = local_state(self.cap, self.rp, self.mesh_rank, self._source, self.device)
+        if self.pipelined:   # the state this rank's stage holds (runtime.pipeline)
+            held = set(self.program.state_names)
+            state = {n: t for n, t in state.items() if n in held}
+        return state
 
     # ------------------------------------------------------------------ training
     def next_batch(self) -> tuple:
@@ -166,8 +187,8 @@ class Trainer:
         """One training step on a global batch (``None``: the next one); returns the loss (same on every rank)."""
         batch = check_batch(self.cap.graph, self.next_batch() if batch is None else batch,
                             f"the batch of step {self.steps_done + 1}")
-        local = rank_batch(batch, self.rp, self.rank, self.microbatches, self.device)
-        set_context(self.plan.mesh, self.rank, self.groups, TORCH_COLLECTIVES)   # another trainer in this process may have set its own
+        local = rank_batch(batch, self.rp, self.mesh_rank, self.microbatches, self.device)
+        set_context(self.plan.mesh, self.mesh_rank, self.groups, TORCH_COLLECTIVES)   # another trainer in this process may have set its own
         loss = self.program.run(self.state, local)
         self.steps_done += 1
         return float(loss)
@@ -176,12 +197,14 @@ class Trainer:
     def save(self, directory) -> Path:
         """Save a sharded checkpoint of this step under ``directory`` (collective; ``runtime/checkpoint.py``)."""
         from .checkpoint import save_checkpoint
+        self._no_pipeline("checkpoints")
         return save_checkpoint(self, directory)
 
     def resume(self, directory):
         """Load the latest checkpoint under ``directory`` under this trainer's plan (collective); returns its
         ``CheckpointInfo``, or None when there is none (the trainer stays at step 0)."""
         from .checkpoint import latest_checkpoint, load_checkpoint
+        self._no_pipeline("checkpoints")
         box = [None]
         if self.rank == 0:                      # one answer for every rank
             found = latest_checkpoint(directory)
@@ -192,9 +215,14 @@ class Trainer:
 
     def full_state(self) -> dict[str, torch.Tensor]:
         """Every state tensor assembled whole (collective: all ranks must call it); for checks and tests."""
+        self._no_pipeline("full_state")
         return {inp.name: gather_tensor(self.state[inp.name], self.rp.value[inp.value], self.plan.mesh, self.rank,
                                         self.groups).cpu()
                 for inp in self.cap.graph.inputs if inp.role is not Role.BATCH}
+
+    def _no_pipeline(self, what: str) -> None:
+        if self.pipelined:
+            raise ValueError(f"{what} of pipelined plans (stages > 1) are not supported yet; train without pp")
 
     def state_bytes(self) -> dict[str, int]:
         """This rank's state bytes by role (parameter, buffer, optimizer state)."""
@@ -270,7 +298,7 @@ def train(workload: str, nproc: int, *, plan: str | None = None, strategy: str |
           cluster: str | None = None, level: str = "O1", steps: int = 10, dtype: torch.dtype | None = None,
           overlap: bool = True, timeout_s: float = 300.0, log: str | None = None, progress: bool = True,
           measure_live: bool = True, release_memory: bool = False, checkpoint: str | None = None, every: int = 0,
-          resume: bool = False) -> TrainResult:
+          resume: bool = False, memory_plan: str | None = None) -> TrainResult:
     """Train ``workload`` (a ``FILE[:FUNC]`` spec) for ``steps`` steps on ``nproc`` local processes (gloo).
 
     Rank 0 prints progress on stderr (step, loss, step time, samples/s) and appends one JSON line per
@@ -278,7 +306,7 @@ def train(workload: str, nproc: int, *, plan: str | None = None, strategy: str |
     (slower step; excluded from the step times). ``checkpoint``: a directory to save sharded checkpoints in,
     every ``every`` steps (0: only at the end) and after the last step; ``resume``: continue from its latest
     checkpoint (under this run's plan, which may differ from the saver's) up to ``steps`` steps in total,
-    or start from step 0 when it holds none.
+    or start from step 0 when it holds none. ``memory_plan``: each rank runs in its planned arena (``Trainer``).
     """
     if nproc < 1 or steps < 1:
         raise ValueError("nproc and steps must be at least 1")
@@ -287,7 +315,7 @@ def train(workload: str, nproc: int, *, plan: str | None = None, strategy: str |
     start = time.perf_counter()
     results = launch(train_rank, nproc, workload, plan, strategy, cluster, level, steps, dtype, overlap,
                      timeout_s, log, progress, measure_live, release_memory, checkpoint, every, resume,
-                     timeout_s=timeout_s)
+                     memory_plan, timeout_s=timeout_s)
     return summarize(results, measure_live, time.perf_counter() - start)
 
 
@@ -295,7 +323,7 @@ def train_torchrun(workload: str, *, plan: str | None = None, strategy: str | No
                    cluster: str | None = None, level: str = "O1", steps: int = 10, dtype: torch.dtype | None = None,
                    overlap: bool = True, timeout_s: float = 300.0, log: str | None = None, progress: bool = True,
                    measure_live: bool = True, release_memory: bool = False, checkpoint: str | None = None,
-                   every: int = 0, resume: bool = False) -> TrainResult | None:
+                   every: int = 0, resume: bool = False, memory_plan: str | None = None) -> TrainResult | None:
     """``train`` as one rank of a ``torchrun`` job: every rank trains; rank 0 returns the summary (others None)."""
     start = time.perf_counter()
     check_checkpointing(checkpoint, every, resume)
@@ -304,7 +332,7 @@ def train_torchrun(workload: str, *, plan: str | None = None, strategy: str | No
     try:
         mine = train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, overlap, timeout_s, log,
                           progress, measure_live, release_memory, checkpoint=checkpoint, every=every,
-                          resume=resume)
+                          resume=resume, memory_plan=memory_plan)
         results = [None] * ctx.world_size
         dist.all_gather_object(results, mine)
     finally:
@@ -352,10 +380,9 @@ def load_plan_file(path: str | Path) -> ShardingPlan:
 def plan_world(plan: str | Path | None = None, strategy: str | None = None, cluster: str | None = None) -> int:
     """The device count of a plan file, else of a strategy string, else of a cluster; 1 with none of them."""
     if plan is not None:
-        return load_plan_file(plan).mesh.world
+        return load_plan_file(plan).world
     if strategy is not None:
-        from ..sharding.presets import mesh_for
-        return mesh_for(parse_strategy(strategy)).world
+        return parse_strategy(strategy).world
     if cluster is not None:
         from ..cost.cluster import parse_cluster
         return parse_cluster(cluster).world
@@ -365,13 +392,12 @@ def plan_world(plan: str | Path | None = None, strategy: str | None = None, clus
 def _check_world(nproc: int, plan, strategy, cluster) -> None:
     """Before starting processes: the plan's device count must be the number of processes."""
     if strategy is not None:
-        from ..sharding.presets import mesh_for
-        world, what = mesh_for(parse_strategy(strategy)).world, f"strategy {strategy}"
+        world, what = parse_strategy(strategy).world, f"strategy {strategy}"
     elif plan is not None:
         path = Path(plan)
         if not path.is_file():
             raise ValueError(f"plan file {str(plan)!r} does not exist; make one with rhino plan ... --out FILE")
-        world, what = ShardingPlan.from_json(path.read_text()).mesh.world, f"plan {plan}"
+        world, what = ShardingPlan.from_json(path.read_text()).world, f"plan {plan}"
     else:
         from ..cost.cluster import parse_cluster
         world, what = parse_cluster(cluster).world, f"cluster {cluster}"
@@ -381,7 +407,7 @@ def _check_world(nproc: int, plan, strategy, cluster) -> None:
 
 
 def train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, overlap, timeout_s, log, progress,
-                measure_live, release_memory=False, checkpoint=None, every=0, resume=False):
+                measure_live, release_memory=False, checkpoint=None, every=0, resume=False, memory_plan=None):
     """One rank of ``train``: build the trainer, resume (``resume``) from ``checkpoint``'s latest checkpoint,
     train up to ``steps`` steps in total, saving every ``every`` steps and after the last one."""
     import os
@@ -389,7 +415,9 @@ def train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, over
     say = (lambda m: print(f"rhino train: {m}", file=sys.stderr, flush=True)) if progress and ctx.rank == 0 \
         else (lambda m: None)
     trainer = Trainer(workload, plan, strategy=strategy, cluster=cluster, level=level, dtype=dtype,
-                      overlap=overlap, timeout_s=timeout_s, release_memory=release_memory, progress=say)
+                      overlap=overlap, timeout_s=timeout_s, release_memory=release_memory, progress=say,
+                      memory_plan=memory_plan)
+    measure_live = measure_live and not trainer.pipelined   # pipelines: no live-bytes meter yet (peak 0)
     resumed = _resume(trainer, checkpoint, say) if resume else None
     first = trainer.steps_done
     losses, times, peak_live, samples, saved = [], [], 0, 0, []
@@ -422,7 +450,7 @@ def train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, over
         if logf is not None:
             logf.close()
     return {"losses": losses, "times": times, "peak_live": peak_live, "rss": peak_rss_bytes(),
-            "samples": samples, "mesh": str(trainer.plan.mesh), "strategy": trainer.plan.strategy_string,
+            "samples": samples, "mesh": (f"pp{trainer.plan.stages}x" if trainer.pipelined else "") + str(trainer.plan.mesh), "strategy": trainer.plan.strategy_string,
             "state_bytes": trainer.state_bytes(), "resumed_from_step": resumed, "checkpoints": saved}
 
 

@@ -2,13 +2,17 @@
 
 The liveness model is ``cost.memory``'s, on ``ir.analysis``'s storages and last uses: views alias their
 input's storage, state lives all step, graph outputs to the end, other values from the node that makes
-them to their last reader; the new state coexists with the old. Redistributed copies (one per value and needed sharding, alive from the
-first node that needs it to the last, as the lowering keeps them) are ``CopyTerm``s. Two differences,
-both on the safe side where the copy is no larger than its source: a value a copy was made from counts
-until its last reader even when the cost model frees it once its last copy exists, and a view of a
-copy keeps the copy's *source* alive here (the cost model keeps the copy; which one exists depends on
-the choice, and these rows' liveness does not). Measured on the GPT example on a 2x2 mesh: the searched
-plan within 5%, random plans up to 19% above the cost model (tests/test_search.py).
+them to their last reader; the new state coexists with the old. Redistributed copies (one per value
+and needed sharding, alive from the first node that needs it to the last, or to the reach of a view
+taken of it, ``ir.analysis.view_reach``) are ``CopyTerm``s. The copies follow ``ROWS_COPY_RULE``
+(``cost.memory.CopyRule.SOURCE_HELD``), which differs from the runtime's in two ways, both on the
+safe side: a value a copy was made from counts until its last reader even when the runtime frees it
+once its last copy exists, and a view of a copy keeps the copy's *source* alive here as well as the
+copy (the runtime keeps the copy only; which one a view aliases depends on the choice, and these
+rows' storage liveness does not). At a plan the rows equal ``estimate_memory(...,
+copy_rule=ROWS_COPY_RULE)`` at every node and are at or above the runtime rule's bytes
+(tests/test_analysis.py; tests/test_search.py: the searched GPT plan on a 2x2 mesh within 5% of the
+runtime rule, random plans up to 19%).
 With recomputation, activations count with the fraction ``cost.recompute`` keeps.
 """
 from __future__ import annotations
@@ -16,22 +20,25 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import prod
 
-from ..cost.memory import estimate_memory
+from ..cost.memory import CopyRule, estimate_memory
 from ..cost.recompute import KEEP_KINDS, Recompute, apply_recompute
 from ..cost.step import NodeCost
 from ..ir.analysis import analyze
 from ..ir.registry import lookup
 from ..sharding.placement import local_shape
 
-__all__ = ["CopyTerm", "MemRow", "MemoryRows", "copy_bytes"]
+__all__ = ["CopyTerm", "MemRow", "MemoryRows", "copy_bytes", "ROWS_COPY_RULE"]
+
+#: how the rows keep redistributed copies and their sources alive (module docstring)
+ROWS_COPY_RULE = CopyRule.SOURCE_HELD
 
 
 @dataclass
 class CopyTerm:
     """Redistributed copies of values alive at a row's node: the lowering keeps one copy per value and
     needed sharding from its first to its last use (``cost.memory``), so a copy to ``tau`` is alive
-    when a use at or before the node and a use at or after it both need ``tau`` and the producer did
-    not already make the value ``tau``."""
+    when a use at or before the node and a use reaching the node (``MemoryRows.value_uses``) both need
+    ``tau`` and the producer did not already make the value ``tau``."""
 
     producer: int
     sigma: list[int]                                   # producer candidate -> sharding index
@@ -148,23 +155,26 @@ class MemoryRows:
                 row[c] += int(count * prod(local_shape(shape, d.produced[slot], self.mesh)) * itemsize)
         return MemRow(node, coef, const, self._copy_terms(node))
 
-    def value_uses(self) -> dict[int, list[tuple[int, tuple, int]]]:
-        """value id -> (cone, slot key, node index) of every node input that reads it."""
+    def value_uses(self) -> dict[int, list[tuple[int, tuple, int, int]]]:
+        """value id -> (cone, slot key, node index, reach) of every node input that reads it; the reach is
+        ``ir.analysis``'s ``view_reach`` for a view's first input (a copy it is taken of lives that
+        long), else the node index."""
         if "vuses" not in self.shared:
-            cones = self.cones
-            out: dict[int, list[tuple[int, tuple, int]]] = {}
+            cones, a = self.cones, self._analysis
+            out: dict[int, list[tuple[int, tuple, int, int]]] = {}
             for i in range(len(self.graph.nodes)):
                 c, pos = cones.cone_of_node[i], cones.pos_of_node[i]
                 for k, r in enumerate(self.space.info(i).refs):
                     if r.id not in self.graph.constants:
-                        out.setdefault(r.id, []).append((c, ("m", pos, k), i))
+                        reach = a.view_reach[i] if k == 0 and a.is_view[i] else i
+                        out.setdefault(r.id, []).append((c, ("m", pos, k), i, reach))
             self.shared["vuses"] = out
         return self.shared["vuses"]
 
     def _spans(self) -> list[tuple[int, int, int]]:
-        """(first use, last use, value) of every value read by a node."""
+        """(first use, last reach, value) of every value read by a node."""
         if "spans" not in self.shared:
-            self.shared["spans"] = [(min(u[2] for u in uses), max(u[2] for u in uses), vid)
+            self.shared["spans"] = [(min(u[2] for u in uses), max(u[3] for u in uses), vid)
                                     for vid, uses in self.value_uses().items() if uses]
         return self.shared["spans"]
 
@@ -180,8 +190,8 @@ class MemoryRows:
             if src is None:
                 continue
             cp, pslot = src
-            before = tuple(sorted({(cls[c], slot) for c, slot, i in uses if i <= node}))
-            after = tuple(sorted({(cls[c], slot) for c, slot, i in uses if i >= node}))
+            before = tuple(sorted({(cls[c], slot) for c, slot, i, _ in uses if i <= node}))
+            after = tuple(sorted({(cls[c], slot) for c, slot, _, reach in uses if reach >= node}))
             key = (cls[cp], pslot, before, after)
             entry = agg.get(key)
             if entry is None:

@@ -1,0 +1,226 @@
+"""A rank's program of a parallel plan as an IR graph: what the memory planner and the arena executor take.
+
+``rank_graph(rp, rank)`` lowers the rank's blocking program (``lower.spmd.lower_rank``, the torch.fx code
+``RankStep`` runs) and converts it back to an IR ``Graph`` of exactly that program: its aten calls with
+this rank's local shapes (found by running the program once on the meta device), custom lowerings as the
+several aten calls they emit, and each communication step (``spmd_ops.redistribute(x, kind, axis, ...)``)
+as one node of op ``COMM_OP`` with arguments ``[x, kind, axis, *params]``. ``COMM_OP`` is deliberately not
+in the op registry: unregistered ops are opaque, and the graph analysis gives an opaque op exactly the
+facts a communication step has (it reads its input, its output is a fresh storage: the communication
+buffer), while the registry's entries are sharding-rule ops that the exhaustive rule check runs against
+torch. Inputs keep their names and roles (batch, parameter, optimizer state, ...), outputs are the loss and
+the new state, and constants keep their values, so ``memory.from_graph.problem_from_graph``,
+``memory.plan.plan_memory`` and ``lower.arena.ArenaProgram`` apply unchanged.
+
+``rank_problem`` adds one constraint to the memory problem, **collective order**: the communication nodes
+keep their relative program order (an ``after`` edge from each to the previous one). Every rank emits the
+same communication sequence in program order, and collectives of one process group must be issued in the
+same order on every rank, so a reordered rank still meets its peers (a plan made for one rank is valid
+for any other whose problem is equal).
+
+``memory.step_report.plan_rank_memory`` plans each *distinct* rank problem once (ranks whose problems are
+equal share one plan); ``lower.arena_ranks`` runs the ranks in their arenas.
+"""
+from __future__ import annotations
+
+import dataclasses
+import operator
+from dataclasses import dataclass
+
+import torch
+import torch.fx
+
+from ..ir.graph import STATE_ROLES, Graph, GraphInput, GraphOutput, Node, Ref, Role
+from ..ir.types import Device, DType, Layout, MemoryFormat, TensorType
+from ..memory.from_graph import GraphMemory, problem_from_graph
+from ..memory.problem import MemProblem
+from ..sharding.plan import ResolvedPlan
+from ..sharding.steps import AllGather, AllToAll, LocalSlice, ReduceScatter
+from .spmd import lower_rank
+from .spmd_ops import redistribute, step_from_args
+
+__all__ = ["COMM_OP", "RankMemory", "rank_graph", "rank_problem", "rank_memories", "comm_shape", "is_comm"]
+
+COMM_OP = "rhino.redistribute.default"
+
+
+def is_comm(op: str) -> bool:
+    """Whether an IR op name is a rank graph's communication step."""
+    return op == COMM_OP
+
+
+@dataclass
+class RankMemory:
+    """One rank's program as a graph and its memory problem (``problem_from_graph`` + collective order)."""
+
+    rank: int
+    graph: Graph
+    problem: MemProblem
+    mapping: GraphMemory
+
+
+def comm_shape(shape: tuple[int, ...], kind: str, axis: int, params: tuple, sizes: tuple[int, ...]) -> tuple[int, ...]:
+    """This rank's local shape after one communication step (``spmd_ops.step_args`` form)."""
+    step = step_from_args(kind, axis, *params)
+    out, n = list(shape), sizes[axis]
+    if isinstance(step, AllGather):
+        out[step.dim] *= n
+    elif isinstance(step, (ReduceScatter, LocalSlice)):
+        out[step.dim] //= n
+    elif isinstance(step, AllToAll):
+        out[step.src_dim] *= n
+        out[step.dst_dim] //= n
+    return tuple(out)
+
+
+def _ir_dtype(dt: torch.dtype) -> DType:
+    return DType(str(dt).removeprefix("torch."))
+
+
+def _ir_arg(a, env: dict):
+    """A torch.fx argument -> an IR argument (fx nodes -> their ``Ref``)."""
+    if isinstance(a, torch.fx.Node):
+        ref = env[a]
+        assert isinstance(ref, Ref), f"multi-output node {a} used directly"
+        return ref
+    if isinstance(a, (list, tuple)):
+        items = [_ir_arg(x, env) for x in a]
+        return items if isinstance(a, list) else tuple(items)
+    if isinstance(a, dict):
+        return {k: _ir_arg(v, env) for k, v in a.items()}
+    if isinstance(a, torch.dtype):
+        return _ir_dtype(a)
+    if isinstance(a, torch.device):
+        return Device(a.type)
+    if isinstance(a, torch.layout):
+        return Layout(str(a).removeprefix("torch."))
+    if isinstance(a, torch.memory_format):
+        return MemoryFormat(str(a).removeprefix("torch."))
+    if a is None or isinstance(a, (bool, int, float, str)):
+        return a
+    raise ValueError(f"unsupported argument {a!r} of type {type(a).__name__} in a rank program")
+
+
+def _op_name(target) -> str:
+    ns, name = target._schema.name.split("::")
+    return f"{ns}.{name}.{target._overloadname or 'default'}"
+
+
+class _Converter:
+    """fx program -> IR graph, shapes from a meta-device run (module docstring)."""
+
+    def __init__(self, rp: ResolvedPlan, rank: int) -> None:
+        self.rp, self.rank = rp, rank
+        self.g = Graph(meta={"workload": rp.graph.meta.get("workload", ""), "rank": rank})
+        self.ref: dict[torch.fx.Node, Ref | list] = {}    # fx node -> Ref (or a multi node's [IR node, results])
+        self.meta: dict[torch.fx.Node, object] = {}      # fx node -> meta tensor (or tuple of them)
+
+    def _value(self, t: torch.Tensor) -> int:
+        return self.g.new_value(TensorType(tuple(t.shape), _ir_dtype(t.dtype)))
+
+    def convert(self, prog) -> Graph:
+        graph = self.rp.graph
+        inputs = {i.name: i for i in graph.inputs}
+        consts = {f"_const{v}": v for v in graph.constants}
+        k = 0
+        for n in prog.module.graph.nodes:
+            if n.op == "placeholder":
+                name = prog.input_names[k]
+                k += 1
+                src = inputs[name]
+                t = torch.empty(self.rp.local_shape(src.value), dtype=getattr(torch, graph.types[src.value].dtype.value),
+                                device="meta")
+                vid = self._value(t)
+                self.g.inputs.append(GraphInput(name, src.role, vid))
+                self.ref[n], self.meta[n] = Ref(vid), t
+            elif n.op == "get_attr":
+                gv = consts[n.target]
+                vid = self.g.new_value(graph.types[gv])
+                self.g.constants[vid] = list(graph.constants[gv])
+                self.ref[n] = Ref(vid)
+                t = graph.types[gv]
+                self.meta[n] = torch.empty(t.shape, dtype=getattr(torch, t.dtype.value), device="meta")
+            elif n.op == "call_function":
+                self._call(n)
+            elif n.op == "output":
+                self._outputs(prog, n.args[0], inputs)
+        return self.g
+
+    def _call(self, n: torch.fx.Node) -> None:
+        if n.target is operator.getitem and isinstance(self.ref[n.args[0]], Ref):   # t[i]: a select view
+            res = self.meta[n.args[0]][n.args[1]]
+            vid = self._value(res)
+            self.g.nodes.append(Node(n.name, _op_name(torch.ops.aten.select.int), [self.ref[n.args[0]], 0, n.args[1]], {}, [vid]))
+            self.ref[n], self.meta[n] = Ref(vid), res
+            return
+        if n.target is operator.getitem:
+            node, res = self.ref[n.args[0]]
+            i = n.args[1]
+            if node.outputs[i] is None:
+                node.outputs[i] = self._value(res[i])
+            self.ref[n], self.meta[n] = Ref(node.outputs[i]), res[i]
+            return
+        args = [_ir_arg(a, self.ref) for a in n.args]
+        kwargs = {k: _ir_arg(v, self.ref) for k, v in n.kwargs.items()}
+        if n.target is redistribute:
+            x = self.meta[n.args[0]]
+            shape = comm_shape(tuple(x.shape), n.args[1], n.args[2], tuple(n.args[3:]), self.rp.plan.mesh.sizes)
+            t = torch.empty(shape, dtype=x.dtype, device="meta")
+            vid = self._value(t)
+            self.g.nodes.append(Node(n.name, COMM_OP, args, kwargs, [vid]))
+            self.ref[n], self.meta[n] = Ref(vid), t
+            return
+        if not isinstance(n.target, torch._ops.OpOverload):
+            raise ValueError(f"the rank program calls {n.target!r}, which a rank graph cannot hold (gradient "
+                             f"accumulation over micro-batches is not supported with a memory plan)")
+        margs = torch.fx.node.map_arg(n.args, lambda a: self.meta[a])
+        mkwargs = torch.fx.node.map_arg(n.kwargs, lambda a: self.meta[a])
+        res = n.target(*margs, **mkwargs)
+        if isinstance(res, (tuple, list)):
+            node = Node(n.name, _op_name(n.target), args, kwargs, [None] * len(res), multi=True)
+            self.g.nodes.append(node)
+            self.ref[n], self.meta[n] = [node, res], res
+            return
+        vid = self._value(res)
+        self.g.nodes.append(Node(n.name, _op_name(n.target), args, kwargs, [vid]))
+        self.ref[n], self.meta[n] = Ref(vid), res
+
+    def _outputs(self, prog, results, inputs: dict[str, GraphInput]) -> None:
+        for name, r in zip(prog.output_names, results):
+            src = inputs.get(name)
+            role = src.role if src is not None and src.role in STATE_ROLES else Role.LOSS
+            self.g.outputs.append(GraphOutput(name, role, self.ref[r].id))
+
+
+def rank_graph(rp: ResolvedPlan, rank: int) -> Graph:
+    """The IR graph of the whole-step program rank ``rank`` runs under ``rp`` (blocking collectives)."""
+    if rp.plan.microbatches > 1:
+        raise ValueError(f"a memory plan per rank needs one micro-batch; the plan has "
+                         f"microbatches={rp.plan.microbatches}")
+    with torch.no_grad():
+        prog = lower_rank(rp, rank, "meta")
+        return _Converter(rp, rank).convert(prog)
+
+
+def rank_problem(graph: Graph, *, inplace_state: bool = True) -> tuple[MemProblem, GraphMemory]:
+    """``problem_from_graph`` of a rank graph plus the collective-order constraint (module docstring)."""
+    problem, mapping = problem_from_graph(graph, inplace_state=inplace_state,
+                                          name=f"{graph.meta.get('workload', '')} rank {graph.meta.get('rank', 0)}")
+    comm = [i for i, n in enumerate(graph.nodes) if is_comm(n.op)]
+    if len(comm) > 1:
+        ops = list(problem.ops)
+        for prev, i in zip(comm, comm[1:]):
+            ops[i] = dataclasses.replace(ops[i], after=tuple(sorted(set(ops[i].after) | {prev})))
+        problem = MemProblem(ops, problem.tensors, problem.name)
+    problem.validate()
+    return problem, mapping
+
+
+def rank_memories(rp: ResolvedPlan, ranks=None) -> list[RankMemory]:
+    """Each rank's graph and memory problem (all ranks of the mesh by default)."""
+    out = []
+    for r in (range(rp.plan.mesh.world) if ranks is None else ranks):
+        g = rank_graph(rp, r)
+        problem, mapping = rank_problem(g)
+        out.append(RankMemory(r, g, problem, mapping))
+    return out

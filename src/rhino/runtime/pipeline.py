@@ -1,0 +1,464 @@
+"""Pipelined training steps: one rank's part of a step of a plan with ``plan.stages = S > 1`` stages.
+
+**Ranks.** The job has ``S * W`` ranks, ``W = plan.mesh.world``; stage-major: rank ``r`` is local rank
+``r % W`` of stage ``r // W`` (the mesh ``("pp",) + plan.mesh.names``). Each stage runs the plan on its
+own ``W``-rank mesh (dp / tp / ZeRO inside a stage); boundary values go from local rank ``i`` of one stage
+to local rank ``i`` of another by point-to-point messages, in the sharding they were made in.
+
+**Programs** (cut from the step captured at batch B/m, as ``RankStep``'s micro-batch programs; with
+m = 1 the step itself): ``cost.accumulate.split_step`` gives the gradient part and the update part;
+``ir.stages.assign_stages`` (from ``plan.stage_of``, or ``ir.stages.contiguous_cut`` when the plan has none)
+gives every gradient-part node a stage. Stage ``s`` runs
+
+- ``F_s``: its forward nodes, per micro-batch (its loss on the last stage, its buffers' new values);
+- ``B_s``: its backward nodes, per micro-batch; gradients (``split_step``'s boundary values) made by
+  ``F_s`` or ``B_s`` are kept from micro-batch 1 and added into in place by the later ones, then divided
+  by m;
+- ``U_s`` once per step: the update nodes the new values of its held state need (``StageAssignment.holders``;
+  a tied weight is held, and updated from the same summed gradient, on every stage using it).
+
+**Transfers.** A value ``F_a`` or ``B_a`` makes and stage ``b != a`` reads is sent when made, once per
+(value, receiver) and micro-batch; ``b`` receives it right before its first program reading it (``F_b``,
+else ``B_b``) and keeps what ``F_b`` made or received for its ``B_b`` (a stash per micro-batch in flight).
+Gradients ``U_b`` reads from another stage are sent after the sender's last micro-batch. Sends never
+block; the rules of ``ir.stages`` make the schedules deadlock-free.
+
+**Schedules** (``plan.schedule``): GPipe (``F`` of every micro-batch, then ``B`` of every micro-batch);
+1F1B (PipeDream-Flush: stage ``s`` runs ``min(S - 1 - s, m)`` forwards, then alternates one forward and
+one backward, then the remaining backwards). The loss of the step is ``sum_k loss_k / m`` from the last
+stage, broadcast to every rank. The step's result equals ``RankStep``'s (and PyTorch's accumulation loop).
+
+``PipelineStep.schedule`` yields actions (``Run``, ``Send``, ``Recv``); ``run`` executes them with
+``torch.distributed`` (``isend``/``irecv``) and records the time spent running programs (busy) and the
+rest of the step (idle: waiting for boundary values, the bubble); ``runtime.pipeline_sim`` executes every
+rank's actions in one process.
+"""
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+from typing import Generator
+
+import torch
+import torch.distributed as dist
+
+from ..capture import Captured
+from ..capture.to_ir import torch_dtype
+from ..cost.accumulate import StepSplit, split_step
+from ..ir.analysis import analyze
+from ..ir.graph import Graph, Role
+from ..ir.stages import Schedule, StageAssignment, assign_stages, contiguous_cut
+from ..lower.spmd import Part, SpmdProgram, lower_rank
+from ..sharding.placement import Partial, ReduceOp, replicated
+from ..sharding.plan import PlanError, ResolvedPlan, ShardingPlan, resolve
+from ..sharding.vocab import Recompute
+
+__all__ = ["Run", "Send", "Recv", "StageSpec", "PipelineSpec", "pipeline_spec", "PipelineStep", "stage_order",
+           "StepTimes"]
+
+
+# -- actions ------------------------------------------------------------------------------------------
+@dataclass
+class Run:
+    program: SpmdProgram
+    args: list
+    key: tuple                # (phase, micro-batch) or ("U", 0): which program of the stage
+
+
+@dataclass
+class Send:
+    dst: int                  # stage
+    tag: int
+    tensor: torch.Tensor
+
+
+@dataclass
+class Recv:
+    src: int                  # stage
+    tag: int
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+
+# -- which nodes and values each stage program has (pure graph logic) -------------------------------------------
+@dataclass
+class ProgramSpec:
+    """One program of one stage. ``inputs``: ("state", name) | ("batch", index) | ("value", vid);
+    ``outputs``: ("loss", vid) | ("buffer", name) | ("export", vid); ``grads``: boundary values it makes
+    (first micro-batch: extra outputs; later ones: accumulated in place)."""
+
+    nodes: set[str]
+    inputs: list[tuple] = field(default_factory=list)
+    outputs: list[tuple] = field(default_factory=list)
+    grads: list[int] = field(default_factory=list)
+    recvs: list[tuple[int, int, int]] = field(default_factory=list)   # (vid, src stage, transfer index)
+    sends: list[tuple[int, int, int]] = field(default_factory=list)   # (vid, dst stage, transfer index)
+
+
+@dataclass
+class StageSpec:
+    forward: ProgramSpec
+    backward: ProgramSpec
+    update: ProgramSpec
+    held: list[str]                       # state inputs this stage holds (graph input order)
+
+
+@dataclass
+class PipelineSpec:
+    graph: Graph                          # the step at batch B/m (the step itself for m = 1)
+    split: StepSplit
+    assignment: StageAssignment
+    stages: list[StageSpec]
+    transfers: int                        # number of (value, receiver) pairs: tags are per transfer
+
+
+def _reads(graph: Graph, nodes: set[str]) -> list[int]:
+    """Values ``nodes`` read that they do not make, in first-read order."""
+    made = {v for n in graph.nodes if n.name in nodes for v in n.outputs if v is not None}
+    out: dict[int, None] = {}
+    for n in graph.nodes:
+        if n.name in nodes:
+            for r in n.input_refs():
+                if r.id not in made:
+                    out.setdefault(r.id)
+    return list(out)
+
+
+def _update_nodes(graph: Graph, split: StepSplit, outputs: list[int]) -> set[str]:
+    """The update nodes the values ``outputs`` are computed from."""
+    producer = {v: n for n in graph.nodes if n.name in set(split.update_nodes) for v in n.outputs if v is not None}
+    out: set[str] = set()
+    stack = list(outputs)
+    while stack:
+        n = producer.get(stack.pop())
+        if n is not None and n.name not in out:
+            out.add(n.name)
+            stack.extend(r.id for r in n.input_refs())
+    return out
+
+
+def pipeline_spec(graph: Graph, plan: ShardingPlan, full_graph: Graph | None = None) -> PipelineSpec:
+    """Every stage's programs and transfers (module docstring) for the step ``graph`` at batch B/m;
+    ``full_graph``: the step at batch B, for the default cut when ``plan.stage_of`` is empty."""
+    S = plan.stages
+    stage_of = plan.stage_of or contiguous_cut(full_graph or graph, S)
+    sa = assign_stages(graph, stage_of, S)
+    split = split_step(graph)
+    a = analyze(graph)
+    grad_nodes = set(split.grad_nodes)
+    out_value = {o.name: o.value for o in graph.outputs}
+    specs = []
+    for s in range(S):
+        fwd = {n for n in grad_nodes if sa.node_stage[n] == s and a.is_forward(_index(graph, n))}
+        bwd = {n for n in grad_nodes if sa.node_stage[n] == s} - fwd
+        held = sa.held_by(s)
+        upd_outs = [n for n in split.update_state_outputs if n in held]
+        upd = ProgramSpec(_update_nodes(graph, split, [out_value[n] for n in upd_outs]))
+        specs.append(StageSpec(ProgramSpec(fwd), ProgramSpec(bwd), upd, held))
+        for n in split.grad_state_outputs:
+            p = a.producer.get(out_value[n])
+            if p is not None and graph.nodes[p].name in fwd and sa.holders[n] != {s}:
+                raise PlanError(f"buffer {n} is updated on stage {s} but held by stages {sorted(sa.holders[n])}; "
+                                f"put its readers on one stage")
+    spec = PipelineSpec(graph, split, sa, specs, 0)
+    _wire(spec, a, out_value)
+    return spec
+
+
+def _index(graph: Graph, name: str) -> int:
+    cache = graph.__dict__.setdefault("_rhino_index", {})
+    if len(cache) != len(graph.nodes):
+        cache.clear()
+        cache.update({n.name: i for i, n in enumerate(graph.nodes)})
+    return cache[name]
+
+
+def _wire(spec: PipelineSpec, a, out_value: dict[str, int]) -> None:
+    """Inputs, outputs, receives and sends of every program."""
+    graph, split, sa = spec.graph, spec.split, spec.assignment
+    home: dict[int, tuple[int, str]] = {}      # value -> (stage, "F" | "B") of the program making it
+    for s, st in enumerate(spec.stages):
+        for key, prog in (("F", st.forward), ("B", st.backward)):
+            for n in graph.nodes:
+                if n.name in prog.nodes:
+                    home.update({v: (s, key) for v in n.outputs if v is not None})
+    inputs = {i.value: i for i in graph.inputs}
+    batch_index = {i.value: k for k, i in enumerate(x for x in graph.inputs if x.role is Role.BATCH)}
+    boundary = set(split.boundary)
+    transfers: dict[tuple[int, int, bool], int] = {}
+
+    def transfer(vid: int, src: int, dst: int, sender: ProgramSpec, receiver: ProgramSpec) -> None:
+        key = (vid, dst, receiver is spec.stages[dst].update)
+        if key not in transfers:
+            transfers[key] = len(transfers)
+            sender.sends.append((vid, dst, transfers[key]))
+            receiver.recvs.append((vid, src, transfers[key]))
+
+    for s, st in enumerate(spec.stages):
+        have: set[int] = set()                 # values F_s made or received (stashed for B_s)
+        for key, prog in (("F", st.forward), ("B", st.backward)):
+            for vid in _reads(graph, prog.nodes):
+                if vid in inputs:
+                    inp = inputs[vid]
+                    if inp.role is Role.BATCH:
+                        prog.inputs.append(("batch", batch_index[vid]))
+                    else:
+                        if inp.name not in st.held:
+                            raise AssertionError(f"stage {s} reads {inp.name} it does not hold")
+                        prog.inputs.append(("state", inp.name))
+                    continue
+                if vid not in home:
+                    continue                   # a constant: lowered into the program
+                src, src_key = home[vid]
+                prog.inputs.append(("value", vid))
+                if vid in have:
+                    continue
+                assert src != s, (vid, s)
+                sender = spec.stages[src].forward if src_key == "F" else spec.stages[src].backward
+                transfer(vid, src, s, sender, prog)
+                have.add(vid)
+            if key == "F":
+                have |= {v for n in graph.nodes if n.name in prog.nodes for v in n.outputs if v is not None}
+    loss = next(o.value for o in graph.outputs if o.role is Role.LOSS)
+    for s, st in enumerate(spec.stages):       # what each forward/backward program returns
+        for key, prog in (("F", st.forward), ("B", st.backward)):
+            made = [v for n in graph.nodes if n.name in prog.nodes for v in n.outputs if v is not None]
+            needed = {v for v, _, _ in prog.sends}
+            if loss in made:   # the loss output may be a view made after the loss node
+                prog.outputs.append(("loss", loss))
+            if key == "F":
+                needed |= {v for kind, v in st.backward.inputs if kind == "value"}
+                prog.outputs += [("buffer", n) for n in split.grad_state_outputs if out_value[n] in made]
+            prog.outputs += [("export", v) for v in made if v in needed]
+            prog.grads = [v for v in split.boundary if v in made]
+    for s, st in enumerate(spec.stages):       # the update: held state and gradients, some from other stages
+        upd = st.update
+        reads = _reads(graph, upd.nodes) + [out_value[n] for n in split.update_state_outputs if n in st.held]
+        for vid in dict.fromkeys(reads):
+            if vid in inputs and inputs[vid].role is not Role.BATCH:
+                if inputs[vid].name not in st.held:
+                    raise PlanError(f"the update on stage {s} reads {inputs[vid].name}, which stage {s} does not hold")
+                upd.inputs.append(("state", inputs[vid].name))
+            elif vid in boundary:
+                upd.inputs.append(("value", vid))
+                src = home[vid][0]
+                if src != s:
+                    transfer(vid, src, s, spec.stages[src].update, upd)   # sent in the update phase
+        upd.outputs = [("state", n) for n in split.update_state_outputs if n in st.held]
+    spec.transfers = len(transfers)
+
+
+# -- schedules ------------------------------------------------------------------------------------------
+def stage_order(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
+    """Stage ``stage``'s programs in order: ("F" | "B", micro-batch) (module docstring)."""
+    m = microbatches
+    if Schedule(schedule) is Schedule.GPIPE:
+        return [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
+    warm = min(stages - 1 - stage, m)
+    out = [("F", k) for k in range(warm)]
+    for k in range(m - warm):
+        out += [("F", warm + k), ("B", k)]
+    return out + [("B", k) for k in range(m - warm, m)]
+
+
+# -- one rank ---------------------------------------------------------------------------------------------
+@dataclass
+class StepTimes:
+    """One step on one rank: seconds running programs (busy) and the rest of the step (idle)."""
+
+    busy: float
+    idle: float
+
+
+def _part(spec: ProgramSpec, rp: ResolvedPlan, first: bool, state_in: dict[str, int], batch_values: list[int]) -> Part:
+    graph, mesh = rp.graph, rp.plan.mesh
+    names = {"state": lambda x: (x, state_in[x]), "batch": lambda x: (f"batch/{x}", batch_values[x]),
+             "value": lambda x: (f"v{x}", x)}
+    inputs = [names[kind](x) for kind, x in spec.inputs]
+    outs = []
+    for kind, x in spec.outputs:
+        if kind == "loss":
+            outs.append(("loss", x, replicated(mesh)))
+        elif kind == "buffer":
+            outs.append((x, next(o.value for o in graph.outputs if o.name == x), rp.value[state_in[x]]))
+        elif kind == "state":
+            outs.append((x, next(o.value for o in graph.outputs if o.name == x), rp.value[state_in[x]]))
+        else:
+            outs.append((f"v{x}", x, None))
+    grads = [(f"grad/{v}", v) for v in spec.grads]
+    if first:
+        return Part(spec.nodes, inputs, outs + [(n, v, None) for n, v in grads])
+    return Part(spec.nodes, inputs, outs, accumulate=grads)
+
+
+class PipelineStep:
+    """Rank ``rank``'s part of a pipelined step (module docstring). ``graph``: the Captured step (or its
+    graph with ``micro_graph``, the step at batch B/m, given for m > 1)."""
+
+    def __init__(self, graph: Graph | Captured, plan: ShardingPlan, rank: int, device: torch.device | str = "cpu",
+                 micro_graph: Graph | None = None, overlap: bool = False, spec: PipelineSpec | None = None) -> None:
+        from .rank_step import microbatch_graph, same_structure
+        cap = graph if isinstance(graph, Captured) else None
+        full = cap.graph if cap is not None else graph
+        if plan.stages < 2:
+            raise ValueError("PipelineStep runs plans with two or more stages; RankStep runs the others")
+        if Recompute(plan.recompute) is not Recompute.NONE:
+            raise ValueError(f"recompute={plan.recompute} is not supported with pipeline stages yet; use recompute=none")
+        if not 0 <= rank < plan.world:
+            raise ValueError(f"rank {rank} is not in the pipeline's {plan.world} ranks")
+        resolve(full, plan)  # the plan is for this workload (fingerprint), every sharding checks
+        m = plan.microbatches
+        if m > 1 and micro_graph is None:
+            if cap is None:
+                raise ValueError(f"the plan has microbatches={m}: give PipelineStep the Captured step (or micro_graph)")
+            micro_graph = microbatch_graph(cap, m)
+        g = micro_graph if m > 1 else full
+        if m > 1:
+            same_structure(full, g, m)
+        try:
+            self.rp = rp = resolve(g, dataclasses.replace(plan, fingerprint=""))
+        except PlanError as exc:
+            raise ValueError(f"microbatches={m}: a micro-batch cannot be split as the plan splits the batch ({exc})") \
+                from None
+        self.spec = spec or pipeline_spec(g, plan, full)
+        for vid in self.spec.split.boundary:
+            if any(isinstance(p, Partial) and p.op is not ReduceOp.SUM for p in rp.value[vid]):
+                raise ValueError("a gradient is Partial (not a sum) under this plan; it cannot be accumulated")
+        self.plan, self.rank, self.device, self.microbatches = plan, rank, torch.device(device), m
+        W = plan.mesh.world
+        self.stage, self.local = divmod(rank, W)
+        self.st = self.spec.stages[self.stage]
+        self.state_names = list(self.st.held)
+        state_in = {i.name: i.value for i in g.inputs}
+        batch_values = [i.value for i in g.inputs if i.role is Role.BATCH]
+        self.programs: dict[tuple[str, bool], SpmdProgram] = {}
+        for key, ps in (("F", self.st.forward), ("B", self.st.backward), ("U", self.st.update)):
+            variants = (True, False) if key != "U" and ps.grads and m > 1 else (True,)
+            for first in variants:
+                part = _part(ps, rp, first, state_in, batch_values)
+                self.programs[(key, first)] = lower_rank(rp, self.local, self.device, part, overlap=overlap)
+        self.order = stage_order(plan.schedule, self.stage, plan.stages, m)
+        self.times: list[StepTimes] = []
+
+    def local_batch(self, batch: tuple) -> tuple:
+        """This rank's share of a global batch (``runtime.data.rank_batch`` on the stage mesh)."""
+        from .data import rank_batch
+        return rank_batch(tuple(batch), self.rp, self.local, self.microbatches, self.device)
+
+    def _recv(self, vid: int, src: int, index: int, k: int) -> Recv:
+        t = self.rp.graph.types[vid]
+        return Recv(src, index * (self.microbatches + 1) + k, tuple(self.rp.local_shape(vid)), torch_dtype(t.dtype))
+
+    def schedule(self, local_state: dict, local_batch: tuple) -> Generator:
+        """The step as actions (``Run``: send its outputs back; ``Recv``: send the tensor back). Returns the
+        loss (last stage: ``sum_k loss_k / m``; other stages: None)."""
+        m, st = self.microbatches, self.st
+        rows = [b.shape[0] // m if b.dim() else 0 for b in local_batch]
+        stash: list[dict[int, torch.Tensor]] = [dict() for _ in range(m)]
+        grads: dict[int, torch.Tensor] = {}
+        loss = 0.0
+        for key, k in self.order:
+            ps = st.forward if key == "F" else st.backward
+            for vid, src, index in ps.recvs:
+                stash[k][vid] = yield self._recv(vid, src, index, k)
+            first = k == 0 or not ps.grads
+            args = [self._arg(kind, x, local_state, local_batch, stash[k], rows, k) for kind, x in ps.inputs]
+            outs = yield Run(self.programs[(key, first)],
+                             args + ([] if first else [grads[v] for v in ps.grads]), (key, k))
+            del args
+            for (kind, x), t in zip(ps.outputs, outs):
+                if kind == "loss":
+                    loss += float(t)
+                elif kind == "buffer":
+                    local_state[x] = t
+                else:
+                    stash[k][x] = t
+            if first:
+                for v, t in zip(ps.grads, outs[len(ps.outputs):]):
+                    grads[v] = t.clone() if v in stash[k] else t   # a sent tensor is never added into
+            for vid, dst, index in ps.sends:
+                yield Send(dst, index * (m + 1) + k, stash[k][vid])
+            if key == "B":
+                stash[k] = {}
+        for t in grads.values():
+            t.div_(m)
+        upd = st.update
+        for vid, dst, index in upd.sends:
+            yield Send(dst, index * (m + 1) + m, grads[vid])
+        for vid, src, index in upd.recvs:
+            grads[vid] = yield self._recv(vid, src, index, m)
+        args = [local_state[x] if kind == "state" else grads[x] for kind, x in upd.inputs]
+        outs = yield Run(self.programs[("U", True)], args, ("U", 0))
+        del args
+        local_state.update((x, t) for (_, x), t in zip(upd.outputs, outs))
+        return loss / m if self.stage == self.plan.stages - 1 else None
+
+    @staticmethod
+    def _arg(kind: str, x, local_state: dict, local_batch: tuple, stash: dict, rows: list[int], k: int):
+        if kind == "state":
+            return local_state[x]
+        if kind == "batch":
+            return local_batch[x].narrow(0, k * rows[x], rows[x])
+        return stash[x]
+
+    def run(self, local_state: dict, local_batch: tuple) -> float:
+        """One step with ``torch.distributed`` point-to-point messages (every rank of the job calls it);
+        returns the loss (broadcast from the last stage) and appends this rank's ``StepTimes``."""
+        W, busy, pending = self.plan.mesh.world, 0.0, []
+        start = time.perf_counter()
+        gen = self.schedule(local_state, local_batch)
+        reply = None
+        with torch.no_grad():
+            while True:
+                try:
+                    act = gen.send(reply)
+                except StopIteration as stop:
+                    loss = stop.value
+                    break
+                reply = None
+                if isinstance(act, Run):
+                    t0 = time.perf_counter()
+                    reply = act.program.module(*act.args)
+                    busy += time.perf_counter() - t0
+                elif isinstance(act, Send):
+                    t = _wire_tensor(act.tensor.contiguous())
+                    pending.append((dist.isend(t, act.dst * W + self.local, tag=act.tag), t))
+                else:
+                    buf = torch.empty(act.shape, dtype=_wire_dtype(act.dtype), device=self.device)
+                    dist.irecv(buf, act.src * W + self.local, tag=act.tag).wait()
+                    reply = buf.view(act.dtype) if act.dtype is torch.bool else buf
+            for work, _ in pending:
+                work.wait()
+            out = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64, device=self.device)
+            dist.broadcast(out, (self.plan.stages - 1) * W)
+        wall = time.perf_counter() - start
+        self.times.append(StepTimes(busy, max(wall - busy, 0.0)))
+        return float(out[0])
+
+
+def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Booleans travel as bytes (gloo sends no bool tensors)."""
+    return torch.uint8 if dtype is torch.bool else dtype
+
+
+def _wire_tensor(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.dtype is torch.bool else t
+
+
+def compare_stages(rp: ResolvedPlan, spec: PipelineSpec, results: dict[int, dict], ref, tol):
+    """``runtime.compare.compare_ranks`` for a pipeline: every given global rank's losses and the shards of
+    the state its stage holds (``results``: global rank -> {"losses", "local"})."""
+    from .compare import Comparison, Reference, compare_ranks
+    W = rp.plan.mesh.world
+    out = Comparison(True, 0.0, None, 0)
+    for r in sorted(results):
+        stage, local = divmod(r, W)
+        held = spec.stages[stage].held
+        sub = Reference(ref.losses, {n: t for n, t in ref.state.items() if n in held}, ref.initial)
+        c = compare_ranks(rp, {local: results[r]}, sub, tol)
+        out.compared += c.compared
+        out.max_abs_diff = max(out.max_abs_diff, c.max_abs_diff)
+        if out.ok and not c.ok:
+            out.ok, out.first_mismatch = False, f"stage {stage}, global rank {r}: {c.first_mismatch}"
+    return out

@@ -1,0 +1,128 @@
+"""runtime/pipeline: pipelined steps against single-device training, in one process (runtime/pipeline_sim:
+each stage's ranks in lockstep, boundary values handed over) and once on real processes.
+
+Sampled for time (the full 7 x 3 matrix is in docs/benchmarks.md, "Pipelines: exactness"): the MLP under
+pp=2 with dp=2, tp=2, GPipe and three stages, and GPT (tied embedding/head: the weight lives on both
+stages) under pp=2."""
+from __future__ import annotations
+
+import json
+import warnings
+
+import pytest
+import torch
+
+from conftest import ROOT
+from rhino.capture import capture, default_dtype, load_workload
+from rhino.cli.main import main
+from rhino.runtime.compare import TOLERANCES, reference_run
+from rhino.runtime.pipeline import PipelineStep, compare_stages, stage_order
+from rhino.runtime.pipeline_sim import PipelineDeadlock, simulate_pipeline
+from rhino.sharding.presets import parse_strategy, preset_plan
+
+PIPES = str(ROOT / "tests" / "workloads" / "pipelines.py")
+
+
+def _cap(name: str):
+    with warnings.catch_warnings(), default_dtype(torch.float64):
+        warnings.simplefilter("ignore")
+        return capture(load_workload(f"{PIPES}:{name}", dtype=torch.float64))
+
+
+@pytest.fixture(scope="module")
+def mlp():
+    return _cap("mlp")
+
+
+def _check(cap, strategy: str, steps: int = 2):
+    plan = preset_plan(cap.graph, parse_strategy(strategy))
+    with default_dtype(torch.float64):
+        res = simulate_pipeline(cap, plan, steps)
+    ref = reference_run(cap, steps, plan.microbatches)
+    st = res["steps"][0]
+    results = {r: {"losses": res["losses"][r], "local": res["local"][r]} for r in res["losses"]}
+    cmp = compare_stages(st.rp, st.spec, results, ref, TOLERANCES[torch.float64])
+    return cmp, res, plan
+
+
+@pytest.mark.parametrize("strategy", ["pp=2,dp=2,microbatches=4", "pp=2,tp=2,microbatches=4",
+                                      "pp=2,microbatches=4,schedule=gpipe", "pp=3,microbatches=2"])
+def test_mlp_pipelines_match_single_device_training_on_every_rank(mlp, strategy):
+    cmp, res, plan = _check(mlp, strategy)
+    assert cmp.ok, cmp.first_mismatch
+    params = sum(1 for i in mlp.graph.inputs if i.role.value != "batch")
+    assert cmp.compared == plan.mesh.world * (2 * plan.stages + params)   # every rank: 2 losses; each state once per mesh rank
+    assert res["messages"] > 0
+
+
+def test_gpt_with_a_tied_embedding_matches_single_device_training():
+    cap = _cap("gpt")
+    cmp, res, plan = _check(cap, "pp=2,microbatches=2")
+    assert cmp.ok, cmp.first_mismatch
+    holders = res["steps"][0].spec.assignment.holders
+    assert holders["tok.weight"] == {0, 1}
+    assert "tok.weight" in res["local"][0] and "tok.weight" in res["local"][1]
+
+
+def test_a_wrong_update_on_one_stage_is_caught(mlp):
+    """The comparison can fail: stage 1's update program dropped (its state keeps its old values)."""
+    plan = preset_plan(mlp.graph, parse_strategy("pp=2,microbatches=2"))
+    with default_dtype(torch.float64):
+        res = simulate_pipeline(mlp, plan, 1)
+    ref = reference_run(mlp, 1, 2)
+    st = res["steps"][0]
+    state = mlp.initial_state()
+    res["local"][1] = {n: state[n] for n in res["local"][1]}
+    cmp = compare_stages(st.rp, st.spec, {r: {"losses": res["losses"][r], "local": res["local"][r]} for r in (0, 1)},
+                         ref, TOLERANCES[torch.float64])
+    assert not cmp.ok and cmp.first_mismatch.startswith("stage 1, global rank 1")
+
+
+def test_schedules_order_and_in_flight_micro_batches():
+    assert stage_order("gpipe", 0, 2, 3) == [("F", 0), ("F", 1), ("F", 2), ("B", 0), ("B", 1), ("B", 2)]
+    assert stage_order("1f1b", 0, 2, 3) == [("F", 0), ("F", 1), ("B", 0), ("F", 2), ("B", 1), ("B", 2)]
+    assert stage_order("1f1b", 1, 2, 3) == [("F", 0), ("B", 0), ("F", 1), ("B", 1), ("F", 2), ("B", 2)]
+    for stages, m in ((4, 8), (3, 2)):
+        for s in range(stages):
+            order = stage_order("1f1b", s, stages, m)
+            assert sorted(order) == sorted([("F", k) for k in range(m)] + [("B", k) for k in range(m)])
+            in_flight = peak = 0
+            for key, _ in order:
+                in_flight += 1 if key == "F" else -1
+                peak = max(peak, in_flight)
+            assert peak == min(stages - s, m)
+
+
+def test_a_schedule_that_would_deadlock_is_reported(mlp, monkeypatch):
+    plan = preset_plan(mlp.graph, parse_strategy("pp=2,microbatches=2"))
+    real = PipelineStep.__init__
+
+    def backward_first(self, *a, **k):
+        real(self, *a, **k)
+        if self.stage == 0:
+            self.order = [("B", 0)] + [x for x in self.order if x != ("B", 0)]
+    monkeypatch.setattr(PipelineStep, "__init__", backward_first)
+    with pytest.raises(PipelineDeadlock, match="no stage can advance"):
+        simulate_pipeline(mlp, plan, 1)
+
+
+@pytest.mark.parametrize("argv, match", [(["--strategy", "pp=2,microbatches=2,recompute=full", "--nproc", "2"], "recompute"),
+                                         (["--strategy", "pp=2,microbatches=2", "--nproc", "3"], "--nproc 2"),
+                                         (["--strategy", "pp=2,microbatches=2", "--nproc", "2", "--emit", "x"], "--emit")])
+def test_unsupported_pipeline_runs_are_one_clear_error(capsys, argv, match):
+    code = main(["run", str(ROOT / "examples" / "mlp.py"), *argv, "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert code != 0 and match in d["error"]
+
+
+@pytest.mark.multiprocess
+def test_rhino_run_pipeline_on_four_processes(capsys):
+    code = main(["run", str(ROOT / "examples" / "mlp.py"), "--nproc", "4", "--strategy", "pp=2,dp=2,microbatches=4",
+                 "--dtype", "float64", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert code == 0 and d["ok"], d.get("first_mismatch") or d.get("error")
+    assert d["mesh"] == "pp2xdp2" and d["max_abs_diff"] <= 1e-9
+    p = d["pipeline"]
+    assert (p["stages"], p["microbatches"], p["schedule"]) == (2, 4, "1f1b")
+    assert len(p["busy_s"]) == 2 and all(len(b) == 2 and min(b) > 0 for b in p["busy_s"])
+    assert 0 < p["idle_fraction"] < 1
