@@ -71,7 +71,8 @@ def _edge_problem(with_edge: bool) -> MemProblem:
     ordering edge ``u -> v`` forbids."""
     t = {0: MemTensor(0, 100, K.INPUT, "H"), 1: MemTensor(1, 100, K.INTERMEDIATE, "U"),
          2: MemTensor(2, 0, K.INTERMEDIATE, "V"), 3: MemTensor(3, 1, K.OUTPUT, "Z")}
-    ops = [MemOp(0, "u", (), (1,), OpRole.FORWARD), MemOp(1, "v", (0,), (2,), OpRole.FORWARD, (0,) if with_edge else ()),
+    ops = [MemOp(0, "u", (), (1,), OpRole.FORWARD),
+           MemOp(1, "v", (0,), (2,), OpRole.FORWARD, (0,) if with_edge else ()),
            MemOp(2, "z", (1, 2), (3,), OpRole.FORWARD)]
     p = MemProblem(ops, t, "edge")
     p.validate()

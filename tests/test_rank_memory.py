@@ -122,3 +122,13 @@ def test_rhino_run_memory_plan(tmp_path, capsys):
     assert rc == 0 and out["ok"] and out["max_abs_diff"] <= 1e-9
     assert [m["rank"] for m in out["memory_plan"]] == [0, 1]
     assert all(m["arena_bytes"] == m["plan_bytes"] > 0 for m in out["memory_plan"])
+
+
+def test_recompute_plan_per_rank_runs_exactly():
+    """Recomputation is applied before the rank programs are built (as ``RankStep`` does); arena = plain, bitwise."""
+    cap, _ = _setup("mlp", "dp=2")
+    from rhino.api import rank_memory_report
+    rep = rank_memory_report(cap, strategy="dp=2,recompute=full", level="O1", execute=True)
+    plain = rank_memory_report(cap, strategy="dp=2", level="O1")
+    assert rep.ok and rep.execute["bitwise"] and rep.execute["arena_equals_plan"]
+    assert rep.reports[0].problem.ops != plain.reports[0].problem.ops   # the recomputing program was planned

@@ -629,7 +629,8 @@ def order_ops(problem: MemProblem, level: OptLevel | str = OptLevel.O2, options:
         peak = g.peak(order)
         assert peak <= res.peak and g.is_topological(order)
         if peak < res.peak:
-            res.order, res.peak, res.source = order, peak, name + ("+tree" if opts.division is Division.TREE else "+windows")
+            tag = "+tree" if opts.division is Division.TREE else "+windows"
+            res.order, res.peak, res.source = order, peak, name + tag
     elif level is OptLevel.O2:
         res.stopped = "lower bound"
     res.order = g.to_ids(res.order)

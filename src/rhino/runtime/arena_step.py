@@ -30,8 +30,8 @@ __all__ = ["ArenaRankStep", "rank_resolved_plan", "check_memory_plan_supported"]
 def check_memory_plan_supported(plan: ShardingPlan) -> None:
     """ValueError when the plan has something a memory plan per rank cannot run yet."""
     if plan.microbatches > 1:
-        raise ValueError(f"--memory-plan runs one micro-batch per step; the plan has "
-                         f"microbatches={plan.microbatches}: drop microbatches or --memory-plan")
+        raise ValueError(f"memory plans per rank cover one micro-batch per step, but the plan has "
+                         f"microbatches={plan.microbatches}; drop microbatches from the strategy or plan")
 
 
 def rank_resolved_plan(graph: Graph, plan: ShardingPlan) -> ResolvedPlan:
