@@ -17,6 +17,21 @@ Solvers (``solve_layout``):
    lower bound and the best height found (the bound first, then halving the gap); an unanswered
    capacity leaves the best layout so far (never nothing).
 
+3. Large problems (more than ``LayoutOptions.split.above`` buffers): ``layout_split`` peels the buffers
+   that span their window (exact) and cuts leaves larger than ``split.max_leaf`` at key points (only
+   where the cut's bound stays within ``split.cut_tolerance`` of the lower bound); each leaf is laid
+   out on the floors of the buffers stacked below it: greedy first, the portfolio above where greedy
+   does not reach the height ``H`` (the bound or the capacity), in a share of the time by its size;
+   identical leaves (repeated layers or steps) share one layout. The branch and bound never sees more
+   than ``split.max_leaf`` buffers there, which bounds its memory (its time-neighbour lists, undo logs
+   and candidate pool grow with buffers x live buffers; buffers live over the whole step, such as
+   parameters and optimizer state, neighbour every other one and are exactly what the peel removes).
+
+Time limit: greedy orders after the first stop at the deadline (the first one places the buffers it
+has not reached on top when it passes), and the exact search runs in threads that are left at the
+deadline (their set-up cannot be interrupted; they stop at their next check), so ``solve_layout``
+returns about when its limit is up (plus validating the result).
+
 ``lower_bound``: the most bytes live at one time; a height equal to it is optimal.
 ``validate_layout`` is the independent checker every result goes through.
 """
@@ -24,21 +39,24 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import Enum
 from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
 from .layout_bnb import LayoutOptions, SearchStatus, preorder_indices, search_layout
+from .layout_split import decompose, splittable
 
 __all__ = ["Buffer", "GreedyOrder", "LayoutStatus", "LayoutResult", "LayoutOptions", "validate_layout",
            "lower_bound", "height", "greedy_layout", "solve_layout"]
 
 Progress = Callable[[str], None]
-# above this CP-SAT only. Measured: GPT-2 XL (7,282 buffers) at its lower bound, 7,282 nodes, set-up
-# 0.8 s + search 2.5 s (2 cores, load 2.2); both grow about quadratically, so ~25 s at 20,000
+# above this CP-SAT only (with the split off; with it, leaves hold at most split.max_leaf buffers).
+# Measured: GPT-2 XL (7,282 buffers) at its lower bound, 7,282 nodes, set-up 0.8 s + search 2.5 s (2
+# cores, load 2.2); both grow about quadratically, so ~25 s at 20,000
 _BNB_MAX_BUFFERS = 20000
+_CHUNK = 256  # validate_layout: buffers checked against the live ones at once
 
 
 @dataclass(frozen=True)
@@ -124,11 +142,19 @@ def validate_layout(buffers: Sequence[Buffer], offsets: dict, capacity: int | No
     up = np.array([b.upper for b in ok], np.int64)
     start = np.array([offsets[b.id] for b in ok], np.int64)
     end = start + np.array([b.size for b in ok], np.int64)
-    for i, b in enumerate(ok):  # earlier buffers still live at b's start that share an address with it
-        for j in np.flatnonzero((up[:i] > lo[i]) & (start[:i] < end[i]) & (start[i] < end[:i])).tolist():
-            a = ok[j]
+    live = np.zeros(0, np.int64)  # earlier buffers still live at the chunk's first start
+    for c0 in range(0, len(ok), _CHUNK):
+        c1 = min(c0 + _CHUNK, len(ok))
+        live = live[up[live] > lo[c0]]
+        js = np.concatenate([live, np.arange(c0, c1)])
+        i = np.arange(c0, c1)[:, None]  # each buffer against the earlier ones live at its start
+        hit = (js[None, :] < i) & (up[js][None, :] > lo[i]) & (start[js][None, :] < end[i]) & \
+            (start[i] < end[js][None, :])
+        for r, q in zip(*np.nonzero(hit)):
+            a, b, j, k = ok[js[q]], ok[c0 + r], js[q], c0 + r
             errors.append(f"buffers {a.id} [{a.lower},{a.upper}) @ {start[j]}+{a.size} and {b.id} "
-                          f"[{b.lower},{b.upper}) @ {start[i]}+{b.size} overlap in time and address")
+                          f"[{b.lower},{b.upper}) @ {start[k]}+{b.size} overlap in time and address")
+        live = js[up[js] > lo[c1 - 1]]
     return errors
 
 
@@ -146,44 +172,61 @@ def _align(x: int, a: int) -> int:
     return -(-x // a) * a
 
 
-def greedy_layout(buffers: Sequence[Buffer], order: GreedyOrder | str = GreedyOrder.SIZE) -> dict:
+def greedy_layout(buffers: Sequence[Buffer], order: GreedyOrder | str = GreedyOrder.SIZE,
+                  floor: dict | None = None, deadline: float | None = None, finish: bool = False) -> dict | None:
     """Best-fit placement in ``order``: each buffer goes into the smallest gap (between buffers already
     placed that overlap it in time) that holds it, else on top of them; ties go to the lowest gap.
-    Each placement is vectorised over the placed buffers (numpy), so n buffers cost n array passes."""
+    Each placement is vectorised over the placed buffers (numpy), so n buffers cost n array passes.
+    ``floor``: the lowest offset of some buffers (by id). When ``deadline`` (``time.monotonic``) passes
+    first: None, or with ``finish`` the buffers left each go on top of all placed so far."""
     order = GreedyOrder(order)
+    floor = floor or {}
     n = len(buffers)
     lo, up = np.empty(n, np.int64), np.empty(n, np.int64)
     off, end = np.empty(n, np.int64), np.empty(n, np.int64)
     count = 0
+    top = None  # set when the deadline passed: the highest end so far
     offsets: dict = {}
     for b in sorted(buffers, key=_key(order)):
         if b.size == 0:
             offsets[b.id] = 0
             continue
+        if deadline is not None and count % 256 == 0 and time.monotonic() > deadline:
+            if not finish:
+                return None
+            deadline, top = None, int(end[:count].max(initial=0))
+        f = _align(floor.get(b.id, 0), b.alignment)
+        if top is not None:  # out of time: on top of everything
+            offsets[b.id] = top = _align(max(top, f), b.alignment)
+            top += b.size
+            continue
         live = np.flatnonzero((lo[:count] < b.upper) & (up[:count] > b.lower))
-        best = 0
+        best = f
         if live.size:
             o, e = off[live], end[live]
             rank = np.lexsort((e, o))
             o, e = o[rank], e[rank]
             below = np.maximum.accumulate(np.concatenate(([0], e[:-1])))  # highest end under each gap
-            start = -(-below // b.alignment) * b.alignment
+            start = np.maximum(-(-below // b.alignment) * b.alignment, f)
             waste = o - start - b.size
             fits = np.flatnonzero(waste >= 0)
             if fits.size:
                 best = int(start[fits[np.argmin(waste[fits])]])
             else:
-                best = _align(max(int(below[-1]), int(e[-1])), b.alignment)
+                best = max(_align(max(int(below[-1]), int(e[-1])), b.alignment), f)
         offsets[b.id] = best
         lo[count], up[count], off[count], end[count] = b.lower, b.upper, best, best + b.size
         count += 1
     return offsets
 
 
-def _best_greedy(buffers: Sequence[Buffer]) -> tuple[dict, int, str]:
+def _best_greedy(buffers: Sequence[Buffer], deadline: float | None = None) -> tuple[dict, int, str]:
+    """The lowest greedy layout; orders after the first stop at ``deadline``."""
     best = None
     for order in GreedyOrder:
-        offs = greedy_layout(buffers, order)
+        offs = greedy_layout(buffers, order, deadline=None if best is None else deadline)
+        if offs is None:
+            break
         h = height(buffers, offs)
         if best is None or h < best[1]:
             best = (offs, h, order.value)
@@ -192,8 +235,9 @@ def _best_greedy(buffers: Sequence[Buffer]) -> tuple[dict, int, str]:
 
 
 def _fit(buffers: Sequence[Buffer], capacity: int, deadline: float, options: LayoutOptions,
-         say: Progress) -> tuple[SearchStatus, dict | None, str, int]:
-    """One capacity: branch and bound here and CP-SAT in a thread, the first answer wins."""
+         say: Progress, floor: list[int] | None = None) -> tuple[SearchStatus, dict | None, str, int]:
+    """One capacity: branch and bound here and CP-SAT in a thread, the first answer wins (``floor``:
+    a lowest offset per buffer)."""
     from .layout_cpsat import CpsatRun, CpStrategy
     lo, up = [b.lower for b in buffers], [b.upper for b in buffers]
     sz, al = [b.size for b in buffers], [b.alignment for b in buffers]
@@ -207,7 +251,10 @@ def _fit(buffers: Sequence[Buffer], capacity: int, deadline: float, options: Lay
         if bnb and stop.wait(0.5):  # small instances are settled by the branch and bound alone
             return
         plan = [(CpStrategy.CANONICAL, p) for p in options.preorders[:2]] + [(CpStrategy.DEFAULT, None)]
-        orders = {p: preorder_indices(lo, up, sz, p) for _, p in plan if p is not None}
+        orders = {}
+        for _, p in plan:
+            if p is not None and not stop.is_set():
+                orders[p] = preorder_indices(lo, up, sz, p)
         slice_s = 2.0
         while not stop.is_set():
             for strategy, p in plan:
@@ -217,7 +264,7 @@ def _fit(buffers: Sequence[Buffer], capacity: int, deadline: float, options: Lay
                 run = CpsatRun()
                 runs.append(run)
                 name = f"cp-sat/{strategy.value}" + (f"-{p.value}" if p is not None else "")
-                st, offs = run.solve(lo, up, sz, al, capacity, strategy, orders.get(p), min(slice_s, left))
+                st, offs = run.solve(lo, up, sz, al, capacity, strategy, orders.get(p), min(slice_s, left), floor)
                 if st is not SearchStatus.LIMIT:
                     found.append((st, offs, name))
                     stop.set()
@@ -227,26 +274,36 @@ def _fit(buffers: Sequence[Buffer], capacity: int, deadline: float, options: Lay
     def tick(nodes: int) -> None:
         say(f"layout: capacity {capacity:,}: {nodes:,} nodes, {time.monotonic() - t0:.0f}s")
 
+    def exact() -> None:
+        res = search_layout(lo, up, sz, al, capacity, options, deadline=deadline, stop=stop, progress=tick,
+                            floor=floor)
+        done.append(res)
+        if res.status is not SearchStatus.LIMIT:
+            found.insert(0, (res.status, res.offsets, "bnb"))
+            stop.set()
+
+    # both run in threads that this one leaves at the deadline (their set-up cannot be interrupted; they
+    # stop at their next check of ``stop``), so that the time limit holds
+    done: list = []
     worker = threading.Thread(target=portfolio, daemon=True) if options.cpsat else None
-    if worker is not None:
-        worker.start()
-    nodes = 0
+    searcher = threading.Thread(target=exact, daemon=True) if bnb else None
+    for t in (worker, searcher):
+        if t is not None:
+            t.start()
     try:
-        if bnb:
-            res = search_layout(lo, up, sz, al, capacity, options, deadline=deadline, stop=stop, progress=tick)
-            nodes = res.nodes
-            if res.status is not SearchStatus.LIMIT:
-                found.insert(0, (res.status, res.offsets, "bnb"))
-        elif worker is None:
+        if searcher is None and worker is None:
             return SearchStatus.LIMIT, None, "", 0
-        else:  # CP-SAT alone: wait for its answer or the deadline
-            worker.join(max(0.0, deadline - time.monotonic()))
+        while not stop.is_set() and time.monotonic() < deadline and any(
+                t is not None and t.is_alive() for t in (worker, searcher)):
+            stop.wait(min(0.05, max(0.0, deadline - time.monotonic())))
     finally:
         stop.set()
         for run in runs:
             run.stop()
-        if worker is not None:
-            worker.join()
+        for t in (worker, searcher):
+            if t is not None:
+                t.join(0.2)
+    nodes = done[0].nodes if done else 0
     if not found:
         return SearchStatus.LIMIT, None, "", nodes
     st, offs, name = found[0]
@@ -265,8 +322,14 @@ def solve_layout(buffers: Sequence[Buffer], capacity: int | None = None, time_li
     ids = [b.id for b in buffers]
     if len(set(ids)) != len(ids):
         raise ValueError("buffer ids must be unique")
+    split = options.split
+    if exact and split.enabled and len(buffers) > split.above:
+        res = _solve_split(buffers, capacity, deadline, options, say)
+        if res is not None:
+            res.seconds = time.perf_counter() - t0
+            return res
     lb = lower_bound(buffers)
-    offsets, h, how = _best_greedy(buffers)
+    offsets, h, how = _best_greedy(buffers, deadline)
     say(f"layout: greedy {h:,} ({how}), lower bound {lb:,}")
     solver, nodes = f"greedy/{how}", 0
     if capacity is not None:
@@ -309,6 +372,84 @@ def solve_layout(buffers: Sequence[Buffer], capacity: int | None = None, time_li
     valid = not validate_layout(buffers, offsets, capacity if fits else None)
     say(f"layout: {status.value}, height {h:,} ({solver}){'' if valid else ', INVALID'}")
     return LayoutResult(status, offsets, h, lb, time.perf_counter() - t0, solver, nodes=nodes, valid=valid)
+
+
+def _solve_split(buffers: Sequence[Buffer], capacity: int | None, deadline: float, options: LayoutOptions,
+                 say: Progress) -> LayoutResult | None:
+    """``solve_layout`` by leaves (``layout_split``), each on the floors of the buffers stacked below
+    it, at the height ``H`` (the lower bound, or the capacity): best-fit greedy first, the exact search
+    (``_fit``) where greedy does not fit; a leaf that fits neither keeps its best greedy layout and
+    raises ``H`` (later leaves get that slack). None when the sizes do not allow an exact peel
+    (``splittable``) or the bound is above the capacity (the plain path reports that)."""
+    t0 = time.monotonic()
+    lo, up = np.array([b.lower for b in buffers]), np.array([b.upper for b in buffers])
+    sz, al = np.array([b.size for b in buffers]), np.array([b.alignment for b in buffers])
+    lb = lower_bound(buffers)
+    if not splittable(sz, al) or (capacity is not None and lb > capacity):
+        return None
+    opts = options.split
+    target = lb if capacity is None else capacity
+    dec = decompose(lo, up, sz, opts.max_leaf, opts.cuts, opts.cut_band, opts.cut_samples,
+                    max_bound=int(target * (1 + opts.cut_tolerance)) if capacity is None else capacity)
+    say(f"layout: {len(buffers):,} buffers split into {len(dec.leaves):,} leaves ({dec.stacked:,} stacked, "
+        f"{dec.cuts} cuts, largest {max((len(leaf.index) for leaf in dec.leaves), default=0):,}); "
+        f"lower bound {lb:,}")
+    offsets = {b.id: int(o) for b, o in zip(buffers, dec.offsets.tolist()) if o >= 0}
+    # for the final validation and height: about as long as reading the buffers took (a loaded machine
+    # slows both alike)
+    reserve = 3 * (time.monotonic() - t0)
+    # identical leaves (the same buffers and floors shifted in time: repeated layers or steps) share a
+    # layout; the time left is shared among distinct leaves by their sizes
+    leaves = sorted(dec.leaves, key=lambda leaf: -len(leaf.index))
+    keys = [np.stack([lo[x] - lo[x].min(), up[x] - lo[x].min(), sz[x], al[x], dec.floor[x]]).tobytes()
+            for x in (leaf.index for leaf in leaves)]
+    left_n = sum(dict(zip(keys, (len(leaf.index) for leaf in leaves))).values())
+    H, solvers, done = target, {}, {}
+    for leaf, key in zip(leaves, keys):
+        bufs = [buffers[i] for i in leaf.index]
+        if key not in done:
+            share = max(0.0, deadline - reserve - time.monotonic()) * len(bufs) / max(left_n, 1)
+            left_n -= len(bufs)
+            offs, name = _leaf(bufs, dec.floor[leaf.index].tolist(), H, time.monotonic() + share, options, say)
+            done[key] = ([offs[b.id] for b in bufs], name)
+        pos, name = done[key]
+        H = max(H, max(o + b.size for o, b in zip(pos, bufs)))
+        solvers[name] = solvers.get(name, 0) + 1
+        offsets.update((b.id, o) for b, o in zip(bufs, pos))
+    h = height(buffers, offsets)
+    fits = capacity is None or h <= capacity
+    status = LayoutStatus.OPTIMAL if h == lb else LayoutStatus.FEASIBLE if fits else LayoutStatus.UNKNOWN
+    valid = not validate_layout(buffers, offsets, capacity if fits else None)
+    top = max(solvers, key=solvers.get) if solvers else "none"
+    solver = f"split/{len(dec.leaves)} leaves, {dec.cuts} cuts/{top}"
+    say(f"layout: {status.value}, height {h:,} ({solver}){'' if valid else ', INVALID'}")
+    return LayoutResult(status, offsets, h, lb, 0.0, solver, valid=valid)
+
+
+def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, options: LayoutOptions,
+          say: Progress) -> tuple[dict, str]:
+    """One leaf at or under ``cap`` if greedy or the exact search finds it in time, else its lowest
+    greedy layout (greedy orders past the first stop at the deadline)."""
+    floors = {b.id: f for b, f in zip(bufs, floor)}
+    best, best_h, how = None, 0, ""
+    for order in GreedyOrder:
+        offs = greedy_layout(bufs, order, floors, deadline, finish=best is None)
+        if offs is None:
+            break
+        h = height(bufs, offs)
+        if best is None or h < best_h:
+            best, best_h, how = offs, h, f"greedy/{order.value}"
+        if best_h <= cap:
+            return best, how
+    say(f"layout: leaf of {len(bufs):,} buffers: greedy {best_h:,} ({how}) above {cap:,}; "
+        f"{max(0.0, deadline - time.monotonic()):.0f}s left for it")
+    if len(bufs) <= options.split.max_leaf and deadline - time.monotonic() > 0.1:
+        st, offs, name, _ = _fit(bufs, cap, deadline, options, say, floor)
+        if (st is SearchStatus.FOUND and offs is not None and all(offs[b.id] >= f for b, f in zip(bufs, floor))
+                and _accept(bufs, offs, cap, name, say)):
+            return offs, name
+    assert best is not None  # the first greedy pass always finishes
+    return best, how
 
 
 def _accept(buffers: Sequence[Buffer], offsets: dict, capacity: int, solver: str, say) -> bool:

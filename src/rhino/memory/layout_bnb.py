@@ -64,6 +64,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import layout_bnb_core as core
+from .layout_split import SplitOptions
 
 __all__ = ["Preorder", "LayoutOptions", "SearchStatus", "SearchResult", "search_layout", "preorder_indices"]
 
@@ -97,6 +98,7 @@ class LayoutOptions:
     dynamic_preorder: bool = True
     preorders: tuple[Preorder, ...] = (Preorder.WAT, Preorder.TAW, Preorder.TWA)
     cpsat: bool = True  # solve_layout: also run the CP-SAT portfolio (layout_cpsat.py) alongside
+    split: SplitOptions = SplitOptions()  # solve_layout on large problems: leaves (layout_split.py)
 
 
 class SearchStatus(str, Enum):
@@ -115,61 +117,58 @@ class SearchResult:
 class _Problem:
     """Lifetimes, sections and time-neighbours of the non-empty buffers (input labels)."""
 
-    def __init__(self, lower, upper, size, alignment):
+    def __init__(self, lower, upper, size, alignment, floor=None):
+        self.floor = np.zeros(len(size), np.int64) if floor is None else np.asarray(floor, dtype=np.int64)
         self.lower = np.asarray(lower, dtype=np.int64)
         self.upper = np.asarray(upper, dtype=np.int64)
         self.size = np.asarray(size, dtype=np.int64)
         self.align = np.asarray(alignment, dtype=np.int64)
         n = self.n = len(self.size)
         # sweep: ends before starts at equal times (half-open); a section closes at the first end after
-        # a start, holding every buffer live then
+        # a start (the event before it is a start), holding every buffer live then
         times = np.concatenate([self.upper, self.lower])
         kinds = np.concatenate([np.zeros(n, np.int64), np.ones(n, np.int64)])
         ids = np.concatenate([np.arange(n), np.arange(n)])
-        live: dict[int, None] = {}
-        sections: list[list[int]] = []
-        start, self.slo, self.shi = [0] * n, [0] * n, [0] * n
-        opened = False
-        for i in np.lexsort((ids, kinds, times)).tolist():
-            b = int(ids[i])
-            if kinds[i]:
-                live[b] = None
-                start[b] = len(sections)
-                opened = True
-            else:
-                if opened:
-                    sections.append(list(live))
-                    opened = False
-                del live[b]
-                self.slo[b], self.shi[b] = start[b], len(sections)
-        self.sections = sections
-        self.section_total = np.array([int(self.size[m].sum()) for m in sections], dtype=np.int64)
-        order = np.argsort(self.lower, kind="stable")
-        lo_sorted = self.lower[order]
-        self.neighbours: list[np.ndarray] = []
-        for b in range(n):
-            pre = order[:np.searchsorted(lo_sorted, self.upper[b], side="left")]
-            nb = pre[self.upper[pre] > self.lower[b]]
-            self.neighbours.append(np.sort(nb[nb != b]))
+        ev = np.lexsort((ids, kinds, times))
+        is_start = kinds[ev] == 1
+        closed = np.cumsum(~is_start & np.concatenate(([False], is_start[:-1])))  # sections closed so far
+        self.slo, self.shi = np.zeros(n, np.int64), np.zeros(n, np.int64)
+        self.slo[ids[ev][is_start]] = closed[is_start]
+        self.shi[ids[ev][~is_start]] = closed[~is_start]
+        self.S = S = int(closed[-1]) if n else 0
+        # members of each section (CSR, by buffer within a section): buffer b is in [slo_b, shi_b)
+        rows = np.repeat(np.arange(n), self.shi - self.slo)
+        secs = self.slo[rows] + _ragged(np.zeros(n, np.int64), self.shi - self.slo)
+        by_sec = np.argsort(secs, kind="stable")  # rows ascending within a section
+        self.mem_ptr = np.searchsorted(secs[by_sec], np.arange(S + 1), side="left")
+        self.mem_idx = rows[by_sec]
+        self.section_total = np.zeros(S, np.int64)
+        np.add.at(self.section_total, secs, self.size[rows])
+        # time-neighbours (CSR, sorted): the members of b's first section and the buffers whose first
+        # section lies inside b's range
+        self.by_slo = np.argsort(self.slo, kind="stable")
+        slo_ptr = np.searchsorted(self.slo[self.by_slo], np.arange(S + 1), side="left")
+        n1 = self.mem_ptr[self.slo + 1] - self.mem_ptr[self.slo]
+        n2 = slo_ptr[self.shi] - slo_ptr[np.minimum(self.slo + 1, S)]
+        row = np.concatenate([np.repeat(np.arange(n), n1), np.repeat(np.arange(n), n2)])
+        col = np.concatenate([self.mem_idx[_ragged(self.mem_ptr[self.slo], n1)],
+                              self.by_slo[_ragged(slo_ptr[np.minimum(self.slo + 1, S)], n2)]])
+        keep = row != col
+        self.nb_row, self.nb_col = row[keep], col[keep]
 
     def components(self) -> list[np.ndarray]:
         """Independent parts: groups of buffers with no buffer crossing between them in time."""
-        order = sorted(range(self.n), key=lambda b: self.slo[b])
-        comps, cur, hi = [], [], -1
-        for b in order:
-            if cur and self.slo[b] >= hi:
-                comps.append(np.array(cur))
-                cur = []
-            cur.append(b)
-            hi = max(hi, self.shi[b])
-        if cur:
-            comps.append(np.array(cur))
-        return comps
+        if self.n == 0:
+            return []
+        order = self.by_slo
+        reach = np.maximum.accumulate(self.shi[order])
+        return np.split(order, np.flatnonzero(self.slo[order][1:] >= reach[:-1]) + 1)
 
     def preorder(self, p: Preorder) -> np.ndarray:
         width = self.upper - self.lower
         keys = {"W": width, "A": self.size * width, "Z": self.size,
-                "T": np.array([int(self.section_total[self.slo[b]:self.shi[b]].max()) for b in range(self.n)])}
+                "T": np.maximum.reduceat(np.append(self.section_total, 0),
+                                         np.ravel([self.slo, self.shi], order="F"))[::2] if self.n else width}
         # lexsort: last key is primary; descending via negation; input index breaks ties
         return np.lexsort([np.arange(self.n)] + [-keys[c] for c in reversed(p.value)])
 
@@ -183,39 +182,44 @@ class _Tree:
         self.cap = int(capacity)
         self.flags = _flags(opts)
         order = self.order = prob.preorder(preorder)
+        self.floor = np.ascontiguousarray(prob.floor[order])
         n = self.n = prob.n
         self.inv = inv = np.empty(n, np.int64)
         inv[order] = np.arange(n)
         i64 = lambda x: np.ascontiguousarray(x, dtype=np.int64)  # noqa: E731
         Z, AL = prob.size[order], prob.align[order]
-        SLO, SHI = i64(np.array(prob.slo)[order]), i64(np.array(prob.shi)[order])
+        SLO, SHI = i64(prob.slo[order]), i64(prob.shi[order])
         lower, upper = prob.lower[order], prob.upper[order]
-        ov = [np.sort(inv[prob.neighbours[b]]) for b in order]
+        ov_ptr, ov_k, ov_o = _relabel(inv[prob.nb_row], inv[prob.nb_col], n)
         # enclosing_first: neighbours not within a buffer's lifetime ("out" of it), and the reverse
         # lists (the buffers k is "out" of), and whether k's size keeps its neighbours' alignment
-        out_left = i64([int(((lower[o] < lower[k]) | (upper[o] > upper[k])).sum()) for k, o in enumerate(ov)])
-        io = [o[(lower[k] < lower[o]) | (upper[k] > upper[o])] for k, o in enumerate(ov)]
-        shift_ok = i64([bool((Z[k] % AL[o] == 0).all()) for k, o in enumerate(ov)])
+        out_left = i64(np.bincount(ov_k, (lower[ov_o] < lower[ov_k]) | (upper[ov_o] > upper[ov_k]), n))
+        is_io = (lower[ov_k] < lower[ov_o]) | (upper[ov_k] > upper[ov_o])
+        io_ptr = np.zeros(n + 1, np.int64)
+        io_ptr[1:] = np.cumsum(np.bincount(ov_k[is_io], minlength=n))
+        shift_ok = i64(np.bincount(ov_k, Z[ov_k] % AL[ov_o] != 0, n) == 0)
         twin = np.full(n, n, np.int64)
         seen: dict[tuple, int] = {}
-        for k in range(n):
-            key = (int(lower[k]), int(upper[k]), int(Z[k]), int(AL[k]))
+        for k, key in enumerate(zip(lower.tolist(), upper.tolist(), Z.tolist(), AL.tolist())):
             if key in seen:
                 twin[k] = seen[key]
             seen[key] = k
-        S = len(prob.sections)
-        members = [np.sort(inv[np.array(m, np.int64)]) for m in prob.sections]
+        S = prob.S
+        mem_sec = np.repeat(np.arange(S), np.diff(prob.mem_ptr))
+        mem_ptr, _, mem_idx = _relabel(mem_sec, inv[prob.mem_idx], S)
         by_slo = i64(np.argsort(SLO, kind="stable"))
         slo_ptr = i64(np.searchsorted(SLO[by_slo], np.arange(S + 1), side="left"))
         width = upper - lower
         codes = {"W": core.KEY_W, "A": core.KEY_A, "T": core.KEY_T, "Z": core.KEY_Z}
-        self.P = (i64(Z), i64(AL), SLO, SHI, *_csr(ov), *_csr(io), shift_ok, twin, *_csr(members),
+        self.P = (i64(Z), i64(AL), SLO, SHI, ov_ptr, _nonempty(ov_o), io_ptr, _nonempty(ov_o[is_io]), shift_ok,
+                  twin, i64(mem_ptr), _nonempty(mem_idx),
                   by_slo, slo_ptr, i64(width), i64(Z * width), i64(Z), i64([codes[c] for c in preorder.value]))
-        cuts = np.zeros(max(S - 1, 0), np.int64)
-        for k in range(n):
-            cuts[SLO[k]:SHI[k] - 1] += 1
+        diff = np.zeros(S + 1, np.int64)  # cuts[s]: buffers across boundary s (in [SLO, SHI - 1))
+        np.add.at(diff, SLO, 1)
+        np.add.at(diff, np.maximum(SHI - 1, SLO), -1)
+        cuts = np.cumsum(diff)[:max(S - 1, 0)]
         self.init = (out_left, prob.section_total.copy(), cuts)
-        self.M = (np.zeros(n, np.int64), np.ones(n + 1, np.int64), out_left.copy(), np.zeros(S, np.int64),
+        self.M = (self.floor.copy(), np.ones(n + 1, np.int64), out_left.copy(), np.zeros(S, np.int64),
                   prob.section_total.copy(), cuts.copy(), np.zeros(n, np.int64), np.arange(n, dtype=np.int64),
                   np.full(S, n, np.int64))
         self.M[1][n] = 0  # sentinel: "no twin" is never unplaced
@@ -242,7 +246,7 @@ class _Tree:
     def start(self, a: int, b: int) -> None:
         """A fresh search of the part of sections ``[a, b)`` (the node count and cache carry on)."""
         mo, un, out_left, top, total, cuts, _, rank, _ = self.M
-        mo[:] = 0
+        mo[:] = self.floor
         un[:self.n] = 1
         top[:] = 0
         out_left[:], total[:], cuts[:] = self.init
@@ -261,11 +265,25 @@ class _Tree:
             self.G = tuple(np.concatenate([g, np.zeros_like(g)]) for g in self.G)
 
 
-def _csr(lists: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    ptr = np.zeros(len(lists) + 1, np.int64)
-    ptr[1:] = np.cumsum([len(x) for x in lists])
-    idx = np.concatenate(lists).astype(np.int64) if lists and ptr[-1] else np.zeros(1, np.int64)
-    return ptr, idx
+def _ragged(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
+    """``concatenate([arange(s, s + l) for s, l in zip(starts, lengths)])``."""
+    total = int(lengths.sum())
+    first = np.cumsum(lengths) - lengths
+    return np.repeat(starts - first, lengths) + np.arange(total)
+
+
+def _relabel(rows: np.ndarray, cols: np.ndarray, n: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """CSR of the pairs ``(rows, cols)`` with each row's columns sorted: ``(ptr, row, col)``."""
+    m = max(int(cols.max(initial=0)) + 1, 1)
+    key = np.sort(rows.astype(np.int64) * m + cols)
+    ptr = np.zeros(n + 1, np.int64)
+    ptr[1:] = np.cumsum(np.bincount(rows, minlength=n))
+    return ptr, key // m, key % m
+
+
+def _nonempty(idx: np.ndarray) -> np.ndarray:
+    """A CSR index array for the compiled code (never empty)."""
+    return np.ascontiguousarray(idx, np.int64) if idx.size else np.zeros(1, np.int64)
 
 
 def _flags(opts: LayoutOptions) -> int:
@@ -281,13 +299,15 @@ def _flags(opts: LayoutOptions) -> int:
 def search_layout(lower: Sequence[int], upper: Sequence[int], size: Sequence[int], alignment: Sequence[int],
                   capacity: int, options: LayoutOptions = LayoutOptions(), deadline: float = float("inf"),
                   node_limit: int | None = None, stop: threading.Event | None = None,
-                  progress: Callable[[int], None] | None = None) -> SearchResult:
+                  progress: Callable[[int], None] | None = None,
+                  floor: Sequence[int] | None = None) -> SearchResult:
     """Offsets under ``capacity`` (FOUND), a proof that none exist (INFEASIBLE), or LIMIT when the node
     limit, ``deadline`` (``time.monotonic()``) or ``stop`` came first. With several preorders and no
     node limit, each independent part runs them round robin with node limits doubling from twice its
     size; otherwise the first preorder runs one complete search (what the option tests count).
     The compiled search runs in chunks of ``_CHUNK`` nodes, between which the deadline and ``stop``
-    are checked; ``progress(nodes)`` is called about every two seconds."""
+    are checked; ``progress(nodes)`` is called about every two seconds. ``floor``: a lowest offset per
+    buffer (0 if None); the canonical solutions then rest on a neighbour or on their floor."""
     if not options.preorders:
         raise ValueError("LayoutOptions.preorders must name at least one Preorder")
     sizes = np.asarray(size, dtype=np.int64)
@@ -299,7 +319,10 @@ def search_layout(lower: Sequence[int], upper: Sequence[int], size: Sequence[int
     capacity = int(capacity) // unit
     if capacity * (len(nz) + 1) >= 2 ** 62:
         raise ValueError(f"capacity {capacity * unit} is too large for the exact search")
-    prob = _Problem(np.asarray(lower)[nz], np.asarray(upper)[nz], sizes[nz] // unit, aligns[nz] // unit)
+    al_u = aligns[nz] // unit
+    fl = np.zeros(nz.size, np.int64) if floor is None else np.asarray(floor, dtype=np.int64)[nz]
+    fl = -(-fl // (unit * al_u)) * al_u  # in units, rounded up to each alignment
+    prob = _Problem(np.asarray(lower)[nz], np.asarray(upper)[nz], sizes[nz] // unit, al_u, fl)
     trees: dict[Preorder, _Tree] = {}
     next_report = time.monotonic() + 2.0
 
@@ -322,13 +345,15 @@ def search_layout(lower: Sequence[int], upper: Sequence[int], size: Sequence[int
 
     single = node_limit is not None or len(options.preorders) == 1
     for comp in prob.components():
-        a, b = min(prob.slo[c] for c in comp), max(prob.shi[c] for c in comp)
+        a, b = int(prob.slo[comp].min()), int(prob.shi[comp].max())
         limit = 2 * len(comp)
         solved = None
         while solved is None:
             limit *= 2
             for p in options.preorders[:1] if single else options.preorders:
                 if p not in trees:
+                    if halted():  # the set-up of a tree takes a while on large problems
+                        return SearchResult(SearchStatus.LIMIT, None, nodes())
                     trees[p] = _Tree(prob, p, capacity, options)
                 t = trees[p]
                 t.start(a, b)

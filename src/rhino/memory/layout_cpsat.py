@@ -48,8 +48,9 @@ class CpsatRun:
 
     def solve(self, lower: Sequence[int], upper: Sequence[int], size: Sequence[int], alignment: Sequence[int],
               capacity: int, strategy: CpStrategy, order: Sequence[int] | None,
-              time_limit: float) -> tuple[SearchStatus, list[int] | None]:
-        """FOUND with offsets, INFEASIBLE, or LIMIT; ``order`` ranks buffers for CANONICAL ties."""
+              time_limit: float, floor: Sequence[int] | None = None) -> tuple[SearchStatus, list[int] | None]:
+        """FOUND with offsets, INFEASIBLE, or LIMIT; ``order`` ranks buffers for CANONICAL ties;
+        ``floor``: a lowest offset per buffer (the domain of ``k_i`` starts there)."""
         from ortools.sat.python import cp_model
         sizes = np.asarray(size, dtype=np.int64)
         aligns = np.asarray(alignment, dtype=np.int64)
@@ -58,11 +59,14 @@ class CpsatRun:
         cap = int(capacity) // unit
         model = cp_model.CpModel()
         ks, xs, ys = {}, [], []
-        for i in nz.tolist():
+        for j, i in enumerate(nz.tolist()):
+            if j % 1024 == 0 and self._stopped:  # building a large model takes a while: stop between
+                return SearchStatus.LIMIT, None
             z, a = int(sizes[i]) // unit, int(aligns[i]) // unit
-            if z > cap:
+            k_min = 0 if floor is None else -(-int(floor[i]) // (unit * a))
+            if z > cap or k_min > (cap - z) // a:
                 return SearchStatus.INFEASIBLE, None
-            k = model.new_int_var(0, (cap - z) // a, f"k{i}")
+            k = model.new_int_var(k_min, (cap - z) // a, f"k{i}")
             ks[i] = k
             start = k * a if a > 1 else k
             xs.append(model.new_fixed_size_interval_var(int(lower[i]), int(upper[i]) - int(lower[i]), f"t{i}"))

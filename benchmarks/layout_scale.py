@@ -1,0 +1,190 @@
+"""Memory layout of large traces (#14 item 5): ``rhino layout FILE.csv --time-limit 60`` on 60,000-buffer traces.
+
+Traces (MiniMalloc CSV, written to ``--dir``):
+
+- ``gptN``: the training step of a GPT-2 XL-wide GPT with N layers (hidden 1600, 25 heads, sequence 1024,
+  AdamW) captured on the meta device, converted by ``memory.from_graph`` with its parameter and optimizer
+  state included (live the whole step), buffers in program order (``memory.problem.buffers``).
+- ``gpt2xl-xK``: K training steps of GPT-2 XL (``gpt48``) one after another (a longer step): its
+  parameter and optimizer state is one buffer live over all K steps, every other buffer repeats per step.
+- ``train-S``: a seeded synthetic training step (generator below): parameters and optimizer state live the
+  whole step; per layer a forward chain of temporaries and saved activations (freed by the matching
+  backward op, in reverse), gradients live from their backward op to the optimizer update, optimizer
+  temporaries; sizes log-uniform in 64-byte multiples.
+- ``random-S``: a seeded MiniMalloc-style random trace: lifetimes and sizes log-uniform (many short
+  buffers, few long ones), starts uniform over the horizon.
+
+Each trace runs the CLI in a child process (``--json``); its peak RSS is the child's ``ru_maxrss``
+(``os.wait4``). Writes the section "Memory layout: large traces" of docs/benchmarks.md.
+
+    .venv/bin/python benchmarks/layout_scale.py [--traces gpt2xl-x11,train-1,random-1] [--time-limit 60]
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+TITLE = "Memory layout: large traces"
+
+
+def write_csv(path: Path, rows: list[tuple[int, int, int]]) -> None:
+    with path.open("w") as f:
+        f.write("id,lower,upper,size\n")
+        f.writelines(f"{i},{lo},{up},{sz}\n" for i, (lo, up, sz) in enumerate(rows))
+
+
+def _size(rng: random.Random, lo_exp: float, hi_exp: float) -> int:
+    return 64 * max(1, int(2 ** rng.uniform(lo_exp, hi_exp)) // 64)
+
+
+def synthetic_training(seed: int, layers: int = 900, width: int = 20) -> list[tuple[int, int, int]]:
+    """Buffers of a synthetic training step (see the module docstring); ~68 buffers per layer."""
+    rng = random.Random(seed)
+    rows: list[list[int]] = []
+    t = 0
+    saved: list[list[int]] = []  # per layer: indices of its saved activations (upper set in backward)
+    params = [[_size(rng, 12, 24) for _ in range(rng.randint(2, 6))] for _ in range(layers)]
+    for layer in range(layers):
+        keep = []
+        for _ in range(width):
+            t += 1
+            if rng.random() < 0.4:
+                keep.append(len(rows))
+                rows.append([t, -1, _size(rng, 14, 24)])
+            else:
+                rows.append([t, t + rng.randint(1, 3), _size(rng, 12, 24)])
+        saved.append(keep)
+    grads = []
+    for layer in reversed(range(layers)):
+        for _ in range(width):
+            t += 1
+            rows.append([t, t + rng.randint(1, 4), _size(rng, 12, 24)])
+        for i in saved[layer]:
+            rows[i][1] = t + rng.randint(0, 2)
+        for sz in params[layer]:
+            grads.append(len(rows))
+            rows.append([t, -1, sz])
+    for g in grads:  # the optimizer: temporaries, then the gradient is freed
+        for _ in range(3):
+            t += 1
+            rows.append([t, t + 2, rows[g][2]])
+        rows[g][1] = t + 1
+    end = t + 4
+    rows += [[0, end, sz] for p in params for sz in p for _ in range(3)]  # weights, Adam's m and v
+    return [(lo, up, sz) for lo, up, sz in rows]
+
+
+def synthetic_random(seed: int, n: int = 60_000, horizon: int = 200_000) -> list[tuple[int, int, int]]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        lo = rng.randrange(horizon)
+        rows.append((lo, lo + max(1, int(2 ** rng.uniform(0, 14))), _size(rng, 6, 22)))
+    return rows
+
+
+def captured_gpt(layers: int) -> list[tuple[int, int, int]]:
+    sys.path.insert(0, str(ROOT / "examples"))
+    import gpt
+
+    from rhino.capture import capture
+    from rhino.capture.workload import Workload
+    from rhino.memory.from_graph import problem_from_graph
+    from rhino.memory.problem import buffers
+
+    w = gpt.workload(layers=layers, hidden=1600, heads=25, seq=1024, batch=1, vocab=50257, device="meta")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cap = capture(Workload(*w, "examples/gpt.py", "workload"))
+    prob, _ = problem_from_graph(cap.graph, include_state=True)
+    return [(b.lower, b.upper, b.size) for b in buffers(prob, range(len(prob.ops)))]
+
+
+def repeat_steps(rows: list[tuple[int, int, int]], k: int) -> list[tuple[int, int, int]]:
+    """``k`` steps of a trace in a row; buffers live over the whole step (state) stay live over all."""
+    end = max(up for _, up, _ in rows)
+    state = [(0, k * end, sz) for lo, up, sz in rows if lo == 0 and up == end]
+    step = [r for r in rows if not (r[0] == 0 and r[1] == end)]
+    return state + [(lo + i * end, up + i * end, sz) for i in range(k) for lo, up, sz in step]
+
+
+def make_trace(name: str, out: Path) -> Path:
+    path = out / f"{name}.csv"
+    if path.exists():
+        return path
+    kind, _, arg = name.partition("-")
+    if kind == "gpt2xl":
+        rows = repeat_steps(captured_gpt(48), int(arg.lstrip("x")))
+    elif kind.startswith("gpt"):
+        rows = captured_gpt(int(kind[3:]))
+    elif kind == "train":
+        rows = synthetic_training(int(arg))
+    elif kind == "random":
+        rows = synthetic_random(int(arg))
+    else:
+        raise ValueError(f"unknown trace {name!r}: expected gptN, train-SEED or random-SEED")
+    write_csv(path, rows)
+    return path
+
+
+def run_cli(path: Path, time_limit: float) -> dict:
+    cmd = [sys.executable, "-m", "rhino.cli.main", "layout", str(path), "--time-limit", str(time_limit), "--json"]
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+    out = proc.stdout.read()
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.stdout.close()
+    if os.waitstatus_to_exitcode(status) not in (0, 1):
+        raise RuntimeError(f"{' '.join(cmd)} exited {os.waitstatus_to_exitcode(status)}")
+    row = json.loads(out)
+    row.update(wall=time.perf_counter() - t0, rss_gb=usage.ru_maxrss / 1e6,
+               load=Path("/proc/loadavg").read_text().split()[0])
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--traces", default="gpt2xl-x11,train-1,train-2,random-1")
+    ap.add_argument("--time-limit", type=float, default=60.0)
+    ap.add_argument("--dir", default="/tmp/rhino-layout-scale")
+    ap.add_argument("--doc", default=str(ROOT / "docs/benchmarks.md"))
+    args = ap.parse_args(argv)
+    out = Path(args.dir)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for name in args.traces.split(","):
+        r = run_cli(make_trace(name, out), args.time_limit)
+        r["gap"] = 100 * (r["height"] / r["lower_bound"] - 1) if r["lower_bound"] else 0.0
+        rows.append((name, r))
+        print(f"{name}: {r['buffers']} buffers, bound {r['lower_bound']}, height {r['height']} "
+              f"(gap {r['gap']:.3f}%), {r['seconds']:.1f}s (wall {r['wall']:.1f}s), rss {r['rss_gb']:.2f} GB, "
+              f"{r['solver']}, valid {r['valid']}, load {r['load']}", flush=True)
+    from rhino.benchmarks_doc import replace_section
+    body = [f"Command: `.venv/bin/python benchmarks/layout_scale.py --traces {args.traces} --time-limit "
+            f"{args.time_limit:g}`, which runs `rhino layout TRACE.csv --time-limit {args.time_limit:g} --json` "
+            f"per trace in a child process (traces: see the script's docstring; `gptN` is captured, the others "
+            f"are seeded synthetic traces). Seconds: what the CLI reports (after reading the CSV); wall: the "
+            f"child process from start to exit; peak RSS: the child's `ru_maxrss`. Gap: height over the "
+            f"max-load lower bound. Every layout is checked by `validate_layout`. Machine: {os.cpu_count()} "
+            f"cores, shared (1-minute load average at each row). Date: {datetime.date.today().isoformat()}.", "",
+            "| trace | buffers | lower bound (B) | height (B) | gap % | seconds | wall s | peak RSS GB | solver "
+            "| valid | load |", "|---|---:|---:|---:|---:|---:|---:|---:|---|---|---:|"]
+    for name, r in rows:
+        body.append(f"| {name} | {r['buffers']:,} | {r['lower_bound']:,} | {r['height']:,} | {r['gap']:.3f} | "
+                    f"{r['seconds']:.1f} | {r['wall']:.1f} | {r['rss_gb']:.2f} | {r['solver']} | {r['valid']} | "
+                    f"{r['load']} |")
+    replace_section(args.doc, TITLE, "\n".join(body))
+    return 0 if all(r["valid"] for _, r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

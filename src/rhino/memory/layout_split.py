@@ -1,0 +1,192 @@
+"""Decomposition of a large layout problem into independent leaves (pure numpy; no torch).
+
+Peel (exact while no cut was made). Let a window be a set of buffers with time span ``[A, B)`` (the
+lowest start, the highest end). A buffer live over all of ``[A, B)`` ("spanning") overlaps every other buffer of the
+window in time, so in any layout every other buffer lies wholly below or wholly above it; moving the
+spanning buffers to the bottom of the window and shifting the buffers below them up by their sizes
+keeps the layout valid (when every size is a multiple of every alignment) and its height. So the
+spanning buffers are stacked at the window's base, and the rest splits into its independent
+components (groups with no buffer crossing between them in time), each a window on top of that
+stack (each buffer of the window gets that stack's top as its floor). Repeated, this gives leaves: no
+leaf has a spanning buffer or splits further, and the problem's optimal height is the most over
+leaves of the leaf's optimal height on its floor.
+
+Key-point cut (heuristic, option ``cuts``): a leaf of more than ``max_leaf`` buffers is cut at a time
+``t`` among the starts between the ``cut_band`` quantiles of its buffers (ROAM's key points divide
+the graph where little memory is live; here the time is chosen by the bound below). The buffers live
+across ``t`` are stacked (longest-lived to the right lowest, as saved activations nest), and every
+other buffer of the leaf gets a floor: the highest end of the stacked buffers it overlaps in time
+(a staircase, not the whole stack: a buffer after ``t`` rests only on those still live when it
+starts). Both sides then split apart. The cut's bound is the most, over times ``u``, of the highest
+stacked end a buffer live at ``u`` must rest on plus the other bytes live at ``u``; a cut is made only
+when it is at most ``max_bound``. With floors, leaves are no longer independent of the stack, so a
+decomposition with cuts is not exact (``Decomposition.exact``); the caller reports the height against
+the problem's own lower bound.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = ["SplitOptions", "Leaf", "Decomposition", "decompose", "splittable"]
+
+
+@dataclass(frozen=True)
+class SplitOptions:
+    """When and how ``layout.solve_layout`` decomposes: above ``above`` buffers (``enabled``) it peels
+    and splits into leaves, each solved on its own; a leaf above ``max_leaf`` buffers is cut at a key
+    point (``cuts``) when the cut's bound is within ``cut_tolerance`` (a fraction) of the problem's
+    lower bound (with a capacity: within the capacity). ``above``: the branch and bound alone handles
+    MiniMalloc's instances (up to ~500 buffers) and GPT-2 XL's 7,282 buffers within seconds
+    (``_BNB_MAX_BUFFERS``'s measurement); ``max_leaf``: its set-up and search grow about quadratically."""
+    enabled: bool = True
+    above: int = 5000
+    max_leaf: int = 6000
+    cuts: bool = True
+    cut_tolerance: float = 0.0
+    cut_band: float = 0.25   # a cut leaves at least this fraction of the leaf's starts on each side
+    cut_samples: int = 24    # cut times evaluated per leaf
+
+
+@dataclass
+class Leaf:
+    index: np.ndarray  # input indices of its buffers (their floors: ``Decomposition.floor``)
+    cut: bool          # some stacked buffer below it came from a key-point cut (not exact)
+
+
+@dataclass
+class Decomposition:
+    offsets: np.ndarray      # stacked buffers' offsets (in input order; -1 for buffers of a leaf)
+    floor: np.ndarray        # each leaf buffer's lowest offset (the stacked buffers below it)
+    leaves: list[Leaf]
+    stacked: int             # buffers stacked by peels and cuts
+    cuts: int                # key-point cuts made
+
+    @property
+    def exact(self) -> bool:
+        """No cut was made: the optimum is the max over leaves of the leaf's optimum on its floor."""
+        return self.cuts == 0
+
+
+def splittable(size: np.ndarray, alignment: np.ndarray) -> bool:
+    """Peeling shifts buffers by the sizes of others: exact only when every size is a multiple of
+    every alignment (then every base is aligned for every buffer too)."""
+    lcm = int(np.lcm.reduce(alignment.astype(np.int64))) if alignment.size else 1
+    return bool((size % lcm == 0).all())
+
+
+def _components(idx: np.ndarray, lo: np.ndarray, up: np.ndarray) -> list[np.ndarray]:
+    order = idx[np.argsort(lo[idx], kind="stable")]
+    reach = np.maximum.accumulate(up[order])
+    return np.split(order, np.flatnonzero(lo[order][1:] >= reach[:-1]) + 1)
+
+
+def _profile(l: np.ndarray, u: np.ndarray, z: np.ndarray, times: int) -> np.ndarray:
+    """Bytes live at each compressed time."""
+    d = np.zeros(times + 1, np.int64)
+    np.add.at(d, l, z)
+    np.add.at(d, u, -z)
+    return np.cumsum(d)[:times]
+
+
+def _cut_time(idx: np.ndarray, lo: np.ndarray, up: np.ndarray, sz: np.ndarray, floor: np.ndarray, band: float,
+              samples: int) -> tuple[int, int]:
+    """The cut (and its bound) with the lowest bound among up to ``samples`` start times between the
+    ``band`` quantiles of the starts (ties: the most central). Bound of a cut at ``t``: the buffers
+    across it stacked (``decompose``'s order), the larger over times ``u`` of the highest stacked end
+    that a buffer live at ``u`` must rest on plus the other bytes live at ``u`` (a lower bound on the
+    sides' height, given the stack)."""
+    starts = np.sort(lo[idx])
+    cand = np.unique(starts[int(len(starts) * band):int(len(starts) * (1 - band)) + 1])
+    cand = cand[cand > starts[0]]  # a cut needs a buffer on each side
+    if cand.size == 0:
+        cand = np.unique(starts[starts > starts[0]])
+    if cand.size > samples:
+        cand = cand[np.linspace(0, cand.size - 1, samples).astype(np.int64)]
+    times = np.unique(np.concatenate([lo[idx], up[idx]]))
+    nt = times.size
+    l, u, z = np.searchsorted(times, lo[idx]), np.searchsorted(times, up[idx]), sz[idx]
+    best, best_t = None, int(cand[0])
+    mid = starts[len(starts) // 2]
+    for t in cand.tolist():
+        tc = int(np.searchsorted(times, t))
+        cross = (l < tc) & (u > tc)
+        x = np.flatnonzero(cross)
+        x = x[np.lexsort((l[x], -u[x]))]
+        end = _stack(idx[x], sz, floor)
+        stair = np.zeros(nt + 1, np.int64)
+        np.maximum.at(stair, l[x], end)  # left of t: the stacked buffers started by u
+        left = np.maximum.accumulate(stair[:nt])
+        stair[:] = 0
+        np.maximum.at(stair, u[x], end)  # right of t: those still live after u
+        right = np.maximum.accumulate(stair[::-1])[::-1][1:]
+        rest = ~cross
+        prof = _profile(l[rest], u[rest], z[rest], nt)
+        key = (int(max((left[:tc] + prof[:tc]).max(initial=0), (right[tc:] + prof[tc:]).max(initial=0))),
+               abs(t - mid))
+        if best is None or key < best:
+            best, best_t = key, t
+    return best_t, best[0]
+
+
+def _stack(x: np.ndarray, sz: np.ndarray, floor: np.ndarray) -> np.ndarray:
+    """Ends of the buffers ``x`` stacked in that order, each on its floor or the one before:
+    ``end_i = max_{j <= i} (floor_j + z_j + ... + z_i)``."""
+    zc = np.cumsum(sz[x])
+    return zc + np.maximum.accumulate(floor[x] - (zc - sz[x]))
+
+
+def _raise_floors(rest: np.ndarray, x: np.ndarray, end: np.ndarray, lo, up, floor) -> None:
+    """Each buffer of ``rest`` rests above the stacked ``x`` that it overlaps in time. ``rest`` lies
+    wholly before or wholly after every start of ``x`` (a cut) or inside all of ``x`` (a peel): the
+    ``x`` a buffer overlaps are those starting before its end and ending after its start."""
+    by_lo = np.argsort(lo[x], kind="stable")
+    pm_lo = np.maximum.accumulate(end[by_lo])
+    n_lo = np.searchsorted(lo[x][by_lo], up[rest], "left")  # x starting before the buffer ends
+    by_up = np.argsort(-up[x], kind="stable")
+    pm_up = np.maximum.accumulate(end[by_up])
+    n_up = np.searchsorted(-up[x][by_up], -lo[rest], "left")  # x ending after the buffer starts
+    a = np.where(n_lo > 0, pm_lo[np.maximum(n_lo - 1, 0)], 0)
+    b = np.where(n_up > 0, pm_up[np.maximum(n_up - 1, 0)], 0)
+    floor[rest] = np.maximum(floor[rest], np.minimum(a, b))
+
+
+def decompose(lower, upper, size, max_leaf: int = 6000, cuts: bool = True, cut_band: float = 0.25,
+              cut_samples: int = 24, max_bound: int | None = None) -> Decomposition:
+    """Peel and (with ``cuts``) cut the buffers into leaves (see the module docstring); a cut is made
+    only if its bound (``_cut_time``) is at most ``max_bound`` (None: any). Zero-byte buffers get
+    offset 0 and no leaf. The caller checks ``splittable`` first."""
+    lo, up = np.asarray(lower, np.int64), np.asarray(upper, np.int64)
+    sz = np.asarray(size, np.int64)
+    offsets = np.full(len(sz), -1, np.int64)
+    offsets[sz == 0] = 0
+    floor = np.zeros(len(sz), np.int64)
+    leaves: list[Leaf] = []
+    n_stacked = n_cuts = 0
+    todo = [(idx, False) for idx in _components(np.flatnonzero(sz > 0), lo, up)] if (sz > 0).any() else []
+    while todo:
+        idx, cut = todo.pop()
+        a, b = lo[idx].min(), up[idx].max()
+        span = (lo[idx] <= a) & (up[idx] >= b)
+        made_cut = False
+        if not span.any() and cuts and len(idx) > max_leaf:
+            t, bound = _cut_time(idx, lo, up, sz, floor, cut_band, cut_samples)
+            if max_bound is None or bound <= max_bound:
+                span = (lo[idx] < t) & (up[idx] > t)
+                made_cut = True
+        if not span.any():  # (a cut always has buffers across it: a window is one component)
+            leaves.append(Leaf(idx, cut))
+            continue
+        x = idx[span]
+        x = x[np.lexsort((lo[x], -up[x]))]  # longest-lived (to the right) lowest
+        end = _stack(x, sz, floor)
+        offsets[x] = end - sz[x]
+        n_stacked += len(x)
+        n_cuts += made_cut
+        rest = idx[~span]
+        if rest.size:
+            _raise_floors(rest, x, end, lo, up, floor)
+            todo.extend((c, cut or made_cut) for c in _components(rest, lo, up))
+    floor[offsets >= 0] = 0
+    return Decomposition(offsets, floor, leaves, n_stacked, n_cuts)

@@ -1,0 +1,131 @@
+"""Large layouts (#14 item 5): the peel/cut decomposition, floors in every solver, and the time limit."""
+from __future__ import annotations
+
+import itertools
+import random
+import time
+
+from rhino.memory.layout import (Buffer, LayoutOptions, LayoutStatus, greedy_layout, lower_bound, solve_layout,
+                                 validate_layout)
+from rhino.memory.layout_bnb import SearchStatus, search_layout
+from rhino.memory.layout_cpsat import CpsatRun, CpStrategy
+from rhino.memory.layout_split import SplitOptions, decompose
+
+_ALL_OFF = LayoutOptions(**{r: False for r in ("canonical_only", "dominance", "section_inference",
+                                                  "unallocated_floor", "monotonic_floor", "hatless",
+                                                  "enclosing_first", "identical_order", "decomposition",
+                                                  "nogood_cache", "dynamic_preorder")})
+
+
+def _blocks(rng: random.Random, blocks: int, per: int) -> list[Buffer]:
+    """Independent blocks of random buffers under a few buffers spanning everything, and a few spanning
+    one block: what the peel removes exactly."""
+    bufs, t = [], 0
+    for k in range(blocks):
+        a = t
+        for _ in range(per):
+            lo = a + rng.randint(0, 6)
+            bufs.append(Buffer(len(bufs), lo, lo + rng.randint(1, 5), rng.randint(1, 9)))
+        t = max(b.upper for b in bufs)
+        bufs.append(Buffer(len(bufs), a, t, rng.randint(1, 4)))  # spans its block
+    return bufs + [Buffer(len(bufs) + j, 0, t, rng.randint(1, 5)) for j in range(2)]
+
+
+def _training(rng: random.Random, layers: int) -> list[Buffer]:
+    """A small training-step shape: weights for the whole step, saved activations freed in reverse,
+    temporaries, gradients to the end."""
+    bufs, t, saved = [], 0, []
+    for _ in range(layers):
+        for _ in range(6):
+            t += 1
+            if rng.random() < 0.4:
+                saved.append((len(bufs), t))
+                bufs.append(None)
+            else:
+                bufs.append(Buffer(len(bufs), t, t + rng.randint(1, 3), 64 * rng.randint(1, 40)))
+    for i, lo in reversed(saved):
+        t += 2
+        bufs[i] = Buffer(i, lo, t, 64 * rng.randint(1, 40))
+        bufs.append(Buffer(len(bufs), t, t + 50 + rng.randint(0, 9), 64 * rng.randint(1, 8)))
+    end = t + 60
+    return bufs + [Buffer(len(bufs) + j, 0, end, 64 * rng.randint(1, 90)) for j in range(20)]
+
+
+def test_peel_equals_the_undecomposed_solve():
+    """Peeling is exact: the optimal height is the same with and without the split, on instances whose
+    optimum the branch and bound proves; every split layout is valid."""
+    rng = random.Random(3)
+    split = LayoutOptions(split=SplitOptions(above=0), cpsat=False)
+    whole = LayoutOptions(split=SplitOptions(enabled=False), cpsat=False)
+    for _ in range(6):
+        bufs = _blocks(rng, rng.randint(2, 4), rng.randint(4, 7))
+        dec = decompose([b.lower for b in bufs], [b.upper for b in bufs], [b.size for b in bufs])
+        assert dec.exact and dec.stacked >= 3 and dec.leaves
+        a, b = solve_layout(bufs, time_limit=10, options=split), solve_layout(bufs, time_limit=10, options=whole)
+        assert b.status is LayoutStatus.OPTIMAL or b.height == a.height, (a, b)
+        assert a.solver.startswith("split/") and a.valid and validate_layout(bufs, a.offsets) == []
+        assert a.height == b.height
+
+
+def test_cuts_give_valid_layouts_on_their_floors():
+    """Cut at key points down to 60-buffer leaves with any bound allowed: still valid; every stacked
+    buffer is below the floors it sets; the height is at least the bound."""
+    rng = random.Random(7)
+    bufs = _training(rng, 80)
+    lo, up, sz = [b.lower for b in bufs], [b.upper for b in bufs], [b.size for b in bufs]
+    dec = decompose(lo, up, sz, max_leaf=60)
+    assert dec.cuts >= 2 and not dec.exact and max(len(leaf.index) for leaf in dec.leaves) <= 60
+    offsets = {bufs[i].id: int(o) for i, o in enumerate(dec.offsets) if o >= 0}
+    for leaf in dec.leaves:
+        part = [bufs[i] for i in leaf.index]
+        offsets.update(greedy_layout(part, "size", {bufs[i].id: int(dec.floor[i]) for i in leaf.index}))
+    assert validate_layout(bufs, offsets) == []
+    opts = LayoutOptions(split=SplitOptions(above=0, max_leaf=60, cut_tolerance=10.0), cpsat=False)
+    res = solve_layout(bufs, time_limit=20, options=opts)
+    assert res.valid and validate_layout(bufs, res.offsets) == [] and res.height >= lower_bound(bufs)
+    assert "cuts" in res.solver and not res.solver.endswith("/stacked")
+
+
+def test_floors_in_bnb_cpsat_and_greedy():
+    """With a lowest offset per buffer, the branch and bound with every rule agrees with it with every
+    rule off and with CP-SAT at each capacity from the first feasible one down; layouts respect floors."""
+    rng = random.Random(11)
+    for _ in range(12):
+        n = rng.randint(5, 8)
+        bufs = [Buffer(i, (lo := rng.randint(0, 8)), lo + rng.randint(1, 6), rng.randint(1, 6)) for i in range(n)]
+        floor = [rng.choice([0, 0, rng.randint(1, 8)]) for _ in range(n)]
+        args = ([b.lower for b in bufs], [b.upper for b in bufs], [b.size for b in bufs], [1] * n)
+        greedy = greedy_layout(bufs, "size", dict(enumerate(floor)))
+        assert validate_layout(bufs, greedy) == [] and all(greedy[i] >= floor[i] for i in range(n))
+        cap = max(greedy[b.id] + b.size for b in bufs)
+        for c in (cap, cap - 1, cap - 2):
+            on = search_layout(*args, c, floor=floor)
+            off = search_layout(*args, c, _ALL_OFF, floor=floor)
+            cp, _ = CpsatRun().solve(*args, c, CpStrategy.DEFAULT, None, 20.0, floor)
+            assert on.status is off.status is cp, (c, bufs, floor)
+            if on.status is SearchStatus.FOUND:
+                offs = dict(enumerate(on.offsets))
+                assert validate_layout(bufs, offs, c) == [] and all(offs[i] >= floor[i] for i in range(n))
+
+
+def test_validator_finds_every_overlapping_pair():
+    rng = random.Random(2)
+    bufs = [Buffer(i, (lo := rng.randint(0, 900)), lo + rng.randint(1, 60), rng.randint(1, 20)) for i in range(700)]
+    offs = {b.id: rng.randint(0, 400) for b in bufs}
+    want = sum(a.lower < b.upper and b.lower < a.upper and offs[a.id] < offs[b.id] + b.size and
+               offs[b.id] < offs[a.id] + a.size for a, b in itertools.combinations(bufs, 2))
+    assert want > 100 and len(validate_layout(bufs, offs)) == want
+
+
+def test_time_limit_is_a_limit():
+    """Hard random instances (no layout at the bound is known to exist) with a short limit: every path
+    (plain at a capacity, plain minimising, split into leaves) returns a valid layout within limit + 1 s."""
+    rng = random.Random(5)
+    for n, limit in ((2500, 1.0), (7000, 2.0)):
+        bufs = [Buffer(i, (lo := rng.randrange(3 * n)), lo + max(1, int(2 ** rng.uniform(0, 12))),
+                       64 * rng.randint(1, 500)) for i in range(n)]
+        for cap in (None, lower_bound(bufs)):
+            t0 = time.monotonic()
+            res = solve_layout(bufs, cap, limit)
+            assert time.monotonic() - t0 <= limit + 1.0, (n, cap, res.solver)
+            assert validate_layout(bufs, res.offsets) == [] and res.height >= res.lower_bound
