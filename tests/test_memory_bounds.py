@@ -13,7 +13,7 @@ from conftest import ROOT
 from rhino.memory.from_graph import problem_from_graph
 from rhino.memory.order_graph import IndexedProblem
 from rhino.memory.plan import plan_memory
-from rhino.memory.problem import MemProblem, TensorKind
+from rhino.memory.problem import MemOp, MemProblem, MemTensor, TensorKind
 from rhino.memory.simulate import replay
 from rhino.memory.step_report import plan_step_memory
 from test_memory_order import all_orders, random_problem, training_problem
@@ -75,3 +75,17 @@ def test_memory_json_has_the_order_bound_and_optimal_only_at_a_bound(mlp_report)
     assert d["optimal"] is (d["rhino_peak_bytes"] == lb)
     fake = dataclasses.replace(mlp_report.plan, height=lb)  # a plan at the bound is reported optimal
     assert dataclasses.replace(mlp_report, plan=fake).to_dict()["optimal"] is True
+
+
+def test_order_bound_counts_outputs_made_before_a_side_op():
+    # spine a -> b -> c -> e; side op d reads h and makes a big tensor nobody reads. At d's step every order
+    # also holds the loss (an OUTPUT a made, kept to the end): the bound counts it (320 + 16)
+    K = TensorKind
+    t = {0: MemTensor(0, 8, K.INPUT), 1: MemTensor(1, 16, K.OUTPUT), 2: MemTensor(2, 64, K.INTERMEDIATE),
+         3: MemTensor(3, 64, K.INTERMEDIATE), 4: MemTensor(4, 64, K.INTERMEDIATE), 5: MemTensor(5, 8, K.INTERMEDIATE),
+         6: MemTensor(6, 256, K.INTERMEDIATE)}
+    ops = [MemOp(0, "a", (0,), (1, 2)), MemOp(1, "b", (2,), (3,)), MemOp(2, "c", (3,), (4,)),
+           MemOp(3, "e", (4,), (5,)), MemOp(4, "d", (2,), (6,))]
+    p = MemProblem(ops, t)
+    p.validate()
+    assert IndexedProblem(p).lower_bound() == _min_peak(p) == 336

@@ -251,7 +251,10 @@ def _fit(buffers: Sequence[Buffer], capacity: int, deadline: float, options: Lay
         if bnb and stop.wait(0.5):  # small instances are settled by the branch and bound alone
             return
         plan = [(CpStrategy.CANONICAL, p) for p in options.preorders[:2]] + [(CpStrategy.DEFAULT, None)]
-        orders = {p: preorder_indices(lo, up, sz, p) for _, p in plan if p is not None}
+        orders = {}
+        for _, p in plan:
+            if p is not None and not stop.is_set():
+                orders[p] = preorder_indices(lo, up, sz, p)
         slice_s = 2.0
         while not stop.is_set():
             for strategy, p in plan:
@@ -438,6 +441,8 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
             best, best_h, how = offs, h, f"greedy/{order.value}"
         if best_h <= cap:
             return best, how
+    say(f"layout: leaf of {len(bufs):,} buffers: greedy {best_h:,} ({how}) above {cap:,}; "
+        f"{max(0.0, deadline - time.monotonic()):.0f}s left for it")
     if len(bufs) <= options.split.max_leaf and deadline - time.monotonic() > 0.1:
         st, offs, name, _ = _fit(bufs, cap, deadline, options, say, floor)
         if (st is SearchStatus.FOUND and offs is not None and all(offs[b.id] >= f for b, f in zip(bufs, floor))

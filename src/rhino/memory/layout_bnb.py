@@ -352,6 +352,8 @@ def search_layout(lower: Sequence[int], upper: Sequence[int], size: Sequence[int
             limit *= 2
             for p in options.preorders[:1] if single else options.preorders:
                 if p not in trees:
+                    if halted():  # the set-up of a tree takes a while on large problems
+                        return SearchResult(SearchStatus.LIMIT, None, nodes())
                     trees[p] = _Tree(prob, p, capacity, options)
                 t = trees[p]
                 t.start(a, b)

@@ -59,7 +59,9 @@ class CpsatRun:
         cap = int(capacity) // unit
         model = cp_model.CpModel()
         ks, xs, ys = {}, [], []
-        for i in nz.tolist():
+        for j, i in enumerate(nz.tolist()):
+            if j % 1024 == 0 and self._stopped:  # building a large model takes a while: stop between
+                return SearchStatus.LIMIT, None
             z, a = int(sizes[i]) // unit, int(aligns[i]) // unit
             k_min = 0 if floor is None else -(-int(floor[i]) // (unit * a))
             if z > cap or k_min > (cap - z) // a:

@@ -277,4 +277,42 @@ class IndexedProblem:
                    for i in range(n))
         best = max(best, always_bytes)
         ml = self.must_live(self.chain_points())
-        return max(best, max(ml, default=0))
+        best = max(best, max(ml, default=0))
+        return max(best, self.op_must_live(best))
+
+    # ops whose own step is examined by op_must_live: the ones with the most bytes that could beat the
+    # bound (each costs two graph walks); on AlexNet b1 the bound's op is the first examined
+    MUST_LIVE_OPS = 64
+
+    def op_must_live(self, floor: int) -> int:
+        """At an op's step every order also holds the OUTPUT tensors its ancestors made (kept to the end)
+        and the graph inputs a descendant still reads: the most of these over the ``MUST_LIVE_OPS`` ops
+        with the largest ``op_bytes`` that could beat ``floor`` (never below ``floor``)."""
+        outs = [j for j in range(self.m) if self.size[j] and self.keep[j] and not self.is_input[j]]
+        ins = [j for j in range(self.m) if self.size[j] and self.is_input[j] and not self.keep[j]]
+        always = sum(self.size[j] for j in range(self.m) if self.is_input[j] and self.keep[j])
+        extra = sum(self.size[j] for j in outs + ins)
+        own = [self.op_bytes(i) + always - sum(self.size[j] for j in self.op_in[i]
+                                               if self.is_input[j] and self.keep[j]) for i in range(self.n)]
+        best = floor
+        for i in sorted(range(self.n), key=lambda i: -own[i])[:self.MUST_LIVE_OPS]:
+            if own[i] + extra <= best:
+                break
+            anc, desc = self.ancestors(i), self.descendants(i)
+            io = set(self.op_in[i]) | set(self.op_out[i])
+            add = sum(self.size[j] for j in outs if j not in io and anc[self.prod[j]])
+            add += sum(self.size[j] for j in ins if j not in io and any(desc[c] for c in self.cons[j]))
+            best = max(best, own[i] + add)
+        return best
+
+    def descendants(self, i: int) -> list[bool]:
+        """Per op: is it a descendant of op ``i`` (``i`` itself excluded)."""
+        out = [False] * self.n
+        stack = [i]
+        while stack:
+            u = stack.pop()
+            for q in self.succs[u]:
+                if not out[q]:
+                    out[q] = True
+                    stack.append(q)
+        return out
