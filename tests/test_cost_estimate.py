@@ -72,11 +72,13 @@ def test_pipeline_bubble_and_schedules():
     g = graph()
     m8 = estimate_strategy(g, A100, "tp=2,pp=4,microbatches=8")
     m16 = estimate_strategy(g, A100, "tp=2,pp=4,microbatches=16")
-    # bubble = (pp - 1) stage-steps of one micro-batch: a smaller share of the step with more micro-batches
+    # the bubble (simulated idle time) is a smaller share of the step with more micro-batches
     assert m8.bubble_seconds > 0
     assert m16.bubble_seconds / m16.step_seconds < m8.bubble_seconds / m8.step_seconds
+    assert 0 < m16.bubble_fraction < m8.bubble_fraction < 1
     gpipe = estimate_strategy(g, A100, "tp=2,pp=4,microbatches=16", schedule="gpipe")
-    assert gpipe.step_seconds == pytest.approx(m16.step_seconds)
+    # same work in another order: equal for balanced stages (test_pipeline_stages), within 10% on this cut
+    assert gpipe.step_seconds == pytest.approx(m16.step_seconds, rel=0.10)
     assert gpipe.memory_bytes["activations"] > m16.memory_bytes["activations"]  # m vs pp in flight
     assert m16.mesh == {"pp": 4, "tp": 2}
 

@@ -9,8 +9,11 @@
 2. **Memory** (``memory.estimate_memory``): liveness over the per-rank program, by category.
 3. **Recomputation** (``recompute.py``, ``remat.py``): ``full`` or ``selective`` change the saved
    activations and add forward compute; priced on the rewritten program the runtime executes.
-4. **Pipelines and micro-batches** (``pipeline.py``, analytic): ``pp`` stages and ``microbatches``
-   per step with a 1F1B or GPipe schedule: bubble, stage-boundary transfers, in-flight activations.
+4. **Pipelines and micro-batches** (``pipeline.py``): ``pp`` stages and ``microbatches`` per step with
+   a 1F1B or GPipe schedule, priced from a stage per forward node (``stages``: given, chosen by a
+   callback such as the search's ``search.stages``, or by default a contiguous cut of equal forward
+   compute): an event simulation over stages x micro-batches (bubble from imbalance), boundary
+   transfers, and each stage's memory with the micro-batches it holds in flight.
 
 The mesh of a plan covers one pipeline stage; stages are the outermost rank dimension (ranks
 ``s * W .. (s+1) * W - 1`` form stage ``s`` for a stage mesh of ``W`` devices), so a stage's tensor-
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from typing import Callable, Union
 from dataclasses import dataclass, field
 
 from ..ir.graph import Graph
@@ -37,12 +41,16 @@ from .cluster import Cluster, axis_links, make_cluster
 from .accumulate import accumulation_windows
 from .compute import Profile
 from .memory import estimate_memory
-from .pipeline import Schedule, pipeline_time
+from .pipeline import Schedule, pipeline_time, stage_list
 from .recompute import Recompute, apply_recompute, remat_effect
 
 from .step import StepOptions, step_time
 
-__all__ = ["Estimate", "estimate", "estimate_strategy", "stage_cluster", "matmul_dtype"]
+__all__ = ["Estimate", "estimate", "estimate_microbatches", "estimate_strategy", "stage_cluster", "matmul_dtype"]
+
+#: A stage cut: a stage per node for the forward nodes (-1 elsewhere), or a function of
+#: ``(graph, resolved plan, StepTime, MemoryEstimate, pp, microbatches)`` returning one.
+Cut = Union[list, Callable, None]
 
 
 @dataclass
@@ -69,9 +77,13 @@ class Estimate:
     recompute: str = "none"
     collectives: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
+    bubble_fraction: float = 0.0     # idle share of the stages' time in the pipeline phase
+    stages: list[dict] = field(default_factory=list)   # per stage (pp > 1): ``pipeline.StageCost.to_dict``
+    #: the stage of every node (pp > 1), for the plan file and the report
+    node_stage: list[int] = field(default_factory=list, repr=False)
 
     def to_dict(self) -> dict:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__}
+        return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "node_stage"}
 
     def text(self) -> str:
         """The ``rhino estimate`` table: step time split, throughput, communication, memory at the peak."""
@@ -138,41 +150,76 @@ def stage_cluster(cluster: Cluster, stage_world: int) -> Cluster:
     return make_cluster(stage_world // dpn, dpn, cluster.device, cluster.inter_node, cluster.nics_per_node)
 
 
-def estimate(graph: Graph, cluster: Cluster, plan: ShardingPlan | ResolvedPlan | None = None, *, pp: int = 1,
+def estimate(graph: Graph, cluster: Cluster, plan: ShardingPlan | ResolvedPlan | None = None, *, pp: int | None = None,
              microbatches: int | None = None, recompute: str | Recompute | None = None,
              schedule: str | Schedule = Schedule.ONE_F_ONE_B, options: StepOptions = StepOptions(),
-             strategy: str = "") -> Estimate:
+             strategy: str = "", stages: Cut = None) -> Estimate:
     """Predict one training step of ``graph`` under ``plan`` (None: one replicated device per stage).
     ``microbatches`` / ``recompute`` left as None take the plan's own (``ShardingPlan.microbatches``,
-    ``.recompute``)."""
+    ``.recompute``); ``pp`` None takes the plan's ``stages``; ``stages``: the stage cut when ``pp > 1``
+    (``Cut``; None: the plan's ``stage_of``, or when it has none the default cut)."""
+    rp = _resolved(graph, plan)
+    m = rp.plan.microbatches if microbatches is None else microbatches
+    if pp is None:
+        pp = rp.plan.stages
+        schedule = rp.plan.schedule if schedule == Schedule.ONE_F_ONE_B else schedule
+    if stages is None and pp > 1 and rp.plan.stages == pp and rp.plan.stage_of:
+        stages = stage_list(graph, rp.plan.stage_of)
+    return estimate_microbatches(graph, cluster, rp, pp=pp, microbatches=[m], recompute=recompute,
+                                 schedule=schedule, options=options, strategy=strategy, stages=stages)[0]
+
+
+def _resolved(graph: Graph, plan) -> ResolvedPlan:
     if isinstance(plan, ResolvedPlan):
-        rp = plan
-    else:
-        if plan is None:
-            plan = ShardingPlan(Mesh(("dp",), (1,)), {}, {})
-        rp = resolve(graph, plan)
-    microbatches = rp.plan.microbatches if microbatches is None else microbatches
+        return plan
+    return resolve(graph, plan if plan is not None else ShardingPlan(Mesh(("dp",), (1,)), {}, {}))
+
+
+def estimate_microbatches(graph: Graph, cluster: Cluster, plan: ShardingPlan | ResolvedPlan | None, *, pp: int,
+                          microbatches: list[int], recompute: str | Recompute | None = None,
+                          schedule: str | Schedule = Schedule.ONE_F_ONE_B, options: StepOptions = StepOptions(),
+                          strategy: str = "", stages: Cut = None) -> list[Estimate]:
+    """``estimate`` for each micro-batch count of ``microbatches``, sharing the SPMD step's pricing."""
+    rp = _resolved(graph, plan)
     recompute = Recompute(rp.plan.recompute if recompute is None else recompute)
     schedule = Schedule(schedule)
-    if pp < 1 or microbatches < 1:
+    for m in microbatches:
+        _check_degrees(rp, cluster, pp, m)
+    sub = stage_cluster(cluster, rp.plan.mesh.world) if pp > 1 else cluster
+    links = axis_links(sub, rp.plan.mesh)
+    st = step_time(rp, cluster.device, links, options)
+    out, shared = [], None
+    for m in microbatches:
+        windows, accumulators = accumulation_windows(graph, rp) if pp == 1 and m > 1 else ((), None)
+        if shared is None or windows:
+            mem = estimate_memory(graph, rp, windows=windows)
+            # recomputation priced on the rewritten program the runtime runs (cost.remat)
+            rc = apply_recompute(graph, mem, st.nodes, recompute) if recompute is Recompute.NONE else \
+                remat_effect(rp, mem, st.nodes, recompute)
+            shared = None if windows else (mem, rc)
+        else:
+            mem, rc = shared
+        cut = stages(graph, rp, st, mem, pp, m) if callable(stages) else stages
+        pl = pipeline_time(graph, rp, st, mem, rc, cluster, links, pp=pp, microbatches=m, schedule=schedule,
+                           options=options, accumulators=accumulators, stages=cut if pp > 1 else None)
+        out.append(_compose(graph, cluster, rp, st, pl, pp, m, schedule, recompute, strategy, rc.notes))
+    return out
+
+
+def _check_degrees(rp: ResolvedPlan, cluster: Cluster, pp: int, m: int) -> None:
+    if pp < 1 or m < 1:
         raise ValueError("pp and microbatches must be positive integers")
-    if pp > 1 and microbatches < pp:
+    if pp > 1 and m < pp:
         raise ValueError(f"pp={pp} needs at least {pp} micro-batches to keep every stage busy; "
                          f"set microbatches >= {pp}")
     mesh = rp.plan.mesh
     if mesh.world * pp != cluster.world:
         raise ValueError(f"the plan uses {mesh.world} devices x pp={pp} = {mesh.world * pp}, but cluster {cluster} "
                          f"has {cluster.world}; pick degrees whose product is {cluster.world}")
-    sub = stage_cluster(cluster, mesh.world) if pp > 1 else cluster
-    links = axis_links(sub, mesh)
-    st = step_time(rp, cluster.device, links, options)
-    windows, accumulators = accumulation_windows(graph, rp) if pp == 1 and microbatches > 1 else ((), None)
-    mem = estimate_memory(graph, rp, windows=windows)
-    # recomputation priced on the rewritten program the runtime runs (cost.remat)
-    rc = apply_recompute(graph, mem, st.nodes, recompute) if recompute is Recompute.NONE else \
-        remat_effect(rp, mem, st.nodes, recompute)
-    pl = pipeline_time(graph, rp, st, mem, rc, cluster, links, pp=pp, microbatches=microbatches,
-                       schedule=schedule, options=options, accumulators=accumulators)
+
+
+def _compose(graph, cluster, rp, st, pl, pp, m, schedule, recompute, strategy, notes) -> Estimate:
+    mesh = rp.plan.mesh
     memory = dict(pl.memory_at_peak)   # bytes of each category live at the peak
     memory["peak"] = int(pl.peak_bytes)
     capacity = cluster.device.memory_bytes
@@ -191,13 +238,14 @@ def estimate(graph: Graph, cluster: Cluster, plan: ShardingPlan | ResolvedPlan |
         tflops_per_device=model_flops / step / 1e12 if step > 0 else 0.0,
         hardware_tflops_per_device=(model_flops + pl.recompute_flops) / step / 1e12 if step > 0 else 0.0,
         mfu=mfu, memory_bytes=memory, capacity_bytes=capacity, fits=pl.peak_bytes <= capacity, pp=pp,
-        microbatches=microbatches, schedule=schedule.value, recompute=recompute.value, collectives=st.collectives,
-        notes=rc.notes + pl.notes)
+        microbatches=m, schedule=schedule.value, recompute=recompute.value, collectives=st.collectives,
+        notes=notes + pl.notes, bubble_fraction=pl.bubble_fraction, stages=[c.to_dict() for c in pl.stages],
+        node_stage=pl.node_stage)
 
 
 def estimate_strategy(graph: Graph, cluster: Cluster, strategy: str | StrategySpec,
                       options: StepOptions = StepOptions(), schedule: str | Schedule = Schedule.ONE_F_ONE_B,
-                      profile: Profile | None = None) -> Estimate:
+                      profile: Profile | None = None, stages: Cut = None) -> Estimate:
     """``estimate`` of the expert preset ``strategy`` (dp/tp/zero/sp on the stage mesh, pp and
     micro-batches analytic). Degrees left out fill the cluster with data parallelism."""
     spec = parse_strategy(strategy) if isinstance(strategy, str) else strategy
@@ -214,5 +262,5 @@ def estimate_strategy(graph: Graph, cluster: Cluster, strategy: str | StrategySp
     if profile is not None:
         options = dataclasses.replace(options, profile=profile)
     return estimate(graph, cluster, plan, pp=spec.pp, microbatches=spec.microbatches, recompute=spec.recompute,
-                    schedule=schedule, options=options, strategy=str(spec))
+                    schedule=schedule, options=options, strategy=str(spec), stages=stages)
 

@@ -1,50 +1,77 @@
-"""Pipeline stages and micro-batches, analytically (pure Python; the pipeline runtime comes later).
+"""Pipeline stages and micro-batches, priced from the actual stage cut (pure Python).
 
-The captured step is one SPMD program over the stage mesh; ``pp`` stages and ``m`` micro-batches
-are modelled on top of it (Narayanan et al. 2021, arXiv 2104.04473, section 2.2):
+The captured step is one SPMD program over the stage mesh (every stage uses the plan's mesh and
+strategies on its own nodes); ``pp`` stages and ``m`` micro-batches are modelled on top of it
+(Narayanan et al. 2021, arXiv 2104.04473, section 2.2), from a **stage per node**:
 
-- Stages are balanced: each holds 1/pp of the forward/backward compute, of the parameters,
-  gradients and optimizer state, and of the activations (the search's stage planner will replace
-  this with real stage boundaries).
-- Per micro-batch, each forward/backward node is priced with the roofline at 1/m of its work
-  (smaller GEMMs run at lower efficiency); blocking communication scales by 1/m (its bandwidth
-  term; the per-message latency is then undercounted by (m-1) alphas per collective).
-- Stage time per micro-batch ``t = (compute_mb + blocking_comm_mb) / pp + p2p_mb``; the
-  pipeline takes ``(m + pp - 1) t``; the bubble is ``(pp - 1) t``. Both 1F1B and GPipe have this
-  bubble; they differ in memory: the first stage holds ``min(pp, m)`` micro-batches of
-  activations under 1F1B and ``m`` under GPipe.
-- Stage-boundary transfers: the forward activations and their gradients crossing the boundary,
-  ``2 * cut / m`` bytes per micro-batch (``cut``: the per-rank bytes live across the cut of the
-  forward pass at position k/pp of its compute), on the intra-node link when a stage is smaller
-  than a node, else on the network; on the critical path.
-- The optimizer step runs once, after the pipeline, at 1/pp of its single-stage time. Gradient
-  reduction over data-parallel axes overlaps the backward pass of the last micro-batch (when
-  ``StepOptions.overlap_gradient_reduction``; with one stage it is exposed: the runtime reduces the
-  accumulated gradients in the update program); ZeRO-3 gathers repeat per micro-batch and overlap
-  the pipeline's compute (when ``prefetch_parameters``).
-- Gradient accumulation (m > 1) keeps a full gradient buffer live across micro-batches. With one
-  stage the memory is that of the two programs the runtime runs (``accumulation_memory``).
+- **The cut**: a stage per forward node with ``stage(u) <= stage(v)`` on every edge (the search's
+  ``search.stages``; without one, the runtime's default ``ir.stages.contiguous_cut``). Every other node
+  follows as the runtime runs it (``ir.stages.assign_stages``: backward nodes with their forward ops,
+  optimizer updates on every stage holding their parameter, a tied parameter on both stages).
+- **Per stage and micro-batch**: forward time ``F_s`` and backward time ``B_s`` are the roofline times of
+  the stage's nodes at ``1/m`` of their work (``step.node_compute``: smaller GEMMs run less efficiently)
+  plus their blocking (tensor-parallel) communication at ``1/m`` (its bandwidth term); recomputation
+  adds each stage's share (by forward time) of the recomputed forward to its backward.
+- **Boundary transfers**: a forward value made on stage ``a`` and read on stage ``b > a`` crosses the
+  boundaries ``a .. b-1`` (per-rank bytes under the plan, ``1/m`` per micro-batch), its gradient (floating
+  values) the same way back; a transfer between stages on one node uses the intra-node link, else the
+  network (ranks ``s * W .. (s+1) * W - 1`` form stage ``s``: ``cost.estimate``).
+- **Schedule** (``simulate``): an event simulation over stages x micro-batches. Each stage runs its
+  operations in its schedule's order, each as soon as its input has arrived: GPipe runs all ``m``
+  forwards then all backwards; 1F1B runs ``min(pp - s - 1, m)`` warm-up forwards on stage ``s``, then
+  alternates one forward and one backward, then drains. The bubble comes from the simulated idle time,
+  so imbalance and transfers show in it (no balanced formula).
+- **After the pipeline**, per stage: the data-parallel gradient reduction of the stage's gradients
+  (hidden behind the stage's last backward when ``StepOptions.overlap_gradient_reduction``), ZeRO-3
+  gathers repeated per micro-batch (hidden behind the stage's compute when ``prefetch_parameters``),
+  then the optimizer update of the stage's parameters. The step ends when the last stage finishes.
+- **Memory per stage**: the whole-graph peak's categories split by the stage's share: parameters,
+  gradients and buffers by its parameter bytes (a tied parameter read on two stages counts on both),
+  optimizer state by its state bytes, activations by the bytes its forward nodes save, times the
+  micro-batches in flight (1F1B: ``min(pp - s, m)``; GPipe: ``m``) over ``m``; temporaries and the
+  batch at ``1/m``; with ``m > 1`` a full gradient buffer of the stage's parameters. The reported peak is
+  the largest stage's.
 
-With pp = 1 and m = 1 the result is the event simulation of ``step.step_time`` unchanged.
+With ``pp = 1`` the single-stage formulas are unchanged: with one micro-batch the event simulation of
+``step.step_time``; with gradient accumulation the two programs ``runtime.rank_step`` runs
+(``accumulation_memory``) and the compute of ``m`` micro-batches.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
 
-from ..ir.graph import Graph
+from ..ir.analysis import analyze
+from ..ir.graph import Graph, Role
+from ..ir.stages import Phase, Schedule, StageAssignment, assign_stages, contiguous_cut
+from ..sharding.placement import local_shape
 from ..sharding.plan import ResolvedPlan
 from .cluster import AxisLink, Cluster
 from .memory import MemoryEstimate
-from .recompute import RecomputeEffect, forward_cuts
+from .recompute import RecomputeEffect
 from .step import StepOptions, StepTime, node_compute
 
-__all__ = ["Schedule", "PipelineTime", "pipeline_time", "scaled_memory", "accumulation_memory"]
+__all__ = ["Schedule", "PipelineTime", "StageCost", "pipeline_time", "scaled_memory", "accumulation_memory",
+           "simulate", "in_flight", "value_bytes", "stage_list"]
 
 
-class Schedule(str, Enum):
-    ONE_F_ONE_B = "1f1b"
-    GPIPE = "gpipe"
+@dataclass
+class StageCost:
+    """One stage of a pipelined plan: what it runs and holds (per rank of the stage)."""
+    forward_ops: int
+    params: int                      # parameter values read by its forward nodes
+    forward_seconds: float           # per micro-batch, with its blocking communication
+    backward_seconds: float
+    send_bytes: int                  # per micro-batch, forward, to the next stage
+    memory: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def peak(self) -> int:
+        return sum(self.memory.values())
+
+    def to_dict(self) -> dict:
+        return {"forward_ops": self.forward_ops, "params": self.params, "forward_seconds": self.forward_seconds,
+                "backward_seconds": self.backward_seconds, "send_bytes": self.send_bytes,
+                "peak_bytes": self.peak, "memory": dict(self.memory)}
 
 
 @dataclass
@@ -59,6 +86,9 @@ class PipelineTime:
     peak_bytes: int
     memory_at_peak: dict[str, int]
     notes: list[str] = field(default_factory=list)
+    bubble_fraction: float = 0.0     # idle share of stage-time in the pipeline phase
+    stages: list[StageCost] = field(default_factory=list)
+    node_stage: list[int] = field(default_factory=list)
 
 
 def accumulation_memory(mem: MemoryEstimate, rc: RecomputeEffect, m: int, accumulators: int) -> dict[str, int]:
@@ -82,51 +112,234 @@ def accumulation_memory(mem: MemoryEstimate, rc: RecomputeEffect, m: int, accumu
     return max(phases, key=lambda d: sum(d.values()))
 
 
+def in_flight(schedule: Schedule, pp: int, m: int, s: int) -> int:
+    """Micro-batches whose activations stage ``s`` holds at once: 1F1B ``min(pp - s, m)``, GPipe ``m``."""
+    if pp == 1:
+        return 1
+    return min(pp - s, m) if schedule is Schedule.ONE_F_ONE_B else m
+
+
+def _at_peak(mem: MemoryEstimate, rc: RecomputeEffect) -> tuple[dict, float]:
+    """The whole-batch peak's categories and the kept share of its activations."""
+    exact = rc.memory is not None and rc.memory is not mem  # the recomputing program's own estimate
+    return dict(rc.memory.breakdown if exact else mem.breakdown), 1.0 if exact else rc.keep_fraction
+
+
 def scaled_memory(mem: MemoryEstimate, rc: RecomputeEffect, pp: int, m: int, schedule: Schedule,
-                  accumulators: int | None = None) -> dict[str, int]:
-    """Per-category bytes live at the peak of one stage's rank (see the module docstring)."""
+                  accumulators: int | None = None, shares: dict[str, float] | None = None,
+                  stage: int = 0) -> dict[str, int]:
+    """Per-category bytes live at the peak of stage ``stage``'s rank (module docstring). ``shares``: the
+    stage's fraction of the parameters (``"params"``), optimizer state (``"optimizer"``) and saved
+    activations (``"activations"``); None: ``1 / pp`` each (balanced stages)."""
     if pp == 1 and m > 1 and accumulators is not None and len(mem.window_peaks) == 2:
         return accumulation_memory(mem, rc, m, accumulators)
-    exact = rc.memory is not None and rc.memory is not mem  # the recomputing program's own estimate
-    at = dict(rc.memory.breakdown if exact else mem.breakdown)
-    keep = 1.0 if exact else rc.keep_fraction
-    in_flight = 1 if pp == 1 else (min(pp, m) if schedule is Schedule.ONE_F_ONE_B else m)
+    at, keep = _at_peak(mem, rc)
+    sh = shares if shares is not None else {"params": 1 / pp, "optimizer": 1 / pp, "activations": 1 / pp}
+    flight = in_flight(schedule, pp, m, stage)
     out = {}
     for cat, v in at.items():
-        if cat in ("params", "optimizer", "buffers", "gradients", "updated_state"):
-            out[cat] = v / pp
+        if cat in ("params", "buffers", "gradients", "updated_state"):
+            out[cat] = v * sh["params"]
+        elif cat == "optimizer":
+            out[cat] = v * sh["optimizer"]
         elif cat == "activations":
-            out[cat] = v * keep * in_flight / (pp * m)
+            out[cat] = v * keep * flight * sh["activations"] / m
         else:  # temporaries, batch
             out[cat] = v / m
-    if m > 1:  # the accumulation buffer holds every gradient across micro-batches
-        out["gradients"] = max(out.get("gradients", 0), mem.gradients / pp)
+    if m > 1:  # the accumulation buffer holds every gradient of the stage across micro-batches
+        out["gradients"] = max(out.get("gradients", 0), mem.gradients * sh["params"])
     return {k: int(v) for k, v in out.items()}
 
 
-def _boundary_bytes(mem: MemoryEstimate, node_seconds: list[float], pp: int) -> float:
-    """Largest per-rank cut at the forward positions that split its compute into pp equal parts."""
-    cuts = forward_cuts(mem)
-    if pp == 1 or not cuts:
-        return 0.0
-    fwd = node_seconds[:len(cuts)]
-    total = sum(fwd) or 1.0
-    worst, acc, k = 0, 0.0, 1
-    for p, t in enumerate(fwd):
-        acc += t
-        if k < pp and acc >= total * k / pp:
-            worst = max(worst, cuts[p])
-            k += 1
-    return float(worst)
+def simulate(fwd: list[float], bwd: list[float], send_f: list[float], send_b: list[float], m: int,
+             schedule: Schedule) -> tuple[list[float], list[float]]:
+    """Event simulation of one pipeline (module docstring): per stage, (time its last operation ends,
+    time it was busy). ``send_f[s]`` / ``send_b[s]``: transfer time from stage s to s+1 / back."""
+    pp = len(fwd)
+    order = []
+    for s in range(pp):
+        if schedule is Schedule.GPIPE:
+            ops = [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
+        else:
+            warm = min(pp - s - 1, m)
+            ops = [("F", j) for j in range(warm)]
+            for j in range(m - warm):
+                ops += [("F", warm + j), ("B", j)]
+            ops += [("B", j) for j in range(m - warm, m)]
+        order.append(ops)
+    done: dict[tuple, float] = {}
+    free, pos = [0.0] * pp, [0] * pp
+    left = 2 * m * pp
+    while left:
+        moved = False
+        for s in range(pp):
+            while pos[s] < len(order[s]):
+                kind, j = order[s][pos[s]]
+                if kind == "F":
+                    dep = 0.0 if s == 0 else done.get(("F", s - 1, j))
+                    dep = dep if s == 0 or dep is None else dep + send_f[s - 1]
+                else:
+                    dep = done.get(("F", s, j)) if s == pp - 1 else done.get(("B", s + 1, j))
+                    dep = dep if s == pp - 1 or dep is None else dep + send_b[s]
+                if dep is None:
+                    break
+                start = max(free[s], dep)
+                free[s] = done[(kind, s, j)] = start + (fwd[s] if kind == "F" else bwd[s])
+                pos[s] += 1
+                left -= 1
+                moved = True
+        assert moved, "the pipeline schedule deadlocked"
+    return free, [m * (fwd[s] + bwd[s]) for s in range(pp)]
+
+
+def value_bytes(graph: Graph, rp: ResolvedPlan, vid: int) -> int:
+    """Bytes of value ``vid`` on one rank under the plan (its local shape)."""
+    t = graph.types[vid]
+    sh = rp.value.get(vid)
+    if sh is None:
+        return t.nbytes
+    n = 1
+    for d in local_shape(t.shape, sh, rp.plan.mesh):
+        n *= d
+    return n * t.dtype.itemsize
+
+
+def stage_list(graph: Graph, stage_of: dict[str, int]) -> list[int]:
+    """A stage per node index from forward node name -> stage (-1 for nodes without one)."""
+    return [stage_of.get(n.name, -1) for n in graph.nodes]
+
+
+def _boundaries(graph: Graph, rp: ResolvedPlan, sa: StageAssignment, pp: int) -> tuple[list, list, list]:
+    """Per boundary s (stage s to s+1): forward and backward bytes per step (whole batch, per rank), and per
+    stage the bytes it receives once after the pipeline (update phase: a tied weight's summed gradient)."""
+    fwd, bwd, upd = [0] * (pp - 1), [0] * (pp - 1), [0] * pp
+    for c in sa.crossings:
+        b = value_bytes(graph, rp, c.value)
+        if c.phase is Phase.UPDATE:
+            upd[c.dst] += b
+            continue
+        lo, hi = min(c.src, c.dst), max(c.src, c.dst)
+        for k in range(lo, hi):
+            (fwd if c.phase is Phase.FORWARD else bwd)[k] += b
+    return fwd, bwd, upd
+
+
+def _shares(graph: Graph, rp: ResolvedPlan, mem: MemoryEstimate, sa: StageAssignment, stage: list[int],
+            pp: int) -> tuple[list[dict], list[int]]:
+    """Per stage: its share of parameters, optimizer state and saved activations; parameter counts."""
+    par, opt, act, count = [0] * pp, [0] * pp, [0] * pp, [0] * pp
+    for inp in graph.inputs:
+        if inp.role not in (Role.PARAM, Role.FROZEN, Role.BUFFER, Role.OPT_STATE):
+            continue
+        b = value_bytes(graph, rp, inp.value)
+        for s in sa.holders.get(inp.name, (0,)):
+            if inp.role is Role.OPT_STATE:
+                opt[s] += b
+            else:
+                par[s] += b
+                count[s] += inp.role is not Role.BUFFER
+    for (p, _, b) in mem.activation_spans:
+        act[stage[p]] += b
+
+    def share(xs: list[int], s: int) -> float:
+        return xs[s] / sum(xs) if sum(xs) else 1 / pp
+
+    return [{"params": share(par, s), "optimizer": share(opt, s), "activations": share(act, s)}
+            for s in range(pp)], count
+
+
+def _link(cluster: Cluster, stage_world: int, boundary: int) -> tuple[float, float, bool]:
+    """(bandwidth, latency, within a node) of the transfer across ``boundary`` (after its last rank)."""
+    first_next = (boundary + 1) * stage_world
+    same = first_next % cluster.devices_per_node != 0
+    if same:
+        return cluster.intra_node.bandwidth, cluster.intra_node.latency_s, True
+    return cluster.inter_node_bandwidth_per_device, cluster.inter_node.latency_s, False
 
 
 def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstimate, rc: RecomputeEffect,
                   cluster: Cluster, links: list[AxisLink], *, pp: int, microbatches: int, schedule: Schedule,
-                  options: StepOptions, accumulators: int | None = None) -> PipelineTime:
+                  options: StepOptions, accumulators: int | None = None,
+                  stages: list[int] | None = None) -> PipelineTime:
+    """Step time and memory of ``pp`` stages x ``microbatches`` (module docstring). ``stages``: a stage per
+    node for the forward nodes (-1 elsewhere; others are derived); None: ``ir.stages.contiguous_cut``."""
     m = microbatches
-    at_peak = scaled_memory(mem, rc, pp, m, schedule, accumulators)
+    if pp == 1:
+        return _single_stage(graph, rp, st, mem, rc, cluster, m, schedule, options, accumulators)
+    stage_of = contiguous_cut(graph, pp) if stages is None else \
+        {graph.nodes[i].name: s for i, s in enumerate(stages) if s >= 0}
+    sa = assign_stages(graph, stage_of, pp)
+    a = analyze(graph)
+    stage = [sa.node_stage.get(n.name, -1) for n in graph.nodes]
+    mesh = rp.plan.mesh
+    f_mb, b_mb = [0.0] * pp, [0.0] * pp
+    f_full = [0.0] * pp
+    grad, pref, opt = [0.0] * pp, [0.0] * pp, [0.0] * pp
+    ops = [0] * pp
+    for i, (node, cost) in enumerate(zip(graph.nodes, st.nodes)):
+        where = sa.update_stages.get(node.name, ()) if cost.optimizer or stage[i] < 0 else (stage[i],)
+        for s in where:
+            grad[s] += cost.comm if cost.kind == "gradient" else 0.0
+            pref[s] += cost.comm if cost.kind == "prefetch" else 0.0
+            opt[s] += cost.compute if cost.optimizer or stage[i] < 0 else 0.0
+        if cost.optimizer or stage[i] < 0:
+            continue
+        s = stage[i]
+        t = node_compute(graph, node, rp.plan.strategies.get(node.name), mesh, cluster.device,
+                         allow_tf32=options.allow_tf32, profile=options.profile, extra_scale=1.0 / m).seconds \
+            if cost.compute else 0.0
+        t += cost.comm / m if cost.kind == "blocking" else 0.0
+        if a.is_forward(i):
+            f_mb[s] += t
+            f_full[s] += cost.compute
+            ops[s] += 1
+        else:
+            b_mb[s] += t
+    total_f = sum(f_full) or 1.0
+    for s in range(pp):   # the recomputed forward runs before each stage's backward
+        b_mb[s] += (rc.extra_seconds + rc.extra_comm_seconds) * f_full[s] / total_f / m
+    fb, bb, upd = _boundaries(graph, rp, sa, pp)
+    send_f, send_b, notes = [], [], []
+    for k in range(pp - 1):
+        bw, lat, same = _link(cluster, mesh.world, k)
+        send_f.append(fb[k] / m / bw + lat)
+        send_b.append(bb[k] / m / bw + lat)
+    if pp > 1:
+        worst = max(range(pp - 1), key=lambda k: fb[k])
+        notes.append(f"stage boundaries: up to {fb[worst] / m / 2**20:.1f} MiB per micro-batch forward "
+                     f"(boundary {worst}/{worst + 1})")
+    end, busy = simulate(f_mb, b_mb, send_f, send_b, m, schedule)
+    pipe = max(end)
+    finish = []
+    for s in range(pp):
+        window = b_mb[s] if options.overlap_gradient_reduction else 0.0
+        gathers = pref[s] * m
+        hidden = busy[s] if options.prefetch_parameters else 0.0
+        bw, lat, _ = _link(cluster, mesh.world, max(s - 1, 0))
+        summed = upd[s] / bw + lat if upd[s] else 0.0     # a tied weight's gradient from the other stage
+        finish.append(end[s] + max(0.0, grad[s] - window) + max(0.0, gathers - hidden) + summed + opt[s])
+    step = max(finish)
+    crit = max(range(pp), key=lambda s: finish[s])
+    compute = busy[crit] + opt[crit]
+    bubble = max(0.0, pipe - max(busy))
+    comm_total = sum(c.comm for c in st.nodes) / pp + (m) * (sum(send_f) + sum(send_b))
+    shares, params = _shares(graph, rp, mem, sa, stage, pp)
+    costs = []
+    for s in range(pp):
+        memory = scaled_memory(mem, rc, pp, m, schedule, shares=shares[s], stage=s)
+        costs.append(StageCost(ops[s], params[s], f_mb[s], b_mb[s], int(fb[s] / m) if s < pp - 1 else 0, memory))
+    peak_stage = max(costs, key=lambda c: c.peak)
+    idle = 1.0 - sum(busy) / (pp * pipe) if pipe > 0 else 0.0
+    return PipelineTime(step, compute, max(0.0, step - compute - bubble), comm_total, bubble,
+                        rc.extra_seconds / pp, rc.extra_flops / pp, peak_stage.peak, dict(peak_stage.memory),
+                        notes, idle, costs, stage)
+
+
+def _single_stage(graph, rp, st, mem, rc, cluster, m, schedule, options, accumulators) -> PipelineTime:
+    """pp = 1: the step of ``step.step_time`` (m = 1), or m micro-batches accumulated then one update."""
+    at_peak = scaled_memory(mem, rc, 1, m, schedule, accumulators)
     peak = sum(at_peak.values())
-    if pp == 1 and m == 1:
+    if m == 1:
         extra = rc.extra_seconds + rc.extra_comm_seconds
         return PipelineTime(st.step_seconds + extra, st.compute_seconds + rc.extra_seconds,
                             st.exposed_comm_seconds + rc.extra_comm_seconds, st.comm_seconds + rc.extra_comm_seconds,
@@ -136,37 +349,18 @@ def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstim
     for node, cost in zip(graph.nodes, st.nodes):
         if cost.optimizer or cost.compute == 0.0:
             continue
-        strategy = rp.plan.strategies.get(node.name)
-        fb_mb += node_compute(graph, node, strategy, mesh, cluster.device, allow_tf32=options.allow_tf32,
-                              profile=options.profile, extra_scale=1.0 / m).seconds
+        fb_mb += node_compute(graph, node, rp.plan.strategies.get(node.name), mesh, cluster.device,
+                              allow_tf32=options.allow_tf32, profile=options.profile, extra_scale=1.0 / m).seconds
     fb_mb += rc.extra_seconds / m
     blocking_mb = (st.comm_by_kind.get("blocking", 0.0) + rc.extra_comm_seconds) / m
-    p2p_mb = 0.0
-    notes = []
-    if pp > 1:
-        cut = _boundary_bytes(mem, [c.compute for c in st.nodes], pp)
-        same_node = mesh.world < cluster.devices_per_node
-        bw = cluster.intra_node.bandwidth if same_node else cluster.inter_node_bandwidth_per_device
-        lat = cluster.intra_node.latency_s if same_node else cluster.inter_node.latency_s
-        p2p_mb = 2 * (cut / m / bw + lat)
-        notes.append(f"stage boundary: {cut / m / 2**20:.1f} MiB per micro-batch each way over "
-                     f"{'the intra-node link' if same_node else 'the network'}")
-    t_stage = (fb_mb + blocking_mb) / pp + p2p_mb
-    pipe = (m + pp - 1) * t_stage
-    bubble = (pp - 1) * t_stage
-    opt = st.optimizer_compute / pp
-    grad = st.comm_by_kind.get("gradient", 0.0) / pp
-    # backward = 2x forward FLOPs for matmul layers (Kaplan et al. 2020, arXiv 2001.08361): 2/3 of a pass
+    pipe = m * (fb_mb + blocking_mb)
     # gradient accumulation on one stage (runtime.rank_step) reduces in the update program, after the last
-    # micro-batch's backward: nothing to hide behind (DDP's no_sync then a synchronised last micro-batch
-    # would overlap it)
-    window = t_stage * 2 / 3 if options.overlap_gradient_reduction and pp > 1 else 0.0
-    grad_exposed = max(0.0, grad - window)
-    prefetch = st.comm_by_kind.get("prefetch", 0.0) * m / pp
+    # micro-batch's backward: nothing to hide behind
+    grad = st.comm_by_kind.get("gradient", 0.0)
+    prefetch = st.comm_by_kind.get("prefetch", 0.0) * m
     pref_exposed = max(0.0, prefetch - pipe) if options.prefetch_parameters else prefetch
-    step = pipe + opt + grad_exposed + pref_exposed
-    compute = m * fb_mb / pp + opt
-    comm_total = m * blocking_mb / pp + grad + prefetch + (m + pp - 1) * p2p_mb
-    exposed = max(0.0, step - compute - bubble)
-    return PipelineTime(step, compute, exposed, comm_total, bubble, rc.extra_seconds / pp, rc.extra_flops / pp,
-                        peak, at_peak, notes)
+    step = pipe + st.optimizer_compute + grad + pref_exposed
+    compute = m * fb_mb + st.optimizer_compute
+    comm_total = m * blocking_mb + grad + prefetch
+    return PipelineTime(step, compute, max(0.0, step - compute), comm_total, 0.0, rc.extra_seconds,
+                        rc.extra_flops, peak, at_peak, [])

@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import Enum, StrEnum
 
-__all__ = ["Level", "RecomputeWhen", "SearchOptions"]
+__all__ = ["Level", "RecomputeWhen", "PipelineWhen", "SearchOptions"]
 
 
 class Level(str, Enum):
@@ -19,6 +19,13 @@ class RecomputeWhen(StrEnum):
     AUTO = "auto"       # only when no plan fits without it
     NEVER = "never"
     ALWAYS = "always"   # beside every plan without it
+
+
+class PipelineWhen(StrEnum):
+    """When the outer search tries pipeline stages (``pipelines``)."""
+    AUTO = "auto"       # no single-stage plan fits, or (several nodes) the best one's exposed share is large
+    NEVER = "never"
+    ALWAYS = "always"
 
 
 @dataclass(frozen=True)
@@ -92,6 +99,28 @@ class SearchOptions:
     #: Consider activation recomputation: "auto" only when no plan fits without it, "never", "always".
     recompute: RecomputeWhen = RecomputeWhen.AUTO
 
+    # -- pipelines (``pipelines``, ``stages``) ---------------------------------------------------------
+    #: Try pipeline stages: "auto" when no single-stage plan fits or, on several nodes, when the fastest
+    #: one's step exceeds its compute by more than ``pipeline_min_gain`` (``pipelines``), "never", "always".
+    pipeline: PipelineWhen = PipelineWhen.AUTO
+    pipeline_min_gain: float = 0.05
+    #: Largest pipeline degree tried (Megatron-LM's largest in arXiv 2104.04473 Table 1 is 64).
+    max_pp: int = 64
+    #: Single-stage candidates whose plans are tried as stage plans (the best first).
+    pipeline_plans: int = 1
+    #: Stop raising the pipeline degree of a stage plan at the first degree that fits and prices slower
+    #: than the one before. Off: every degree up to ``max_pp`` is priced.
+    pipeline_stop_early: bool = True
+    #: Also try the expert tensor-parallel preset (tp = devices per node, dp across nodes) as a stage plan
+    #: (Megatron-LM's 3D layout). Off: only the searched single-stage plans.
+    pipeline_megatron_start: bool = True
+    #: Micro-batch counts priced per pipeline degree (the largest that divide the rank's batch).
+    pipeline_microbatch_counts: int = 3
+    #: Stage cut: CP-SAT on the unit DAG up to this many unit x stage variables, else the contiguous DP.
+    stage_ilp_limit: int = 4000
+    #: Stage cut: stage loads within this fraction of the least bottleneck (TePDist's 8%).
+    stage_tolerance: float = 0.08
+
     def with_(self, **kw) -> "SearchOptions":
         return replace(self, **kw)
 
@@ -101,6 +130,13 @@ class SearchOptions:
         if self.recompute not in tuple(RecomputeWhen):
             raise ValueError(f"recompute must be auto, never or always, got {self.recompute!r}")
         object.__setattr__(self, "recompute", RecomputeWhen(self.recompute))
+        if self.pipeline not in tuple(PipelineWhen):
+            raise ValueError(f"pipeline must be auto, never or always, got {self.pipeline!r}")
+        object.__setattr__(self, "pipeline", PipelineWhen(self.pipeline))
+        if self.max_pp < 1 or self.pipeline_plans < 1 or self.pipeline_microbatch_counts < 1 \
+                or not 0 <= self.stage_tolerance < 1 or self.pipeline_min_gain < 0:
+            raise ValueError("max_pp, pipeline_plans and pipeline_microbatch_counts must be >= 1, "
+                             "stage_tolerance in [0, 1), pipeline_min_gain >= 0")
         if not isinstance(self.level, Level):
             object.__setattr__(self, "level", Level(self.level))
         if self.workers < 1 or self.tie_radius < 0 or self.boundary_states < 1 or self.max_mesh_axes < 1 \

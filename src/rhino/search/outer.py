@@ -29,13 +29,11 @@
    nothing fits, ``NoPlanFits`` names the best candidate's memory split and the smallest cluster or
    batch that would fit.
 
-Pipeline parallelism (a later issue) is one more outer dimension: for ``pp`` stages the stage mesh is
-``world / pp`` devices (``cost.estimate.stage_cluster``), the stage assignment is its own ILP over the
-forward cones (an integer stage per cone, ``stage(u) <= stage(v)`` on every value, balanced compute,
-cut bytes minimised; backward and optimizer cones follow their forward cones, as ``segments`` already
-attaches them), and each stage's subgraph is the same per-mesh problem (``search_mesh`` on the stage's
-nodes with the boundary values as inputs and outputs); ``cost.estimate``'s ``pp``/``microbatches``
-price the result. Nothing in the per-mesh problem changes.
+7. Pipelines (``pipelines``, rule ``pipeline``): the best single-stage plans on stage meshes of
+   ``world / pp`` devices, with the stage cut of ``stages`` (an integer stage per forward unit,
+   ``stage(u) <= stage(v)`` on every edge, balanced, cut bytes minimised) and the micro-batch count, all
+   priced by ``cost.estimate`` (schedule simulation, in-flight activations in the fit check); they
+   compete with the single-stage candidates in step 6.
 """
 from __future__ import annotations
 
@@ -55,6 +53,7 @@ from .ilp import memory_over, row_bytes
 from .levels import O1_DESCENT_NODES, O1_ROUNDS, LevelResult, Source, Status, refine_o1, solve_problem
 from .segments import critical_classes
 from .options import Level, RecomputeWhen, SearchOptions
+from .pipelines import pipeline_candidates, worth_pipelining
 from .problem import Builder
 from .space import Space
 
@@ -321,12 +320,14 @@ def search(graph: Graph, cluster: Cluster, options: SearchOptions = SearchOption
     _refine_best_first(cands, options, t0)
     _keep_alternatives(cands)
     fitting = [c for c in cands if c.fits]
-    seconds = time.perf_counter() - t0
     if not fitting:
         unpriced = sorted((c for c in cands if c.estimate is None), key=lambda c: c.model_peak)
         for c in unpriced[:2]:      # the least-memory candidates, priced (and refitted) at last
             c.search.finish()
-        fitting = [c for c in cands if c.fits]
+    if worth_pipelining(cands, options, cluster):     # pipeline degree, cut and micro-batches (``pipelines``)
+        cands += pipeline_candidates(graph, cluster, cands, options, cones, t0 + options.time_limit, say)
+    fitting = [c for c in cands if c.fits]
+    seconds = time.perf_counter() - t0
     if not fitting:
         priced = [c for c in cands if c.estimate is not None]
         raise NoPlanFits(no_fit_message(graph, cluster, priced), min(priced, key=_peak) if priced else None)

@@ -39,9 +39,11 @@ def plan_workload(graph, cluster, *, level: str = "O2", time_limit: float = 60.0
     plan.meta["source"] = source
     plan.recompute = recompute  # what the runtime executes (the plan file's "recompute")
     rp = resolve(graph, plan)
-    if source == "search":
+    if source == "search" and est.pp == 1:     # a pipelined plan keeps the estimate of its stage cut
         est = estimate(graph, cluster, rp, recompute=recompute)
     cands = [{"mesh": dict(zip(c.mesh.names, c.mesh.sizes)), "recompute": c.recompute,
+              "pp": c.estimate.pp if c.estimate else 1,
+              "microbatches": c.estimate.microbatches if c.estimate else 1,
               "step_seconds": c.step_seconds, "fits": c.fits,
               "peak_bytes": c.estimate.memory_bytes["peak"] if c.estimate else None,
               "model_step_seconds": c.model_seconds, "seconds": round(c.seconds, 3), "status": c.status_text,

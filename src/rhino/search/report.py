@@ -216,6 +216,21 @@ def _ranges(xs: list[int]) -> str:
     return ",".join(out)
 
 
+def _stage_lines(e: Estimate) -> list[str]:
+    """The pipeline: stages, micro-batches and schedule, then per stage its forward ops, parameters, time
+    per micro-batch and peak memory (nothing for a single stage)."""
+    if e.pp <= 1:
+        return []
+    lines = [f"pipeline {e.pp} stages x {e.microbatches} micro-batches ({e.schedule}), the mesh above per stage; "
+             f"bubble {e.bubble_seconds * 1e3:.3f} ms ({e.bubble_fraction:.1%} idle)",
+             "  stage  forward ops  params  fwd+bwd per micro-batch  sends per micro-batch  peak memory"]
+    for k, s in enumerate(e.stages):
+        lines.append(f"  {k:>5}  {s['forward_ops']:>11}  {s['params']:>6}  "
+                     f"{(s['forward_seconds'] + s['backward_seconds']) * 1e3:>20.3f} ms  "
+                     f"{fmt_bytes(s['send_bytes']):>21}  {fmt_bytes(s['peak_bytes']):>11}")
+    return lines
+
+
 @dataclass
 class Report:
     workload: str
@@ -253,6 +268,9 @@ class Report:
                          "fits": p.fits, "peak_bytes": p.estimate.memory_bytes["peak"] if p.estimate else None,
                          "error": p.error or None} for p in self.presets],
             "layers": self.layers, "candidates": self.candidates,
+            "pipeline": {"stages": e.pp, "microbatches": e.microbatches, "schedule": e.schedule},
+            "stages": [dict(s, stage=k) for k, s in enumerate(e.stages)],
+            "bubble_seconds": e.bubble_seconds, "bubble_fraction": e.bubble_fraction,
         }
 
     def text(self) -> str:
@@ -264,6 +282,7 @@ class Report:
             lines.append(f"  {n:<6} {s:>5}  {link:<13} {role}")
         if self.recompute != "none":
             lines.append(f"  activation recomputation: {self.recompute}")
+        lines += _stage_lines(self.estimate)
         lines += ["", "placements (parameter | optimizer state), repeated layers once:"]
         width = max([len(r["name"]) for r in self.layers] + [10])
         for r in self.layers:

@@ -1,0 +1,170 @@
+"""The outer search's pipeline dimension: pipeline degree, stage cut, micro-batches and stage plan together.
+
+After the single-stage search (``outer``), for the ``pipeline_plans`` best single-stage candidates (fitting
+first, then by step time; unpriced ones by the model's), and for each pipeline degree ``pp`` (a divisor of
+the world, at most ``max_pp``, dividing the candidate's outermost mesh axis, with stages that tile nodes):
+
+1. **Stage plan**: the candidate's SPMD plan on the stage mesh, its outermost axis shrunk by ``pp``
+   (Megatron-LM's layout: tensor parallelism inside a node, pipeline and data parallelism across
+   nodes; ``cost.estimate``: stage ``s`` is ranks ``s W .. (s+1) W - 1``). Every node keeps its strategy,
+   so each stage runs the plan's strategies on its own nodes.
+2. **Micro-batches**: ``m`` in ``pp, 2 pp, 4 pp, ...`` and the rank's whole batch (micro-batches of one
+   sample), those dividing the rank's batch (at most ``pipeline_microbatch_counts`` of them, the largest).
+3. **Stage cut** per ``m`` (``search.stages``: balanced stage time, memory with the micro-batches in flight,
+   least boundary bytes), priced with ``cost.estimate`` (event simulation of the schedule, per-stage memory
+   with the in-flight activations: the fit check).
+
+Rule ``pipeline_megatron_start`` adds one more stage plan: the expert tensor-parallel preset with ``tp`` =
+devices per node and data parallelism across nodes (Megatron-LM's 3D layout, arXiv 2104.04473 section 3).
+The best (fits, then step time) per (candidate, pp) joins the candidates. Degrees are tried in increasing
+order; rule ``pipeline_stop_early`` stops at the first degree that fits and prices slower than the degree
+before it (the bubble grows with ``pp`` while the communication it saves shrinks). The best searched
+stage plan's and the Megatron start's degrees are always priced; further stage plans only before the
+search's time limit. Rule ``pipeline``: ``auto``
+tries pipelines only when no single-stage plan fits, or when the fastest fitting one's step is more than
+``1 + pipeline_min_gain`` times its compute (a reshaped plan does the same compute per device, each stage
+1/pp of the nodes on 1/pp of the devices, plus a bubble, so it can only win back exposed communication);
+``never``; ``always``.
+"""
+from __future__ import annotations
+
+import time
+
+from ..cost.cluster import Cluster
+from ..cost.estimate import Estimate, estimate_microbatches, stage_cluster
+from ..cost.pipeline import Schedule
+from ..ir.analysis import analyze
+from ..ir.graph import Graph, Role
+from ..sharding.mesh import Mesh
+from ..sharding.placement import local_shape
+from ..sharding.plan import PlanError, ShardingPlan, resolve
+from ..sharding.presets import StrategySpec, preset_plan
+from .coarsen import Cones
+from .options import PipelineWhen, SearchOptions
+from .stages import stage_cut
+
+__all__ = ["pipeline_candidates", "worth_pipelining", "stage_plan"]
+
+
+def worth_pipelining(cands: list, options: SearchOptions, cluster: Cluster) -> bool:
+    """Rule ``pipeline`` (module docstring)."""
+    if options.pipeline is PipelineWhen.NEVER:
+        return False
+    if options.pipeline is PipelineWhen.ALWAYS:
+        return True
+    fitting = [c for c in cands if c.fits]
+    if not fitting:
+        return True
+    if cluster.nodes < 2:
+        return False
+    best = min(fitting, key=lambda c: c.step_seconds).estimate
+    return best.step_seconds > (1 + options.pipeline_min_gain) * best.compute_seconds
+
+
+def stage_plan(plan: ShardingPlan, pp: int) -> ShardingPlan | None:
+    """``plan`` with its outermost mesh axis shrunk by ``pp`` (None when it does not divide)."""
+    mesh = plan.mesh
+    if mesh.sizes[0] % pp:
+        return None
+    sizes = (mesh.sizes[0] // pp,) + tuple(mesh.sizes[1:])
+    return ShardingPlan(Mesh(mesh.names, sizes), dict(plan.inputs), dict(plan.strategies), plan.fingerprint,
+                        plan.strategy_string, dict(plan.meta), 1, plan.recompute)
+
+
+def _microbatch_counts(graph: Graph, rp, pp: int, options: SearchOptions) -> list[int]:
+    """Micro-batch counts for ``pp`` stages dividing the rank's batch (module docstring, step 2)."""
+    batch = [i for i in graph.inputs if i.role is Role.BATCH and graph.types[i.value].rank > 0]
+    if not batch:
+        return []
+    t = graph.types[batch[0].value]
+    local = local_shape(t.shape, rp.value[batch[0].value], rp.plan.mesh)[0] if rp.value.get(batch[0].value) \
+        else t.shape[0]
+    out, m = [], pp
+    while m <= local:
+        if local % m == 0:
+            out.append(m)
+        m *= 2
+    if local % pp == 0 and local not in out:
+        out.append(local)          # micro-batches of one sample (Megatron-LM's choice)
+    return out[-options.pipeline_microbatch_counts:]
+
+
+def _degrees(cluster: Cluster, mesh: Mesh, options: SearchOptions) -> list[int]:
+    out = []
+    for pp in range(2, min(options.max_pp, cluster.world) + 1):
+        if cluster.world % pp or mesh.sizes[0] % pp:
+            continue
+        try:
+            stage_cluster(cluster, cluster.world // pp)
+        except ValueError:
+            continue
+        out.append(pp)
+    return out
+
+
+def _megatron_start(graph: Graph, cluster: Cluster, like) -> list:
+    """Rule ``pipeline_megatron_start``: the expert tensor-parallel preset (tp = devices per node, data
+    parallel across nodes) as one more stage plan, with ``like``'s recomputation (a bare ``Candidate``)."""
+    from .outer import Candidate
+    tp = cluster.devices_per_node
+    if tp < 2 or cluster.world % tp or cluster.world == tp:
+        return []
+    try:
+        plan = preset_plan(graph, StrategySpec(dp=cluster.world // tp, tp=tp))
+    except ValueError:
+        return []
+    return [Candidate(plan.mesh, like.recompute, plan, None, 0.0, status=like.status)]
+
+
+def _best(ests: list[Estimate]) -> Estimate:
+    return min(ests, key=lambda e: (not e.fits, e.step_seconds))
+
+
+def pipeline_candidates(graph: Graph, cluster: Cluster, cands: list, options: SearchOptions, cones: Cones,
+                        deadline: float, say=None) -> list:
+    """Pipelined candidates (module docstring) from the single-stage ``cands`` (``outer.Candidate``)."""
+    from .outer import Candidate     # the outer search's record (outer imports this module)
+    say = say or (lambda event, info: None)
+    base = [c for c in cands if c.plan is not None]
+    base.sort(key=lambda c: (not c.fits, c.estimate is None,
+                             c.step_seconds if c.estimate is not None else c.model_seconds))
+    base = base[:options.pipeline_plans]
+    if options.pipeline_megatron_start and base:
+        base[1:1] = _megatron_start(graph, cluster, base[0])
+    forced = 2 if options.pipeline_megatron_start else 1
+    out = []
+    for k, c in enumerate(base):
+        last = None
+        for pp in _degrees(cluster, c.mesh, options):
+            if k >= forced and time.perf_counter() > deadline:
+                return out      # the best searched plan and the Megatron start are always priced
+            t0 = time.perf_counter()
+            plan = stage_plan(c.plan, pp)
+            try:
+                rp = resolve(graph, plan)
+            except (PlanError, ValueError):
+                continue        # a split no longer divides its dim on the smaller stage mesh
+            counts = _microbatch_counts(graph, rp, pp, options)
+            if not counts:
+                continue
+            cut = stage_cut(cones=cones, schedule=Schedule.ONE_F_ONE_B, ilp_limit=options.stage_ilp_limit,
+                            tolerance=options.stage_tolerance, workers=options.workers,
+                            seconds=max(0.5, min(10.0, deadline - time.perf_counter())),
+                            capacity=cluster.device.memory_bytes * options.memory_fraction)
+            ests = estimate_microbatches(graph, cluster, rp, pp=pp, microbatches=counts, recompute=c.recompute,
+                                         stages=cut)
+            e = _best(ests)
+            plan.microbatches, plan.stages, plan.schedule = e.microbatches, pp, e.schedule
+            plan.stage_of = {graph.nodes[i].name: s for i, s in enumerate(e.node_stage) if s >= 0 and
+                             analyze(graph).is_forward(i)}
+            cand = Candidate(plan.mesh, c.recompute, plan, None, time.perf_counter() - t0, status=c.status,
+                             problem=dict(c.problem))
+            cand.keep(plan, e)
+            out.append(cand)
+            say("scored", {"mesh": f"pp={pp} x {plan.mesh}", "step_seconds": e.step_seconds, "fits": e.fits,
+                           "peak": e.memory_bytes["peak"]})
+            if options.pipeline_stop_early and last is not None and last.fits and e.fits and \
+                    e.step_seconds > last.step_seconds:
+                break       # rule pipeline_stop_early: more stages priced slower than fewer
+            last = e
+    return out
