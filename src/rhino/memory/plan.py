@@ -1,7 +1,8 @@
 """``plan_memory``: an operator order and an arena offset for every tensor (ROAM's two stages).
 
-1. Order (``order.order_ops``): heuristics and ROAM's rules, then (level ``O2``) exact CP-SAT windows,
-   with about half of ``time_limit``; ``options.division`` picks flat windows around the peak (default)
+1. Order (``order.order_ops``): heuristics and ROAM's rules (until the time left after the baselines,
+   less the reserve for the by-size layout and the checks), then (level ``O2``) exact CP-SAT windows
+   with ``ORDER_SHARE`` of what the heuristics leave; ``options.division`` picks flat windows around the peak (default)
    or ROAM's task tree (``order_tree``).
 2. Layout of that order's buffers (``problem.buffers``): the greedy layouts of ``layout.py`` by size
    and long-lived first, ROAM's cross-loss rule (option ``cross_loss_bottom``: the tensors live across
@@ -123,11 +124,11 @@ def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_l
                 method: str = "rhino") -> MemoryPlan:
     """Plan ``problem``: an order and a layout whose arena is as low as the level and time allow.
 
-    ``time_limit`` (seconds) bounds the whole call (plus about a second of slack): the baselines and the
-    final checks always run (about a second on a 12,000-op graph); the order search gets the time
-    left after them and the greedy layouts; its heuristics stop at its deadline (the program order is always
-    a candidate); at O2 its exact windows get ``ORDER_SHARE`` of what the heuristics leave and the layout
-    (greedy orders, then ``solve_layout``) the rest. ``progress`` gets one-line
+    ``time_limit`` (seconds) bounds the whole call (plus about a second of slack): the baselines, one
+    by-size layout and the final checks always run (3-5 s on GPT-2 XL's 11,870 ops); the order's heuristics
+    get the time left after them and stop at their deadline (the program order is always a candidate); at
+    O2 its exact windows get ``ORDER_SHARE`` of what the heuristics leave; the layout gets the rest (its
+    other greedy orders only when their estimated time fits, then ``solve_layout``). ``progress`` gets one-line
     messages, at least every couple of seconds during the searches. ``method="model"`` plans with the
     MODeL baseline instead (``model_ilp.solve_model``: order and addresses in one CP-SAT program, its
     plan as found, never replaced by a better baseline); it raises ``ValueError`` when that finds no plan
@@ -150,10 +151,11 @@ def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_l
     if method == "model":
         return _model_plan(problem, base, level, t0, time_limit, say)
 
-    # 1. order: the time left after the baselines, less the layout's greedy passes and the plan's checks;
-    # at O2 the exact windows get ORDER_SHARE of what the heuristics leave, the layout the rest
+    # 1. order: the time left after the baselines, less the by-size layout and the plan's checks (the other
+    # greedy layouts run only if they still fit: the heuristic orders gain more); at O2 the exact windows get
+    # ORDER_SHARE of what the heuristics leave, the layout the rest
     deadline = t0 + time_limit
-    left = deadline - time.perf_counter() - base.reserve - base.optional_greedy
+    left = deadline - time.perf_counter() - base.reserve
     res: OrderResult = order_ops(problem, level, opts, time_limit=max(0.0, left), progress=progress,
                                  search_share=ORDER_SHARE)
     say(f"order: peak {res.peak:,} B ({res.source}, {res.seconds:.1f}s); layout ...")
@@ -216,10 +218,6 @@ class _Baselines:
     llf_seconds: float = 0.0  # one long-lived-first greedy layout
     reserve: float = 0.0  # what runs whatever the time: the by-size layout of the order and the checks
 
-    @property
-    def optional_greedy(self) -> float:
-        """Estimated seconds of the layouts made only when time allows: long-lived-first and the cross-loss rule."""
-        return self.llf_seconds * (1 + STACKED_VS_LLF)
 
     @staticmethod
     def of(problem: MemProblem) -> _Baselines:
