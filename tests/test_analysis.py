@@ -19,15 +19,16 @@ The three consumers measure:
 On one device all three must give the same bytes at every node (and so the same peak). Under a plan
 the rows keep redistributed copies on the safe side, a named rule of both models
 (``search.memrows.ROWS_COPY_RULE`` = ``cost.memory.CopyRule.SOURCE_HELD``: a copy's source lives to its
-last reader, a view of a copy keeps the source); so under every preset of ``sharding.presets`` on 2 and
-4 ranks (dp, tp, sp, zero=1/2/3 and their combinations) the rows, evaluated at the preset's own
-shardings (each cone class given the candidate the plan makes; classes of tied layers that the preset
-splits differently are untied), must equal the cost model under that rule at every node, and the cost
-model under the runtime rule must be at or below them (measured on all 7 examples x 14 presets: equal
-under the rule everywhere; the runtime rule up to 33% below, ResNet ``dp=4,zero=3``). Sampled to keep
-the file fast: every preset on ``mlp``; on the six other examples 14 pairs, preset ``m`` of ``PRESETS``
-on example ``m mod 6`` (each preset once more, each example two or three); about 200 nodes per program
-plus each model's peak node.
+last reader, a copy a view is taken of to the view's reach, ``ir.analysis.view_reach``); so under every
+preset of ``sharding.presets`` on 2 and 4 ranks (dp, tp, sp, zero=1/2/3 and their combinations; not
+``pp``, whose stages the rows do not model) the rows, evaluated at the preset's own shardings (each cone
+class given the candidate the plan makes; classes of tied layers that the preset splits differently are
+untied), must equal the cost model under that rule at every node, and the cost model under the runtime
+rule must be at or below them (measured on all 7 examples x 14 presets: equal under the rule at every
+node; the rows up to 33% above the runtime rule, ResNet ``dp=4,zero=3``). Sampled to keep the file
+fast: every preset on ``mlp``; on the six other examples 14 pairs, preset ``m`` of ``PRESETS`` on example
+``m mod 6`` (each preset once more, each example two or three); about 200 nodes per program plus each
+model's peak node.
 """
 import warnings
 from functools import lru_cache

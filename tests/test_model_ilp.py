@@ -101,3 +101,9 @@ def test_plan_memory_method_model():
         plan_memory(training_problem(0, layers=6), time_limit=0.001, method="model")
     with pytest.raises(ValueError, match="unknown planning method"):
         plan_memory(p, method="olla")
+
+
+def test_memory_report_method_model_is_one_device_only():
+    import rhino
+    with pytest.raises(ValueError, match="plans one device"):
+        rhino.memory_report(None, method="model", strategy="dp=2")

@@ -198,3 +198,22 @@ def test_search_tries_pipelines_by_rule_and_reports_them():
     d = report.to_dict()
     assert d["pipeline"] == {"stages": report.estimate.pp, "microbatches": report.estimate.microbatches,
                              "schedule": "1f1b"}
+
+
+def test_pipeline_rule_auto():
+    from types import SimpleNamespace
+    from rhino.search.options import SearchOptions
+    from rhino.search.pipelines import worth_pipelining
+    one, many = parse_cluster("8xA100-80G"), parse_cluster("2x8xA100-80G")
+    est = SimpleNamespace(step_seconds=2.0, compute_seconds=1.0)
+    fits = [SimpleNamespace(fits=True, step_seconds=2.0, estimate=est)]
+    none = [SimpleNamespace(fits=False, step_seconds=2.0, estimate=est)]
+    auto = SearchOptions()
+    assert worth_pipelining(none, auto, one) and worth_pipelining(none, auto, many)   # nothing fits
+    assert not worth_pipelining(fits, auto, one)             # one node: single-stage plans stay
+    assert worth_pipelining(fits, auto, many)                # half the step exposed on several nodes
+    tight = [SimpleNamespace(fits=True, step_seconds=1.01, estimate=SimpleNamespace(step_seconds=1.01,
+                                                                                    compute_seconds=1.0))]
+    assert not worth_pipelining(tight, auto, many)           # within pipeline_min_gain of its compute
+    assert not worth_pipelining(none, SearchOptions(pipeline="never"), many)
+    assert worth_pipelining(tight, SearchOptions(pipeline="always"), one)

@@ -117,7 +117,7 @@ def memory_plan(cap: Captured, *, level: str = "O1", time_limit: float = 60.0):
 
 def memory_report(cap: Captured, *, level: str = "O2", time_limit: float = 60.0, execute: bool = False,
                   name: str = "", progress=None, status=None, strategy: str | None = None,
-                  plan: ShardingPlan | None = None, cluster: str | None = None):
+                  plan: ShardingPlan | None = None, cluster: str | None = None, method: str = "rhino"):
     """What ``rhino memory`` reports: one device's memory plan (``memory_plan``) with offsets aligned for the
     arena executor, checked independently (order and layout), and with ``execute`` one step run in the
     planned arena and compared with plain PyTorch (``lower.arena.compare_arena_step``). Returns a
@@ -125,7 +125,10 @@ def memory_report(cap: Captured, *, level: str = "O2", time_limit: float = 60.0,
     messages, ``status`` one line before each stage.
 
     With ``strategy`` (a strategy string), ``plan`` (a ``ShardingPlan``) or ``cluster`` (a plan is searched
-    for it at O1), every rank of that parallel plan is planned instead (``rank_memory_report``)."""
+    for it at O1), every rank of that parallel plan is planned instead (``rank_memory_report``). ``method="model"``
+    plans the single device with the MODeL baseline (``memory.plan.plan_memory``)."""
+    if method != "rhino" and (strategy is not None or plan is not None or cluster is not None):
+        raise ValueError(f"method {method!r} plans one device; drop it with a strategy, a plan or a cluster")
     if strategy is not None or plan is not None or cluster is not None:
         return rank_memory_report(cap, strategy=strategy, plan=plan, cluster=cluster, level=level,
                                   time_limit=time_limit, execute=execute, name=name, progress=progress,
@@ -142,7 +145,7 @@ def memory_report(cap: Captured, *, level: str = "O2", time_limit: float = 60.0,
     say(f"planning {len(problem.ops)} ops, {len(problem.tensors)} tensors at {level} "
         f"(time limit {time_limit:g} s) ...")
     report = plan_step_memory(problem, mapping, workload=name, level=level, time_limit=time_limit,
-                              progress=progress)
+                              progress=progress, method=method)
     if execute:
         from .lower.arena import compare_arena_step
         say("executing one step in the arena and in plain PyTorch ...")

@@ -39,6 +39,9 @@ def add_parser(sub) -> None:
     g.add_argument("--strategy", help="plan every rank of this parallel strategy, e.g. dp=2,tp=2 or dp=4,zero=3")
     g.add_argument("--plan", help="plan every rank of this plan file (JSON) made for the workload")
     g.add_argument("--cluster", help="plan every rank of the plan rhino plan --level O1 finds for this cluster")
+    p.add_argument("--method", default="rhino", choices=("rhino", "model"),
+                   help="rhino: the ROAM-style planner (default); model: the MODeL baseline, order and addresses "
+                        "in one CP-SAT program (one device; larger graphs find no plan within the time limit)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -76,6 +79,8 @@ def run(args) -> int:
                          f"--execute to plan only, or build the workload on a real device to execute it")
     show = not args.json
     ranks = args.strategy is not None or args.plan is not None or args.cluster is not None
+    if ranks and args.method != "rhino":
+        raise ValueError("--method model plans one device; drop it with --strategy, --plan or --cluster")
     if ranks and report is not None:
         raise ValueError("--report draws one device's plan; drop it with --strategy, --plan or --cluster")
     plan = None
@@ -94,7 +99,8 @@ def run(args) -> int:
         emit_json(result) if args.json else _print_ranks(result)
         return 0 if result["ok"] else 1
     rep = memory_report(cap, level=args.level, time_limit=args.time_limit, execute=args.execute,
-                        name=args.workload, progress=_Progress(show), status=lambda m: status(m, show))
+                        name=args.workload, progress=_Progress(show), status=lambda m: status(m, show),
+                        method=args.method)
     result = rep.to_dict()
     if report is not None:
         report.mkdir(parents=True, exist_ok=True)
@@ -116,7 +122,8 @@ def _print_table(r: dict) -> None:
     print(f"{'':{w}}{'peak':>12}  {'Rhino saves':>11}")
     for name, b, red in rows:
         print(f"{name:{w}}{human(b):>12}  {red * 100:>10.1f}%")
-    print(f"{'Rhino':{w}}{human(r['rhino_peak_bytes']):>12}" + ("  optimal (equals a bound)" if r.get("optimal") else ""))
+    who = "MODeL (baseline)" if r.get("source") == "model" else "Rhino"
+    print(f"{who:{w}}{human(r['rhino_peak_bytes']):>12}" + ("  optimal (equals a bound)" if r.get("optimal") else ""))
     print(f"{'live peak of this order':{w}}{human(r['lower_bound_bytes']):>12}  (no layout of it is lower)")
     print(f"{'order lower bound':{w}}{human(r['order_lower_bound_bytes']):>12}  (no order is lower)")
     print(f"solve seconds: {r['solve_seconds']:.2f}   valid: {'yes' if r['valid'] else 'NO: ' + r.get('invalid_reason', '')}")

@@ -129,6 +129,18 @@ class OrderResult:
 
 Progress = Callable[[str], None]
 
+NO_DEADLINE = float("inf")
+CHECK_EVERY = 64  # list-scheduler steps between clock reads (a read costs about as much as one step)
+
+
+class _OutOfTime(Exception):
+    """A heuristic passed its deadline; ``order_ops`` keeps the candidates finished before it."""
+
+
+def _check(deadline: float, step: int) -> None:
+    if step % CHECK_EVERY == 0 and time.perf_counter() >= deadline:
+        raise _OutOfTime
+
 
 # -- live-bytes bookkeeping shared by the list schedulers -------------------------------------------
 class _Tracker:
@@ -173,8 +185,10 @@ class _Tracker:
                         break
 
 
-def _least_peak(g: IndexedProblem, prio: Sequence[int], before_loss: Sequence[bool] | None = None) -> list[int]:
-    """Least-peak-first list scheduling; with ``before_loss``, ops outside it wait for the LOSS op."""
+def _least_peak(g: IndexedProblem, prio: Sequence[int], before_loss: Sequence[bool] | None = None,
+                deadline: float = NO_DEADLINE) -> list[int]:
+    """Least-peak-first list scheduling; with ``before_loss``, ops outside it wait for the LOSS op.
+    Raises ``_OutOfTime`` past ``deadline``."""
     tr = _Tracker(g)
     indeg = [len(p) for p in g.preds]
     ready: list[int] = []
@@ -183,6 +197,7 @@ def _least_peak(g: IndexedProblem, prio: Sequence[int], before_loss: Sequence[bo
         if indeg[i] == 0:
             (ready if before_loss is None or before_loss[i] else held).append(i)
     while ready or held:
+        _check(deadline, tr.steps)
         if not ready:
             ready, held = held, []
             before_loss = None
@@ -228,10 +243,11 @@ def _update_groups(g: IndexedProblem, member: Sequence[bool]) -> list[int]:
 
 
 def _rules(g: IndexedProblem, base: Sequence[int], constants_late: bool, updates_early: bool,
-           by_role: bool = True) -> list[int]:
+           by_role: bool = True, deadline: float = NO_DEADLINE) -> list[int]:
     """ROAM's rules (``constants_late``, ``updates_early``) as a list schedule that follows ``base``
-    elsewhere; ``by_role``: an update is a group of OPTIMIZER ops, else of the ops off the spine."""
-    return _RuleScheduler(g, base, constants_late, updates_early, by_role).run()
+    elsewhere; ``by_role``: an update is a group of OPTIMIZER ops, else of the ops off the spine.
+    Raises ``_OutOfTime`` past ``deadline``."""
+    return _RuleScheduler(g, base, constants_late, updates_early, by_role).run(deadline)
 
 
 class _RuleScheduler:
@@ -369,7 +385,7 @@ class _RuleScheduler:
             heapq.heappush(pending, (self.rise(seq), p, gid))
         return True
 
-    def run(self) -> list[int]:
+    def run(self, deadline: float = NO_DEADLINE) -> list[int]:
         g, heap, tr = self.g, self.heap, self.tr
         for i in range(g.n):
             if self.indeg[i] == 0 and not self.floating[i]:
@@ -377,7 +393,10 @@ class _RuleScheduler:
         for gid, e in self.ext.items():
             if e == 0:
                 self.queue_update(gid)
+        loops = 0
         while True:
+            loops += 1
+            _check(deadline, loops)
             if self.pending and self.run_fitting_update():
                 continue
             while heap and tr.done[heap[0][1]]:
@@ -391,7 +410,7 @@ class _RuleScheduler:
         return tr.order
 
 
-def _sink_late(g: IndexedProblem, order: list[int], max_passes: int = 20) -> list[int]:
+def _sink_late(g: IndexedProblem, order: list[int], max_passes: int = 20, deadline: float = NO_DEADLINE) -> list[int]:
     """Move ops later, right before their first successor, where that cannot raise any step's bytes.
 
     Op ``u`` moves from its step to just before its earliest successor ``c`` when every tensor it
@@ -399,11 +418,13 @@ def _sink_late(g: IndexedProblem, order: list[int], max_passes: int = 20) -> lis
     reads are no bigger than ``c``'s outputs (so the new step stays below ``c``'s old step). Its
     outputs then live shorter and nothing else changes: no step gets more live bytes. Moves of one
     pass are applied together (they only go later, so the conditions still hold); passes repeat
-    until nothing moves.
+    until nothing moves, or until ``deadline`` (the last finished pass is returned).
     """
     n = g.n
     unused = [sum(g.size[j] for j in outs if not g.cons[j] and not g.keep[j]) for outs in g.op_out]
     for _ in range(max_passes):
+        if time.perf_counter() >= deadline:
+            break
         pos = g.positions(order)
         # per tensor: the last reader's step and who it is, and the step of the reader before it
         last = [-1] * g.m
@@ -463,8 +484,37 @@ def rule_order(problem: MemProblem, base: Sequence[int] | None = None,
     return g.to_ids(_rules(g, b, opts.constants_late, opts.updates_early))
 
 
-def _candidates(g: IndexedProblem, opts: OrderOptions, progress: Progress | None = None) -> dict[str, list[int]]:
-    """The heuristic orders: program order, least-peak-first, and the rules applied to both."""
+class _Found(dict):
+    """Heuristic name -> order, with each order's peak measured as it is stored (``peaks``)."""
+
+    def __init__(self, g: IndexedProblem) -> None:
+        super().__init__()
+        self.g = g
+        self.peaks: dict[str, int] = {}
+
+    def __setitem__(self, name: str, order: list[int]) -> None:
+        assert self.g.is_topological(order), "a heuristic broke a dependency"
+        self.peaks[name] = self.g.peak(order)
+        super().__setitem__(name, order)
+
+
+def _candidates(g: IndexedProblem, opts: OrderOptions, progress: Progress | None = None,
+                deadline: float = NO_DEADLINE) -> _Found:
+    """The heuristic orders: program order, least-peak-first, and the rules applied to both; past
+    ``deadline`` only those finished before it (program order at least)."""
+    out = _Found(g)
+    out["program"] = list(range(g.n))
+    try:
+        _heuristics(g, opts, progress, deadline, out)
+    except _OutOfTime:
+        if progress:
+            progress(f"order: time limit during the heuristics; {len(out)} of them finished")
+    return out
+
+
+def _heuristics(g: IndexedProblem, opts: OrderOptions, progress: Progress | None, deadline: float,
+                out: dict[str, list[int]]) -> None:
+    """Adds the heuristic orders to ``out`` one by one (raises ``_OutOfTime`` past ``deadline``)."""
     t = time.perf_counter()
 
     def note(name: str) -> None:
@@ -473,39 +523,42 @@ def _candidates(g: IndexedProblem, opts: OrderOptions, progress: Progress | None
             t = time.perf_counter()
             progress(f"order: heuristic {name} done")
 
-    prog = list(range(g.n))
-    greedy = _least_peak(g, prog)
+    def rules(base: list[int], by_role: bool) -> list[int]:
+        return _rules(g, base, opts.constants_late, opts.updates_early, by_role, deadline)
+
+    prog = out["program"]
+    greedy = out["least_peak"] = _least_peak(g, prog, deadline=deadline)
     note("least_peak")
-    out = {"program": prog, "least_peak": greedy}
+    need: list[bool] | None = None
     if opts.loss_barrier and g.loss >= 0:
         need = g.ancestors(g.loss)
         need[g.loss] = True
-        out["least_peak|loss"] = _least_peak(g, prog, need)
+        out["least_peak|loss"] = _least_peak(g, prog, need, deadline)
         note("least_peak|loss")
     if opts.constants_late or opts.updates_early:
         for by_role in (True, False) if opts.updates_early else (True,):
             tag = "" if by_role else "/side"
-            out[f"rules{tag}(program)"] = _rules(g, prog, opts.constants_late, opts.updates_early, by_role)
+            out[f"rules{tag}(program)"] = rules(prog, by_role)
             note(f"rules{tag}(program)")
-            out[f"rules{tag}(least_peak)"] = _rules(g, greedy, opts.constants_late, opts.updates_early, by_role)
+            out[f"rules{tag}(least_peak)"] = rules(greedy, by_role)
             note(f"rules{tag}(least_peak)")
-            out[f"least_peak(rules{tag})"] = _least_peak(g, g.positions(out[f"rules{tag}(program)"]))
+            out[f"least_peak(rules{tag})"] = _least_peak(g, g.positions(out[f"rules{tag}(program)"]), deadline=deadline)
             note(f"least_peak(rules{tag})")
-            if "least_peak|loss" in out:
-                out[f"rules{tag}(least_peak|loss)"] = _rules(g, out["least_peak|loss"], opts.constants_late,
-                                                             opts.updates_early, by_role)
-                out[f"least_peak|loss(rules{tag})"] = _least_peak(g, g.positions(out[f"rules{tag}(program)"]), need)
+            if need is not None:
+                out[f"rules{tag}(least_peak|loss)"] = rules(out["least_peak|loss"], by_role)
+                out[f"least_peak|loss(rules{tag})"] = _least_peak(g, g.positions(out[f"rules{tag}(program)"]), need,
+                                                                  deadline)
                 note(f"least_peak|loss(rules{tag})")
     if opts.sink_late:
         for name in list(out):
             if name != "program" and name != "least_peak":
-                out[name] = _sink_late(g, out[name])
+                out[name] = _sink_late(g, out[name], deadline=deadline)
                 note(f"sink_late({name})")
-        out["sink_late(program)"] = _sink_late(g, prog)
-        out["sink_late(least_peak)"] = _sink_late(g, greedy)
+        _check(deadline, 0)
+        out["sink_late(program)"] = _sink_late(g, prog, deadline=deadline)
+        out["sink_late(least_peak)"] = _sink_late(g, greedy, deadline=deadline)
         if "least_peak|loss" in out:
-            out["least_peak|loss"] = _sink_late(g, out["least_peak|loss"])
-    return out
+            out["least_peak|loss"] = _sink_late(g, out["least_peak|loss"], deadline=deadline)
 
 
 def _windows_around(g: IndexedProblem, order: Sequence[int], s: int, size: int, budget: int,
@@ -608,8 +661,9 @@ def _divide(g: IndexedProblem, order: list[int], opts: OrderOptions, lb: int, de
 
 
 def order_ops(problem: MemProblem, level: OptLevel | str = OptLevel.O2, options: OrderOptions | None = None,
-              time_limit: float = 60.0, progress: Progress | None = None) -> OrderResult:
-    """The best order found for ``problem`` at ``level`` within ``time_limit`` seconds."""
+              time_limit: float = 60.0, progress: Progress | None = None, search_share: float = 1.0) -> OrderResult:
+    """The best order found for ``problem`` at ``level`` within ``time_limit`` seconds: the heuristics may
+    use all of it, O2's exact search ``search_share`` of what they leave."""
     t0 = time.perf_counter()
     level = OptLevel(level)
     opts = options or OrderOptions()
@@ -617,15 +671,16 @@ def order_ops(problem: MemProblem, level: OptLevel | str = OptLevel.O2, options:
     lb = g.lower_bound()
     if g.n == 0:
         return OrderResult([], 0, 0, "program", {"program": 0}, 0.0)
-    cands = _candidates(g, opts, progress)
-    assert all(g.is_topological(o) for o in cands.values()), "a heuristic broke a dependency"
-    peaks = {name: g.peak(o) for name, o in cands.items()}
+    deadline = t0 + time_limit
+    cands = _candidates(g, opts, progress, deadline)
+    peaks = cands.peaks
     name = min(peaks, key=lambda k: (peaks[k], list(cands).index(k)))
     if progress:
         progress("order: heuristics " + ", ".join(f"{k} {v:,} B" for k, v in peaks.items()))
     res = OrderResult(list(cands[name]), peaks[name], lb, name, peaks)
     if level is OptLevel.O2 and peaks[name] > lb:
-        order = _divide(g, list(cands[name]), opts, lb, t0 + time_limit, progress, res)
+        now = time.perf_counter()
+        order = _divide(g, list(cands[name]), opts, lb, now + search_share * max(0.0, deadline - now), progress, res)
         peak = g.peak(order)
         assert peak <= res.peak and g.is_topological(order)
         if peak < res.peak:

@@ -276,9 +276,58 @@ class IndexedProblem:
         best = max(self.op_bytes(i) + always_bytes - sum(self.size[j] for j in self.op_in[i] if j in always)
                    for i in range(n))
         best = max(best, always_bytes)
-        ml = self.must_live(self.chain_points())
-        best = max(best, max(ml, default=0))
+        points = self.chain_points()
+        ml = self.must_live(points)
+        best = max(best, max(ml, default=0), self.either_live(points, ml))
         return max(best, self.op_must_live(best))
+
+    # key points whose step ``either_live`` examines: the loss and those with the most must-live bytes
+    # (each costs two graph walks)
+    EITHER_LIVE_POINTS = 8
+
+    def either_live(self, points: Sequence[int], must: Sequence[int]) -> int:
+        """``must`` (:meth:`must_live` at ``points``) plus what ops off the key point's chain add there.
+
+        At key point ``p``, an op ``u`` that is neither an ancestor nor a descendant of ``p`` runs before
+        ``p`` in some orders and after it in others. Before: its outputs that a descendant of ``p`` reads
+        (or that are kept to the end) are live at ``p`` (OUT). After: its inputs made at or before ``p``
+        (by ``p``, an ancestor or as graph inputs) are live at ``p``, since ``u`` reads them later (IN; those
+        :meth:`must_live` counts already are left out). So every order holds at least ``min(|OUT|, |IN|)``
+        more bytes there. OUT sets of different ops are disjoint (one producer per tensor) and never
+        counted by ``must_live`` (made by a non-ancestor); IN sets are kept disjoint by taking the ops
+        greedily, largest term first, skipping one whose IN meets a taken one. E.g. a forward ``clone``
+        kept for the backward: either the clone or what it copies is live across the loss."""
+        if not points:
+            return 0
+        chosen = sorted(range(len(points)), key=lambda i: -must[i])[:self.EITHER_LIVE_POINTS]
+        if self.loss in points:
+            chosen.append(points.index(self.loss))
+        best = 0
+        for i in set(chosen):
+            best = max(best, must[i] + self._either_live_at(points[i]))
+        return best
+
+    def _either_live_at(self, p: int) -> int:
+        anc, desc = self.ancestors(p), self.descendants(p)
+        early = [q < 0 or q == p or anc[q] for q in self.prod]  # made at or before p in every order
+        counted = [self.keep[j] or (early[j] and any(c == p or desc[c] for c in self.cons[j]))
+                   for j in range(self.m)]
+        terms = []
+        for u in range(self.n):
+            if u == p or anc[u] or desc[u]:
+                continue
+            out = sum(self.size[j] for j in self.op_out[u] if self.keep[j] or any(desc[c] for c in self.cons[j]))
+            ins = [j for j in self.op_in[u] if early[j] and not counted[j] and self.size[j]]
+            term = min(out, sum(self.size[j] for j in ins))
+            if term > 0:
+                terms.append((term, ins))
+        used: set[int] = set()
+        add = 0
+        for term, ins in sorted(terms, key=lambda t: -t[0]):
+            if used.isdisjoint(ins):
+                used.update(ins)
+                add += term
+        return add
 
     # ops whose own step is examined by op_must_live: the ones with the most bytes that could beat the
     # bound (each costs two graph walks); on AlexNet b1 the bound's op is the first examined

@@ -1,7 +1,8 @@
 """``plan_memory``: an operator order and an arena offset for every tensor (ROAM's two stages).
 
-1. Order (``order.order_ops``): heuristics and ROAM's rules, then (level ``O2``) exact CP-SAT windows,
-   with about half of ``time_limit``; ``options.division`` picks flat windows around the peak (default)
+1. Order (``order.order_ops``): heuristics and ROAM's rules (until the time left after the baselines,
+   less the reserve for the by-size layout and the checks), then (level ``O2``) exact CP-SAT windows
+   with ``ORDER_SHARE`` of what the heuristics leave; ``options.division`` picks flat windows around the peak (default)
    or ROAM's task tree (``order_tree``).
 2. Layout of that order's buffers (``problem.buffers``): the greedy layouts of ``layout.py`` by size
    and long-lived first, ROAM's cross-loss rule (option ``cross_loss_bottom``: the tensors live across
@@ -111,6 +112,10 @@ def stacked_layout(bufs: Sequence[Buffer], bottom: Sequence[int], rest_key: Call
     return offsets
 
 
+# the cross-loss layout (``stacked_layout``) over a long-lived-first greedy layout of the same order: 4.3 s /
+# 3.3 s measured on GPT-2 XL b1 (program order, 11,870 ops)
+STACKED_VS_LLF = 1.3
+ORDER_SHARE = 0.5  # O2: the exact order search's share of the time the heuristics leave (the layout gets the rest)
 METHODS = ("rhino", "model")  # plan_memory's planners: ROAM-style (ours), MODeL's joint program (baseline)
 
 
@@ -119,8 +124,11 @@ def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_l
                 method: str = "rhino") -> MemoryPlan:
     """Plan ``problem``: an order and a layout whose arena is as low as the level and time allow.
 
-    ``time_limit`` (seconds) bounds the exact searches (CP-SAT windows, exact layout); the baselines
-    and heuristics always run (a few seconds on a 12,000-op graph). ``progress`` gets one-line
+    ``time_limit`` (seconds) bounds the whole call (plus about a second of slack): the baselines, one
+    by-size layout and the final checks always run (3-5 s on GPT-2 XL's 11,870 ops); the order's heuristics
+    get the time left after them and stop at their deadline (the program order is always a candidate); at
+    O2 its exact windows get ``ORDER_SHARE`` of what the heuristics leave; the layout gets the rest (its
+    other greedy orders only when their estimated time fits, then ``solve_layout``). ``progress`` gets one-line
     messages, at least every couple of seconds during the searches. ``method="model"`` plans with the
     MODeL baseline instead (``model_ilp.solve_model``: order and addresses in one CP-SAT program, its
     plan as found, never replaced by a better baseline); it raises ``ValueError`` when that finds no plan
@@ -143,14 +151,18 @@ def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_l
     if method == "model":
         return _model_plan(problem, base, level, t0, time_limit, say)
 
-    # 1. order
-    share = time_limit * 0.5 if level is OptLevel.O2 else time_limit
-    res: OrderResult = order_ops(problem, level, opts, time_limit=max(0.0, share - (time.perf_counter() - t0)), progress=progress)
+    # 1. order: the time left after the baselines, less the by-size layout and the plan's checks (the other
+    # greedy layouts run only if they still fit: the heuristic orders gain more); at O2 the exact windows get
+    # ORDER_SHARE of what the heuristics leave, the layout the rest
+    deadline = t0 + time_limit
+    left = deadline - time.perf_counter() - base.reserve
+    res: OrderResult = order_ops(problem, level, opts, time_limit=max(0.0, left), progress=progress,
+                                 search_share=ORDER_SHARE)
     say(f"order: peak {res.peak:,} B ({res.source}, {res.seconds:.1f}s); layout ...")
 
-    # 2. layout
+    # 2. layout: the time left, less the checks' reserve
     t_layout = time.perf_counter()
-    ours = _layout(problem, res, level, opts, t0 + time_limit, time_limit, say, progress)
+    ours = _layout(problem, res, level, opts, deadline - base.check_seconds, time_limit, say, progress, base)
     t_layout = time.perf_counter() - t_layout
 
     # 3. never worse than the baselines
@@ -201,37 +213,52 @@ class _Baselines:
     bestfit: _Candidate
     heuristic: _Candidate
     seconds: float
+    check_seconds: float = 0.0  # estimate of the plan's final checks (replays of an order, a validation)
+    size_seconds: float = 0.0  # one greedy layout by size (the layout always made)
+    llf_seconds: float = 0.0  # one long-lived-first greedy layout
+    reserve: float = 0.0  # what runs whatever the time: the by-size layout of the order and the checks
+
 
     @staticmethod
     def of(problem: MemProblem) -> _Baselines:
         t0 = time.perf_counter()
         prog = program_order(problem)
         pt_live = replay(problem, prog).peak
+        t_replay = time.perf_counter() - t0
         alloc = simulate_allocator(problem, prog)
+        t_greedy = time.perf_counter()
         prog_bufs = buffers(problem, prog)
         bf_offsets = greedy_layout(prog_bufs, order=GreedyOrder.SIZE)
+        t_greedy = time.perf_counter() - t_greedy
         heu_order = least_peak_order(problem)
         heu_bufs = buffers(problem, heu_order)
+        t_llf = time.perf_counter()
         heu_offsets = greedy_layout(heu_bufs, order=GreedyOrder.LONG_LIVED_FIRST)
+        t_llf = time.perf_counter() - t_llf
         bestfit = _Candidate("bestfit", prog, prog_bufs, bf_offsets, _height(prog_bufs, bf_offsets), "bestfit")
         heuristic = _Candidate("heuristic", heu_order, heu_bufs, heu_offsets, _height(heu_bufs, heu_offsets),
                                "heuristic")
-        return _Baselines(pt_live, alloc, bestfit, heuristic, time.perf_counter() - t0)
+        checks = 3 * t_replay  # check_order, replay and validate_layout each cost about one replay (GPT-2 XL b1)
+        return _Baselines(pt_live, alloc, bestfit, heuristic, time.perf_counter() - t0, checks, t_greedy, t_llf,
+                          t_greedy + checks)
 
 
 def _layout(problem: MemProblem, res: OrderResult, level: OptLevel, opts: OrderOptions, deadline: float, time_limit: float,
-            say: Progress, progress: Progress | None) -> _Candidate:
+            say: Progress, progress: Progress | None, base: _Baselines) -> _Candidate:
     """The lowest layout of ``res.order``'s buffers: the greedy orders, the cross-loss rule when they miss
-    the order's peak, then (O2, time permitting) ``solve_layout``."""
+    the order's peak, then (O2, time permitting) ``solve_layout``. The by-size layout always runs; the
+    others only when their estimated time (``base``'s, on orders of the same problem) fits before ``deadline``."""
     order, order_peak = res.order, res.peak
     bufs = buffers(problem, order)
-    cands: list[tuple[dict[int, int], int, str]] = []
     t_greedy = time.perf_counter()
-    for go in (GreedyOrder.SIZE, GreedyOrder.LONG_LIVED_FIRST):
-        offs = greedy_layout(bufs, order=go)
-        cands.append((offs, _height(bufs, offs), go.name))
-    t_greedy = (time.perf_counter() - t_greedy) / 2  # one greedy layout of this order
-    if opts.cross_loss_bottom and min(c[1] for c in cands) > order_peak:
+    offs = greedy_layout(bufs, order=GreedyOrder.SIZE)
+    cands: list[tuple[dict[int, int], int, str]] = [(offs, _height(bufs, offs), GreedyOrder.SIZE.name)]
+    t_greedy = time.perf_counter() - t_greedy  # one greedy layout of this order
+    if time.perf_counter() + base.llf_seconds < deadline:
+        offs = greedy_layout(bufs, order=GreedyOrder.LONG_LIVED_FIRST)
+        cands.append((offs, _height(bufs, offs), GreedyOrder.LONG_LIVED_FIRST.name))
+    if (opts.cross_loss_bottom and min(c[1] for c in cands) > order_peak
+            and time.perf_counter() + base.llf_seconds * STACKED_VS_LLF < deadline):
         bottom = _cross_loss(problem, order)
         if bottom:
             offs = stacked_layout(bufs, bottom)

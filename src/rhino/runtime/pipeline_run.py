@@ -71,13 +71,25 @@ def run_pipeline(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, 
     ref = reference_run(cap, steps, plan.microbatches)
     cmp = compare_stages(step0.rp, step0.spec, results, ref, tol)
     ranks = sorted(results)
-    comm = sum(p.comm_bytes for p in step0.programs.values())
-    result = RunResult(cmp.ok, plan.world, f"pp{plan.stages}x{plan.mesh}", steps, cmp.max_abs_diff, comm, {},
+    comm, collectives = _step_communication(step0)
+    result = RunResult(cmp.ok, plan.world, f"pp{plan.stages}x{plan.mesh}", steps, cmp.max_abs_diff, comm, collectives,
                        results[ranks[0]]["losses"], ref.losses, cmp.first_mismatch,
                        [results[r]["held"] for r in ranks])
     result.pipeline = _stage_times(plan, results)
     result.seconds = time.perf_counter() - start
     return result
+
+
+def _step_communication(step: PipelineStep) -> tuple[int, dict[str, int]]:
+    """Stage 0 rank 0's collective bytes and counts per step (forward and backward programs once per
+    micro-batch, the update once; point-to-point messages not included)."""
+    m, total, kinds = step.microbatches, 0, {}
+    for (key, first), prog in step.programs.items():
+        runs = 1 if key == "U" else (1 if first else m - 1) if (key, False) in step.programs else m
+        total += runs * prog.comm_bytes
+        for kind, n in prog.collectives.items():
+            kinds[kind] = kinds.get(kind, 0) + runs * n
+    return total, kinds
 
 
 def _stage_times(plan: ShardingPlan, results: dict[int, dict]) -> dict:

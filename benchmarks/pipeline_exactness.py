@@ -1,0 +1,73 @@
+"""Pipelines against single-device training: every example (at batch 8, tests/workloads/pipelines.py) under
+pp=2,microbatches=4; pp=2,dp=2,microbatches=4; pp=2,tp=2,microbatches=4, float64, 2 steps, every rank's
+losses and held state shards compared at 1e-9 (docs/benchmarks.md, "Pipelines: exactness").
+
+    PYTHONPATH=src python benchmarks/pipeline_exactness.py          # real processes: rhino run (gloo)
+    PYTHONPATH=src python benchmarks/pipeline_exactness.py --sim    # in one process (runtime.pipeline_sim)
+
+Prints one markdown table row per run."""
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+import warnings
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ["mlp", "gpt", "bert", "llama", "moe", "resnet", "unet"]
+STRATEGIES = ["pp=2,microbatches=4", "pp=2,dp=2,microbatches=4", "pp=2,tp=2,microbatches=4"]
+
+
+def simulated(name: str, strategy: str) -> dict:
+    import torch
+    from rhino.capture import capture, default_dtype, load_workload
+    from rhino.runtime.compare import TOLERANCES, reference_run
+    from rhino.runtime.pipeline import compare_stages
+    from rhino.runtime.pipeline_sim import simulate_pipeline
+    from rhino.sharding.presets import parse_strategy, preset_plan
+    with warnings.catch_warnings(), default_dtype(torch.float64):
+        warnings.simplefilter("ignore")
+        cap = capture(load_workload(f"{ROOT}/tests/workloads/pipelines.py:{name}", dtype=torch.float64))
+        plan = preset_plan(cap.graph, parse_strategy(strategy))
+        res = simulate_pipeline(cap, plan, 2)
+    ref = reference_run(cap, 2, plan.microbatches)
+    st = res["steps"][0]
+    cmp = compare_stages(st.rp, st.spec, {r: {"losses": res["losses"][r], "local": res["local"][r]}
+                                          for r in res["losses"]}, ref, TOLERANCES[torch.float64])
+    return {"ok": cmp.ok, "max_abs_diff": cmp.max_abs_diff, "losses": res["losses"][0], "nproc": plan.world,
+            "first_mismatch": cmp.first_mismatch}
+
+
+def real(name: str, strategy: str) -> dict:
+    nproc = 2 if strategy == STRATEGIES[0] else 4
+    out = subprocess.run([sys.executable, "-m", "rhino.cli.main", "run", f"tests/workloads/pipelines.py:{name}",
+                          "--nproc", str(nproc), "--strategy", strategy, "--dtype", "float64", "--steps", "2",
+                          "--timeout", "300", "--json"], cwd=ROOT, capture_output=True, text=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sim", action="store_true", help="run every rank in this process")
+    ap.add_argument("--examples", default=",".join(EXAMPLES))
+    args = ap.parse_args()
+    print("| example | strategy | ranks | ok | max abs diff | losses (2 steps) | idle fraction | wall s |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name in args.examples.split(","):
+        for strategy in STRATEGIES:
+            t0 = time.perf_counter()
+            d = simulated(name, strategy) if args.sim else real(name, strategy)
+            idle = d.get("pipeline", {}).get("idle_fraction", "-")
+            losses = ", ".join(f"{x:.6f}" for x in d.get("losses", []))
+            print(f"| {name} | {strategy} | {d.get('nproc', '-')} | {'yes' if d.get('ok') else 'NO'} | "
+                  f"{d.get('max_abs_diff', float('nan')):.2g} | {losses} | {idle} | {time.perf_counter() - t0:.0f} |",
+                  flush=True)
+            if not d.get("ok"):
+                print(f"<!-- {d.get('first_mismatch') or d.get('error')} -->", flush=True)
+
+
+if __name__ == "__main__":
+    main()
