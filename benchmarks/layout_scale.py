@@ -13,6 +13,8 @@ Traces (MiniMalloc CSV, written to ``--dir``):
   temporaries; sizes log-uniform in 64-byte multiples.
 - ``random-S``: a seeded MiniMalloc-style random trace: lifetimes and sizes log-uniform (many short
   buffers, few long ones), starts uniform over the horizon.
+- ``wide-S``: a second random shape (held out while the lowest-fit greedy was chosen): sizes uniform in
+  64-byte multiples up to 256 KiB, lifetimes exponential (mean 800), starts uniform over 100,000.
 
 Each trace runs the CLI in a child process (``--json``); its peak RSS is the child's ``ru_maxrss``
 (``os.wait4``). Writes the section "Memory layout: large traces" of docs/benchmarks.md.
@@ -92,6 +94,15 @@ def synthetic_random(seed: int, n: int = 60_000, horizon: int = 200_000) -> list
     return rows
 
 
+def synthetic_wide(seed: int, n: int = 60_000, horizon: int = 100_000) -> list[tuple[int, int, int]]:
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        lo = rng.randrange(horizon)
+        rows.append((lo, lo + 1 + int(rng.expovariate(1 / 800)), 64 * rng.randint(1, 4096)))
+    return rows
+
+
 def captured_gpt(layers: int) -> list[tuple[int, int, int]]:
     sys.path.insert(0, str(ROOT / "examples"))
     import gpt
@@ -130,8 +141,10 @@ def make_trace(name: str, out: Path) -> Path:
         rows = synthetic_training(int(arg))
     elif kind == "random":
         rows = synthetic_random(int(arg))
+    elif kind == "wide":
+        rows = synthetic_wide(int(arg))
     else:
-        raise ValueError(f"unknown trace {name!r}: expected gptN, train-SEED or random-SEED")
+        raise ValueError(f"unknown trace {name!r}: expected gptN, gpt2xl-xK, train-SEED, random-SEED or wide-SEED")
     write_csv(path, rows)
     return path
 

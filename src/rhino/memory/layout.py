@@ -46,6 +46,7 @@ from typing import Callable, Hashable, Sequence
 import numpy as np
 
 from .layout_bnb import LayoutOptions, SearchStatus, preorder_indices, search_layout
+from .layout_greedy import place_in_order
 from .layout_split import decompose, splittable
 
 __all__ = ["Buffer", "GreedyOrder", "LayoutStatus", "LayoutResult", "LayoutOptions", "validate_layout",
@@ -430,17 +431,9 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
           say: Progress) -> tuple[dict, str]:
     """One leaf at or under ``cap`` if greedy or the exact search finds it in time, else its lowest
     greedy layout (greedy orders past the first stop at the deadline)."""
-    floors = {b.id: f for b, f in zip(bufs, floor)}
-    best, best_h, how = None, 0, ""
-    for order in GreedyOrder:
-        offs = greedy_layout(bufs, order, floors, deadline, finish=best is None)
-        if offs is None:
-            break
-        h = height(bufs, offs)
-        if best is None or h < best_h:
-            best, best_h, how = offs, h, f"greedy/{order.value}"
-        if best_h <= cap:
-            return best, how
+    best, best_h, how = _leaf_greedy(bufs, floor, cap, deadline, options.split.lowest_fit)
+    if best_h <= cap:
+        return best, how
     say(f"layout: leaf of {len(bufs):,} buffers: greedy {best_h:,} ({how}) above {cap:,}; "
         f"{max(0.0, deadline - time.monotonic()):.0f}s left for it")
     if len(bufs) <= options.split.max_leaf and deadline - time.monotonic() > 0.1:
@@ -450,6 +443,43 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
             return offs, name
     assert best is not None  # the first greedy pass always finishes
     return best, how
+
+
+def _order(order: GreedyOrder, lo: np.ndarray, up: np.ndarray, sz: np.ndarray) -> np.ndarray:
+    """``_key``'s order as indices (stable, as ``sorted``)."""
+    if order is GreedyOrder.SIZE:
+        return np.lexsort((lo, lo - up, -sz))
+    if order is GreedyOrder.LONG_LIVED_FIRST:
+        return np.lexsort((lo, -sz, lo - up))
+    if order is GreedyOrder.AREA:
+        return np.lexsort((lo, -sz, -sz * (up - lo)))
+    return np.lexsort((-sz, lo))
+
+
+def _leaf_greedy(bufs: list[Buffer], floor: list[int], cap: int, deadline: float,
+                 lowest_fit: bool) -> tuple[dict, int, str]:
+    """The lowest of the compiled greedy passes (``layout_greedy``): every order best fit (as
+    ``greedy_layout``) and, with ``lowest_fit``, lowest fit (size first: the best pass on random traces);
+    stops at ``cap`` or the deadline (the first pass always finishes)."""
+    lo, up = np.array([b.lower for b in bufs], np.int64), np.array([b.upper for b in bufs], np.int64)
+    sz, al = np.array([b.size for b in bufs], np.int64), np.array([b.alignment for b in bufs], np.int64)
+    fl = np.array(floor, np.int64)
+    passes = [(o, False) for o in GreedyOrder]
+    if lowest_fit:
+        passes = [(GreedyOrder.SIZE, True)] + passes + [(o, True) for o in GreedyOrder if o is not GreedyOrder.SIZE]
+    best, best_h, how = None, 0, ""
+    for order, low in passes:
+        offs = place_in_order(lo, up, sz, al, fl, _order(order, lo, up, sz), deadline, finish=best is None,
+                              lowest=low)
+        if offs is None:
+            break
+        h = int((offs + sz).max(initial=0))
+        if best is None or h < best_h:
+            best, best_h, how = offs, h, f"greedy/{order.value}" + ("/lowest" if low else "")
+        if best_h <= cap:
+            break
+    assert best is not None  # the first pass always finishes
+    return {b.id: int(o) for b, o in zip(bufs, best.tolist())}, best_h, how
 
 
 def _accept(buffers: Sequence[Buffer], offsets: dict, capacity: int, solver: str, say) -> bool:

@@ -1,0 +1,74 @@
+"""The compiled greedy (``memory.layout_greedy``): the numpy greedy's rule, lowest fit, floors, deadlines."""
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+
+from rhino.memory.layout import (Buffer, GreedyOrder, LayoutOptions, greedy_layout, height, solve_layout,
+                                 validate_layout)
+from rhino.memory.layout_greedy import place_in_order
+from rhino.memory.layout_split import SplitOptions
+
+
+def _random(rng: random.Random, n: int, horizon: int, align: bool = False) -> list[Buffer]:
+    bufs = []
+    for i in range(n):
+        lo = rng.randrange(horizon)
+        a = rng.choice([1, 2, 4]) if align else 1
+        bufs.append(Buffer(i, lo, lo + 1 + int(2 ** rng.uniform(0, 6)), a * rng.randint(0 if i % 17 == 0 else 1, 40),
+                           a))
+    return bufs
+
+
+def _arrays(bufs: list[Buffer]) -> tuple[np.ndarray, ...]:
+    return tuple(np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size", "alignment"))
+
+
+_KEYS = {GreedyOrder.SIZE: lambda b: (-b.size, b.lower - b.upper, b.lower),
+         GreedyOrder.LONG_LIVED_FIRST: lambda b: (b.lower - b.upper, -b.size, b.lower)}
+
+
+def test_best_fit_is_the_numpy_greedy_and_lowest_fit_is_valid():
+    rng = random.Random(3)
+    for case in range(30):
+        bufs = _random(rng, rng.randint(1, 150), rng.randint(5, 60), align=case % 2 == 0)
+        lo, up, sz, al = _arrays(bufs)
+        floor = {b.id: rng.choice([0, 0, rng.randint(0, 50)]) for b in bufs}
+        fl = np.array([floor[b.id] for b in bufs], np.int64)
+        for order, key in _KEYS.items():
+            idx = np.array(sorted(range(len(bufs)), key=lambda i: key(bufs[i])), np.int64)
+            ref = greedy_layout(bufs, order, floor)
+            best = place_in_order(lo, up, sz, al, fl, idx)
+            assert {b.id: int(o) for b, o in zip(bufs, best)} == ref
+            low = {b.id: int(o) for b, o in zip(bufs, place_in_order(lo, up, sz, al, fl, idx, lowest=True))}
+            assert validate_layout(bufs, low) == [] and all(low[b.id] >= floor[b.id] for b in bufs if b.size)
+
+
+def test_split_leaves_never_above_the_numpy_greedy():
+    """On random traces (no peel, no cut: one leaf) the leaf's greedy passes include every best-fit order,
+    so the result is never above ``greedy_layout``'s best; lowest fit wins on some."""
+    rng = random.Random(7)
+    opts = LayoutOptions(split=SplitOptions(above=0, max_leaf=10**6, cuts=False))
+    wins = 0
+    for _ in range(8):
+        bufs = _random(rng, 400, 300)
+        old = min(height(bufs, greedy_layout(bufs, o)) for o in GreedyOrder)
+        res = solve_layout(bufs, time_limit=1, options=opts, exact=True)
+        assert res.valid and validate_layout(bufs, res.offsets) == [] and res.height <= old
+        wins += res.height < old
+    assert wins > 0
+
+
+def test_deadline_stops_or_finishes_on_top():
+    rng = random.Random(1)
+    bufs = _random(rng, 9000, 2000)
+    lo, up, sz, al = _arrays(bufs)
+    fl, idx = np.zeros(len(bufs), np.int64), np.argsort(-sz, kind="stable")
+    past = time.monotonic() - 1
+    assert place_in_order(lo, up, sz, al, fl, idx, past) is None
+    t0 = time.monotonic()
+    off = place_in_order(lo, up, sz, al, fl, idx, past, finish=True)
+    assert time.monotonic() - t0 < 1.0
+    assert validate_layout(bufs, {b.id: int(o) for b, o in zip(bufs, off)}) == []
