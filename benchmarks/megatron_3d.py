@@ -52,7 +52,7 @@ def _row(name, heads, hidden, layers, tp, pp, gpus, batch, level: str, time_limi
     published = f"dp={dp},tp={tp},pp={pp},microbatches={batch // dp},recompute=full"
     pub = estimate_strategy(graph, cluster, published, stages=stage_cut(capacity=cluster.device.memory_bytes))
     t1 = time.perf_counter()
-    r = search(graph, cluster, SearchOptions(level=level, time_limit=time_limit))
+    r = search(graph, cluster, SearchOptions(level=level, time_limit=time_limit, pipeline="gain"))
     secs = time.perf_counter() - t1
     single = [c for c in r.candidates if c.estimate is not None and c.estimate.pp == 1]
     piped = [c.estimate for c in r.candidates if c.estimate is not None and c.estimate.pp > 1]

@@ -211,9 +211,12 @@ def test_pipeline_rule_auto():
     auto = SearchOptions()
     assert worth_pipelining(none, auto, one) and worth_pipelining(none, auto, many)   # nothing fits
     assert not worth_pipelining(fits, auto, one)             # one node: single-stage plans stay
-    assert worth_pipelining(fits, auto, many)                # half the step exposed on several nodes
+    assert not worth_pipelining(fits, auto, many)            # auto: only when nothing fits
+    gain = SearchOptions(pipeline="gain")
+    assert worth_pipelining(fits, gain, many)                # half the step exposed on several nodes
+    assert not worth_pipelining(fits, gain, one)
     tight = [SimpleNamespace(fits=True, step_seconds=1.01, estimate=SimpleNamespace(step_seconds=1.01,
                                                                                     compute_seconds=1.0))]
-    assert not worth_pipelining(tight, auto, many)           # within pipeline_min_gain of its compute
+    assert not worth_pipelining(tight, gain, many)           # within pipeline_min_gain of its compute
     assert not worth_pipelining(none, SearchOptions(pipeline="never"), many)
     assert worth_pipelining(tight, SearchOptions(pipeline="always"), one)

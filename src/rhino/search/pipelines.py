@@ -21,7 +21,8 @@ order; rule ``pipeline_stop_early`` stops at the first degree that fits and pric
 before it (the bubble grows with ``pp`` while the communication it saves shrinks). The best searched
 stage plan's and the Megatron start's degrees are always priced; further stage plans only before the
 search's time limit. Rule ``pipeline``: ``auto``
-tries pipelines only when no single-stage plan fits, or when the fastest fitting one's step is more than
+tries pipelines only when no single-stage plan fits; ``gain`` also when, on several nodes, the fastest
+fitting one's step is more than
 ``1 + pipeline_min_gain`` times its compute (a reshaped plan does the same compute per device, each stage
 1/pp of the nodes on 1/pp of the devices, plus a bubble, so it can only win back exposed communication);
 ``never``; ``always``.
@@ -55,7 +56,7 @@ def worth_pipelining(cands: list, options: SearchOptions, cluster: Cluster) -> b
     fitting = [c for c in cands if c.fits]
     if not fitting:
         return True
-    if cluster.nodes < 2:
+    if options.pipeline is PipelineWhen.AUTO or cluster.nodes < 2:
         return False
     best = min(fitting, key=lambda c: c.step_seconds).estimate
     return best.step_seconds > (1 + options.pipeline_min_gain) * best.compute_seconds
