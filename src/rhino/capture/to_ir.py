@@ -10,7 +10,7 @@ from ..ir.graph import Graph, GraphOutput, Node, Ref, Role
 from ..ir.registry import lookup
 from ..ir.types import Device, DType, Layout, MemoryFormat, TensorType
 
-__all__ = ["fx_to_ir", "ir_dtype", "torch_dtype"]
+__all__ = ["fx_to_ir", "fx_arg", "ir_dtype", "torch_dtype"]
 
 _DTYPES = {getattr(torch, d.value): d for d in DType}
 
@@ -59,7 +59,7 @@ def fx_to_ir(gm: torch.fx.GraphModule, in_roles: list[tuple[str, Role]],
             vals = list(val) if multi else [val]
             outs = [g.new_value(_ttype(v)) if isinstance(v, torch.Tensor) else None for v in vals]
             counter += 1
-            g.nodes.append(Node(f"n{counter}_{node.name}", op, _arg(node.args, env), _arg(dict(node.kwargs), env),
+            g.nodes.append(Node(f"n{counter}_{node.name}", op, fx_arg(node.args, env), fx_arg(dict(node.kwargs), env),
                                 outs, multi))
             if lookup(op) is None:
                 opaque.append(op)
@@ -73,17 +73,18 @@ def fx_to_ir(gm: torch.fx.GraphModule, in_roles: list[tuple[str, Role]],
     return g, opaque
 
 
-def _arg(a, env):
+def fx_arg(a, env):
+    """A torch.fx argument as an IR argument: fx nodes become the value ``env`` holds for them (a ``Ref``)."""
     if isinstance(a, torch.fx.Node):
         ref = env[a]
         if isinstance(ref, list):
             raise AssertionError(f"multi-output node {a} used directly")
         return ref
     if isinstance(a, (list, tuple)):
-        items = [_arg(x, env) for x in a]
+        items = [fx_arg(x, env) for x in a]
         return items if isinstance(a, list) else tuple(items)
     if isinstance(a, dict):
-        return {k: _arg(v, env) for k, v in a.items()}
+        return {k: fx_arg(v, env) for k, v in a.items()}
     if isinstance(a, torch.dtype):
         return ir_dtype(a)
     if isinstance(a, torch.device):

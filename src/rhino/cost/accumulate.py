@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..ir.analysis import analyze
+from ..ir.analysis import analyze, batch_dependent
 from ..ir.graph import Graph, Role
 
 __all__ = ["StepSplit", "split_step", "SplitError", "accumulation_windows"]
@@ -44,21 +44,13 @@ class StepSplit:
     update_start: int = -1         # index of the first optimizer node (where the update proper begins)
 
 
-def _batch_dependent(graph: Graph) -> set[int]:
-    dep = {i.value for i in graph.inputs if i.role is Role.BATCH}
-    for node in graph.nodes:
-        if any(r.id in dep for r in node.input_refs()):
-            dep.update(v for v in node.outputs if v is not None)
-    return dep
-
-
 def split_step(graph: Graph) -> StepSplit:
     """The cut described in the module docstring."""
     nodes = graph.nodes
     a = analyze(graph)
     if a.loss_node is None:
         raise SplitError("the step has no loss node, so it cannot be cut into micro-batches")
-    dep = _batch_dependent(graph)
+    dep = batch_dependent(graph)
     producer = a.producer
     update = set(a.optimizer)
     start = min(update, default=len(nodes))

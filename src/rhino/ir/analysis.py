@@ -55,7 +55,7 @@ from enum import Enum
 from .graph import STATE_ROLES, Graph, Role
 from .registry import OpKind, lookup
 
-__all__ = ["NodeRole", "GraphAnalysis", "analyze", "update_feeders"]
+__all__ = ["NodeRole", "GraphAnalysis", "analyze", "update_feeders", "batch_dependent"]
 
 
 class NodeRole(str, Enum):
@@ -317,3 +317,12 @@ def _analyze(graph: Graph) -> GraphAnalysis:
                         batch, persistent, state_out, output_roots, updates, _view_reach(graph, is_view))
     out.last_use.update({s: out.end_of(s, r) for s, r in last_read.items()})
     return out
+
+
+def batch_dependent(graph: Graph) -> set[int]:
+    """Values computed from the batch: the batch inputs and every output of a node reading one of them."""
+    dep = {i.value for i in graph.inputs if i.role is Role.BATCH}
+    for node in graph.nodes:
+        if any(r.id in dep for r in node.input_refs()):
+            dep.update(v for v in node.outputs if v is not None)
+    return dep

@@ -53,7 +53,7 @@ from dataclasses import dataclass
 from enum import Enum
 from typing import Mapping
 
-from .analysis import NodeRole, analyze
+from .analysis import NodeRole, analyze, batch_dependent
 from .graph import STATE_ROLES, Graph, Role
 from .registry import call_of, flops_of
 
@@ -300,17 +300,9 @@ def _grow(nodes, state: dict[int, str], holders: dict[str, set[int]], anc: dict[
                     changed = True
 
 
-def _batch_dependent(graph: Graph) -> set[int]:
-    dep = {i.value for i in graph.inputs if i.role is Role.BATCH}
-    for node in graph.nodes:
-        if any(r.id in dep for r in node.input_refs()):
-            dep.update(v for v in node.outputs if v is not None)
-    return dep
-
-
 def _crossings(graph: Graph, a, node_stage: dict[str, int], update: dict[str, frozenset[int]]) -> list[Crossing]:
     nodes = graph.nodes
-    dep = _batch_dependent(graph)
+    dep = batch_dependent(graph)
     seen: set[tuple[int, int, Phase]] = set()
     out: list[Crossing] = []
 

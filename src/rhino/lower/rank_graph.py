@@ -31,12 +31,12 @@ import torch
 import torch.fx
 
 from ..ir.graph import STATE_ROLES, Graph, GraphInput, GraphOutput, Node, Ref, Role
-from ..ir.types import Device, DType, Layout, MemoryFormat, TensorType
+from ..ir.types import TensorType
 from ..memory.from_graph import GraphMemory, problem_from_graph
 from ..memory.problem import MemProblem
 from ..sharding.plan import ResolvedPlan
-from ..sharding.steps import AllGather, AllToAll, LocalSlice, ReduceScatter
-from .spmd import lower_rank
+from ..capture.to_ir import fx_arg, ir_dtype
+from .spmd import after_step, lower_rank
 from .spmd_ops import redistribute, step_from_args
 
 __all__ = ["COMM_OP", "RankMemory", "rank_graph", "rank_problem", "rank_memories", "comm_shape", "is_comm"]
@@ -61,44 +61,8 @@ class RankMemory:
 
 def comm_shape(shape: tuple[int, ...], kind: str, axis: int, params: tuple, sizes: tuple[int, ...]) -> tuple[int, ...]:
     """This rank's local shape after one communication step (``spmd_ops.step_args`` form)."""
-    step = step_from_args(kind, axis, *params)
-    out, n = list(shape), sizes[axis]
-    if isinstance(step, AllGather):
-        out[step.dim] *= n
-    elif isinstance(step, (ReduceScatter, LocalSlice)):
-        out[step.dim] //= n
-    elif isinstance(step, AllToAll):
-        out[step.src_dim] *= n
-        out[step.dst_dim] //= n
-    return tuple(out)
+    return after_step(shape, step_from_args(kind, axis, *params), sizes)
 
-
-def _ir_dtype(dt: torch.dtype) -> DType:
-    return DType(str(dt).removeprefix("torch."))
-
-
-def _ir_arg(a, env: dict):
-    """A torch.fx argument -> an IR argument (fx nodes -> their ``Ref``)."""
-    if isinstance(a, torch.fx.Node):
-        ref = env[a]
-        assert isinstance(ref, Ref), f"multi-output node {a} used directly"
-        return ref
-    if isinstance(a, (list, tuple)):
-        items = [_ir_arg(x, env) for x in a]
-        return items if isinstance(a, list) else tuple(items)
-    if isinstance(a, dict):
-        return {k: _ir_arg(v, env) for k, v in a.items()}
-    if isinstance(a, torch.dtype):
-        return _ir_dtype(a)
-    if isinstance(a, torch.device):
-        return Device(a.type)
-    if isinstance(a, torch.layout):
-        return Layout(str(a).removeprefix("torch."))
-    if isinstance(a, torch.memory_format):
-        return MemoryFormat(str(a).removeprefix("torch."))
-    if a is None or isinstance(a, (bool, int, float, str)):
-        return a
-    raise ValueError(f"unsupported argument {a!r} of type {type(a).__name__} in a rank program")
 
 
 def _op_name(target) -> str:
@@ -116,7 +80,7 @@ class _Converter:
         self.meta: dict[torch.fx.Node, object] = {}      # fx node -> meta tensor (or tuple of them)
 
     def _value(self, t: torch.Tensor) -> int:
-        return self.g.new_value(TensorType(tuple(t.shape), _ir_dtype(t.dtype)))
+        return self.g.new_value(TensorType(tuple(t.shape), ir_dtype(t.dtype)))
 
     def convert(self, prog) -> Graph:
         graph = self.rp.graph
@@ -160,8 +124,8 @@ class _Converter:
                 node.outputs[i] = self._value(res[i])
             self.ref[n], self.meta[n] = Ref(node.outputs[i]), res[i]
             return
-        args = [_ir_arg(a, self.ref) for a in n.args]
-        kwargs = {k: _ir_arg(v, self.ref) for k, v in n.kwargs.items()}
+        args = [fx_arg(a, self.ref) for a in n.args]
+        kwargs = {k: fx_arg(v, self.ref) for k, v in n.kwargs.items()}
         if n.target is redistribute:
             x = self.meta[n.args[0]]
             shape = comm_shape(tuple(x.shape), n.args[1], n.args[2], tuple(n.args[3:]), self.rp.plan.mesh.sizes)

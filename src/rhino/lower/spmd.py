@@ -28,7 +28,7 @@ from .spmd_ops import redistribute, step_args
 from .overlap import OverlapOptions, overlap_program
 from ..sharding.steps import AllGather, AllToAll, LocalSlice, ReduceScatter
 
-__all__ = ["SpmdProgram", "Part", "lower_rank"]
+__all__ = ["SpmdProgram", "Part", "lower_rank", "after_step"]
 
 
 @dataclass
@@ -144,7 +144,7 @@ def whole_step(rp: ResolvedPlan) -> Part:
                  for o in graph.outputs])
 
 
-def _after_step(shape: tuple[int, ...], step, sizes) -> tuple[int, ...]:
+def after_step(shape: tuple[int, ...], step, sizes) -> tuple[int, ...]:
     """A local shape after one redistribution step."""
     out = list(shape)
     n = sizes[step.axis]
@@ -192,7 +192,7 @@ def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu", 
                 x = fg.call_function(redistribute, (x,) + step_args(step))
                 x.meta["rhino_local"] = (shape, t.dtype.value)   # the step's input (lower.overlap buckets)
                 x.meta["rhino_block"] = blocks.get(vid)          # its module (reduce-scatter buckets)
-                shape = _after_step(shape, step, mesh.sizes)
+                shape = after_step(shape, step, mesh.sizes)
                 if is_communication(step):
                     kind = type(step).__name__
                     stats["collectives"][kind] = stats["collectives"].get(kind, 0) + 1
