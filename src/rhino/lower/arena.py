@@ -48,7 +48,7 @@ from .fx import constant_tensor, convert_arg, resolve_op
 from .rank_graph import is_comm
 from .spmd_ops import redistribute
 
-__all__ = ["ArenaProgram", "ArenaStats", "out_overload", "compare_arena_step"]
+__all__ = ["ArenaProgram", "ArenaStats", "out_overload", "compare_arena_step", "compare_pairs"]
 
 
 @dataclass
@@ -391,17 +391,24 @@ def compare_arena_step(graph: Graph, problem: MemProblem, mapping: GraphMemory, 
     loss_ref = ref.step(s_ref, batch)
     torch.manual_seed(0)
     loss_arena = arena.step(s_arena, batch)
-    pairs = [("loss", loss_ref, loss_arena)] + [(k, s_ref[k], s_arena[k]) for k in s_ref]
+    pairs = [(loss_ref, loss_arena)] + [(s_ref[k], s_arena[k]) for k in s_ref]
+    max_diff, equal, bitwise = compare_pairs(pairs, rtol, atol)
+    st = arena.stats
+    return {"equal": equal, "bitwise": bitwise, "max_abs_diff": max_diff, "arena_bytes": st.arena_bytes,
+            "arena_equals_plan": st.arena_bytes == plan.height, "out_variant_ops": st.out_variant,
+            "copied_ops": st.copied, "view_ops": st.views, "view_copies": st.view_copies,
+            "inplace_state": st.inplace_state, "loss": float(loss_arena)}
+
+
+def compare_pairs(pairs, rtol: float, atol: float) -> tuple[float, bool, bool]:
+    """(largest absolute difference, all close at rtol/atol, all bitwise equal) over (reference, result) tensor
+    pairs, compared in float64; empty tensors are skipped."""
     max_diff, equal, bitwise = 0.0, True, True
-    for _, a, b in pairs:
+    for a, b in pairs:
         if a.numel() == 0:
             continue
         a64, b64 = a.double(), b.double()
         max_diff = max(max_diff, float((a64 - b64).abs().max()))
         equal = equal and bool(torch.allclose(a64, b64, rtol=rtol, atol=atol, equal_nan=True))
         bitwise = bitwise and bool(torch.equal(a, b))
-    st = arena.stats
-    return {"equal": equal, "bitwise": bitwise, "max_abs_diff": max_diff, "arena_bytes": st.arena_bytes,
-            "arena_equals_plan": st.arena_bytes == plan.height, "out_variant_ops": st.out_variant,
-            "copied_ops": st.copied, "view_ops": st.views, "view_copies": st.view_copies,
-            "inplace_state": st.inplace_state, "loss": float(loss_arena)}
+    return max_diff, equal, bitwise

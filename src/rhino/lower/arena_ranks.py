@@ -18,7 +18,7 @@ from ..ir.graph import Role
 from ..memory.step_report import RankMemoryReport
 from ..sharding import simulate
 from ..sharding.plan import ResolvedPlan
-from .arena import ArenaProgram
+from .arena import ArenaProgram, compare_pairs
 from .rank_graph import RankMemory
 from .simulate_spmd import simulate_ranks
 from .spmd_ops import step_from_args
@@ -102,17 +102,11 @@ def compare_arena_ranks(rp: ResolvedPlan, memories: list[RankMemory], report: Ra
     plain_losses: list[list[float]] = [[] for _ in memories]
     with torch.no_grad():
         _, _, _, plain = simulate_ranks(rp, state, batch, steps, return_state=True, rank_losses=plain_losses)
-    max_diff, equal, bitwise = 0.0, True, True
+    pairs = []
     for r in range(len(memories)):
-        pairs = [(torch.tensor(plain_losses[r]), torch.tensor(arena["rank_losses"][r]))]
+        pairs.append((torch.tensor(plain_losses[r]), torch.tensor(arena["rank_losses"][r])))
         pairs += [(plain[r][k], arena["local"][r][k]) for k in arena["local"][r]]
-        for a, b in pairs:
-            if a.numel() == 0:
-                continue
-            a64, b64 = a.double(), b.double()
-            max_diff = max(max_diff, float((a64 - b64).abs().max()))
-            equal = equal and bool(torch.allclose(a64, b64, rtol=rtol, atol=atol, equal_nan=True))
-            bitwise = bitwise and bool(torch.equal(a, b))
+    max_diff, equal, bitwise = compare_pairs(pairs, rtol, atol)
     heights = [report.of_rank(rm.rank).plan.height for rm in memories]
     return {"equal": equal, "bitwise": bitwise, "max_abs_diff": max_diff, "steps": steps,
             "arena_bytes": arena["arena_bytes"], "plan_bytes": heights,
