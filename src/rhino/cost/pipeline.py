@@ -38,6 +38,7 @@ With ``pp = 1`` the single-stage formulas are unchanged: with one micro-batch th
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 from ..ir.analysis import analyze
@@ -257,6 +258,21 @@ def _link(cluster: Cluster, stage_world: int, boundary: int) -> tuple[float, flo
     return cluster.inter_node_bandwidth_per_device, cluster.inter_node.latency_s, False
 
 
+_ASSIGNED: dict = {}
+
+
+def _assigned(graph: Graph, stage_of: dict[str, int], pp: int) -> StageAssignment:
+    """``assign_stages``, remembered for the last (graph, cut): the search prices one cut at several
+    micro-batch counts (``search.stages.stage_cut``, rule ``pipeline_reuse_cut``)."""
+    key = (len(graph.nodes), pp, tuple(sorted(stage_of.items())))
+    hit = _ASSIGNED.get("last")
+    if hit is not None and hit[0]() is graph and hit[1] == key:
+        return hit[2]
+    sa = assign_stages(graph, stage_of, pp)
+    _ASSIGNED["last"] = (weakref.ref(graph), key, sa)
+    return sa
+
+
 def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstimate, rc: RecomputeEffect,
                   cluster: Cluster, links: list[AxisLink], *, pp: int, microbatches: int, schedule: Schedule,
                   options: StepOptions, accumulators: int | None = None,
@@ -268,7 +284,7 @@ def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstim
         return _single_stage(graph, rp, st, mem, rc, cluster, m, schedule, options, accumulators)
     stage_of = contiguous_cut(graph, pp) if stages is None else \
         {graph.nodes[i].name: s for i, s in enumerate(stages) if s >= 0}
-    sa = assign_stages(graph, stage_of, pp)
+    sa = _assigned(graph, stage_of, pp)
     a = analyze(graph)
     stage = [sa.node_stage.get(n.name, -1) for n in graph.nodes]
     mesh = rp.plan.mesh

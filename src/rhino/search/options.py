@@ -121,6 +121,11 @@ class SearchOptions:
     pipeline_microbatch_counts: int = 3
     #: Stage cut: CP-SAT on the unit DAG up to this many unit x stage variables, else the contiguous DP.
     stage_ilp_limit: int = 4000
+    #: Stage cut: CP-SAT's time per solve (each of its two phases gets half), seconds.
+    stage_ilp_seconds: float = 2.0
+    #: Stage cut: keep the cut solved for a plan and degree at a larger micro-batch count for a smaller one
+    #: when it still fits the smaller count's memory rows (``stages.stage_cut``). Off: solved per count.
+    pipeline_reuse_cut: bool = True
     #: Stage cut: stage loads within this fraction of the least bottleneck (TePDist's 8%).
     stage_tolerance: float = 0.08
 

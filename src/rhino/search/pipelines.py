@@ -87,7 +87,7 @@ def _microbatch_counts(graph: Graph, rp, pp: int, options: SearchOptions) -> lis
         m *= 2
     if local % pp == 0 and local not in out:
         out.append(local)          # micro-batches of one sample (Megatron-LM's choice)
-    return out[-options.pipeline_microbatch_counts:]
+    return out[-options.pipeline_microbatch_counts:][::-1]    # largest first (rule pipeline_reuse_cut)
 
 
 def _degrees(cluster: Cluster, mesh: Mesh, options: SearchOptions) -> list[int]:
@@ -133,7 +133,7 @@ def pipeline_candidates(graph: Graph, cluster: Cluster, cands: list, options: Se
     if options.pipeline_megatron_start and base:
         base[1:1] = _megatron_start(graph, cluster, base[0])
     forced = 2 if options.pipeline_megatron_start else 1
-    out = []
+    out, a = [], analyze(graph)
     for k, c in enumerate(base):
         last = None
         for pp in _degrees(cluster, c.mesh, options):
@@ -150,14 +150,16 @@ def pipeline_candidates(graph: Graph, cluster: Cluster, cands: list, options: Se
                 continue
             cut = stage_cut(cones=cones, schedule=Schedule.ONE_F_ONE_B, ilp_limit=options.stage_ilp_limit,
                             tolerance=options.stage_tolerance, workers=options.workers,
-                            seconds=max(0.5, min(10.0, deadline - time.perf_counter())),
-                            capacity=cluster.device.memory_bytes * options.memory_fraction)
+                            seconds=max(0.5, min(options.stage_ilp_seconds, deadline - time.perf_counter())),
+                            capacity=cluster.device.memory_bytes * options.memory_fraction,
+                            reuse=options.pipeline_reuse_cut)
             ests = estimate_microbatches(graph, cluster, rp, pp=pp, microbatches=counts, recompute=c.recompute,
                                          stages=cut)
             e = _best(ests)
             plan.microbatches, plan.stages, plan.schedule = e.microbatches, pp, e.schedule
+            plan.recompute = e.recompute
             plan.stage_of = {graph.nodes[i].name: s for i, s in enumerate(e.node_stage) if s >= 0 and
-                             analyze(graph).is_forward(i)}
+                             a.is_forward(i)}
             cand = Candidate(plan.mesh, c.recompute, plan, None, time.perf_counter() - t0, status=c.status,
                              problem=dict(c.problem))
             cand.keep(plan, e)
