@@ -73,12 +73,13 @@ def estimate(cap: Captured, cluster: str, *, strategy: str | None = None, plan: 
 
 
 def plan(cap: Captured, cluster: str, *, level: str = "O1", time_limit: float = 60.0, presets: bool = True,
-         workload: str = "", progress=None):
+         workload: str = "", progress=None, fit_memory: str = "program"):
     """Search the fastest plan that fits ``cluster``: ``(ShardingPlan, report)`` (``report.text()``).
-    ``workload`` names it in the report; ``progress(event, info)`` gets the search's events."""
+    ``workload`` names it in the report; ``progress(event, info)`` gets the search's events; ``fit_memory``:
+    "program" (the cost model's peak) or "planned" (also each rank program's memory plan, ``SearchOptions``)."""
     from .search.planning import plan_workload
     return plan_workload(_graph(cap), parse_cluster(cluster), level=level, time_limit=time_limit, presets=presets,
-                         workload=workload, progress=progress)
+                         workload=workload, progress=progress, fit_memory=fit_memory)
 
 
 def plan_and_run(cap: Captured, cluster: str = "cpu:4", *, level: str = "O2", time_limit: float = 10.0,
