@@ -17,6 +17,7 @@ subpackages.) Workloads are ``FILE[:FUNC]`` specs (see the README's workload sec
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -160,7 +161,8 @@ def rank_memory_report(cap: Captured, *, strategy: str | None = None, plan: Shar
                        name: str = "", progress=None, status=None):
     """Memory plans for every rank of a parallel plan (exactly one of ``strategy``, ``plan`` or ``cluster``):
     each rank's program (``lower.rank_graph``, communication buffers included) as a memory problem, each
-    distinct problem planned once (``memory.step_report.plan_rank_memory``, ``time_limit`` each). ``execute``
+    distinct problem planned once (``memory.step_report.plan_rank_memory``). ``time_limit`` bounds building
+    the rank programs and planning them, all together (not the search for ``cluster``, nor ``execute``). ``execute``
     runs every rank in its planned arena in lockstep in this process and compares every rank's loss and
     state with the plain rank programs (``lower.arena_ranks.compare_arena_ranks``). Returns a
     ``memory.step_report.RankMemoryReport`` (``.ok``, ``.to_dict()``)."""
@@ -181,12 +183,14 @@ def rank_memory_report(cap: Captured, *, strategy: str | None = None, plan: Shar
         plan, _ = plan_workload(_graph(cap), parse_cluster(cluster), level="O1", workload=name)
     elif plan is None:
         plan = preset_plan(cap.graph, parse_strategy(strategy))
+    t0 = time.perf_counter()
     rp = rank_resolved_plan(cap.graph, plan)
     say(f"building the {plan.mesh.world} rank programs of mesh {plan.mesh} ...")
     mems = rank_memories(rp)
-    say(f"planning each distinct rank program at {level} (time limit {time_limit:g} s each) ...")
+    left = max(0.0, time_limit - (time.perf_counter() - t0))
+    say(f"planning each distinct rank program at {level} ({left:.1f} s left of the {time_limit:g} s limit) ...")
     report = plan_rank_memory([(m.rank, m.problem, m.mapping) for m in mems], workload=name, mesh=str(plan.mesh),
-                              strategy=plan.strategy_string or "plan file", level=level, time_limit=time_limit,
+                              strategy=plan.strategy_string or "plan file", level=level, time_limit=left,
                               progress=progress)
     if execute:
         from .lower.arena_ranks import compare_arena_ranks
