@@ -305,13 +305,11 @@ class PipelineStep:
 
     def __init__(self, graph: Graph | Captured, plan: ShardingPlan, rank: int, device: torch.device | str = "cpu",
                  micro_graph: Graph | None = None, overlap: bool = False, spec: PipelineSpec | None = None) -> None:
-        from .rank_step import microbatch_graph, same_structure
+        from .rank_step import microbatch_graph, same_structure, with_recompute
         cap = graph if isinstance(graph, Captured) else None
         full = cap.graph if cap is not None else graph
         if plan.stages < 2:
             raise ValueError("PipelineStep runs plans with two or more stages; RankStep runs the others")
-        if Recompute(plan.recompute) is not Recompute.NONE:
-            raise ValueError(f"recompute={plan.recompute} is not supported with pipeline stages yet; use recompute=none")
         if not 0 <= rank < plan.world:
             raise ValueError(f"rank {rank} is not in the pipeline's {plan.world} ranks")
         resolve(full, plan)  # the plan is for this workload (fingerprint), every sharding checks
@@ -323,8 +321,9 @@ class PipelineStep:
         g = micro_graph if m > 1 else full
         if m > 1:
             same_structure(full, g, m)
+        g, p = with_recompute(g, plan)
         try:
-            self.rp = rp = resolve(g, dataclasses.replace(plan, fingerprint=""))
+            self.rp = rp = resolve(g, dataclasses.replace(p, fingerprint=""))
         except PlanError as exc:
             raise ValueError(f"microbatches={m}: a micro-batch cannot be split as the plan splits the batch ({exc})") \
                 from None
