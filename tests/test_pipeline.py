@@ -128,11 +128,17 @@ def test_a_schedule_that_would_deadlock_is_reported(mlp, monkeypatch):
 
 
 @pytest.mark.parametrize("argv, match", [(["--strategy", "pp=2,microbatches=2", "--nproc", "3"], "--nproc 2"),
-                                         (["--strategy", "pp=2,microbatches=2", "--nproc", "2", "--emit", "x"], "--emit")])
+                                         (["--strategy", "pp=2,microbatches=2", "--nproc", "2", "--emit", "x"], "--emit"),
+                                         (["--strategy", "pp=2", "--nproc", "2", "--memory-plan"], "--memory-plan does not")])
 def test_unsupported_pipeline_runs_are_one_clear_error(capsys, argv, match):
     code = main(["run", str(ROOT / "examples" / "mlp.py"), *argv, "--json"])
     d = json.loads(capsys.readouterr().out)
     assert code != 0 and match in d["error"]
+
+
+def test_rhino_train_refuses_a_memory_plan_with_stages_before_starting_processes(capsys):
+    code = main(["train", str(ROOT / "examples" / "mlp.py"), "--strategy", "pp=2", "--memory-plan", "--steps", "1"])
+    assert code == 2 and "--memory-plan does not run pipeline stages" in capsys.readouterr().err
 
 
 @pytest.mark.multiprocess

@@ -59,7 +59,13 @@ from ..sharding.plan import PlanError, ResolvedPlan, ShardingPlan, resolve
 from ..sharding.vocab import Recompute
 
 __all__ = ["Run", "Send", "Recv", "StageSpec", "PipelineSpec", "pipeline_spec", "PipelineStep", "stage_order",
-           "StepTimes"]
+           "StepTimes", "PIPELINE_MEMORY_PLAN"]
+
+#: why ``--memory-plan`` refuses pipelines: the arena planner (``runtime.arena_step``) plans one program per
+#: step, while a stage runs forward and backward programs per micro-batch with values stashed between them
+PIPELINE_MEMORY_PLAN = ("--memory-plan does not run pipeline stages: a memory plan per rank covers one program per "
+                        "step, and a stage runs separate forward and backward programs per micro-batch; drop "
+                        "--memory-plan or the pp key")
 
 
 # -- actions ------------------------------------------------------------------------------------------
