@@ -47,6 +47,7 @@ import numpy as np
 
 from .layout_bnb import LayoutOptions, SearchStatus, preorder_indices, search_layout
 from .layout_greedy import place_in_order
+from .layout_improve import squeaky_wheel
 from .layout_split import decompose, splittable
 
 __all__ = ["Buffer", "GreedyOrder", "LayoutStatus", "LayoutResult", "LayoutOptions", "validate_layout",
@@ -431,7 +432,18 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
           say: Progress) -> tuple[dict, str]:
     """One leaf at or under ``cap`` if greedy or the exact search finds it in time, else its lowest
     greedy layout (greedy orders past the first stop at the deadline)."""
-    best, best_h, how = _leaf_greedy(bufs, floor, cap, deadline, options.split.lowest_fit)
+    # above max_leaf (no exact search): one greedy pass, then the squeaky-wheel search (``layout_improve``)
+    big = len(bufs) > options.split.max_leaf and options.split.improve.enabled
+    best, best_h, how = _leaf_greedy(bufs, floor, cap, deadline, options.split.lowest_fit, first_only=big)
+    if big and best_h > cap:
+        lo, up, sz, al = (np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size",
+                                                                                      "alignment"))
+        start = np.array([best[b.id] for b in bufs], np.int64)
+        offs, h, passes = squeaky_wheel(lo, up, sz, al, np.array(floor, np.int64), cap, deadline,
+                                        options.split.improve, start)
+        say(f"layout: leaf of {len(bufs):,} buffers: squeaky wheel {h:,} after {passes} passes (greedy {best_h:,})")
+        if h < best_h:
+            best, best_h, how = {b.id: int(o) for b, o in zip(bufs, offs.tolist())}, h, "squeaky-wheel"
     if best_h <= cap:
         return best, how
     say(f"layout: leaf of {len(bufs):,} buffers: greedy {best_h:,} ({how}) above {cap:,}; "
@@ -457,16 +469,17 @@ def _order(order: GreedyOrder, lo: np.ndarray, up: np.ndarray, sz: np.ndarray) -
 
 
 def _leaf_greedy(bufs: list[Buffer], floor: list[int], cap: int, deadline: float,
-                 lowest_fit: bool) -> tuple[dict, int, str]:
+                 lowest_fit: bool, first_only: bool = False) -> tuple[dict, int, str]:
     """The lowest of the compiled greedy passes (``layout_greedy``): every order best fit (as
     ``greedy_layout``) and, with ``lowest_fit``, lowest fit (size first: the best pass on random traces);
-    stops at ``cap`` or the deadline (the first pass always finishes)."""
+    stops at ``cap`` or the deadline (the first pass always finishes); ``first_only``: the first pass."""
     lo, up = np.array([b.lower for b in bufs], np.int64), np.array([b.upper for b in bufs], np.int64)
     sz, al = np.array([b.size for b in bufs], np.int64), np.array([b.alignment for b in bufs], np.int64)
     fl = np.array(floor, np.int64)
     passes = [(o, False) for o in GreedyOrder]
     if lowest_fit:
         passes = [(GreedyOrder.SIZE, True)] + passes + [(o, True) for o in GreedyOrder if o is not GreedyOrder.SIZE]
+    passes = passes[:1] if first_only else passes
     best, best_h, how = None, 0, ""
     for order, low in passes:
         offs = place_in_order(lo, up, sz, al, fl, _order(order, lo, up, sz), deadline, finish=best is None,
