@@ -51,6 +51,7 @@ class SplitOptions:
     cut_samples: int = 24    # cut times evaluated per leaf
     lowest_fit: bool = True  # leaves' greedy also tries lowest fit (``layout_greedy``; random-1: 5.6% -> 4.0%)
     improve: ImproveOptions = ImproveOptions()  # leaves above max_leaf: squeaky wheel after the first pass
+    big_first: bool = True  # leaves above max_leaf that a few large buffers dominate: those exactly first
 
 
 @dataclass
