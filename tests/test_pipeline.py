@@ -141,7 +141,7 @@ def test_a_schedule_that_would_deadlock_is_reported(mlp, monkeypatch):
     def backward_first(self, *a, **k):
         real(self, *a, **k)
         if self.stage == 0:
-            self.order = [("B", 0)] + [x for x in self.order if x != ("B", 0)]
+            self.order = [("B", 0, 0)] + [x for x in self.order if x != ("B", 0, 0)]
     monkeypatch.setattr(PipelineStep, "__init__", backward_first)
     with pytest.raises(PipelineDeadlock, match="no stage can advance"):
         simulate_pipeline(mlp, plan, 1)

@@ -23,9 +23,13 @@ else ``B_b``) and keeps what ``F_b`` made or received for its ``B_b`` (a stash p
 Gradients ``U_b`` reads from another stage are sent after the sender's last micro-batch. Sends never
 block; the rules of ``ir.stages`` make the schedules deadlock-free.
 
-**Schedules** (``plan.schedule``): GPipe (``F`` of every micro-batch, then ``B`` of every micro-batch);
-1F1B (PipeDream-Flush: stage ``s`` runs ``min(S - 1 - s, m)`` forwards, then alternates one forward and
-one backward, then the remaining backwards). The loss of the step is ``sum_k loss_k / m`` from the last
+**Schedules** (``plan.schedule``, ``ir.stages.schedule_order``): GPipe (``F`` of every micro-batch, then
+``B`` of every micro-batch); 1F1B (PipeDream-Flush: stage ``s`` runs ``min(S - 1 - s, m)`` forwards, then
+alternates one forward and one backward, then the remaining backwards); interleaved 1F1B (Megatron-LM,
+``plan.chunks = v``: the cut has ``S * v`` virtual stages, virtual stage ``c * S + s`` is chunk ``c`` of
+stage ``s``; the rank runs its chunks' programs in Megatron's order, a value between two chunks of one
+rank is handed over locally, the update runs every chunk's update program on the state before any of them,
+so a weight two chunks hold is updated once from the same summed gradient). The loss of the step is ``sum_k loss_k / m`` from the last
 stage, broadcast to every rank. The step's result equals ``RankStep``'s (and PyTorch's accumulation loop).
 
 ``PipelineStep.schedule`` yields actions (``Run``, ``Send``, ``Recv``); ``run`` executes them with
@@ -49,7 +53,7 @@ from ..cost.accumulate import StepSplit, split_step
 from ..ir.analysis import analyze
 from ..cost.remat import remat, remat_plan
 from ..ir.graph import Graph, Ref, Role
-from ..ir.stages import Schedule, StageAssignment, assign_stages, contiguous_cut
+from ..ir.stages import StageAssignment, assign_stages, contiguous_cut, schedule_order
 from ..lower.spmd import Part, SpmdProgram, lower_rank
 from ..sharding.placement import Partial, ReduceOp, replicated
 from ..sharding.plan import PlanError, ResolvedPlan, ShardingPlan, resolve
@@ -116,8 +120,18 @@ class PipelineSpec:
     graph: Graph                          # the step at batch B/m (the step itself for m = 1)
     split: StepSplit
     assignment: StageAssignment
-    stages: list[StageSpec]
+    stages: list[StageSpec]               # per virtual stage (``plan.stages * plan.chunks``)
     transfers: int                        # number of (value, receiver) pairs: tags are per transfer
+    chunks: int = 1                       # virtual stages per device: ``c * devices + d`` on device ``d``
+
+    def device_stages(self, device: int) -> list[int]:
+        """The virtual stages device (pipeline rank) ``device`` runs, chunk order."""
+        devices = len(self.stages) // self.chunks
+        return [c * devices + device for c in range(self.chunks)]
+
+    def device_held(self, device: int) -> list[str]:
+        """The state inputs any of ``device``'s chunks holds (graph input order)."""
+        return list(dict.fromkeys(n for v in self.device_stages(device) for n in self.stages[v].held))
 
 
 def _reads(graph: Graph, nodes: set[str]) -> list[int]:
@@ -148,7 +162,7 @@ def _update_nodes(graph: Graph, split: StepSplit, outputs: list[int]) -> set[str
 def pipeline_spec(graph: Graph, plan: ShardingPlan, full_graph: Graph | None = None) -> PipelineSpec:
     """Every stage's programs and transfers (module docstring) for the step ``graph`` at batch B/m;
     ``full_graph``: the step at batch B, for the default cut when ``plan.stage_of`` is empty."""
-    S = plan.stages
+    S = plan.stages * plan.chunks
     stage_of = plan.stage_of or contiguous_cut(full_graph or graph, S)
     sa = assign_stages(graph, stage_of, S)
     split = split_step(graph)
@@ -168,7 +182,7 @@ def pipeline_spec(graph: Graph, plan: ShardingPlan, full_graph: Graph | None = N
             if p is not None and graph.nodes[p].name in fwd and sa.holders[n] != {s}:
                 raise PlanError(f"buffer {n} is updated on stage {s} but held by stages {sorted(sa.holders[n])}; "
                                 f"put its readers on one stage")
-    spec = PipelineSpec(graph, split, sa, specs, 0)
+    spec = PipelineSpec(graph, split, sa, specs, 0, plan.chunks)
     _wire(spec, a, out_value)
     return spec
 
@@ -265,7 +279,7 @@ def staged_recompute(graph: Graph, plan: ShardingPlan, full: Graph) -> tuple[Gra
     (``ir.stages``: a backward node named in ``stage_of``). ``full``: the step at batch B, for the default cut."""
     if Recompute(plan.recompute) is Recompute.NONE:
         return graph, plan
-    stage_of = dict(plan.stage_of or contiguous_cut(full, plan.stages))
+    stage_of = dict(plan.stage_of or contiguous_cut(full, plan.stages * plan.chunks))
     new, origin = remat(graph, plan.recompute)
     new = _read_crossing_values(new, graph, origin, stage_of)
     kept = {n.name for n in new.nodes}
@@ -314,15 +328,8 @@ def _swap_refs(obj, swap: dict[int, int]):
 
 # -- schedules ------------------------------------------------------------------------------------------
 def stage_order(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
-    """Stage ``stage``'s programs in order: ("F" | "B", micro-batch) (module docstring)."""
-    m = microbatches
-    if Schedule(schedule) is Schedule.GPIPE:
-        return [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
-    warm = min(stages - 1 - stage, m)
-    out = [("F", k) for k in range(warm)]
-    for k in range(m - warm):
-        out += [("F", warm + k), ("B", k)]
-    return out + [("B", k) for k in range(m - warm, m)]
+    """Stage ``stage``'s programs in order: ("F" | "B", micro-batch) (module docstring; one chunk)."""
+    return [(key, k) for key, _, k in schedule_order(schedule, stage, stages, microbatches)]
 
 
 # -- one rank ---------------------------------------------------------------------------------------------
@@ -390,17 +397,20 @@ class PipelineStep:
         self.plan, self.rank, self.device, self.microbatches = plan, rank, torch.device(device), m
         W = plan.mesh.world
         self.stage, self.local = divmod(rank, W)
+        self.chunks = self.spec.device_stages(self.stage)      # this rank's virtual stages
         self.st = self.spec.stages[self.stage]
-        self.state_names = list(self.st.held)
+        self.state_names = self.spec.device_held(self.stage)
         state_in = {i.name: i.value for i in g.inputs}
         batch_values = [i.value for i in g.inputs if i.role is Role.BATCH]
-        self.programs: dict[tuple[str, bool], SpmdProgram] = {}
-        for key, ps in (("F", self.st.forward), ("B", self.st.backward), ("U", self.st.update)):
-            variants = (True, False) if key != "U" and ps.grads and m > 1 else (True,)
-            for first in variants:
-                part = _part(ps, rp, first, state_in, batch_values)
-                self.programs[(key, first)] = lower_rank(rp, self.local, self.device, part, overlap=overlap)
-        self.order = stage_order(plan.schedule, self.stage, plan.stages, m)
+        self.programs: dict[tuple[str, bool, int], SpmdProgram] = {}
+        for v in self.chunks:
+            st = self.spec.stages[v]
+            for key, ps in (("F", st.forward), ("B", st.backward), ("U", st.update)):
+                variants = (True, False) if key != "U" and ps.grads and m > 1 else (True,)
+                for first in variants:
+                    part = _part(ps, rp, first, state_in, batch_values)
+                    self.programs[(key, first, v)] = lower_rank(rp, self.local, self.device, part, overlap=overlap)
+        self.order = schedule_order(plan.schedule, self.stage, plan.stages, m, plan.chunks)
         self.times: list[StepTimes] = []
 
     def local_batch(self, batch: tuple) -> tuple:
@@ -414,20 +424,37 @@ class PipelineStep:
 
     def schedule(self, local_state: dict, local_batch: tuple) -> Generator:
         """The step as actions (``Run``: send its outputs back; ``Recv``: send the tensor back). Returns the
-        loss (last stage: ``sum_k loss_k / m``; other stages: None)."""
-        m, st = self.microbatches, self.st
+        loss (last stage: ``sum_k loss_k / m``; other stages: None). ``Send`` / ``Recv`` name stages
+        (devices); a value between two virtual stages of this rank goes through ``local`` instead."""
+        m, spec = self.microbatches, self.spec
+        devices = self.plan.stages
         rows = [b.shape[0] // m if b.dim() else 0 for b in local_batch]
-        stash: list[dict[int, torch.Tensor]] = [dict() for _ in range(m)]
+        stash: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
         grads: dict[int, torch.Tensor] = {}
+        local: dict[int, torch.Tensor] = {}            # tag -> tensor sent from one of this rank's chunks to another
         loss = 0.0
-        for key, k in self.order:
+
+        def recv(vid: int, src: int, index: int, k: int):
+            if src % devices == self.stage:
+                return local.pop(index * (m + 1) + k)
+            return (yield self._recv(vid, src % devices, index, k))
+
+        def send(dst: int, index: int, k: int, t: torch.Tensor):
+            if dst % devices == self.stage:
+                local[index * (m + 1) + k] = t.clone()
+            else:
+                yield Send(dst % devices, index * (m + 1) + k, t)
+
+        for key, v, k in self.order:
+            st = spec.stages[v]
             ps = st.forward if key == "F" else st.backward
+            box = stash.setdefault((v, k), {})
             for vid, src, index in ps.recvs:
-                stash[k][vid] = yield self._recv(vid, src, index, k)
+                box[vid] = yield from recv(vid, src, index, k)
             first = k == 0 or not ps.grads
-            args = [self._arg(kind, x, local_state, local_batch, stash[k], rows, k) for kind, x in ps.inputs]
-            outs = yield Run(self.programs[(key, first)],
-                             args + ([] if first else [grads[v] for v in ps.grads]), (key, k))
+            args = [self._arg(kind, x, local_state, local_batch, box, rows, k) for kind, x in ps.inputs]
+            outs = yield Run(self.programs[(key, first, v)],
+                             args + ([] if first else [grads[u] for u in ps.grads]), (key, k))
             del args
             for (kind, x), t in zip(ps.outputs, outs):
                 if kind == "loss":
@@ -435,25 +462,29 @@ class PipelineStep:
                 elif kind == "buffer":
                     local_state[x] = t
                 else:
-                    stash[k][x] = t
+                    box[x] = t
             if first:
-                for v, t in zip(ps.grads, outs[len(ps.outputs):]):
-                    grads[v] = t.clone() if v in stash[k] else t   # a sent tensor is never added into
+                for u, t in zip(ps.grads, outs[len(ps.outputs):]):
+                    grads[u] = t.clone() if u in box else t   # a sent tensor is never added into
             for vid, dst, index in ps.sends:
-                yield Send(dst, index * (m + 1) + k, stash[k][vid])
+                yield from send(dst, index, k, box[vid])
             if key == "B":
-                stash[k] = {}
+                del stash[(v, k)]
         for t in grads.values():
             t.div_(m)
-        upd = st.update
-        for vid, dst, index in upd.sends:
-            yield Send(dst, index * (m + 1) + m, grads[vid])
-        for vid, src, index in upd.recvs:
-            grads[vid] = yield self._recv(vid, src, index, m)
-        args = [local_state[x] if kind == "state" else grads[x] for kind, x in upd.inputs]
-        outs = yield Run(self.programs[("U", True)], args, ("U", 0))
-        del args
-        local_state.update((x, t) for (_, x), t in zip(upd.outputs, outs))
+        updates = [spec.stages[v].update for v in self.chunks]
+        for upd in updates:
+            for vid, dst, index in upd.sends:
+                yield from send(dst, index, m, grads[vid])
+        runs = []
+        for v, upd in zip(self.chunks, updates):
+            for vid, src, index in upd.recvs:
+                grads[vid] = yield from recv(vid, src, index, m)
+            runs.append((v, upd, [local_state[x] if kind == "state" else grads[x] for kind, x in upd.inputs]))
+        for v, upd, args in runs:      # every chunk's update reads the state before any update
+            outs = yield Run(self.programs[("U", True, v)], args, ("U", 0))
+            local_state.update((x, t) for (_, x), t in zip(upd.outputs, outs))
+        del runs
         return loss / m if self.stage == self.plan.stages - 1 else None
 
     @staticmethod
@@ -516,7 +547,7 @@ def compare_stages(rp: ResolvedPlan, spec: PipelineSpec, results: dict[int, dict
     out = Comparison(True, 0.0, None, 0)
     for r in sorted(results):
         stage, local = divmod(r, W)
-        held = spec.stages[stage].held
+        held = spec.device_held(stage)
         sub = Reference(ref.losses, {n: t for n, t in ref.state.items() if n in held}, ref.initial)
         c = compare_ranks(rp, {local: results[r]}, sub, tol)
         out.compared += c.compared
