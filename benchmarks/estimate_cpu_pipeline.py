@@ -57,12 +57,13 @@ def _rank_main(ctx, graph_json: str, runs: list, state: dict, batch: tuple) -> l
         b = step.local_batch(batch)
         for _ in range(WARMUP + STEPS):
             step.run(local, b)
-        out.append([(t.busy, t.idle) for t in step.times[WARMUP:]])
+        out.append([(t.busy, t.idle, t.waiting) for t in step.times[WARMUP:]])
     return out
 
 
-def _measure(cap, plans: list) -> list[tuple[float, float]]:
-    """Per plan: (median slowest-rank step seconds, idle fraction)."""
+def _measure(cap, plans: list) -> list[dict]:
+    """Per plan: median slowest-rank step seconds, idle fraction, and per rank busy / waiting / other seconds
+    per step (medians)."""
     from rhino.runtime.launch import launch
     from rhino.runtime.rank_step import microbatch_graph
     runs = [(p.to_json(), microbatch_graph(cap, p.microbatches).to_json()) for p in plans]
@@ -71,10 +72,12 @@ def _measure(cap, plans: list) -> list[tuple[float, float]]:
     out = []
     for k in range(len(plans)):
         per = [r[k] for r in ranks]
-        step = statistics.median(max(b + i for b, i in ts) for ts in zip(*per))
-        busy = sum(b for ts in per for b, _ in ts)
-        idle = sum(i for ts in per for _, i in ts)
-        out.append((step, idle / (busy + idle)))
+        step = statistics.median(max(b + i for b, i, _ in ts) for ts in zip(*per))
+        busy = sum(b for ts in per for b, _, _ in ts)
+        idle = sum(i for ts in per for _, i, _ in ts)
+        detail = [tuple(statistics.median(t[j] for t in ts) for j in range(3)) for ts in per]
+        out.append({"step": step, "idle": idle / (busy + idle),
+                    "ranks": [{"busy": b, "waiting": w, "other": i - w} for b, i, w in detail]})
     return out
 
 
@@ -93,20 +96,26 @@ def main() -> int:
     args = ap.parse_args()
     strategies = args.strategy or STRATEGIES
     t0 = time.perf_counter()
-    prof = measure_profile(nproc=2)
-    cluster, cost = prof.apply(parse_cluster("cpu:2"))
-    print(f"profile: {time.perf_counter() - t0:.0f} s; link {prof.link_bandwidth / 1e9:.2f} GB/s "
-          f"{prof.link_latency_s * 1e6:.0f} us", flush=True)
     rows, worst_t, worst_b = [], 0.0, 0.0
     for label, (name, kw) in WORKLOADS.items():
         if args.model and name not in args.model:
             continue
         cap = _capture(name, kw)
         plans = [preset_plan(cap.graph, parse_strategy(s)) for s in strategies]
+        prof = measure_profile(nproc=2)     # right before this workload's runs: the same load hits both
+        cluster, cost = prof.apply(parse_cluster("cpu:2"))
+        print(f"{label}: profile matmul {prof.matmul_flops / 1e9:.1f} GFLOP/s, link {prof.link_bandwidth / 1e9:.2f} "
+              f"GB/s {prof.link_latency_s * 1e6:.0f} us [load {os.getloadavg()[0]:.1f}]", flush=True)
         measured = _measure(cap, plans)
-        for s, plan, (mt, mi) in zip(strategies, plans, measured):
+        for s, plan, meas in zip(strategies, plans, measured):
+            mt, mi = meas["step"], meas["idle"]
             est = estimate(cap.graph, cluster, plan, options=StepOptions(profile=cost))
             pt, pi = est.step_seconds, est.step_idle_fraction
+            print("   measured per rank (ms/step): " + "; ".join(
+                f"busy {r['busy'] * 1e3:.1f} waiting {r['waiting'] * 1e3:.1f} other {r['other'] * 1e3:.1f}"
+                for r in meas["ranks"]) + " | predicted busy per stage (ms/step): " + ", ".join(
+                f"{(st['forward_seconds'] + st['backward_seconds']) * plan.microbatches * 1e3:.1f}"
+                for st in est.stages), flush=True)
             worst_t, worst_b = max(worst_t, abs(pt / mt - 1)), max(worst_b, abs(pi - mi))
             rel = abs(pi - mi) / mi if mi else 0.0
             rows.append(f"| {label} | {s} | {mt * 1e3:.1f} | {pt * 1e3:.1f} | {pt / mt:.2f} | {mi:.3f} | {pi:.3f} | "

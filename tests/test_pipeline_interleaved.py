@@ -12,6 +12,7 @@ from rhino.capture import capture, load_workload
 from rhino.cost.cluster import parse_cluster
 from rhino.cost.estimate import estimate
 from rhino.cost.pipeline import Schedule, in_flight, simulate
+from rhino.cost.step import StepOptions
 from rhino.ir.stages import StageError, schedule_order
 from rhino.runtime.pipeline import stage_order
 from rhino.sharding.plan import PlanError, ShardingPlan
@@ -103,3 +104,19 @@ def test_interleaved_pipelines_match_single_device_training_on_every_rank(name, 
         assert any(c.src % 2 == c.dst % 2 for c in st.spec.assignment.crossings)
     if name == "gpt":
         assert st.spec.assignment.holders["tok.weight"] == {0, 3}
+
+
+def test_a_measured_point_to_point_fit_prices_the_stage_boundaries():
+    from rhino.cost.machine_profile import MachineProfile
+    mlp = _cap("mlp")
+    plan = preset_plan(mlp.graph, parse_strategy("pp=2,microbatches=4"))
+    base = MachineProfile("cpu (1 threads)", 1, 1e10, 1e5, 5e9, 3e-6, 0.5, 0.4, 2e9, 2e-5, 2)
+    steps = []
+    for lat in (1e-5, 1e-3):
+        prof = MachineProfile(**{**base.__dict__, "p2p_bandwidth": 1e9, "p2p_latency_s": lat})
+        cluster, cost = prof.apply(parse_cluster("cpu:2"))
+        assert cost.p2p_latency_s == lat
+        steps.append(estimate(mlp.graph, cluster, plan, options=StepOptions(profile=cost)).step_seconds)
+    # at least one forward and one backward transfer are on the critical path (fill and drain), at most one
+    # round trip per micro-batch (tiny stages: every backward waits for its round trip)
+    assert 2 * (1e-3 - 1e-5) - 1e-12 <= steps[1] - steps[0] <= 2 * 4 * (1e-3 - 1e-5) + 1e-12

@@ -14,13 +14,17 @@ strategies on its own nodes); ``pp`` stages and ``m`` micro-batches are modelled
   adds each stage's share (by forward time) of the recomputed forward to its backward.
 - **Boundary transfers**: a forward value made on stage ``a`` and read on stage ``b > a`` crosses the
   boundaries ``a .. b-1`` (per-rank bytes under the plan, ``1/m`` per micro-batch), its gradient (floating
-  values) the same way back; a transfer between stages on one node uses the intra-node link, else the
-  network (ranks ``s * W .. (s+1) * W - 1`` form stage ``s``: ``cost.estimate``).
+  values) the same way back; a transfer between stages on one node uses the intra-node link (or, with a
+  measured profile, its point-to-point alpha-beta fit: ``rhino profile``), else the network (ranks
+  ``s * W .. (s+1) * W - 1`` form stage ``s``: ``cost.estimate``).
 - **Schedule** (``simulate``): an event simulation over stages x micro-batches. Each stage runs its
   operations in its schedule's order, each as soon as its input has arrived: GPipe runs all ``m``
   forwards then all backwards; 1F1B runs ``min(pp - s - 1, m)`` warm-up forwards on stage ``s``, then
-  alternates one forward and one backward, then drains. The bubble comes from the simulated idle time,
-  so imbalance and transfers show in it (no balanced formula).
+  alternates one forward and one backward, then drains; interleaved 1F1B (``chunks = v``: ``pp * v``
+  virtual stages, virtual stage ``c * pp + d`` on device ``d``, Megatron-LM's order from
+  ``ir.stages.schedule_order``; every virtual boundary is a transfer). The bubble comes from the simulated
+  idle time, so imbalance and transfers show in it (no balanced formula; with balanced stages and free
+  transfers it equals Megatron's ``(pp - 1) (t_f + t_b) / v``, tested).
 - **After the pipeline**, per stage: the data-parallel gradient reduction of the stage's gradients
   (hidden behind the stage's last backward when ``StepOptions.overlap_gradient_reduction``), ZeRO-3
   gathers repeated per micro-batch (hidden behind the stage's compute when ``prefetch_parameters``),
@@ -28,7 +32,7 @@ strategies on its own nodes); ``pp`` stages and ``m`` micro-batches are modelled
 - **Memory per stage**: the whole-graph peak's categories split by the stage's share: parameters,
   gradients and buffers by its parameter bytes (a tied parameter read on two stages counts on both),
   optimizer state by its state bytes, activations by the bytes its forward nodes save, times the
-  micro-batches in flight (1F1B: ``min(pp - s, m)``; GPipe: ``m``) over ``m``; temporaries and the
+  micro-batches in flight (1F1B: ``min(pp - s, m)``; GPipe: ``m``; interleaved: ``in_flight``) over ``m``; temporaries and the
   batch at ``1/m``; with ``m > 1`` a full gradient buffer of the stage's parameters. The reported peak is
   the largest stage's.
 
@@ -46,6 +50,7 @@ from ..ir.stages import Phase, Schedule, StageAssignment, assign_stages, contigu
 from ..sharding.placement import local_shape
 from ..sharding.plan import ResolvedPlan
 from .cluster import AxisLink, Cluster
+from .compute import Profile
 from .memory import MemoryEstimate
 from .recompute import RecomputeEffect
 from .step import StepOptions, StepTime, node_compute
@@ -246,15 +251,19 @@ def _shares(graph: Graph, rp: ResolvedPlan, mem: MemoryEstimate, sa: StageAssign
             for s in range(pp)], count
 
 
-def _link(cluster: Cluster, stage_world: int, boundary: int, pp: int | None = None) -> tuple[float, float, bool]:
+def _link(cluster: Cluster, stage_world: int, boundary: int, pp: int | None = None,
+          profile: Profile | None = None) -> tuple[float, float, bool]:
     """(bandwidth, latency, within a node) of the transfer across ``boundary`` (after its last rank); with
-    ``pp``: ``boundary`` between virtual stages, from device ``boundary % pp`` to the next one's device."""
+    ``pp``: ``boundary`` between virtual stages, from device ``boundary % pp`` to the next one's device.
+    Within a node a measured point-to-point fit (``profile.p2p_*``, ``rhino profile``) replaces the link's."""
     if pp is None:
         same = (boundary + 1) * stage_world % cluster.devices_per_node != 0
     else:
         a, b = boundary % pp, (boundary + 1) % pp
         dpn = cluster.devices_per_node
         same = (a * stage_world) // dpn == (b * stage_world) // dpn == ((a + 1) * stage_world - 1) // dpn
+    if same and profile is not None and profile.p2p_bandwidth:
+        return profile.p2p_bandwidth, profile.p2p_latency_s or 0.0, True
     if same:
         return cluster.intra_node.bandwidth, cluster.intra_node.latency_s, True
     return cluster.inter_node_bandwidth_per_device, cluster.inter_node.latency_s, False
@@ -281,7 +290,7 @@ def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstim
     fb, bb, upd = _boundaries(graph, rp, sa, V)
     send_f, send_b, notes = [], [], []
     for k in range(V - 1):
-        bw, lat, same = _link(cluster, mesh.world, k, pp if chunks > 1 else None)
+        bw, lat, same = _link(cluster, mesh.world, k, pp if chunks > 1 else None, options.profile)
         send_f.append(fb[k] / m / bw + lat)
         send_b.append(bb[k] / m / bw + lat)
     worst = max(range(V - 1), key=lambda k: fb[k])
@@ -295,7 +304,7 @@ def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstim
         g, p_, o, u = (sum(x[v] for v in dev[d]) for x in (grad, pref, opt, upd))
         window = b_mb[d] if options.overlap_gradient_reduction else 0.0   # chunk 0 runs the last backward
         hidden = busy[d] if options.prefetch_parameters else 0.0
-        bw, lat, _ = _link(cluster, mesh.world, max(d - 1, 0))
+        bw, lat, _ = _link(cluster, mesh.world, max(d - 1, 0), None, options.profile)
         summed = u / bw + lat if u else 0.0     # a tied weight's gradient from another stage
         finish.append(end[d] + max(0.0, g - window) + max(0.0, p_ * m - hidden) + summed + o)
         work.append(busy[d] + finish[d] - end[d] - summed)   # programs run after the pipeline phase are busy

@@ -335,10 +335,13 @@ def stage_order(schedule: str, stage: int, stages: int, microbatches: int) -> li
 # -- one rank ---------------------------------------------------------------------------------------------
 @dataclass
 class StepTimes:
-    """One step on one rank: seconds running programs (busy) and the rest of the step (idle)."""
+    """One step on one rank: seconds running programs (busy) and the rest of the step (idle); ``waiting``:
+    the part of idle blocked on messages (receives, the sends' completion, the loss broadcast): the schedule's
+    fill and drain and transfers; the rest of idle is the runtime's own work between programs."""
 
     busy: float
     idle: float
+    waiting: float = 0.0
 
 
 def _part(spec: ProgramSpec, rp: ResolvedPlan, first: bool, state_in: dict[str, int], batch_values: list[int]) -> Part:
@@ -498,7 +501,7 @@ class PipelineStep:
     def run(self, local_state: dict, local_batch: tuple) -> float:
         """One step with ``torch.distributed`` point-to-point messages (every rank of the job calls it);
         returns the loss (broadcast from the last stage) and appends this rank's ``StepTimes``."""
-        W, busy, pending = self.plan.mesh.world, 0.0, []
+        W, busy, waiting, pending = self.plan.mesh.world, 0.0, 0.0, []
         start = time.perf_counter()
         gen = self.schedule(local_state, local_batch)
         reply = None
@@ -519,14 +522,18 @@ class PipelineStep:
                     pending.append((dist.isend(t, act.dst * W + self.local, tag=act.tag), t))
                 else:
                     buf = torch.empty(act.shape, dtype=_wire_dtype(act.dtype), device=self.device)
+                    t0 = time.perf_counter()
                     dist.irecv(buf, act.src * W + self.local, tag=act.tag).wait()
+                    waiting += time.perf_counter() - t0
                     reply = buf.view(act.dtype) if act.dtype is torch.bool else buf
+            t0 = time.perf_counter()
             for work, _ in pending:
                 work.wait()
             out = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64, device=self.device)
             dist.broadcast(out, (self.plan.stages - 1) * W)
+            waiting += time.perf_counter() - t0
         wall = time.perf_counter() - start
-        self.times.append(StepTimes(busy, max(wall - busy, 0.0)))
+        self.times.append(StepTimes(busy, max(wall - busy, 0.0), waiting))
         return float(out[0])
 
 
