@@ -19,6 +19,9 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ["mlp", "gpt", "bert", "llama", "moe", "resnet", "unet"]
 STRATEGIES = ["pp=2,microbatches=4", "pp=2,dp=2,microbatches=4", "pp=2,tp=2,microbatches=4"]
+#: stages that are themselves sharded further: recomputation and ZeRO inside stages (``--strategies inner``)
+INNER = ["pp=2,recompute=full,microbatches=4", "pp=2,recompute=selective,microbatches=4",
+         "pp=2,dp=2,zero=1,microbatches=4", "pp=2,dp=2,zero=2,microbatches=4", "pp=2,dp=2,zero=3,microbatches=4"]
 
 
 def simulated(name: str, strategy: str) -> dict:
@@ -42,7 +45,9 @@ def simulated(name: str, strategy: str) -> dict:
 
 
 def real(name: str, strategy: str) -> dict:
-    nproc = 2 if strategy == STRATEGIES[0] else 4
+    from rhino.sharding.presets import parse_strategy
+    spec = parse_strategy(strategy)
+    nproc = spec.pp * spec.dp * spec.tp
     out = subprocess.run([sys.executable, "-m", "rhino.cli.main", "run", f"tests/workloads/pipelines.py:{name}",
                           "--nproc", str(nproc), "--strategy", strategy, "--dtype", "float64", "--steps", "2",
                           "--timeout", "300", "--json"], cwd=ROOT, capture_output=True, text=True)
@@ -53,11 +58,15 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sim", action="store_true", help="run every rank in this process")
     ap.add_argument("--examples", default=",".join(EXAMPLES))
+    ap.add_argument("--strategies", default="base",
+                    help="base (the 3 rows per example), inner (recompute and ZeRO in stages), all, or a ';'-list")
     args = ap.parse_args()
+    strategies = {"base": STRATEGIES, "inner": INNER, "all": STRATEGIES + INNER}.get(args.strategies) \
+        or args.strategies.split(";")
     print("| example | strategy | ranks | ok | max abs diff | losses (2 steps) | idle fraction | wall s |")
     print("|---|---|---|---|---|---|---|---|")
     for name in args.examples.split(","):
-        for strategy in STRATEGIES:
+        for strategy in strategies:
             t0 = time.perf_counter()
             d = simulated(name, strategy) if args.sim else real(name, strategy)
             idle = d.get("pipeline", {}).get("idle_fraction", "-")

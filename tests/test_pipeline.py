@@ -2,7 +2,7 @@
 each stage's ranks in lockstep, boundary values handed over) and once on real processes.
 
 Sampled for time (the full 7 x 3 matrix is in docs/benchmarks.md, "Pipelines: exactness"): the MLP under
-pp=2 with dp=2, tp=2, GPipe and three stages, and GPT (tied embedding/head: the weight lives on both
+pp=2 with dp=2, tp=2, GPipe, three stages, full recomputation and ZeRO-3, and GPT (tied embedding/head: the weight lives on both
 stages) under pp=2."""
 from __future__ import annotations
 
@@ -46,7 +46,8 @@ def _check(cap, strategy: str, steps: int = 2):
 
 
 @pytest.mark.parametrize("strategy", ["pp=2,dp=2,microbatches=4", "pp=2,tp=2,microbatches=4",
-                                      "pp=2,microbatches=4,schedule=gpipe", "pp=3,microbatches=2"])
+                                      "pp=2,microbatches=4,schedule=gpipe", "pp=3,microbatches=2",
+                                      "pp=2,recompute=full,microbatches=4", "pp=2,dp=2,zero=3,microbatches=4"])
 def test_mlp_pipelines_match_single_device_training_on_every_rank(mlp, strategy):
     cmp, res, plan = _check(mlp, strategy)
     assert cmp.ok, cmp.first_mismatch
@@ -55,13 +56,53 @@ def test_mlp_pipelines_match_single_device_training_on_every_rank(mlp, strategy)
     assert res["messages"] > 0
 
 
-def test_gpt_with_a_tied_embedding_matches_single_device_training():
-    cap = _cap("gpt")
-    cmp, res, plan = _check(cap, "pp=2,microbatches=2")
+@pytest.fixture(scope="module")
+def gpt():
+    return _cap("gpt")
+
+
+def test_gpt_with_a_tied_embedding_matches_single_device_training(gpt):
+    cmp, res, plan = _check(gpt, "pp=2,microbatches=2")
     assert cmp.ok, cmp.first_mismatch
     holders = res["steps"][0].spec.assignment.holders
     assert holders["tok.weight"] == {0, 1}
     assert "tok.weight" in res["local"][0] and "tok.weight" in res["local"][1]
+
+
+def _stash_bytes(step: PipelineStep) -> int:
+    """Bytes of the forward values this rank keeps per micro-batch in flight for its backward."""
+    g = step.rp.graph
+    return sum(g.types[v].nbytes for kind, v in step.st.forward.outputs if kind == "export")
+
+
+def test_recompute_inside_stages_runs_copies_in_the_backward_and_stashes_less(mlp):
+    """recompute=full: the step is rewritten (cost.remat) before the stage cut, so the backward programs
+    recompute forward values (copies named ``*_rc``) and each stage keeps fewer bytes per micro-batch."""
+    from rhino.runtime.rank_step import microbatch_graph
+    micro = microbatch_graph(mlp, 4)
+    steps = {rc: [PipelineStep(mlp.graph, preset_plan(mlp.graph, parse_strategy(f"pp=2,recompute={rc},microbatches=4")),
+                               r, micro_graph=micro) for r in (0, 1)] for rc in ("none", "full")}
+    for r in (0, 1):
+        assert not any(n.endswith("_rc") for n in steps["none"][r].st.backward.nodes)
+        assert any(n.endswith("_rc") for n in steps["full"][r].st.backward.nodes)
+    assert _stash_bytes(steps["full"][0]) < _stash_bytes(steps["none"][0])
+    assert sum(map(_stash_bytes, steps["full"])) < sum(map(_stash_bytes, steps["none"]))
+
+
+def test_recomputed_copies_stay_on_their_stage_and_add_no_crossings(gpt):
+    """GPT, cut right after the fused QKV matmul: under recompute=full every copy runs on its original's
+    stage, the crossing QKV value is read itself (not recomputed on stage 0 and sent back), and the stage
+    boundaries carry the same bytes as without recomputation."""
+    from rhino.runtime.rank_step import microbatch_graph
+    micro = microbatch_graph(gpt, 2)
+    out = {}
+    for rc in ("none", "full"):
+        plan = preset_plan(gpt.graph, parse_strategy(f"pp=2,recompute={rc},microbatches=2"))
+        out[rc] = PipelineStep(gpt.graph, plan, 0, micro_graph=micro).spec.assignment
+    stage = out["full"].node_stage
+    copies = [n for n in stage if n.endswith("_rc")]
+    assert len(copies) > 20 and all(stage[n] == stage[n[:-3]] for n in copies)
+    assert out["full"].boundary_bytes() == out["none"].boundary_bytes()
 
 
 def test_a_wrong_update_on_one_stage_is_caught(mlp):
@@ -100,19 +141,24 @@ def test_a_schedule_that_would_deadlock_is_reported(mlp, monkeypatch):
     def backward_first(self, *a, **k):
         real(self, *a, **k)
         if self.stage == 0:
-            self.order = [("B", 0)] + [x for x in self.order if x != ("B", 0)]
+            self.order = [("B", 0, 0)] + [x for x in self.order if x != ("B", 0, 0)]
     monkeypatch.setattr(PipelineStep, "__init__", backward_first)
     with pytest.raises(PipelineDeadlock, match="no stage can advance"):
         simulate_pipeline(mlp, plan, 1)
 
 
-@pytest.mark.parametrize("argv, match", [(["--strategy", "pp=2,microbatches=2,recompute=full", "--nproc", "2"], "recompute"),
-                                         (["--strategy", "pp=2,microbatches=2", "--nproc", "3"], "--nproc 2"),
-                                         (["--strategy", "pp=2,microbatches=2", "--nproc", "2", "--emit", "x"], "--emit")])
+@pytest.mark.parametrize("argv, match", [(["--strategy", "pp=2,microbatches=2", "--nproc", "3"], "--nproc 2"),
+                                         (["--strategy", "pp=2,microbatches=2", "--nproc", "2", "--emit", "x"], "--emit"),
+                                         (["--strategy", "pp=2", "--nproc", "2", "--memory-plan"], "--memory-plan does not")])
 def test_unsupported_pipeline_runs_are_one_clear_error(capsys, argv, match):
     code = main(["run", str(ROOT / "examples" / "mlp.py"), *argv, "--json"])
     d = json.loads(capsys.readouterr().out)
     assert code != 0 and match in d["error"]
+
+
+def test_rhino_train_refuses_a_memory_plan_with_stages_before_starting_processes(capsys):
+    code = main(["train", str(ROOT / "examples" / "mlp.py"), "--strategy", "pp=2", "--memory-plan", "--steps", "1"])
+    assert code == 2 and "--memory-plan does not run pipeline stages" in capsys.readouterr().err
 
 
 @pytest.mark.multiprocess

@@ -100,6 +100,9 @@ class Profile:
     # measured bytes/s of ops of a kind (OpKind value -> B/s), e.g. element-wise ops with transcendental
     # math on a CPU run below the streaming bandwidth; used instead of the bandwidth roofline for them
     kind_bandwidth: dict | None = field(default=None, hash=False)
+    # measured point-to-point messages between local processes (``rhino profile``): pipeline boundaries
+    p2p_bandwidth: float | None = None
+    p2p_latency_s: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("matmul_efficiency", "memory_bandwidth_efficiency", "conv_efficiency",

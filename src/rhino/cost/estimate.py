@@ -78,6 +78,7 @@ class Estimate:
     collectives: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     bubble_fraction: float = 0.0     # idle share of the stages' time in the pipeline phase
+    step_idle_fraction: float = 0.0  # idle share of the stages' time over the whole step (the runtime's timers)
     stages: list[dict] = field(default_factory=list)   # per stage (pp > 1): ``pipeline.StageCost.to_dict``
     #: the stage of every node (pp > 1), for the plan file and the report
     node_stage: list[int] = field(default_factory=list, repr=False)
@@ -163,10 +164,12 @@ def estimate(graph: Graph, cluster: Cluster, plan: ShardingPlan | ResolvedPlan |
     if pp is None:
         pp = rp.plan.stages
         schedule = rp.plan.schedule if schedule == Schedule.ONE_F_ONE_B else schedule
+    chunks = rp.plan.chunks if pp == rp.plan.stages and Schedule(schedule) is Schedule.INTERLEAVED else 1
     if stages is None and pp > 1 and rp.plan.stages == pp and rp.plan.stage_of:
         stages = stage_list(graph, rp.plan.stage_of)
     return estimate_microbatches(graph, cluster, rp, pp=pp, microbatches=[m], recompute=recompute,
-                                 schedule=schedule, options=options, strategy=strategy, stages=stages)[0]
+                                 schedule=schedule, options=options, strategy=strategy, stages=stages,
+                                 chunks=chunks)[0]
 
 
 def _resolved(graph: Graph, plan) -> ResolvedPlan:
@@ -178,8 +181,9 @@ def _resolved(graph: Graph, plan) -> ResolvedPlan:
 def estimate_microbatches(graph: Graph, cluster: Cluster, plan: ShardingPlan | ResolvedPlan | None, *, pp: int,
                           microbatches: list[int], recompute: str | Recompute | None = None,
                           schedule: str | Schedule = Schedule.ONE_F_ONE_B, options: StepOptions = StepOptions(),
-                          strategy: str = "", stages: Cut = None) -> list[Estimate]:
-    """``estimate`` for each micro-batch count of ``microbatches``, sharing the SPMD step's pricing."""
+                          strategy: str = "", stages: Cut = None, chunks: int = 1) -> list[Estimate]:
+    """``estimate`` for each micro-batch count of ``microbatches``, sharing the SPMD step's pricing;
+    ``chunks``: model chunks per stage (interleaved schedule; ``stages`` then cuts ``pp * chunks``)."""
     rp = _resolved(graph, plan)
     recompute = Recompute(rp.plan.recompute if recompute is None else recompute)
     schedule = Schedule(schedule)
@@ -201,7 +205,8 @@ def estimate_microbatches(graph: Graph, cluster: Cluster, plan: ShardingPlan | R
             mem, rc = shared
         cut = stages(graph, rp, st, mem, pp, m) if callable(stages) else stages
         pl = pipeline_time(graph, rp, st, mem, rc, cluster, links, pp=pp, microbatches=m, schedule=schedule,
-                           options=options, accumulators=accumulators, stages=cut if pp > 1 else None)
+                           options=options, accumulators=accumulators, stages=cut if pp > 1 else None,
+                           chunks=chunks)
         out.append(_compose(graph, cluster, rp, st, pl, pp, m, schedule, recompute, strategy, rc.notes))
     return out
 
@@ -212,6 +217,8 @@ def _check_degrees(rp: ResolvedPlan, cluster: Cluster, pp: int, m: int) -> None:
     if pp > 1 and m < pp:
         raise ValueError(f"pp={pp} needs at least {pp} micro-batches to keep every stage busy; "
                          f"set microbatches >= {pp}")
+    if pp > 1 and Schedule(rp.plan.schedule) is Schedule.INTERLEAVED and rp.plan.chunks > 1 and m % pp:
+        raise ValueError(f"the interleaved schedule needs microbatches to be a multiple of pp={pp}; got {m}")
     mesh = rp.plan.mesh
     if mesh.world * pp != cluster.world:
         raise ValueError(f"the plan uses {mesh.world} devices x pp={pp} = {mesh.world * pp}, but cluster {cluster} "
@@ -239,7 +246,8 @@ def _compose(graph, cluster, rp, st, pl, pp, m, schedule, recompute, strategy, n
         hardware_tflops_per_device=(model_flops + pl.recompute_flops) / step / 1e12 if step > 0 else 0.0,
         mfu=mfu, memory_bytes=memory, capacity_bytes=capacity, fits=pl.peak_bytes <= capacity, pp=pp,
         microbatches=m, schedule=schedule.value, recompute=recompute.value, collectives=st.collectives,
-        notes=notes + pl.notes, bubble_fraction=pl.bubble_fraction, stages=[c.to_dict() for c in pl.stages],
+        notes=notes + pl.notes, bubble_fraction=pl.bubble_fraction,
+        step_idle_fraction=pl.step_idle_fraction, stages=[c.to_dict() for c in pl.stages],
         node_stage=pl.node_stage)
 
 
@@ -255,10 +263,12 @@ def estimate_strategy(graph: Graph, cluster: Cluster, strategy: str | StrategySp
         if r or given:
             raise ValueError(f"strategy {spec} uses {spec.world} devices but cluster {cluster} has {cluster.world}; "
                              f"make dp*tp*pp = {cluster.world}")
-        spec = StrategySpec(dp=rest, tp=spec.tp, pp=spec.pp, zero=spec.zero, sp=spec.sp,
-                            microbatches=spec.microbatches, recompute=spec.recompute)
+        spec = dataclasses.replace(spec, dp=rest)
     stage = StrategySpec(dp=spec.dp, tp=spec.tp, zero=spec.zero, sp=spec.sp)
     plan = preset_plan(graph, stage) if stage.world > 1 else ShardingPlan(mesh_for(stage), {}, {})
+    if Schedule(schedule) is Schedule.ONE_F_ONE_B and spec.pp > 1:   # the strategy's own schedule
+        schedule = spec.schedule
+        plan.stages, plan.schedule, plan.chunks = spec.pp, spec.schedule, spec.chunks
     if profile is not None:
         options = dataclasses.replace(options, profile=profile)
     return estimate(graph, cluster, plan, pp=spec.pp, microbatches=spec.microbatches, recompute=spec.recompute,

@@ -15,6 +15,9 @@ The profile holds absolute numbers measured on the local machine by micro-benchm
 - ``link_bandwidth`` / ``link_latency_s``: alpha-beta fit of all-reduce times over the local
   process group (gloo on CPU) at several sizes, using the ring formula of ``collectives.py``; each
   all-reduce is timed as the runtime performs a gradient's (copy, all-reduce, divide).
+- ``p2p_bandwidth`` / ``p2p_latency_s``: alpha-beta fit of one-way point-to-point message times between
+  two processes (half a ping-pong, each message an ``isend`` and an ``irecv(...).wait()`` as
+  ``runtime.pipeline`` sends boundary values); the pipeline model prices stage boundaries with it.
 
 Profiled for ``N`` > 1 processes, every process runs the compute micro-benchmarks at the same time and
 the slowest one's numbers are kept: what one rank of a ``cpu:N`` run sees, with memory bandwidth
@@ -52,6 +55,8 @@ class MachineProfile:
     link_latency_s: float | None = None
     link_ranks: int | None = None
     kind_bandwidth: dict | None = field(default=None, hash=False, compare=False)
+    p2p_bandwidth: float | None = None
+    p2p_latency_s: float | None = None
 
     def __post_init__(self) -> None:
         for key in ("matmul_flops", "memory_bandwidth"):
@@ -66,7 +71,8 @@ class MachineProfile:
         return Profile(matmul_efficiency=1.0, memory_bandwidth_efficiency=1.0,
                        launch_overhead_s=self.launch_overhead_s, conv_efficiency=clamp(self.conv_efficiency),
                        attention_efficiency=clamp(self.attention_efficiency), k0=self.k0,
-                       kind_bandwidth=dict(self.kind_bandwidth) if self.kind_bandwidth else None)
+                       kind_bandwidth=dict(self.kind_bandwidth) if self.kind_bandwidth else None,
+                       p2p_bandwidth=self.p2p_bandwidth, p2p_latency_s=self.p2p_latency_s)
 
     def apply(self, cluster: Cluster) -> tuple[Cluster, Profile]:
         """The cluster with its device's numbers replaced by the measured ones, and the cost profile."""

@@ -14,13 +14,17 @@ strategies on its own nodes); ``pp`` stages and ``m`` micro-batches are modelled
   adds each stage's share (by forward time) of the recomputed forward to its backward.
 - **Boundary transfers**: a forward value made on stage ``a`` and read on stage ``b > a`` crosses the
   boundaries ``a .. b-1`` (per-rank bytes under the plan, ``1/m`` per micro-batch), its gradient (floating
-  values) the same way back; a transfer between stages on one node uses the intra-node link, else the
-  network (ranks ``s * W .. (s+1) * W - 1`` form stage ``s``: ``cost.estimate``).
+  values) the same way back; a transfer between stages on one node uses the intra-node link (or, with a
+  measured profile, its point-to-point alpha-beta fit: ``rhino profile``), else the network (ranks
+  ``s * W .. (s+1) * W - 1`` form stage ``s``: ``cost.estimate``).
 - **Schedule** (``simulate``): an event simulation over stages x micro-batches. Each stage runs its
   operations in its schedule's order, each as soon as its input has arrived: GPipe runs all ``m``
   forwards then all backwards; 1F1B runs ``min(pp - s - 1, m)`` warm-up forwards on stage ``s``, then
-  alternates one forward and one backward, then drains. The bubble comes from the simulated idle time,
-  so imbalance and transfers show in it (no balanced formula).
+  alternates one forward and one backward, then drains; interleaved 1F1B (``chunks = v``: ``pp * v``
+  virtual stages, virtual stage ``c * pp + d`` on device ``d``, Megatron-LM's order from
+  ``ir.stages.schedule_order``; every virtual boundary is a transfer). The bubble comes from the simulated
+  idle time, so imbalance and transfers show in it (no balanced formula; with balanced stages and free
+  transfers it equals Megatron's ``(pp - 1) (t_f + t_b) / v``, tested).
 - **After the pipeline**, per stage: the data-parallel gradient reduction of the stage's gradients
   (hidden behind the stage's last backward when ``StepOptions.overlap_gradient_reduction``), ZeRO-3
   gathers repeated per micro-batch (hidden behind the stage's compute when ``prefetch_parameters``),
@@ -28,7 +32,7 @@ strategies on its own nodes); ``pp`` stages and ``m`` micro-batches are modelled
 - **Memory per stage**: the whole-graph peak's categories split by the stage's share: parameters,
   gradients and buffers by its parameter bytes (a tied parameter read on two stages counts on both),
   optimizer state by its state bytes, activations by the bytes its forward nodes save, times the
-  micro-batches in flight (1F1B: ``min(pp - s, m)``; GPipe: ``m``) over ``m``; temporaries and the
+  micro-batches in flight (1F1B: ``min(pp - s, m)``; GPipe: ``m``; interleaved: ``in_flight``) over ``m``; temporaries and the
   batch at ``1/m``; with ``m > 1`` a full gradient buffer of the stage's parameters. The reported peak is
   the largest stage's.
 
@@ -43,10 +47,11 @@ from dataclasses import dataclass, field
 
 from ..ir.analysis import analyze
 from ..ir.graph import Graph, Role
-from ..ir.stages import Phase, Schedule, StageAssignment, assign_stages, contiguous_cut
+from ..ir.stages import Phase, Schedule, StageAssignment, assign_stages, contiguous_cut, schedule_order
 from ..sharding.placement import local_shape
 from ..sharding.plan import ResolvedPlan
 from .cluster import AxisLink, Cluster
+from .compute import Profile
 from .memory import MemoryEstimate
 from .recompute import RecomputeEffect
 from .step import StepOptions, StepTime, node_compute
@@ -90,6 +95,7 @@ class PipelineTime:
     bubble_fraction: float = 0.0     # idle share of stage-time in the pipeline phase
     stages: list[StageCost] = field(default_factory=list)
     node_stage: list[int] = field(default_factory=list)
+    step_idle_fraction: float = 0.0  # idle share of stage-time over the whole step (``runtime.pipeline`` timers)
 
 
 def accumulation_memory(mem: MemoryEstimate, rc: RecomputeEffect, m: int, accumulators: int) -> dict[str, int]:
@@ -113,11 +119,15 @@ def accumulation_memory(mem: MemoryEstimate, rc: RecomputeEffect, m: int, accumu
     return max(phases, key=lambda d: sum(d.values()))
 
 
-def in_flight(schedule: Schedule, pp: int, m: int, s: int) -> int:
-    """Micro-batches whose activations stage ``s`` holds at once: 1F1B ``min(pp - s, m)``, GPipe ``m``."""
+def in_flight(schedule: Schedule, pp: int, m: int, s: int, chunks: int = 1) -> float:
+    """Micro-batches whose activations stage ``s`` holds at once: 1F1B ``min(pp - s, m)``, GPipe ``m``;
+    interleaved: the warm-up chunk-micro-batches plus one (``ir.stages.schedule_order``), each a
+    ``1 / chunks`` share of the device's activations (Megatron-LM, arXiv 2104.04473, section 2.2.2)."""
     if pp == 1:
         return 1
-    return min(pp - s, m) if schedule is Schedule.ONE_F_ONE_B else m
+    if schedule is Schedule.INTERLEAVED and chunks > 1:
+        return min(m * chunks, (pp - s - 1) * 2 + (chunks - 1) * pp + 1) / chunks
+    return min(pp - s, m) if schedule is not Schedule.GPIPE else m
 
 
 def _at_peak(mem: MemoryEstimate, rc: RecomputeEffect) -> tuple[dict, float]:
@@ -128,7 +138,7 @@ def _at_peak(mem: MemoryEstimate, rc: RecomputeEffect) -> tuple[dict, float]:
 
 def scaled_memory(mem: MemoryEstimate, rc: RecomputeEffect, pp: int, m: int, schedule: Schedule,
                   accumulators: int | None = None, shares: dict[str, float] | None = None,
-                  stage: int = 0) -> dict[str, int]:
+                  stage: int = 0, chunks: int = 1) -> dict[str, int]:
     """Per-category bytes live at the peak of stage ``stage``'s rank (module docstring). ``shares``: the
     stage's fraction of the parameters (``"params"``), optimizer state (``"optimizer"``) and saved
     activations (``"activations"``); None: ``1 / pp`` each (balanced stages)."""
@@ -136,7 +146,7 @@ def scaled_memory(mem: MemoryEstimate, rc: RecomputeEffect, pp: int, m: int, sch
         return accumulation_memory(mem, rc, m, accumulators)
     at, keep = _at_peak(mem, rc)
     sh = shares if shares is not None else {"params": 1 / pp, "optimizer": 1 / pp, "activations": 1 / pp}
-    flight = in_flight(schedule, pp, m, stage)
+    flight = in_flight(schedule, pp, m, stage, chunks)
     out = {}
     for cat, v in at.items():
         if cat in ("params", "buffers", "gradients", "updated_state"):
@@ -153,44 +163,37 @@ def scaled_memory(mem: MemoryEstimate, rc: RecomputeEffect, pp: int, m: int, sch
 
 
 def simulate(fwd: list[float], bwd: list[float], send_f: list[float], send_b: list[float], m: int,
-             schedule: Schedule) -> tuple[list[float], list[float]]:
-    """Event simulation of one pipeline (module docstring): per stage, (time its last operation ends,
-    time it was busy). ``send_f[s]`` / ``send_b[s]``: transfer time from stage s to s+1 / back."""
-    pp = len(fwd)
-    order = []
-    for s in range(pp):
-        if schedule is Schedule.GPIPE:
-            ops = [("F", j) for j in range(m)] + [("B", j) for j in range(m)]
-        else:
-            warm = min(pp - s - 1, m)
-            ops = [("F", j) for j in range(warm)]
-            for j in range(m - warm):
-                ops += [("F", warm + j), ("B", j)]
-            ops += [("B", j) for j in range(m - warm, m)]
-        order.append(ops)
+             schedule: Schedule, chunks: int = 1) -> tuple[list[float], list[float]]:
+    """Event simulation of one pipeline (module docstring): per device, (time its last operation ends,
+    time it was busy). ``fwd`` / ``bwd``: per (virtual) stage and micro-batch; ``send_f[s]`` / ``send_b[s]``:
+    transfer time from stage s to s+1 / back. Virtual stage ``c * pp + d`` runs on device ``d``; each device
+    runs ``ir.stages.schedule_order``; an operation starts when its device is free and its input arrived."""
+    V = len(fwd)
+    pp = V // chunks
+    order = [schedule_order(schedule.value, d, pp, m, chunks) for d in range(pp)]
     done: dict[tuple, float] = {}
     free, pos = [0.0] * pp, [0] * pp
-    left = 2 * m * pp
+    left = 2 * m * V
     while left:
         moved = False
-        for s in range(pp):
-            while pos[s] < len(order[s]):
-                kind, j = order[s][pos[s]]
+        for d in range(pp):
+            while pos[d] < len(order[d]):
+                kind, s, j = order[d][pos[d]]
                 if kind == "F":
                     dep = 0.0 if s == 0 else done.get(("F", s - 1, j))
                     dep = dep if s == 0 or dep is None else dep + send_f[s - 1]
                 else:
-                    dep = done.get(("F", s, j)) if s == pp - 1 else done.get(("B", s + 1, j))
-                    dep = dep if s == pp - 1 or dep is None else dep + send_b[s]
+                    dep = done.get(("F", s, j)) if s == V - 1 else done.get(("B", s + 1, j))
+                    dep = dep if s == V - 1 or dep is None else dep + send_b[s]
                 if dep is None:
                     break
-                start = max(free[s], dep)
-                free[s] = done[(kind, s, j)] = start + (fwd[s] if kind == "F" else bwd[s])
-                pos[s] += 1
+                start = max(free[d], dep)
+                free[d] = done[(kind, s, j)] = start + (fwd[s] if kind == "F" else bwd[s])
+                pos[d] += 1
                 left -= 1
                 moved = True
         assert moved, "the pipeline schedule deadlocked"
-    return free, [m * (fwd[s] + bwd[s]) for s in range(pp)]
+    return free, [m * sum(fwd[c * pp + d] + bwd[c * pp + d] for c in range(chunks)) for d in range(pp)]
 
 
 def value_bytes(graph: Graph, rp: ResolvedPlan, vid: int) -> int:
@@ -249,10 +252,19 @@ def _shares(graph: Graph, rp: ResolvedPlan, mem: MemoryEstimate, sa: StageAssign
             for s in range(pp)], count
 
 
-def _link(cluster: Cluster, stage_world: int, boundary: int) -> tuple[float, float, bool]:
-    """(bandwidth, latency, within a node) of the transfer across ``boundary`` (after its last rank)."""
-    first_next = (boundary + 1) * stage_world
-    same = first_next % cluster.devices_per_node != 0
+def _link(cluster: Cluster, stage_world: int, boundary: int, pp: int | None = None,
+          profile: Profile | None = None) -> tuple[float, float, bool]:
+    """(bandwidth, latency, within a node) of the transfer across ``boundary`` (after its last rank); with
+    ``pp``: ``boundary`` between virtual stages, from device ``boundary % pp`` to the next one's device.
+    Within a node a measured point-to-point fit (``profile.p2p_*``, ``rhino profile``) replaces the link's."""
+    if pp is None:
+        same = (boundary + 1) * stage_world % cluster.devices_per_node != 0
+    else:
+        a, b = boundary % pp, (boundary + 1) % pp
+        dpn = cluster.devices_per_node
+        same = (a * stage_world) // dpn == (b * stage_world) // dpn == ((a + 1) * stage_world - 1) // dpn
+    if same and profile is not None and profile.p2p_bandwidth:
+        return profile.p2p_bandwidth, profile.p2p_latency_s or 0.0, True
     if same:
         return cluster.intra_node.bandwidth, cluster.intra_node.latency_s, True
     return cluster.inter_node_bandwidth_per_device, cluster.inter_node.latency_s, False
@@ -276,22 +288,71 @@ def _assigned(graph: Graph, stage_of: dict[str, int], pp: int) -> StageAssignmen
 def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstimate, rc: RecomputeEffect,
                   cluster: Cluster, links: list[AxisLink], *, pp: int, microbatches: int, schedule: Schedule,
                   options: StepOptions, accumulators: int | None = None,
-                  stages: list[int] | None = None) -> PipelineTime:
+                  stages: list[int] | None = None, chunks: int = 1) -> PipelineTime:
     """Step time and memory of ``pp`` stages x ``microbatches`` (module docstring). ``stages``: a stage per
-    node for the forward nodes (-1 elsewhere; others are derived); None: ``ir.stages.contiguous_cut``."""
+    node for the forward nodes (-1 elsewhere; others are derived); None: ``ir.stages.contiguous_cut``.
+    ``chunks``: model chunks per device (interleaved schedule): ``stages`` are then the ``pp * chunks``
+    virtual stages, virtual stage ``c * pp + d`` on device ``d``."""
     m = microbatches
     if pp == 1:
         return _single_stage(graph, rp, st, mem, rc, cluster, m, schedule, options, accumulators)
-    stage_of = contiguous_cut(graph, pp) if stages is None else \
+    V = pp * chunks
+    stage_of = contiguous_cut(graph, V) if stages is None else \
         {graph.nodes[i].name: s for i, s in enumerate(stages) if s >= 0}
-    sa = _assigned(graph, stage_of, pp)
-    a = analyze(graph)
+    sa = _assigned(graph, stage_of, V)
     stage = [sa.node_stage.get(n.name, -1) for n in graph.nodes]
     mesh = rp.plan.mesh
-    f_mb, b_mb = [0.0] * pp, [0.0] * pp
-    f_full = [0.0] * pp
-    grad, pref, opt = [0.0] * pp, [0.0] * pp, [0.0] * pp
-    ops = [0] * pp
+    f_mb, b_mb, ops, grad, pref, opt = _stage_work(graph, rp, st, rc, cluster, options, sa, stage, V, m)
+    fb, bb, upd = _boundaries(graph, rp, sa, V)
+    send_f, send_b, notes = [], [], []
+    for k in range(V - 1):
+        bw, lat, same = _link(cluster, mesh.world, k, pp if chunks > 1 else None, options.profile)
+        send_f.append(fb[k] / m / bw + lat)
+        send_b.append(bb[k] / m / bw + lat)
+    worst = max(range(V - 1), key=lambda k: fb[k])
+    notes.append(f"stage boundaries: up to {fb[worst] / m / 2**20:.1f} MiB per micro-batch forward "
+                 f"(boundary {worst}/{worst + 1})")
+    end, busy = simulate(f_mb, b_mb, send_f, send_b, m, schedule, chunks)
+    dev = [[c * pp + d for c in range(chunks)] for d in range(pp)]      # device -> its virtual stages
+    pipe = max(end)
+    finish, work = [], []
+    for d in range(pp):
+        g, p_, o, u = (sum(x[v] for v in dev[d]) for x in (grad, pref, opt, upd))
+        window = b_mb[d] if options.overlap_gradient_reduction else 0.0   # chunk 0 runs the last backward
+        hidden = busy[d] if options.prefetch_parameters else 0.0
+        bw, lat, _ = _link(cluster, mesh.world, max(d - 1, 0), None, options.profile)
+        summed = u / bw + lat if u else 0.0     # a tied weight's gradient from another stage
+        finish.append(end[d] + max(0.0, g - window) + max(0.0, p_ * m - hidden) + summed + o)
+        work.append(busy[d] + finish[d] - end[d] - summed)   # programs run after the pipeline phase are busy
+    step = max(finish)
+    crit = max(range(pp), key=lambda d: finish[d])
+    compute = busy[crit] + sum(opt[v] for v in dev[crit])
+    bubble = max(0.0, pipe - max(busy))
+    comm_total = sum(c.comm for c in st.nodes) / pp + (m) * (sum(send_f) + sum(send_b))
+    shares, params = _shares(graph, rp, mem, sa, stage, V)
+    costs = []
+    for d in range(pp):
+        share = {k: sum(shares[v][k] for v in dev[d]) for k in shares[0]}
+        memory = scaled_memory(mem, rc, pp, m, schedule, shares=share, stage=d, chunks=chunks)
+        costs.append(StageCost(sum(ops[v] for v in dev[d]), sum(params[v] for v in dev[d]),
+                               sum(f_mb[v] for v in dev[d]), sum(b_mb[v] for v in dev[d]),
+                               int(fb[d] / m) if d < V - 1 else 0, memory))
+    peak_stage = max(costs, key=lambda c: c.peak)
+    idle = 1.0 - sum(busy) / (pp * pipe) if pipe > 0 else 0.0
+    step_idle = 1.0 - sum(work) / (pp * step) if step > 0 else 0.0
+    return PipelineTime(step, compute, max(0.0, step - compute - bubble), comm_total, bubble,
+                        rc.extra_seconds / pp, rc.extra_flops / pp, peak_stage.peak, dict(peak_stage.memory),
+                        notes, idle, costs, stage, step_idle)
+
+
+def _stage_work(graph, rp, st, rc, cluster, options, sa, stage, V, m) -> tuple:
+    """Per (virtual) stage: forward and backward seconds per micro-batch, forward op count, and per step its
+    gradient-reduction, parameter-gather and optimizer seconds."""
+    a = analyze(graph)
+    mesh = rp.plan.mesh
+    f_mb, b_mb, f_full = [0.0] * V, [0.0] * V, [0.0] * V
+    grad, pref, opt = [0.0] * V, [0.0] * V, [0.0] * V
+    ops = [0] * V
     for i, (node, cost) in enumerate(zip(graph.nodes, st.nodes)):
         where = sa.update_stages.get(node.name, ()) if cost.optimizer or stage[i] < 0 else (stage[i],)
         for s in where:
@@ -312,43 +373,9 @@ def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstim
         else:
             b_mb[s] += t
     total_f = sum(f_full) or 1.0
-    for s in range(pp):   # the recomputed forward runs before each stage's backward
+    for s in range(V):   # the recomputed forward runs before each stage's backward
         b_mb[s] += (rc.extra_seconds + rc.extra_comm_seconds) * f_full[s] / total_f / m
-    fb, bb, upd = _boundaries(graph, rp, sa, pp)
-    send_f, send_b, notes = [], [], []
-    for k in range(pp - 1):
-        bw, lat, same = _link(cluster, mesh.world, k)
-        send_f.append(fb[k] / m / bw + lat)
-        send_b.append(bb[k] / m / bw + lat)
-    if pp > 1:
-        worst = max(range(pp - 1), key=lambda k: fb[k])
-        notes.append(f"stage boundaries: up to {fb[worst] / m / 2**20:.1f} MiB per micro-batch forward "
-                     f"(boundary {worst}/{worst + 1})")
-    end, busy = simulate(f_mb, b_mb, send_f, send_b, m, schedule)
-    pipe = max(end)
-    finish = []
-    for s in range(pp):
-        window = b_mb[s] if options.overlap_gradient_reduction else 0.0
-        gathers = pref[s] * m
-        hidden = busy[s] if options.prefetch_parameters else 0.0
-        bw, lat, _ = _link(cluster, mesh.world, max(s - 1, 0))
-        summed = upd[s] / bw + lat if upd[s] else 0.0     # a tied weight's gradient from the other stage
-        finish.append(end[s] + max(0.0, grad[s] - window) + max(0.0, gathers - hidden) + summed + opt[s])
-    step = max(finish)
-    crit = max(range(pp), key=lambda s: finish[s])
-    compute = busy[crit] + opt[crit]
-    bubble = max(0.0, pipe - max(busy))
-    comm_total = sum(c.comm for c in st.nodes) / pp + (m) * (sum(send_f) + sum(send_b))
-    shares, params = _shares(graph, rp, mem, sa, stage, pp)
-    costs = []
-    for s in range(pp):
-        memory = scaled_memory(mem, rc, pp, m, schedule, shares=shares[s], stage=s)
-        costs.append(StageCost(ops[s], params[s], f_mb[s], b_mb[s], int(fb[s] / m) if s < pp - 1 else 0, memory))
-    peak_stage = max(costs, key=lambda c: c.peak)
-    idle = 1.0 - sum(busy) / (pp * pipe) if pipe > 0 else 0.0
-    return PipelineTime(step, compute, max(0.0, step - compute - bubble), comm_total, bubble,
-                        rc.extra_seconds / pp, rc.extra_flops / pp, peak_stage.peak, dict(peak_stage.memory),
-                        notes, idle, costs, stage)
+    return f_mb, b_mb, ops, grad, pref, opt
 
 
 def _single_stage(graph, rp, st, mem, rc, cluster, m, schedule, options, accumulators) -> PipelineTime:

@@ -13,12 +13,15 @@ FORWARD and LOSS). ``assign_stages`` derives (node roles and values from ``ir.an
   ``x in X`` is available, all stages when ``X`` is empty; ``min stage(P) = S - 1`` when ``P`` is empty);
   when that set is empty, ``min(min stage(P), min stage(producer(x)))``. A weight gradient
   ``mm(grad_out, x)`` therefore runs where its matmul ran even when ``x`` came from the stage before.
+  A backward node that ``stage_of`` names (a recomputed forward op: its original's stage) gets that stage
+  instead of the max when it is in the set, and its outputs are then available there as a forward value's.
   A backward node reading no forward value is *free*: with ``ub(v)`` the smallest bound of its backward
   producers (their stage, or their own bound for free ones; ``S - 1`` when none), it gets
   ``min(ub(v), max(wanted))`` (``ub(v)`` when nothing is wanted), in reverse program order, where each
   backward reader wants its stage and each optimizer reader the first forward stage reading a state
   whose new value it feeds (a bias gradient ``sum(grad_out)`` runs with its parameter). Both choices keep rule 2
-  below: a reader's stage never exceeds either term.
+  below: a reader's stage never exceeds either term. A free node that ``stage_of`` names gets that stage when
+  it lies between ``max(wanted)`` and ``ub(v)``.
 - **Holders**: a state input (parameter, buffer, optimizer state) is held by every stage whose forward or
   backward nodes read it (a tied embedding/head weight: both stages), and by every stage whose update
   reads it. **Optimizer nodes** (OPTIMIZER role) run on every stage holding a state whose new value they
@@ -58,7 +61,7 @@ from .graph import STATE_ROLES, Graph, Role
 from .registry import call_of, flops_of
 
 __all__ = ["Phase", "Schedule", "SCHEDULES", "StageError", "Crossing", "StageAssignment", "assign_stages",
-           "contiguous_cut", "DEFAULT_SLACK", "check_stage_fields"]
+           "contiguous_cut", "DEFAULT_SLACK", "check_stage_fields", "schedule_order"]
 
 #: ``contiguous_cut``'s balance window: TePDist's stage ILP allows 8% FLOP imbalance per stage (design.md,
 #: "Facts from the sources").
@@ -72,11 +75,13 @@ class Phase(str, Enum):
 
 
 class Schedule(str, Enum):
-    """Pipeline schedules: GPipe (all forwards, then all backwards) and 1F1B (PipeDream-Flush: at most
-    ``S - s`` micro-batches in flight on stage ``s``)."""
+    """Pipeline schedules: GPipe (all forwards, then all backwards), 1F1B (PipeDream-Flush: at most
+    ``S - s`` micro-batches in flight on stage ``s``) and interleaved 1F1B (Megatron-LM, arXiv 2104.04473
+    section 2.2.2: each device runs ``v`` model chunks, ``schedule_order``)."""
 
     GPIPE = "gpipe"
     ONE_F_ONE_B = "1f1b"
+    INTERLEAVED = "interleaved"
 
 
 SCHEDULES = tuple(s.value for s in Schedule)
@@ -118,16 +123,59 @@ class StageAssignment:
         return out
 
 
-def check_stage_fields(stages, schedule, stage_of: Mapping[str, int]) -> None:
-    """``StageError`` unless ``stages`` is a positive int, ``schedule`` one of ``SCHEDULES`` and every
-    ``stage_of`` value a stage in ``[0, stages)``."""
+def check_stage_fields(stages, schedule, stage_of: Mapping[str, int], chunks=1) -> None:
+    """``StageError`` unless ``stages`` and ``chunks`` are positive ints, ``schedule`` one of ``SCHEDULES``
+    (``chunks > 1`` only with the interleaved one) and every ``stage_of`` value a (virtual) stage in
+    ``[0, stages * chunks)``."""
     if isinstance(stages, bool) or not isinstance(stages, int) or stages < 1:
         raise StageError(f"pipeline stages must be a positive integer, got {stages!r}")
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise StageError(f"pipeline chunks must be a positive integer, got {chunks!r}")
     if schedule not in SCHEDULES:
         raise StageError(f"pipeline schedule must be one of {', '.join(SCHEDULES)}, got {schedule!r}")
+    if chunks > 1 and schedule != Schedule.INTERLEAVED.value:
+        raise StageError(f"chunks={chunks} needs schedule=interleaved (got schedule={schedule})")
+    virtual = stages * chunks
     for name, s in stage_of.items():
-        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < stages:
-            raise StageError(f"node {name} has stage {s!r}; stages are 0..{stages - 1}")
+        if isinstance(s, bool) or not isinstance(s, int) or not 0 <= s < virtual:
+            raise StageError(f"node {name} has stage {s!r}; stages are 0..{virtual - 1}")
+
+
+def schedule_order(schedule: str, device: int, devices: int, microbatches: int,
+                   chunks: int = 1) -> list[tuple[str, int, int]]:
+    """Device ``device``'s programs in order: ("F" | "B", virtual stage, micro-batch). Virtual stage
+    ``c * devices + device`` is the device's chunk ``c`` (``chunks = 1``: the stage is the device).
+
+    GPipe: every forward, then every backward. 1F1B: ``min(devices - 1 - device, m)`` warm-up forwards, then
+    one forward and one backward alternately, then the remaining backwards. Interleaved (Megatron-LM's
+    ``forward_backward_pipelining_with_interleaving``): the ``m * v`` chunk-micro-batches in groups of
+    ``devices`` micro-batches, forward sub-step ``i`` on chunk ``(i mod devices*v) // devices`` and
+    micro-batch ``(i // (devices*v)) * devices + i mod devices`` (backward: chunks in reverse),
+    ``min((devices - 1 - device) * 2 + (v - 1) * devices, m v)`` warm-up forwards, then 1F1B over
+    sub-steps; needs ``m`` a multiple of ``devices``."""
+    m, pp, v = microbatches, devices, chunks
+    if Schedule(schedule) is Schedule.GPIPE:
+        return [("F", device, k) for k in range(m)] + [("B", device, k) for k in range(m)]
+    if Schedule(schedule) is Schedule.ONE_F_ONE_B or v == 1:
+        warm = min(pp - 1 - device, m)
+        out = [("F", device, k) for k in range(warm)]
+        for k in range(m - warm):
+            out += [("F", device, warm + k), ("B", device, k)]
+        return out + [("B", device, k) for k in range(m - warm, m)]
+    if m % pp:
+        raise StageError(f"the interleaved schedule needs microbatches to be a multiple of pp={pp}, got {m}")
+    total = m * v
+
+    def sub(i: int, kind: str) -> tuple[str, int, int]:
+        chunk = (i % (pp * v)) // pp
+        chunk = chunk if kind == "F" else v - 1 - chunk
+        return kind, chunk * pp + device, (i // (pp * v)) * pp + i % pp
+
+    warm = min((pp - 1 - device) * 2 + (v - 1) * pp, total)
+    out = [sub(i, "F") for i in range(warm)]
+    for j in range(total - warm):
+        out += [sub(warm + j, "F"), sub(j, "B")]
+    return out + [sub(j, "B") for j in range(total - warm, total)]
 
 
 def assign_stages(graph: Graph, stage_of: Mapping[str, int], stages: int) -> StageAssignment:
@@ -137,7 +185,7 @@ def assign_stages(graph: Graph, stage_of: Mapping[str, int], stages: int) -> Sta
     if a.loss_node is None:
         raise StageError("the step has no loss, so it cannot be cut into pipeline stages")
     node_stage = _forward_stages(graph, a, stage_of, stages)
-    _backward_stages(graph, a, node_stage, stages)
+    _backward_stages(graph, a, node_stage, stages, stage_of)
     holders, update = _holders_and_updates(graph, a, node_stage)
     return StageAssignment(stages, node_stage, update, holders, tuple(_crossings(graph, a, node_stage, update)))
 
@@ -166,7 +214,8 @@ def _forward_stages(graph: Graph, a, stage_of: Mapping[str, int], stages: int) -
     return out
 
 
-def _backward_stages(graph: Graph, a, node_stage: dict[str, int], stages: int) -> None:
+def _backward_stages(graph: Graph, a, node_stage: dict[str, int], stages: int,
+                     prefer: Mapping[str, int] | None = None) -> None:
     """Backward nodes' stages (module docstring), added to ``node_stage``."""
     nodes = graph.nodes
     avail = _available(graph, a, node_stage)
@@ -184,8 +233,12 @@ def _backward_stages(graph: Graph, a, node_stage: dict[str, int], stages: int) -
             continue
         common = set(range(stages)).intersection(*(avail[x] for x in fwd))
         below = [s for s in common if s <= ub[i]]
+        if prefer and prefer.get(nodes[i].name) in below:
+            below = [prefer[nodes[i].name]]
         ub[i] = max(below) if below else min([ub[i]] + [node_stage[nodes[a.producer[x]].name] for x in fwd])
         node_stage[nodes[i].name] = ub[i]
+        if prefer and nodes[i].name in prefer:    # a recomputed forward value: anchors its readers as one
+            avail.update((v, {ub[i]}) for v in nodes[i].outputs if v is not None)
     readers = _direct_readers(graph)
     home = _parameter_homes(graph, a, node_stage)
     for i in reversed(free):
@@ -196,6 +249,8 @@ def _backward_stages(graph: Graph, a, node_stage: dict[str, int], stages: int) -
             elif u in home:   # a gradient feeding the update: its parameter's stage
                 want.append(home[u])
         node_stage[nodes[i].name] = min(ub[i], max(want, default=ub[i]))
+        if prefer and max(want, default=0) <= prefer.get(nodes[i].name, -1) <= ub[i]:
+            node_stage[nodes[i].name] = prefer[nodes[i].name]
     for i in ub:   # rule 2 (an internal invariant of the derivation)
         for r in nodes[i].input_refs():
             p = a.producer.get(r.id)

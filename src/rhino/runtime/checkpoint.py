@@ -34,6 +34,12 @@ and the consumed batches skipped (read again: a cost linear in the position). RN
 and the CUDA one on a CUDA device) are saved per rank and restored only when the world size is unchanged: rank
 r's generator has no counterpart in a job of another size, so after a resize the generators keep the state they
 have (the captured training steps draw no random numbers unless the model does, e.g. dropout).
+
+**Pipelines** (``plan.stages > 1``, stage-major ranks as in ``runtime.pipeline``): each rank saves and loads
+only the state its stage holds, as DTensors over its stage's ``DeviceMesh`` (ranks ``stage * W ..``), so the
+checkpoint's keys and global offsets are the same as an SPMD plan's; a weight held by two stages (a tied
+embedding/head) is written once (DCP drops the duplicate pieces of a save). A pipelined checkpoint therefore
+loads under any plan, pipelined or not, and the other way round.
 """
 from __future__ import annotations
 
@@ -141,14 +147,22 @@ def _dcp_sharding(sharding: Sharding, mesh: Mesh) -> Sharding:
 def _redistribute(t: torch.Tensor, shape, src: Sharding, dst: Sharding, trainer) -> torch.Tensor:
     """``t`` (this rank's piece under ``src``) as its piece under ``dst`` (collective when communicating)."""
     for step in plan_redistribution(shape, src, dst, trainer.plan.mesh):
-        t = apply_step(t, step, trainer.plan.mesh, trainer.rank, trainer.groups)
+        t = apply_step(t, step, trainer.plan.mesh, _mesh_rank(trainer), trainer.groups)
     return t
 
 
+def _mesh_rank(trainer) -> int:
+    """This rank's rank within its stage's mesh (the global rank without pipeline stages)."""
+    return trainer.rank % trainer.plan.mesh.world
+
+
 def _device_mesh(trainer):
+    """The ``DeviceMesh`` of this rank's stage (the whole job without pipeline stages; stage-major ranks)."""
     from torch.distributed.device_mesh import DeviceMesh
     mesh = trainer.plan.mesh
-    return DeviceMesh(trainer.device.type, torch.arange(mesh.world).reshape(mesh.sizes), _init_backend=False)
+    first = trainer.rank - _mesh_rank(trainer)
+    return DeviceMesh(trainer.device.type, torch.arange(first, first + mesh.world).reshape(mesh.sizes),
+                      _init_backend=False)
 
 
 def _dtensor(local: torch.Tensor, sharding: Sharding, device_mesh):
@@ -159,6 +173,11 @@ def _dtensor(local: torch.Tensor, sharding: Sharding, device_mesh):
 
 def _state_inputs(trainer) -> list:
     return [inp for inp in trainer.cap.graph.inputs if inp.role is not Role.BATCH]
+
+
+def _held_inputs(trainer) -> list:
+    """The state inputs this rank holds: all of them, or its pipeline stage's (``runtime.pipeline``)."""
+    return [inp for inp in _state_inputs(trainer) if inp.name in trainer.state]
 
 
 def _rng_state(device: torch.device) -> dict[str, torch.Tensor]:
@@ -186,7 +205,7 @@ def save_checkpoint(trainer, directory: str | os.PathLike, step: int | None = No
     tmp = Path(box[0])
     device_mesh = _device_mesh(trainer)
     tensors = {}
-    for inp in _state_inputs(trainer):
+    for inp in _held_inputs(trainer):
         have = trainer.rp.value[inp.value]
         want = _dcp_sharding(have, trainer.plan.mesh)
         shape = trainer.cap.graph.types[inp.value].shape
@@ -273,7 +292,7 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> CheckpointInfo:
     device_mesh = _device_mesh(trainer)
     mesh = trainer.plan.mesh
     targets, fixups = {}, {}
-    for inp in _state_inputs(trainer):
+    for inp in _held_inputs(trainer):
         have = trainer.rp.value[inp.value]
         want = _dcp_sharding(have, mesh)
         shape = trainer.cap.graph.types[inp.value].shape

@@ -23,9 +23,13 @@ else ``B_b``) and keeps what ``F_b`` made or received for its ``B_b`` (a stash p
 Gradients ``U_b`` reads from another stage are sent after the sender's last micro-batch. Sends never
 block; the rules of ``ir.stages`` make the schedules deadlock-free.
 
-**Schedules** (``plan.schedule``): GPipe (``F`` of every micro-batch, then ``B`` of every micro-batch);
-1F1B (PipeDream-Flush: stage ``s`` runs ``min(S - 1 - s, m)`` forwards, then alternates one forward and
-one backward, then the remaining backwards). The loss of the step is ``sum_k loss_k / m`` from the last
+**Schedules** (``plan.schedule``, ``ir.stages.schedule_order``): GPipe (``F`` of every micro-batch, then
+``B`` of every micro-batch); 1F1B (PipeDream-Flush: stage ``s`` runs ``min(S - 1 - s, m)`` forwards, then
+alternates one forward and one backward, then the remaining backwards); interleaved 1F1B (Megatron-LM,
+``plan.chunks = v``: the cut has ``S * v`` virtual stages, virtual stage ``c * S + s`` is chunk ``c`` of
+stage ``s``; the rank runs its chunks' programs in Megatron's order, a value between two chunks of one
+rank is handed over locally, the update runs every chunk's update program on the state before any of them,
+so a weight two chunks hold is updated once from the same summed gradient). The loss of the step is ``sum_k loss_k / m`` from the last
 stage, broadcast to every rank. The step's result equals ``RankStep``'s (and PyTorch's accumulation loop).
 
 ``PipelineStep.schedule`` yields actions (``Run``, ``Send``, ``Recv``); ``run`` executes them with
@@ -47,15 +51,22 @@ from ..capture import Captured
 from ..capture.to_ir import torch_dtype
 from ..cost.accumulate import StepSplit, split_step
 from ..ir.analysis import analyze
-from ..ir.graph import Graph, Role
-from ..ir.stages import Schedule, StageAssignment, assign_stages, contiguous_cut
+from ..cost.remat import remat, remat_plan
+from ..ir.graph import Graph, Ref, Role
+from ..ir.stages import StageAssignment, assign_stages, contiguous_cut, schedule_order
 from ..lower.spmd import Part, SpmdProgram, lower_rank
 from ..sharding.placement import Partial, ReduceOp, replicated
 from ..sharding.plan import PlanError, ResolvedPlan, ShardingPlan, resolve
 from ..sharding.vocab import Recompute
 
 __all__ = ["Run", "Send", "Recv", "StageSpec", "PipelineSpec", "pipeline_spec", "PipelineStep", "stage_order",
-           "StepTimes"]
+           "StepTimes", "PIPELINE_MEMORY_PLAN", "staged_recompute"]
+
+#: why ``--memory-plan`` refuses pipelines: the arena planner (``runtime.arena_step``) plans one program per
+#: step, while a stage runs forward and backward programs per micro-batch with values stashed between them
+PIPELINE_MEMORY_PLAN = ("--memory-plan does not run pipeline stages: a memory plan per rank covers one program per "
+                        "step, and a stage runs separate forward and backward programs per micro-batch; drop "
+                        "--memory-plan or the pp key")
 
 
 # -- actions ------------------------------------------------------------------------------------------
@@ -109,8 +120,18 @@ class PipelineSpec:
     graph: Graph                          # the step at batch B/m (the step itself for m = 1)
     split: StepSplit
     assignment: StageAssignment
-    stages: list[StageSpec]
+    stages: list[StageSpec]               # per virtual stage (``plan.stages * plan.chunks``)
     transfers: int                        # number of (value, receiver) pairs: tags are per transfer
+    chunks: int = 1                       # virtual stages per device: ``c * devices + d`` on device ``d``
+
+    def device_stages(self, device: int) -> list[int]:
+        """The virtual stages device (pipeline rank) ``device`` runs, chunk order."""
+        devices = len(self.stages) // self.chunks
+        return [c * devices + device for c in range(self.chunks)]
+
+    def device_held(self, device: int) -> list[str]:
+        """The state inputs any of ``device``'s chunks holds (graph input order)."""
+        return list(dict.fromkeys(n for v in self.device_stages(device) for n in self.stages[v].held))
 
 
 def _reads(graph: Graph, nodes: set[str]) -> list[int]:
@@ -141,7 +162,7 @@ def _update_nodes(graph: Graph, split: StepSplit, outputs: list[int]) -> set[str
 def pipeline_spec(graph: Graph, plan: ShardingPlan, full_graph: Graph | None = None) -> PipelineSpec:
     """Every stage's programs and transfers (module docstring) for the step ``graph`` at batch B/m;
     ``full_graph``: the step at batch B, for the default cut when ``plan.stage_of`` is empty."""
-    S = plan.stages
+    S = plan.stages * plan.chunks
     stage_of = plan.stage_of or contiguous_cut(full_graph or graph, S)
     sa = assign_stages(graph, stage_of, S)
     split = split_step(graph)
@@ -161,7 +182,7 @@ def pipeline_spec(graph: Graph, plan: ShardingPlan, full_graph: Graph | None = N
             if p is not None and graph.nodes[p].name in fwd and sa.holders[n] != {s}:
                 raise PlanError(f"buffer {n} is updated on stage {s} but held by stages {sorted(sa.holders[n])}; "
                                 f"put its readers on one stage")
-    spec = PipelineSpec(graph, split, sa, specs, 0)
+    spec = PipelineSpec(graph, split, sa, specs, 0, plan.chunks)
     _wire(spec, a, out_value)
     return spec
 
@@ -249,26 +270,78 @@ def _wire(spec: PipelineSpec, a, out_value: dict[str, int]) -> None:
     spec.transfers = len(transfers)
 
 
+# -- recomputation inside stages ------------------------------------------------------------------------------
+def staged_recompute(graph: Graph, plan: ShardingPlan, full: Graph) -> tuple[Graph, ShardingPlan]:
+    """The step and plan a pipeline runs for ``plan.recompute`` (identity for ``none``): ``cost.remat.remat``'s
+    rewrite (the program the cost model prices) kept inside stages. A value that crosses stages in the
+    forward is received and stashed by its reader's stage anyway, so the backward reads it instead of its
+    recomputed copy (copies left unread are dropped); every copy is asked to run on its original's stage
+    (``ir.stages``: a backward node named in ``stage_of``). ``full``: the step at batch B, for the default cut."""
+    if Recompute(plan.recompute) is Recompute.NONE:
+        return graph, plan
+    stage_of = dict(plan.stage_of or contiguous_cut(full, plan.stages * plan.chunks))
+    new, origin = remat(graph, plan.recompute)
+    new = _read_crossing_values(new, graph, origin, stage_of)
+    kept = {n.name for n in new.nodes}
+    origin = {c: o for c, o in origin.items() if c in kept}
+    stage_of.update({c: stage_of[o] for c, o in origin.items() if o in stage_of})
+    return new, dataclasses.replace(remat_plan(plan, origin), stage_of=stage_of)
+
+
+def _read_crossing_values(new: Graph, old: Graph, origin: dict[str, str], stage_of: dict[str, int]) -> Graph:
+    """``new`` whose backward reads every forward value crossing stages (under ``stage_of``) itself rather than
+    its recomputed copy; copies nobody reads any more removed."""
+    a = analyze(old)
+    crossing = set()
+    for n in old.nodes[:a.boundary + 1]:
+        for r in n.input_refs():
+            p = a.producer.get(r.id)
+            if p is not None and stage_of[old.nodes[p].name] != stage_of[n.name]:
+                crossing.add(r.id)
+    old_nodes = {n.name: n for n in old.nodes}
+    defined = {v for n in new.nodes for v in n.outputs if v is not None}
+    swap = {cv: ov for n in new.nodes if n.name in origin
+            for cv, ov in zip(n.outputs, old_nodes[origin[n.name]].outputs)
+            if cv is not None and ov in crossing and ov in defined}
+    if not swap:
+        return new
+    nodes = [dataclasses.replace(n, args=_swap_refs(n.args, swap), kwargs=_swap_refs(n.kwargs, swap)) for n in new.nodes]
+    read = {o.value for o in new.outputs}
+    kept = []
+    for n in reversed(nodes):                 # readers come after producers
+        if n.name in origin and not any(v in read for v in n.outputs if v is not None):
+            continue
+        read.update(r.id for r in n.input_refs())
+        kept.append(n)
+    return dataclasses.replace(new, nodes=kept[::-1], meta=dict(new.meta))
+
+
+def _swap_refs(obj, swap: dict[int, int]):
+    if isinstance(obj, Ref):
+        return Ref(swap.get(obj.id, obj.id))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_swap_refs(x, swap) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _swap_refs(v, swap) for k, v in obj.items()}
+    return obj
+
+
 # -- schedules ------------------------------------------------------------------------------------------
 def stage_order(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
-    """Stage ``stage``'s programs in order: ("F" | "B", micro-batch) (module docstring)."""
-    m = microbatches
-    if Schedule(schedule) is Schedule.GPIPE:
-        return [("F", k) for k in range(m)] + [("B", k) for k in range(m)]
-    warm = min(stages - 1 - stage, m)
-    out = [("F", k) for k in range(warm)]
-    for k in range(m - warm):
-        out += [("F", warm + k), ("B", k)]
-    return out + [("B", k) for k in range(m - warm, m)]
+    """Stage ``stage``'s programs in order: ("F" | "B", micro-batch) (module docstring; one chunk)."""
+    return [(key, k) for key, _, k in schedule_order(schedule, stage, stages, microbatches)]
 
 
 # -- one rank ---------------------------------------------------------------------------------------------
 @dataclass
 class StepTimes:
-    """One step on one rank: seconds running programs (busy) and the rest of the step (idle)."""
+    """One step on one rank: seconds running programs (busy) and the rest of the step (idle); ``waiting``:
+    the part of idle blocked on messages (receives, the sends' completion, the loss broadcast): the schedule's
+    fill and drain and transfers; the rest of idle is the runtime's own work between programs."""
 
     busy: float
     idle: float
+    waiting: float = 0.0
 
 
 def _part(spec: ProgramSpec, rp: ResolvedPlan, first: bool, state_in: dict[str, int], batch_values: list[int]) -> Part:
@@ -303,8 +376,6 @@ class PipelineStep:
         full = cap.graph if cap is not None else graph
         if plan.stages < 2:
             raise ValueError("PipelineStep runs plans with two or more stages; RankStep runs the others")
-        if Recompute(plan.recompute) is not Recompute.NONE:
-            raise ValueError(f"recompute={plan.recompute} is not supported with pipeline stages yet; use recompute=none")
         if not 0 <= rank < plan.world:
             raise ValueError(f"rank {rank} is not in the pipeline's {plan.world} ranks")
         resolve(full, plan)  # the plan is for this workload (fingerprint), every sharding checks
@@ -316,29 +387,33 @@ class PipelineStep:
         g = micro_graph if m > 1 else full
         if m > 1:
             same_structure(full, g, m)
+        g, p = staged_recompute(g, plan, full)
         try:
-            self.rp = rp = resolve(g, dataclasses.replace(plan, fingerprint=""))
+            self.rp = rp = resolve(g, dataclasses.replace(p, fingerprint=""))
         except PlanError as exc:
             raise ValueError(f"microbatches={m}: a micro-batch cannot be split as the plan splits the batch ({exc})") \
                 from None
-        self.spec = spec or pipeline_spec(g, plan, full)
+        self.spec = spec or pipeline_spec(g, p, full)
         for vid in self.spec.split.boundary:
             if any(isinstance(p, Partial) and p.op is not ReduceOp.SUM for p in rp.value[vid]):
                 raise ValueError("a gradient is Partial (not a sum) under this plan; it cannot be accumulated")
         self.plan, self.rank, self.device, self.microbatches = plan, rank, torch.device(device), m
         W = plan.mesh.world
         self.stage, self.local = divmod(rank, W)
+        self.chunks = self.spec.device_stages(self.stage)      # this rank's virtual stages
         self.st = self.spec.stages[self.stage]
-        self.state_names = list(self.st.held)
+        self.state_names = self.spec.device_held(self.stage)
         state_in = {i.name: i.value for i in g.inputs}
         batch_values = [i.value for i in g.inputs if i.role is Role.BATCH]
-        self.programs: dict[tuple[str, bool], SpmdProgram] = {}
-        for key, ps in (("F", self.st.forward), ("B", self.st.backward), ("U", self.st.update)):
-            variants = (True, False) if key != "U" and ps.grads and m > 1 else (True,)
-            for first in variants:
-                part = _part(ps, rp, first, state_in, batch_values)
-                self.programs[(key, first)] = lower_rank(rp, self.local, self.device, part, overlap=overlap)
-        self.order = stage_order(plan.schedule, self.stage, plan.stages, m)
+        self.programs: dict[tuple[str, bool, int], SpmdProgram] = {}
+        for v in self.chunks:
+            st = self.spec.stages[v]
+            for key, ps in (("F", st.forward), ("B", st.backward), ("U", st.update)):
+                variants = (True, False) if key != "U" and ps.grads and m > 1 else (True,)
+                for first in variants:
+                    part = _part(ps, rp, first, state_in, batch_values)
+                    self.programs[(key, first, v)] = lower_rank(rp, self.local, self.device, part, overlap=overlap)
+        self.order = schedule_order(plan.schedule, self.stage, plan.stages, m, plan.chunks)
         self.times: list[StepTimes] = []
 
     def local_batch(self, batch: tuple) -> tuple:
@@ -352,20 +427,37 @@ class PipelineStep:
 
     def schedule(self, local_state: dict, local_batch: tuple) -> Generator:
         """The step as actions (``Run``: send its outputs back; ``Recv``: send the tensor back). Returns the
-        loss (last stage: ``sum_k loss_k / m``; other stages: None)."""
-        m, st = self.microbatches, self.st
+        loss (last stage: ``sum_k loss_k / m``; other stages: None). ``Send`` / ``Recv`` name stages
+        (devices); a value between two virtual stages of this rank goes through ``local`` instead."""
+        m, spec = self.microbatches, self.spec
+        devices = self.plan.stages
         rows = [b.shape[0] // m if b.dim() else 0 for b in local_batch]
-        stash: list[dict[int, torch.Tensor]] = [dict() for _ in range(m)]
+        stash: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
         grads: dict[int, torch.Tensor] = {}
+        local: dict[int, torch.Tensor] = {}            # tag -> tensor sent from one of this rank's chunks to another
         loss = 0.0
-        for key, k in self.order:
+
+        def recv(vid: int, src: int, index: int, k: int):
+            if src % devices == self.stage:
+                return local.pop(index * (m + 1) + k)
+            return (yield self._recv(vid, src % devices, index, k))
+
+        def send(dst: int, index: int, k: int, t: torch.Tensor):
+            if dst % devices == self.stage:
+                local[index * (m + 1) + k] = t.clone()
+            else:
+                yield Send(dst % devices, index * (m + 1) + k, t)
+
+        for key, v, k in self.order:
+            st = spec.stages[v]
             ps = st.forward if key == "F" else st.backward
+            box = stash.setdefault((v, k), {})
             for vid, src, index in ps.recvs:
-                stash[k][vid] = yield self._recv(vid, src, index, k)
+                box[vid] = yield from recv(vid, src, index, k)
             first = k == 0 or not ps.grads
-            args = [self._arg(kind, x, local_state, local_batch, stash[k], rows, k) for kind, x in ps.inputs]
-            outs = yield Run(self.programs[(key, first)],
-                             args + ([] if first else [grads[v] for v in ps.grads]), (key, k))
+            args = [self._arg(kind, x, local_state, local_batch, box, rows, k) for kind, x in ps.inputs]
+            outs = yield Run(self.programs[(key, first, v)],
+                             args + ([] if first else [grads[u] for u in ps.grads]), (key, k))
             del args
             for (kind, x), t in zip(ps.outputs, outs):
                 if kind == "loss":
@@ -373,25 +465,29 @@ class PipelineStep:
                 elif kind == "buffer":
                     local_state[x] = t
                 else:
-                    stash[k][x] = t
+                    box[x] = t
             if first:
-                for v, t in zip(ps.grads, outs[len(ps.outputs):]):
-                    grads[v] = t.clone() if v in stash[k] else t   # a sent tensor is never added into
+                for u, t in zip(ps.grads, outs[len(ps.outputs):]):
+                    grads[u] = t.clone() if u in box else t   # a sent tensor is never added into
             for vid, dst, index in ps.sends:
-                yield Send(dst, index * (m + 1) + k, stash[k][vid])
+                yield from send(dst, index, k, box[vid])
             if key == "B":
-                stash[k] = {}
+                del stash[(v, k)]
         for t in grads.values():
             t.div_(m)
-        upd = st.update
-        for vid, dst, index in upd.sends:
-            yield Send(dst, index * (m + 1) + m, grads[vid])
-        for vid, src, index in upd.recvs:
-            grads[vid] = yield self._recv(vid, src, index, m)
-        args = [local_state[x] if kind == "state" else grads[x] for kind, x in upd.inputs]
-        outs = yield Run(self.programs[("U", True)], args, ("U", 0))
-        del args
-        local_state.update((x, t) for (_, x), t in zip(upd.outputs, outs))
+        updates = [spec.stages[v].update for v in self.chunks]
+        for upd in updates:
+            for vid, dst, index in upd.sends:
+                yield from send(dst, index, m, grads[vid])
+        runs = []
+        for v, upd in zip(self.chunks, updates):
+            for vid, src, index in upd.recvs:
+                grads[vid] = yield from recv(vid, src, index, m)
+            runs.append((v, upd, [local_state[x] if kind == "state" else grads[x] for kind, x in upd.inputs]))
+        for v, upd, args in runs:      # every chunk's update reads the state before any update
+            outs = yield Run(self.programs[("U", True, v)], args, ("U", 0))
+            local_state.update((x, t) for (_, x), t in zip(upd.outputs, outs))
+        del runs
         return loss / m if self.stage == self.plan.stages - 1 else None
 
     @staticmethod
@@ -405,7 +501,7 @@ class PipelineStep:
     def run(self, local_state: dict, local_batch: tuple) -> float:
         """One step with ``torch.distributed`` point-to-point messages (every rank of the job calls it);
         returns the loss (broadcast from the last stage) and appends this rank's ``StepTimes``."""
-        W, busy, pending = self.plan.mesh.world, 0.0, []
+        W, busy, waiting, pending = self.plan.mesh.world, 0.0, 0.0, []
         start = time.perf_counter()
         gen = self.schedule(local_state, local_batch)
         reply = None
@@ -426,14 +522,18 @@ class PipelineStep:
                     pending.append((dist.isend(t, act.dst * W + self.local, tag=act.tag), t))
                 else:
                     buf = torch.empty(act.shape, dtype=_wire_dtype(act.dtype), device=self.device)
+                    t0 = time.perf_counter()
                     dist.irecv(buf, act.src * W + self.local, tag=act.tag).wait()
+                    waiting += time.perf_counter() - t0
                     reply = buf.view(act.dtype) if act.dtype is torch.bool else buf
+            t0 = time.perf_counter()
             for work, _ in pending:
                 work.wait()
             out = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64, device=self.device)
             dist.broadcast(out, (self.plan.stages - 1) * W)
+            waiting += time.perf_counter() - t0
         wall = time.perf_counter() - start
-        self.times.append(StepTimes(busy, max(wall - busy, 0.0)))
+        self.times.append(StepTimes(busy, max(wall - busy, 0.0), waiting))
         return float(out[0])
 
 
@@ -454,7 +554,7 @@ def compare_stages(rp: ResolvedPlan, spec: PipelineSpec, results: dict[int, dict
     out = Comparison(True, 0.0, None, 0)
     for r in sorted(results):
         stage, local = divmod(r, W)
-        held = spec.stages[stage].held
+        held = spec.device_held(stage)
         sub = Reference(ref.losses, {n: t for n, t in ref.state.items() if n in held}, ref.initial)
         c = compare_ranks(rp, {local: results[r]}, sub, tol)
         out.compared += c.compared

@@ -84,8 +84,10 @@ def _step_communication(step: PipelineStep) -> tuple[int, dict[str, int]]:
     """Stage 0 rank 0's collective bytes and counts per step (forward and backward programs once per
     micro-batch, the update once; point-to-point messages not included)."""
     m, total, kinds = step.microbatches, 0, {}
-    for (key, first), prog in step.programs.items():
-        runs = 1 if key == "U" else (1 if first else m - 1) if (key, False) in step.programs else m
+    for (key, first, v), prog in step.programs.items():
+        if v != step.stage:
+            continue       # stage 0 rank 0's first chunk
+        runs = 1 if key == "U" else (1 if first else m - 1) if (key, False, v) in step.programs else m
         total += runs * prog.comm_bytes
         for kind, n in prog.collectives.items():
             kinds[kind] = kinds.get(kind, 0) + runs * n

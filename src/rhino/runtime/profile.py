@@ -132,6 +132,34 @@ def _allreduce_rank(ctx, sizes: tuple[int, ...]) -> list[float]:
     return out
 
 
+_P2P_BYTES = (4 << 10, 64 << 10, 512 << 10, 2 << 20)
+
+
+def _p2p_rank(ctx, sizes: tuple[int, ...]) -> list[float]:
+    """Rank 0 and 1: median one-way seconds of a point-to-point message at each size (half a ping-pong,
+    each message an ``isend`` and an ``irecv(...).wait()`` as ``runtime.pipeline`` sends boundary values);
+    the other ranks wait."""
+    out = []
+    for nbytes in sizes:
+        x, y = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+        calls = max(4, min(50, (2 << 20) // nbytes))
+        samples = []
+        for rep in range(6):
+            dist.barrier()
+            t0 = time.perf_counter()
+            for _ in range(calls if ctx.rank < 2 else 0):
+                if ctx.rank == 0:
+                    dist.isend(x, 1).wait()
+                    dist.irecv(y, 1).wait()
+                else:
+                    dist.irecv(y, 0).wait()
+                    dist.isend(x, 0).wait()
+            if rep:   # the first is a warm-up
+                samples.append((time.perf_counter() - t0) / calls / 2)
+        out.append(statistics.median(samples))
+    return out
+
+
 def _compute(progress: Callable[[str], None], sync: Callable[[], None]) -> tuple:
     """(overhead, matmul FLOP/s, k0, bandwidth, conv eff., attention eff., kind bandwidths); ``sync``
     runs between the micro-benchmarks so that concurrent ranks measure the same thing at the same time."""
@@ -160,7 +188,7 @@ def _rank_profile(ctx, threads: int | None) -> tuple:
         torch.set_num_threads(threads)
     compute = _compute(lambda m: None, dist.barrier)
     dist.barrier()
-    return torch.get_num_threads(), compute, _allreduce_rank(ctx, _ALLREDUCE_BYTES)
+    return torch.get_num_threads(), compute, _allreduce_rank(ctx, _ALLREDUCE_BYTES), _p2p_rank(ctx, _P2P_BYTES)
 
 
 def _slowest(per_rank: list[tuple]) -> tuple:
@@ -194,8 +222,11 @@ def measure_profile(threads: int | None = None, nproc: int = 2, progress: Callab
         link_bw = 2 * (nproc - 1) / nproc / slope
         link_lat = max(0.0, intercept / (2 * (nproc - 1)))
         progress(f"  all-reduce over {nproc} processes: {link_bw / 1e9:.2f} GB/s, {link_lat * 1e6:.1f} us")
+        p_slope, p_lat = fit_line([float(s) for s in _P2P_BYTES], results[0][3])
+        p2p_bw, p2p_lat = 1.0 / max(p_slope, 1e-15), max(0.0, p_lat)
+        progress(f"  point-to-point: {p2p_bw / 1e9:.2f} GB/s, {p2p_lat * 1e6:.1f} us")
         return MachineProfile(f"cpu ({used} threads per process, {nproc} processes)", used, flops, k0, bw,
-                              overhead, conv, attn, link_bw, link_lat, nproc, kinds)
+                              overhead, conv, attn, link_bw, link_lat, nproc, kinds, p2p_bw, p2p_lat)
     old = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)

@@ -117,8 +117,11 @@ def run_plan(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, time
     start = time.perf_counter()
     graph = cap.graph
     if plan.stages > 1:
-        if measure or overlap or memory_plan:
-            raise ValueError("measure, overlap and --memory-plan are not supported with pipeline stages yet")
+        if memory_plan:
+            from .pipeline import PIPELINE_MEMORY_PLAN
+            raise ValueError(PIPELINE_MEMORY_PLAN)
+        if measure or overlap:
+            raise ValueError("measure and overlap are not supported with pipeline stages yet")
         from .pipeline_run import run_pipeline
         return run_pipeline(cap, plan, nproc, steps, timeout_s, tol)
     rp: ResolvedPlan = resolve(graph, plan)

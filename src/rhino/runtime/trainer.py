@@ -35,6 +35,7 @@ from .collectives import TORCH_COLLECTIVES, gather_tensor
 from .data import batch_stream, check_batch, rank_batch, samples_in
 from .groups import build_groups
 from .launch import current_context, in_torchrun, init_from_env, launch, shutdown
+from .pipeline import PIPELINE_MEMORY_PLAN
 from ..lower.spmd_ops import set_context
 
 __all__ = ["Trainer", "TrainResult", "train", "train_torchrun", "train_rank", "summarize", "peak_rss_bytes",
@@ -100,7 +101,7 @@ class Trainer:
         say("lowering the per-rank programs ...")
         if self.pipelined:
             if memory_plan:
-                raise ValueError("--memory-plan is not supported with pipeline stages yet; drop it or the pp key")
+                raise ValueError(PIPELINE_MEMORY_PLAN)
             from .pipeline import PipelineStep
             self.program = PipelineStep(self.cap, self.plan, self.rank, self.device)
         elif memory_plan:
@@ -197,14 +198,12 @@ class Trainer:
     def save(self, directory) -> Path:
         """Save a sharded checkpoint of this step under ``directory`` (collective; ``runtime/checkpoint.py``)."""
         from .checkpoint import save_checkpoint
-        self._no_pipeline("checkpoints")
         return save_checkpoint(self, directory)
 
     def resume(self, directory):
         """Load the latest checkpoint under ``directory`` under this trainer's plan (collective); returns its
         ``CheckpointInfo``, or None when there is none (the trainer stays at step 0)."""
         from .checkpoint import latest_checkpoint, load_checkpoint
-        self._no_pipeline("checkpoints")
         box = [None]
         if self.rank == 0:                      # one answer for every rank
             found = latest_checkpoint(directory)
@@ -312,6 +311,7 @@ def train(workload: str, nproc: int, *, plan: str | None = None, strategy: str |
         raise ValueError("nproc and steps must be at least 1")
     check_checkpointing(checkpoint, every, resume)
     _check_world(nproc, plan, strategy, cluster)
+    _check_memory_plan(memory_plan, plan, strategy)
     start = time.perf_counter()
     results = launch(train_rank, nproc, workload, plan, strategy, cluster, level, steps, dtype, overlap,
                      timeout_s, log, progress, measure_live, release_memory, checkpoint, every, resume,
@@ -404,6 +404,14 @@ def _check_world(nproc: int, plan, strategy, cluster) -> None:
     if world != nproc:
         raise ValueError(f"the {what} has {world} devices but the job has {nproc} processes; "
                          f"pass --nproc {world} or another {'plan' if strategy is None else 'strategy'}")
+
+
+def _check_memory_plan(memory_plan, plan, strategy) -> None:
+    """Before starting processes: no memory plan with pipeline stages (``PIPELINE_MEMORY_PLAN``)."""
+    if memory_plan and plan is None and strategy is not None and parse_strategy(strategy).pp > 1:
+        raise ValueError(PIPELINE_MEMORY_PLAN)
+    if memory_plan and plan is not None and load_plan_file(plan).stages > 1:
+        raise ValueError(PIPELINE_MEMORY_PLAN)
 
 
 def train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, overlap, timeout_s, log, progress,

@@ -41,11 +41,13 @@ class ShardingPlan:
     stages: int = 1                              # pipeline stages; ``mesh`` is one stage's mesh
     schedule: str = Schedule.ONE_F_ONE_B.value   # an ``ir.stages.Schedule`` value: 1f1b | gpipe
     stage_of: dict[str, int] = field(default_factory=dict)  # forward node name -> stage (empty: default cut)
+    chunks: int = 1                              # model chunks per stage (interleaved schedule): virtual stages
+                                                 # ``stages * chunks``, ``stage_of`` in those
 
     def __post_init__(self) -> None:
         check_step_fields(self.microbatches, self.recompute)
         try:
-            check_stage_fields(self.stages, self.schedule, self.stage_of)
+            check_stage_fields(self.stages, self.schedule, self.stage_of, self.chunks)
         except StageError as exc:
             raise PlanError(str(exc)) from None
 
@@ -58,6 +60,8 @@ class ShardingPlan:
     def pipeline_dict(self) -> dict:
         """The plan file's ``"pipeline"`` object (``stage_of`` only with more than one stage)."""
         d = {"stages": self.stages, "microbatches": self.microbatches, "schedule": str(Schedule(self.schedule).value)}
+        if self.chunks > 1:
+            d["chunks"] = self.chunks
         if self.stages > 1:
             d["stage_of"] = dict(self.stage_of)
         return d
@@ -89,7 +93,8 @@ class ShardingPlan:
                    {k: tuple(v) for k, v in d["strategies"].items()}, d.get("fingerprint", ""),
                    d.get("strategy", ""), d.get("meta", {}), pipeline.get("microbatches", 1),
                    d.get("recompute", "none"), pipeline.get("stages", 1),
-                   pipeline.get("schedule", Schedule.ONE_F_ONE_B.value), dict(pipeline.get("stage_of", {})))
+                   pipeline.get("schedule", Schedule.ONE_F_ONE_B.value), dict(pipeline.get("stage_of", {})),
+                   pipeline.get("chunks", 1))
 
 
 

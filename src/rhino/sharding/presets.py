@@ -1,7 +1,7 @@
 """Expert presets from the strategy string, expressed as placements found from the graph's structure.
 
 Grammar (design.md): ``dp=4,tp=2,pp=2,zero=1,sp=on,microbatches=8,recompute=full|selective|none``,
-plus ``schedule=1f1b|gpipe`` for pipelines; missing keys take defaults. The presets:
+plus ``schedule=1f1b|gpipe|interleaved`` and ``chunks=v`` (model chunks per stage, interleaved) for pipelines; missing keys take defaults. The presets:
 
 - ``dp``: the batch is split on dim 0 along ``dp``; parameters replicated; gradients all-reduced (DDP).
 - ``zero=1|2``: optimizer state sharded along ``dp`` (gradients reduce-scattered into it; in a
@@ -46,6 +46,7 @@ class StrategySpec:
     microbatches: int = 1
     recompute: str = Recompute.NONE
     schedule: str = Schedule.ONE_F_ONE_B.value
+    chunks: int = 1
 
     @property
     def world(self) -> int:
@@ -60,10 +61,11 @@ class StrategySpec:
         parts += [f"microbatches={self.microbatches}"] if self.microbatches > 1 else []
         parts += [f"recompute={self.recompute}"] if self.recompute != Recompute.NONE else []
         parts += [f"schedule={self.schedule}"] if self.pp > 1 and self.schedule != Schedule.ONE_F_ONE_B.value else []
+        parts += [f"chunks={self.chunks}"] if self.chunks > 1 else []
         return ",".join(parts)
 
 
-_INT_KEYS = ("dp", "tp", "pp", "zero", "microbatches")
+_INT_KEYS = ("dp", "tp", "pp", "zero", "microbatches", "chunks")
 
 
 def parse_strategy(text: str) -> StrategySpec:
@@ -90,7 +92,7 @@ def parse_strategy(text: str) -> StrategySpec:
             values["schedule"] = val
         else:
             raise ValueError(f"unknown strategy key {key!r}; known keys: dp, tp, pp, zero, sp, microbatches, recompute, "
-                             f"schedule")
+                             f"schedule, chunks")
     spec = StrategySpec(**values)
     if spec.zero > 3:
         raise ValueError("zero must be 0, 1, 2 or 3")
@@ -98,6 +100,9 @@ def parse_strategy(text: str) -> StrategySpec:
         raise ValueError("zero shards over dp: give dp > 1 with zero")
     if spec.sp and spec.tp == 1:
         raise ValueError("sp=on splits the sequence over tp: give tp > 1 with sp=on")
+    if spec.chunks > 1 and (spec.schedule != Schedule.INTERLEAVED.value or spec.pp == 1):
+        raise ValueError(f"chunks={spec.chunks} splits each pipeline stage into model chunks: give pp > 1 and "
+                         f"schedule=interleaved with it")
     return spec
 
 
@@ -155,8 +160,8 @@ def preset_plan(graph: Graph, spec: StrategySpec) -> ShardingPlan:
     plan.fingerprint = graph.fingerprint()
     plan.strategy_string = str(spec)
     plan.microbatches, plan.recompute = spec.microbatches, spec.recompute
-    plan.stages, plan.schedule = spec.pp, spec.schedule
-    plan.stage_of = contiguous_cut(graph, spec.pp) if spec.pp > 1 else {}
+    plan.stages, plan.schedule, plan.chunks = spec.pp, spec.schedule, spec.chunks
+    plan.stage_of = contiguous_cut(graph, spec.pp * spec.chunks) if spec.pp > 1 else {}
     return plan
 
 

@@ -1,0 +1,102 @@
+"""Pipelined plans under ``rhino train`` / ``Trainer``: sharded checkpoints saved by every stage and resumed
+(same plan, or another plan), and a pipeline under ``torchrun``.
+
+Oracle: an uninterrupted float64 run of the GPT example (tied embedding/head: the weight lives on both
+stages) under ``pp=2,microbatches=2``, 4 steps, saving after step 2; and PyTorch's single-device loop over
+the same batches. Resumed runs must give the same losses and, on every rank, the same held state."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import ROOT
+from rhino.runtime.launch import launch
+
+GPT = str(ROOT / "examples" / "gpt.py")
+MLP = str(ROOT / "examples" / "mlp.py")
+TOL = 1e-9          # float64, relative to max(1, |value|) (runtime/compare.py)
+
+
+def _run(ctx, strategy, steps, directory, save_at, resume):
+    """One rank: (resume,) train up to ``steps`` on the workload's batches, saving after the steps in ``save_at``."""
+    from rhino.runtime.trainer import Trainer
+    trainer = Trainer(GPT, strategy=strategy, dtype=torch.float64)
+    info = trainer.resume(directory) if resume else None
+    losses = []
+    while trainer.steps_done < steps:
+        losses.append(trainer.step())
+        if trainer.steps_done in save_at:
+            trainer.save(directory)
+    return {"losses": losses, "local": {k: v.clone() for k, v in trainer.state.items()},
+            "info": None if info is None else info.to_dict()}
+
+
+def _eager_losses(steps: int) -> list[float]:
+    """PyTorch's single-device loop over the workload's batches, float64."""
+    from rhino.capture import default_dtype, load_workload
+    with default_dtype(torch.float64):
+        w = load_workload(GPT)
+        it, losses = w.batches(), []
+        for _ in range(steps):
+            w.optimizer.zero_grad()
+            loss = w.loss_fn(w.model, *next(it))
+            loss.backward()
+            w.optimizer.step()
+            losses.append(loss.item())
+    return losses
+
+
+def _close(a: float, b: float) -> bool:
+    return abs(a - b) <= TOL * max(1.0, abs(b))
+
+
+@pytest.mark.multiprocess
+def test_pipeline_checkpoint_resumes_under_the_same_and_another_plan(tmp_path):
+    """pp=2 saves after step 2 (each stage its held state; the tied weight from both stages); resuming under
+    pp=2 gives steps 3-4 bit for bit on every rank, resuming under dp=2 (no stages) gives the same losses and
+    state; every loss equals the single-device loop's."""
+    d = tmp_path / "ck"
+    whole = launch(_run, 2, "pp=2,microbatches=2", 4, str(d), (2,), False, timeout_s=300)
+    assert "tok.weight" in whole[0]["local"] and "tok.weight" in whole[1]["local"]   # held by both stages
+    assert set(whole[0]["local"]) != set(whole[1]["local"])
+    want = _eager_losses(4)
+    assert all(_close(a, b) for a, b in zip(whole[0]["losses"], want)), (whole[0]["losses"], want)
+    same = launch(_run, 2, "pp=2,microbatches=2", 4, str(d), (), True, timeout_s=300)
+    for rank in range(2):
+        assert same[rank]["info"]["step"] == 2 and same[rank]["info"]["mesh"] == "dp1"
+        assert same[rank]["losses"] == whole[rank]["losses"][2:]
+        assert set(same[rank]["local"]) == set(whole[rank]["local"])
+        for name, t in same[rank]["local"].items():
+            assert torch.equal(t, whole[rank]["local"][name]), (rank, name)
+    other = launch(_run, 2, "dp=2", 4, str(d), (), True, timeout_s=300)
+    held = {**whole[0]["local"], **whole[1]["local"]}           # pp=2 of one-rank meshes: whole tensors
+    for rank in range(2):
+        assert all(_close(a, b) for a, b in zip(other[rank]["losses"], whole[0]["losses"][2:]))
+        assert set(other[rank]["local"]) == set(held)
+        for name, t in other[rank]["local"].items():            # dp=2 replicates every tensor
+            err = (t - held[name]).abs().max().item()
+            assert err <= TOL * max(1.0, held[name].abs().max().item()), (rank, name, err)
+
+
+@pytest.mark.multiprocess
+def test_rhino_train_pipeline_under_torchrun_matches_the_local_launcher(tmp_path):
+    """``rhino train --strategy pp=2,microbatches=2`` as the 2 ranks of a torchrun job: the local launcher's
+    losses, and each step's loss in the log."""
+    args = ["train", MLP, "--strategy", "pp=2,microbatches=2", "--steps", "3", "--dtype", "float64", "--json"]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    job = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "rhino.cli.main", "--", *args,
+                          "--log", str(tmp_path / "log.jsonl")], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert job.returncode == 0, job.stderr[-2000:]
+    local = subprocess.run([sys.executable, "-m", "rhino.cli.main", *args], capture_output=True, text=True,
+                           cwd=ROOT, timeout=600)
+    assert local.returncode == 0, local.stderr[-2000:]
+    a, b = json.loads(job.stdout.strip().splitlines()[-1]), json.loads(local.stdout)
+    assert a["nproc"] == 2 and a["mesh"] == "pp2xdp1" and a["losses"] == b["losses"]
+    assert len(set(a["losses"])) == 3
+    lines = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert [x["step"] for x in lines] == [1, 2, 3] and [x["loss"] for x in lines] == a["losses"]
