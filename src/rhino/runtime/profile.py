@@ -167,18 +167,17 @@ def _p2p_post_rank(ctx, nbytes: int = 4 << 10, reps: int = 20) -> float:
     x, y = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
     samples = []
     for _ in range(reps):
-        if ctx.rank == 1:
-            dist.isend(x, 0).wait()
-        dist.barrier()                       # the message has been sent
+        work = dist.isend(x, 0) if ctx.rank == 1 else None
+        dist.barrier()                       # the message has been posted
         t0 = time.perf_counter()
         if ctx.rank == 0:
             dist.irecv(y, 1).wait()
             work = dist.isend(x, 1)
         t1 = time.perf_counter()
-        if ctx.rank == 0:
-            work.wait()
-        elif ctx.rank == 1:
+        if ctx.rank == 1:
             dist.irecv(y, 0).wait()
+        if work is not None:
+            work.wait()
         samples.append(t1 - t0)
     return statistics.median(samples)
 
