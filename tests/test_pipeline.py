@@ -56,9 +56,13 @@ def test_mlp_pipelines_match_single_device_training_on_every_rank(mlp, strategy)
     assert res["messages"] > 0
 
 
-def test_gpt_with_a_tied_embedding_matches_single_device_training():
-    cap = _cap("gpt")
-    cmp, res, plan = _check(cap, "pp=2,microbatches=2")
+@pytest.fixture(scope="module")
+def gpt():
+    return _cap("gpt")
+
+
+def test_gpt_with_a_tied_embedding_matches_single_device_training(gpt):
+    cmp, res, plan = _check(gpt, "pp=2,microbatches=2")
     assert cmp.ok, cmp.first_mismatch
     holders = res["steps"][0].spec.assignment.holders
     assert holders["tok.weight"] == {0, 1}
@@ -83,6 +87,22 @@ def test_recompute_inside_stages_runs_copies_in_the_backward_and_stashes_less(ml
         assert any(n.endswith("_rc") for n in steps["full"][r].st.backward.nodes)
     assert _stash_bytes(steps["full"][0]) < _stash_bytes(steps["none"][0])
     assert sum(map(_stash_bytes, steps["full"])) < sum(map(_stash_bytes, steps["none"]))
+
+
+def test_recomputed_copies_stay_on_their_stage_and_add_no_crossings(gpt):
+    """GPT, cut right after the fused QKV matmul: under recompute=full every copy runs on its original's
+    stage, the crossing QKV value is read itself (not recomputed on stage 0 and sent back), and the stage
+    boundaries carry the same bytes as without recomputation."""
+    from rhino.runtime.rank_step import microbatch_graph
+    micro = microbatch_graph(gpt, 2)
+    out = {}
+    for rc in ("none", "full"):
+        plan = preset_plan(gpt.graph, parse_strategy(f"pp=2,recompute={rc},microbatches=2"))
+        out[rc] = PipelineStep(gpt.graph, plan, 0, micro_graph=micro).spec.assignment
+    stage = out["full"].node_stage
+    copies = [n for n in stage if n.endswith("_rc")]
+    assert len(copies) > 20 and all(stage[n] == stage[n[:-3]] for n in copies)
+    assert out["full"].boundary_bytes() == out["none"].boundary_bytes()
 
 
 def test_a_wrong_update_on_one_stage_is_caught(mlp):

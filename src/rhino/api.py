@@ -17,6 +17,7 @@ subpackages.) Workloads are ``FILE[:FUNC]`` specs (see the README's workload sec
 """
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import torch
@@ -73,12 +74,13 @@ def estimate(cap: Captured, cluster: str, *, strategy: str | None = None, plan: 
 
 
 def plan(cap: Captured, cluster: str, *, level: str = "O1", time_limit: float = 60.0, presets: bool = True,
-         workload: str = "", progress=None):
+         workload: str = "", progress=None, fit_memory: str = "program"):
     """Search the fastest plan that fits ``cluster``: ``(ShardingPlan, report)`` (``report.text()``).
-    ``workload`` names it in the report; ``progress(event, info)`` gets the search's events."""
+    ``workload`` names it in the report; ``progress(event, info)`` gets the search's events; ``fit_memory``:
+    "program" (the cost model's peak) or "planned" (also each rank program's memory plan, ``SearchOptions``)."""
     from .search.planning import plan_workload
     return plan_workload(_graph(cap), parse_cluster(cluster), level=level, time_limit=time_limit, presets=presets,
-                         workload=workload, progress=progress)
+                         workload=workload, progress=progress, fit_memory=fit_memory)
 
 
 def plan_and_run(cap: Captured, cluster: str = "cpu:4", *, level: str = "O2", time_limit: float = 10.0,
@@ -159,7 +161,8 @@ def rank_memory_report(cap: Captured, *, strategy: str | None = None, plan: Shar
                        name: str = "", progress=None, status=None):
     """Memory plans for every rank of a parallel plan (exactly one of ``strategy``, ``plan`` or ``cluster``):
     each rank's program (``lower.rank_graph``, communication buffers included) as a memory problem, each
-    distinct problem planned once (``memory.step_report.plan_rank_memory``, ``time_limit`` each). ``execute``
+    distinct problem planned once (``memory.step_report.plan_rank_memory``). ``time_limit`` bounds building
+    the rank programs and planning them, all together (not the search for ``cluster``, nor ``execute``). ``execute``
     runs every rank in its planned arena in lockstep in this process and compares every rank's loss and
     state with the plain rank programs (``lower.arena_ranks.compare_arena_ranks``). Returns a
     ``memory.step_report.RankMemoryReport`` (``.ok``, ``.to_dict()``)."""
@@ -180,12 +183,14 @@ def rank_memory_report(cap: Captured, *, strategy: str | None = None, plan: Shar
         plan, _ = plan_workload(_graph(cap), parse_cluster(cluster), level="O1", workload=name)
     elif plan is None:
         plan = preset_plan(cap.graph, parse_strategy(strategy))
+    t0 = time.perf_counter()
     rp = rank_resolved_plan(cap.graph, plan)
     say(f"building the {plan.mesh.world} rank programs of mesh {plan.mesh} ...")
     mems = rank_memories(rp)
-    say(f"planning each distinct rank program at {level} (time limit {time_limit:g} s each) ...")
+    left = max(0.0, time_limit - (time.perf_counter() - t0))
+    say(f"planning each distinct rank program at {level} ({left:.1f} s left of the {time_limit:g} s limit) ...")
     report = plan_rank_memory([(m.rank, m.problem, m.mapping) for m in mems], workload=name, mesh=str(plan.mesh),
-                              strategy=plan.strategy_string or "plan file", level=level, time_limit=time_limit,
+                              strategy=plan.strategy_string or "plan file", level=level, time_limit=left,
                               progress=progress)
     if execute:
         from .lower.arena_ranks import compare_arena_ranks

@@ -31,7 +31,8 @@ def add_parser(sub) -> None:
     p.add_argument("--level", default="O2", choices=LEVELS, help="O1: heuristics (seconds); O2: + exact "
                    "CP-SAT windows (default)")
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S",
-                   help="seconds for the solver (default 60); the best plan found by then is kept")
+                   help="seconds for the solver (default 60); the best plan found by then is kept; with "
+                        "--strategy/--plan/--cluster, for building and planning all rank programs together")
     p.add_argument("--execute", action="store_true",
                    help="run one step with the planned arena and compare with plain PyTorch")
     p.add_argument("--report", metavar="DIR", help="write PNGs: memory over time, layout (one device only)")
@@ -46,8 +47,10 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def human(n: float) -> str:
-    """Bytes in binary units: ``1536 -> '1.50 KiB'``."""
+def human(n: float | None) -> str:
+    """Bytes in binary units: ``1536 -> '1.50 KiB'``; None (a baseline skipped for the time limit) -> ``'-'``."""
+    if n is None:
+        return "-"
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
@@ -121,11 +124,13 @@ def _print_table(r: dict) -> None:
     w = max(len(n) for n, _, _ in rows) + 2
     print(f"{'':{w}}{'peak':>12}  {'Rhino saves':>11}")
     for name, b, red in rows:
-        print(f"{name:{w}}{human(b):>12}  {red * 100:>10.1f}%")
+        print(f"{name:{w}}{human(b):>12}  " + (f"{red * 100:>10.1f}%" if red is not None else "  (skipped)"))
     who = "MODeL (baseline)" if r.get("source") == "model" else "Rhino"
     print(f"{who:{w}}{human(r['rhino_peak_bytes']):>12}" + ("  optimal (equals a bound)" if r.get("optimal") else ""))
     print(f"{'live peak of this order':{w}}{human(r['lower_bound_bytes']):>12}  (no layout of it is lower)")
     print(f"{'order lower bound':{w}}{human(r['order_lower_bound_bytes']):>12}  (no order is lower)")
+    if r.get("skipped_baselines"):
+        print(f"baselines skipped for the time limit: {', '.join(r['skipped_baselines'])}")
     print(f"solve seconds: {r['solve_seconds']:.2f}   valid: {'yes' if r['valid'] else 'NO: ' + r.get('invalid_reason', '')}")
     print(f"state outside the arena: {human(r['state_bytes'])} (parameters {human(r['param_bytes'])}); "
           f"{r['inplace_state_updates']} state tensors updated in place")

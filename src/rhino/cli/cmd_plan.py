@@ -23,6 +23,10 @@ def add_parser(sub) -> None:
     p.add_argument("--out", metavar="FILE", help="write the plan (JSON) for rhino run --plan")
     p.add_argument("--report", metavar="DIR", help="write report.txt, report.json and plan.json to DIR")
     p.add_argument("--no-presets", action="store_true", help="skip the expert-preset comparison")
+    p.add_argument("--fit-memory", choices=["program", "planned"], default="program",
+                   help="fit check: program (the cost model's program-order peak, default) or planned (a plan "
+                        "over capacity fits when its rank program's memory plan, as rhino run --memory-plan "
+                        "runs it, plus the state does)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -87,7 +91,8 @@ def run(args) -> int:
     progress = _Progress(not args.json)
     try:
         plan, report = api_plan(cap, args.cluster, level=args.level, time_limit=args.time_limit,
-                                presets=not args.no_presets, workload=args.workload, progress=progress)
+                                presets=not args.no_presets, workload=args.workload, progress=progress,
+                                fit_memory=args.fit_memory)
     finally:
         progress.stop()
     text = plan.to_json()

@@ -13,12 +13,15 @@ FORWARD and LOSS). ``assign_stages`` derives (node roles and values from ``ir.an
   ``x in X`` is available, all stages when ``X`` is empty; ``min stage(P) = S - 1`` when ``P`` is empty);
   when that set is empty, ``min(min stage(P), min stage(producer(x)))``. A weight gradient
   ``mm(grad_out, x)`` therefore runs where its matmul ran even when ``x`` came from the stage before.
+  A backward node that ``stage_of`` names (a recomputed forward op: its original's stage) gets that stage
+  instead of the max when it is in the set, and its outputs are then available there as a forward value's.
   A backward node reading no forward value is *free*: with ``ub(v)`` the smallest bound of its backward
   producers (their stage, or their own bound for free ones; ``S - 1`` when none), it gets
   ``min(ub(v), max(wanted))`` (``ub(v)`` when nothing is wanted), in reverse program order, where each
   backward reader wants its stage and each optimizer reader the first forward stage reading a state
   whose new value it feeds (a bias gradient ``sum(grad_out)`` runs with its parameter). Both choices keep rule 2
-  below: a reader's stage never exceeds either term.
+  below: a reader's stage never exceeds either term. A free node that ``stage_of`` names gets that stage when
+  it lies between ``max(wanted)`` and ``ub(v)``.
 - **Holders**: a state input (parameter, buffer, optimizer state) is held by every stage whose forward or
   backward nodes read it (a tied embedding/head weight: both stages), and by every stage whose update
   reads it. **Optimizer nodes** (OPTIMIZER role) run on every stage holding a state whose new value they
@@ -185,7 +188,7 @@ def assign_stages(graph: Graph, stage_of: Mapping[str, int], stages: int) -> Sta
     if a.loss_node is None:
         raise StageError("the step has no loss, so it cannot be cut into pipeline stages")
     node_stage = _forward_stages(graph, a, stage_of, stages)
-    _backward_stages(graph, a, node_stage, stages)
+    _backward_stages(graph, a, node_stage, stages, stage_of)
     holders, update = _holders_and_updates(graph, a, node_stage)
     return StageAssignment(stages, node_stage, update, holders, tuple(_crossings(graph, a, node_stage, update)))
 
@@ -214,7 +217,8 @@ def _forward_stages(graph: Graph, a, stage_of: Mapping[str, int], stages: int) -
     return out
 
 
-def _backward_stages(graph: Graph, a, node_stage: dict[str, int], stages: int) -> None:
+def _backward_stages(graph: Graph, a, node_stage: dict[str, int], stages: int,
+                     prefer: Mapping[str, int] | None = None) -> None:
     """Backward nodes' stages (module docstring), added to ``node_stage``."""
     nodes = graph.nodes
     avail = _available(graph, a, node_stage)
@@ -232,8 +236,12 @@ def _backward_stages(graph: Graph, a, node_stage: dict[str, int], stages: int) -
             continue
         common = set(range(stages)).intersection(*(avail[x] for x in fwd))
         below = [s for s in common if s <= ub[i]]
+        if prefer and prefer.get(nodes[i].name) in below:
+            below = [prefer[nodes[i].name]]
         ub[i] = max(below) if below else min([ub[i]] + [node_stage[nodes[a.producer[x]].name] for x in fwd])
         node_stage[nodes[i].name] = ub[i]
+        if prefer and nodes[i].name in prefer:    # a recomputed forward value: anchors its readers as one
+            avail.update((v, {ub[i]}) for v in nodes[i].outputs if v is not None)
     readers = _direct_readers(graph)
     home = _parameter_homes(graph, a, node_stage)
     for i in reversed(free):
@@ -244,6 +252,8 @@ def _backward_stages(graph: Graph, a, node_stage: dict[str, int], stages: int) -
             elif u in home:   # a gradient feeding the update: its parameter's stage
                 want.append(home[u])
         node_stage[nodes[i].name] = min(ub[i], max(want, default=ub[i]))
+        if prefer and max(want, default=0) <= prefer.get(nodes[i].name, -1) <= ub[i]:
+            node_stage[nodes[i].name] = prefer[nodes[i].name]
     for i in ub:   # rule 2 (an internal invariant of the derivation)
         for r in nodes[i].input_refs():
             p = a.producer.get(r.id)

@@ -15,6 +15,10 @@
    layout, as XLA/TFLite) and ROAM's heuristic baseline (least-peak-first order +
    ``GreedyOrder.LONG_LIVED_FIRST`` layout). If a baseline's arena is lower than Rhino's own, the plan
    takes the baseline's order and layout (``source`` says which), so Rhino is never worse.
+   The baselines watch the clock: the program order's live peak and best-fit (the plan of last resort)
+   always run; the allocator simulation and the heuristic baseline only when their estimated time
+   (``BASELINE_COST``) fits before the deadline less what must still run; a skipped one is None in the
+   plan and named in ``skipped_baselines``.
 
 Every plan is checked (``simulate.check_order`` and ``layout.validate_layout``); ``valid`` records it.
 ``order_lower_bound`` is ``IndexedProblem.lower_bound``: bytes every order must hold at some step,
@@ -49,9 +53,9 @@ class MemoryPlan:
     height: int  # arena bytes: max over tensors of offset + size
     lower_bound: int  # max live bytes over the steps of ``order``: no layout of this order is lower
     pytorch_live_peak: int  # program order, max live bytes (``simulate.replay``)
-    pytorch_peak: int  # program order through the caching-allocator simulation, peak reserved
+    pytorch_peak: int | None  # program order through the caching-allocator simulation, peak reserved (None: skipped)
     bestfit_peak: int  # program order + best-fit (greedy by size) layout, arena height
-    heuristic_peak: int  # least-peak-first order + long-lived-first layout (ROAM's heuristic baseline)
+    heuristic_peak: int | None  # least-peak-first order + long-lived-first layout (ROAM's heuristic baseline)
     solve_seconds: float
     valid: bool  # check_order and validate_layout both pass
     level: str
@@ -59,8 +63,9 @@ class MemoryPlan:
     order_source: str = ""  # which ordering candidate won (``OrderResult.source``)
     layout_source: str = ""  # which layout won: a GreedyOrder name, "cross_loss_bottom", "exact"
     order_lower_bound: int = 0  # no order of the problem has fewer live bytes at its peak step
-    pytorch_peak_allocated: int = 0  # allocator simulation, peak allocated (block sizes)
+    pytorch_peak_allocated: int | None = 0  # allocator simulation, peak allocated (block sizes)
     stats: dict[str, float] = field(default_factory=dict)
+    skipped_baselines: tuple[str, ...] = ()  # baselines left out for the time limit ("pytorch", "heuristic")
 
 
 def _height(bufs: Sequence[Buffer], offsets: dict[int, int]) -> int:
@@ -115,6 +120,11 @@ def stacked_layout(bufs: Sequence[Buffer], bottom: Sequence[int], rest_key: Call
 # the cross-loss layout (``stacked_layout``) over a long-lived-first greedy layout of the same order: 4.3 s /
 # 3.3 s measured on GPT-2 XL b1 (program order, 11,870 ops)
 STACKED_VS_LLF = 1.3
+#: Estimated seconds of the optional baselines and of ``order_ops``' fixed part, in units of one replay of the
+#: program order (measured on GPT-2 XL b1, 11,870 ops: replay 0.08 s, allocator 0.26 s, least-peak-first order
+#: 0.57 s, IndexedProblem + order lower bound 0.64 s) and, for the long-lived-first layout, of one by-size greedy
+#: layout (0.67 s / 0.77 s).
+BASELINE_COST = {"allocator": 4.0, "least_peak": 8.0, "order_bound": 9.0, "llf_vs_size": 1.0}
 ORDER_SHARE = 0.5  # O2: the exact order search's share of the time the heuristics leave (the layout gets the rest)
 METHODS = ("rhino", "model")  # plan_memory's planners: ROAM-style (ours), MODeL's joint program (baseline)
 
@@ -145,16 +155,16 @@ def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_l
         if progress:
             progress(msg)
 
-    base = _Baselines.of(problem)
-    say(f"baselines: PyTorch {base.pytorch_live:,} B live, {base.alloc.peak_reserved:,} B reserved; best-fit "
-        f"{base.bestfit.height:,} B; heuristic {base.heuristic.height:,} B")
+    deadline = t0 + time_limit
+    base = _Baselines.of(problem, deadline)
+    say(f"baselines: PyTorch {base.pytorch_live:,} B live, {_b(base.alloc and base.alloc.peak_reserved)} reserved; "
+        f"best-fit {base.bestfit.height:,} B; heuristic {_b(base.heuristic and base.heuristic.height)}")
     if method == "model":
         return _model_plan(problem, base, level, t0, time_limit, say)
 
     # 1. order: the time left after the baselines, less the by-size layout and the plan's checks (the other
     # greedy layouts run only if they still fit: the heuristic orders gain more); at O2 the exact windows get
     # ORDER_SHARE of what the heuristics leave, the layout the rest
-    deadline = t0 + time_limit
     left = deadline - time.perf_counter() - base.reserve
     res: OrderResult = order_ops(problem, level, opts, time_limit=max(0.0, left), progress=progress,
                                  search_share=ORDER_SHARE)
@@ -166,8 +176,13 @@ def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_l
     t_layout = time.perf_counter() - t_layout
 
     # 3. never worse than the baselines
-    best = min((ours, base.heuristic, base.bestfit), key=lambda c: c.height)  # ties: Rhino's, then the order here
+    cands = [c for c in (ours, base.heuristic, base.bestfit) if c is not None]
+    best = min(cands, key=lambda c: c.height)  # ties: Rhino's, then the order here
     return _checked_plan(problem, best, res, base, level, t0, t_layout, say)
+
+
+def _b(n: int | None) -> str:
+    return "(skipped)" if n is None else f"{n:,} B"
 
 
 def _model_plan(problem: MemProblem, base: _Baselines, level: OptLevel, t0: float, time_limit: float,
@@ -209,9 +224,9 @@ class _Baselines:
     greedy by size) and ROAM's heuristic baseline (least-peak-first order, long-lived-first layout)."""
 
     pytorch_live: int
-    alloc: AllocatorStats
+    alloc: AllocatorStats | None      # None: skipped for the time limit
     bestfit: _Candidate
-    heuristic: _Candidate
+    heuristic: _Candidate | None      # None: skipped for the time limit
     seconds: float
     check_seconds: float = 0.0  # estimate of the plan's final checks (replays of an order, a validation)
     size_seconds: float = 0.0  # one greedy layout by size (the layout always made)
@@ -219,26 +234,40 @@ class _Baselines:
     reserve: float = 0.0  # what runs whatever the time: the by-size layout of the order and the checks
 
 
+    @property
+    def skipped(self) -> tuple[str, ...]:
+        return tuple(name for name, c in (("pytorch", self.alloc), ("heuristic", self.heuristic)) if c is None)
+
     @staticmethod
-    def of(problem: MemProblem) -> _Baselines:
+    def of(problem: MemProblem, deadline: float = float("inf")) -> _Baselines:
+        """The baselines; the allocator simulation and the heuristic run only when their estimated time
+        (``BASELINE_COST``) fits before ``deadline`` less what still runs after them (the order bound, the
+        order's by-size layout, the checks)."""
         t0 = time.perf_counter()
         prog = program_order(problem)
         pt_live = replay(problem, prog).peak
         t_replay = time.perf_counter() - t0
-        alloc = simulate_allocator(problem, prog)
         t_greedy = time.perf_counter()
         prog_bufs = buffers(problem, prog)
         bf_offsets = greedy_layout(prog_bufs, order=GreedyOrder.SIZE)
         t_greedy = time.perf_counter() - t_greedy
-        heu_order = least_peak_order(problem)
-        heu_bufs = buffers(problem, heu_order)
-        t_llf = time.perf_counter()
-        heu_offsets = greedy_layout(heu_bufs, order=GreedyOrder.LONG_LIVED_FIRST)
-        t_llf = time.perf_counter() - t_llf
         bestfit = _Candidate("bestfit", prog, prog_bufs, bf_offsets, _height(prog_bufs, bf_offsets), "bestfit")
-        heuristic = _Candidate("heuristic", heu_order, heu_bufs, heu_offsets, _height(heu_bufs, heu_offsets),
-                               "heuristic")
         checks = 3 * t_replay  # check_order, replay and validate_layout each cost about one replay (GPT-2 XL b1)
+        after = t_greedy + checks + BASELINE_COST["order_bound"] * t_replay
+
+        def in_time(seconds: float) -> bool:
+            return time.perf_counter() + seconds + after <= deadline
+        alloc = simulate_allocator(problem, prog) if in_time(BASELINE_COST["allocator"] * t_replay) else None
+        t_llf = BASELINE_COST["llf_vs_size"] * t_greedy
+        heuristic = None
+        if in_time(BASELINE_COST["least_peak"] * t_replay + t_llf):
+            heu_order = least_peak_order(problem)
+            heu_bufs = buffers(problem, heu_order)
+            t_llf = time.perf_counter()
+            heu_offsets = greedy_layout(heu_bufs, order=GreedyOrder.LONG_LIVED_FIRST)
+            t_llf = time.perf_counter() - t_llf
+            heuristic = _Candidate("heuristic", heu_order, heu_bufs, heu_offsets, _height(heu_bufs, heu_offsets),
+                                   "heuristic")
         return _Baselines(pt_live, alloc, bestfit, heuristic, time.perf_counter() - t0, checks, t_greedy, t_llf,
                           t_greedy + checks)
 
@@ -249,11 +278,14 @@ def _layout(problem: MemProblem, res: OrderResult, level: OptLevel, opts: OrderO
     the order's peak, then (O2, time permitting) ``solve_layout``. The by-size layout always runs; the
     others only when their estimated time (``base``'s, on orders of the same problem) fits before ``deadline``."""
     order, order_peak = res.order, res.peak
-    bufs = buffers(problem, order)
-    t_greedy = time.perf_counter()
-    offs = greedy_layout(bufs, order=GreedyOrder.SIZE)
+    if list(order) == base.bestfit.order:    # the program order: its by-size layout is best-fit's
+        bufs, offs, t_greedy = base.bestfit.bufs, base.bestfit.offsets, base.size_seconds
+    else:
+        t_greedy = time.perf_counter()
+        bufs = buffers(problem, order)
+        offs = greedy_layout(bufs, order=GreedyOrder.SIZE)
+        t_greedy = time.perf_counter() - t_greedy  # one greedy layout of this order
     cands: list[tuple[dict[int, int], int, str]] = [(offs, _height(bufs, offs), GreedyOrder.SIZE.name)]
-    t_greedy = time.perf_counter() - t_greedy  # one greedy layout of this order
     if time.perf_counter() + base.llf_seconds < deadline:
         offs = greedy_layout(bufs, order=GreedyOrder.LONG_LIVED_FIRST)
         cands.append((offs, _height(bufs, offs), GreedyOrder.LONG_LIVED_FIRST.name))
@@ -292,14 +324,16 @@ def _checked_plan(problem: MemProblem, best: _Candidate, res: OrderResult, base:
     if not valid:
         say(f"plan: INVALID layout ({errors[:2] or f'arena {best.height:,} B below the live peak {live_peak:,} B'})")
     secs = time.perf_counter() - t0
-    say(f"plan: arena {best.height:,} B (order peak {live_peak:,} B) vs PyTorch {base.alloc.peak_reserved:,} B, "
-        f"in {secs:.1f}s")
+    say(f"plan: arena {best.height:,} B (order peak {live_peak:,} B) vs PyTorch "
+        f"{_b(base.alloc and base.alloc.peak_reserved)}, in {secs:.1f}s")
     return MemoryPlan(
         order=list(best.order), offsets=full, height=best.height, lower_bound=live_peak,
-        pytorch_live_peak=base.pytorch_live, pytorch_peak=base.alloc.peak_reserved,
-        bestfit_peak=base.bestfit.height, heuristic_peak=base.heuristic.height, solve_seconds=secs, valid=valid,
+        pytorch_live_peak=base.pytorch_live, pytorch_peak=base.alloc and base.alloc.peak_reserved,
+        bestfit_peak=base.bestfit.height, heuristic_peak=base.heuristic and base.heuristic.height,
+        solve_seconds=secs, valid=valid,
         level=level.value, source=best.source,
         order_source=res.source if best.source == "rhino" else best.source, layout_source=best.how,
-        order_lower_bound=res.lower_bound, pytorch_peak_allocated=base.alloc.peak_allocated,
+        order_lower_bound=res.lower_bound, pytorch_peak_allocated=base.alloc and base.alloc.peak_allocated,
+        skipped_baselines=base.skipped,
         stats={"baseline_seconds": base.seconds, "order_seconds": res.seconds, "layout_seconds": t_layout,
                "windows": res.windows, "windows_improved": res.improved})

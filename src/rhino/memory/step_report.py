@@ -9,10 +9,12 @@ the step in the arena and comparing with plain PyTorch needs torch: ``lower.aren
 
 ``plan_rank_memory`` does the same for every rank of a parallel plan (the problems of
 ``lower.rank_graph``): each *distinct* problem (``problem_key``: same ops, edges and tensor sizes) is planned
-once and its plan serves every rank with that problem; ``RankMemoryReport`` lists them per rank.
+once and its plan serves every rank with that problem; ``RankMemoryReport`` lists them per rank. Its time
+limit is for all of them: each distinct problem gets an even share of what is left when its turn comes.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -66,9 +68,10 @@ class StepMemoryReport:
             "tensors": len(self.problem.tensors),
             "level": self.level,
             "pytorch_live_peak_bytes": int(plan.pytorch_live_peak),
-            "pytorch_peak_bytes": int(plan.pytorch_peak),
+            "pytorch_peak_bytes": _int(plan.pytorch_peak),
             "bestfit_peak_bytes": int(plan.bestfit_peak),
-            "heuristic_peak_bytes": int(plan.heuristic_peak),
+            "heuristic_peak_bytes": _int(plan.heuristic_peak),
+            "skipped_baselines": list(plan.skipped_baselines),
             "rhino_peak_bytes": int(plan.height),
             "lower_bound_bytes": int(plan.lower_bound),
             "order_lower_bound_bytes": int(plan.order_lower_bound),
@@ -96,9 +99,16 @@ def proven_optimal(plan: MemoryPlan) -> bool:
     return plan.valid and plan.height <= max(bounds)
 
 
-def reduction(ours: int, base: int) -> float:
-    """The fraction of ``base`` bytes that ``ours`` saves (0 for an empty baseline), to 4 places."""
+def reduction(ours: int, base: int | None) -> float | None:
+    """The fraction of ``base`` bytes that ``ours`` saves (0 for an empty baseline, None for a skipped one), to
+    4 places."""
+    if base is None:
+        return None
     return round(1.0 - ours / base, 4) if base > 0 else 0.0
+
+
+def _int(n: int | None) -> int | None:
+    return None if n is None else int(n)
 
 
 def plan_step_memory(problem: MemProblem, mapping: GraphMemory, *, workload: str = "",
@@ -144,7 +154,11 @@ def problem_key(problem: MemProblem) -> tuple:
 #: the per-rank fields of ``RankMemoryReport.to_dict`` (``StepMemoryReport.to_dict`` keys)
 RANK_FIELDS = ("ops", "tensors", "pytorch_live_peak_bytes", "pytorch_peak_bytes", "bestfit_peak_bytes",
                "heuristic_peak_bytes", "rhino_peak_bytes", "lower_bound_bytes", "solve_seconds", "valid",
-               "source", "state_bytes", "param_bytes", "realigned", "reduction")
+               "source", "state_bytes", "param_bytes", "realigned", "reduction", "skipped_baselines")
+
+
+#: plan_rank_memory: the least time limit a problem's plan gets (``plan_memory`` wants a positive one)
+MIN_SHARE = 0.01
 
 
 @dataclass
@@ -194,17 +208,22 @@ def plan_rank_memory(problems: list[tuple[int, MemProblem, GraphMemory]], *, wor
                      strategy: str = "", level: OptLevel | str = OptLevel.O2, time_limit: float = 60.0,
                      progress: Callable[[str], None] | None = None) -> RankMemoryReport:
     """Plan each distinct problem of ``problems`` ((rank, problem, mapping) per rank) once, aligned and checked
-    as ``plan_step_memory`` does; ``time_limit`` is for each distinct problem."""
+    as ``plan_step_memory`` does. ``time_limit`` (seconds) is for all of them: the k-th of n distinct problems
+    gets 1 / (n - k) of the time left when its turn comes (``plan_memory`` finishes within its share plus
+    about a second)."""
+    deadline = time.perf_counter() + time_limit
+    keys = [problem_key(problem) for _, problem, _ in problems]
+    distinct = len(set(keys))
     by_key: dict[tuple, int] = {}
     groups: list[list[int]] = []
     reports: list[StepMemoryReport] = []
-    for rank, problem, mapping in problems:
-        key = problem_key(problem)
+    for (rank, problem, mapping), key in zip(problems, keys):
         if key in by_key:
             groups[by_key[key]].append(rank)
             continue
         by_key[key] = len(groups)
         groups.append([rank])
+        share = max(0.0, deadline - time.perf_counter()) / (distinct - len(reports))
         reports.append(plan_step_memory(problem, mapping, workload=f"{workload} rank {rank}", level=level,
-                                        time_limit=time_limit, progress=progress))
+                                        time_limit=max(share, MIN_SHARE), progress=progress))
     return RankMemoryReport(workload, OptLevel(level).value, mesh, strategy, groups, reports)

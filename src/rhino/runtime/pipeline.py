@@ -51,7 +51,8 @@ from ..capture import Captured
 from ..capture.to_ir import torch_dtype
 from ..cost.accumulate import StepSplit, split_step
 from ..ir.analysis import analyze
-from ..ir.graph import Graph, Role
+from ..cost.remat import remat, remat_plan
+from ..ir.graph import Graph, Ref, Role
 from ..ir.stages import StageAssignment, assign_stages, contiguous_cut, schedule_order
 from ..lower.spmd import Part, SpmdProgram, lower_rank
 from ..sharding.placement import Partial, ReduceOp, replicated
@@ -59,7 +60,7 @@ from ..sharding.plan import PlanError, ResolvedPlan, ShardingPlan, resolve
 from ..sharding.vocab import Recompute
 
 __all__ = ["Run", "Send", "Recv", "StageSpec", "PipelineSpec", "pipeline_spec", "PipelineStep", "stage_order",
-           "StepTimes", "PIPELINE_MEMORY_PLAN"]
+           "StepTimes", "PIPELINE_MEMORY_PLAN", "staged_recompute"]
 
 #: why ``--memory-plan`` refuses pipelines: the arena planner (``runtime.arena_step``) plans one program per
 #: step, while a stage runs forward and backward programs per micro-batch with values stashed between them
@@ -269,6 +270,62 @@ def _wire(spec: PipelineSpec, a, out_value: dict[str, int]) -> None:
     spec.transfers = len(transfers)
 
 
+# -- recomputation inside stages ------------------------------------------------------------------------------
+def staged_recompute(graph: Graph, plan: ShardingPlan, full: Graph) -> tuple[Graph, ShardingPlan]:
+    """The step and plan a pipeline runs for ``plan.recompute`` (identity for ``none``): ``cost.remat.remat``'s
+    rewrite (the program the cost model prices) kept inside stages. A value that crosses stages in the
+    forward is received and stashed by its reader's stage anyway, so the backward reads it instead of its
+    recomputed copy (copies left unread are dropped); every copy is asked to run on its original's stage
+    (``ir.stages``: a backward node named in ``stage_of``). ``full``: the step at batch B, for the default cut."""
+    if Recompute(plan.recompute) is Recompute.NONE:
+        return graph, plan
+    stage_of = dict(plan.stage_of or contiguous_cut(full, plan.stages * plan.chunks))
+    new, origin = remat(graph, plan.recompute)
+    new = _read_crossing_values(new, graph, origin, stage_of)
+    kept = {n.name for n in new.nodes}
+    origin = {c: o for c, o in origin.items() if c in kept}
+    stage_of.update({c: stage_of[o] for c, o in origin.items() if o in stage_of})
+    return new, dataclasses.replace(remat_plan(plan, origin), stage_of=stage_of)
+
+
+def _read_crossing_values(new: Graph, old: Graph, origin: dict[str, str], stage_of: dict[str, int]) -> Graph:
+    """``new`` whose backward reads every forward value crossing stages (under ``stage_of``) itself rather than
+    its recomputed copy; copies nobody reads any more removed."""
+    a = analyze(old)
+    crossing = set()
+    for n in old.nodes[:a.boundary + 1]:
+        for r in n.input_refs():
+            p = a.producer.get(r.id)
+            if p is not None and stage_of[old.nodes[p].name] != stage_of[n.name]:
+                crossing.add(r.id)
+    old_nodes = {n.name: n for n in old.nodes}
+    defined = {v for n in new.nodes for v in n.outputs if v is not None}
+    swap = {cv: ov for n in new.nodes if n.name in origin
+            for cv, ov in zip(n.outputs, old_nodes[origin[n.name]].outputs)
+            if cv is not None and ov in crossing and ov in defined}
+    if not swap:
+        return new
+    nodes = [dataclasses.replace(n, args=_swap_refs(n.args, swap), kwargs=_swap_refs(n.kwargs, swap)) for n in new.nodes]
+    read = {o.value for o in new.outputs}
+    kept = []
+    for n in reversed(nodes):                 # readers come after producers
+        if n.name in origin and not any(v in read for v in n.outputs if v is not None):
+            continue
+        read.update(r.id for r in n.input_refs())
+        kept.append(n)
+    return dataclasses.replace(new, nodes=kept[::-1], meta=dict(new.meta))
+
+
+def _swap_refs(obj, swap: dict[int, int]):
+    if isinstance(obj, Ref):
+        return Ref(swap.get(obj.id, obj.id))
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_swap_refs(x, swap) for x in obj)
+    if isinstance(obj, dict):
+        return {k: _swap_refs(v, swap) for k, v in obj.items()}
+    return obj
+
+
 # -- schedules ------------------------------------------------------------------------------------------
 def stage_order(schedule: str, stage: int, stages: int, microbatches: int) -> list[tuple[str, int]]:
     """Stage ``stage``'s programs in order: ("F" | "B", micro-batch) (module docstring; one chunk)."""
@@ -314,7 +371,7 @@ class PipelineStep:
 
     def __init__(self, graph: Graph | Captured, plan: ShardingPlan, rank: int, device: torch.device | str = "cpu",
                  micro_graph: Graph | None = None, overlap: bool = False, spec: PipelineSpec | None = None) -> None:
-        from .rank_step import microbatch_graph, same_structure, with_recompute
+        from .rank_step import microbatch_graph, same_structure
         cap = graph if isinstance(graph, Captured) else None
         full = cap.graph if cap is not None else graph
         if plan.stages < 2:
@@ -330,13 +387,13 @@ class PipelineStep:
         g = micro_graph if m > 1 else full
         if m > 1:
             same_structure(full, g, m)
-        g, p = with_recompute(g, plan)
+        g, p = staged_recompute(g, plan, full)
         try:
             self.rp = rp = resolve(g, dataclasses.replace(p, fingerprint=""))
         except PlanError as exc:
             raise ValueError(f"microbatches={m}: a micro-batch cannot be split as the plan splits the batch ({exc})") \
                 from None
-        self.spec = spec or pipeline_spec(g, plan, full)
+        self.spec = spec or pipeline_spec(g, p, full)
         for vid in self.spec.split.boundary:
             if any(isinstance(p, Partial) and p.op is not ReduceOp.SUM for p in rp.value[vid]):
                 raise ValueError("a gradient is Partial (not a sum) under this plan; it cannot be accumulated")

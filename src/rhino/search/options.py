@@ -6,7 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from enum import Enum, StrEnum
 
-__all__ = ["Level", "RecomputeWhen", "PipelineWhen", "SearchOptions"]
+__all__ = ["Level", "RecomputeWhen", "PipelineWhen", "FitMemory", "SearchOptions"]
 
 
 class Level(str, Enum):
@@ -27,6 +27,13 @@ class PipelineWhen(StrEnum):
     GAIN = "gain"       # as auto, or (several nodes) the best single-stage plan's exposed share is large
     NEVER = "never"
     ALWAYS = "always"
+
+
+class FitMemory(StrEnum):
+    """Which peak the fit check compares with device memory (``outer``, ``rank_memory.planned_fit``)."""
+    PROGRAM = "program"   # the cost model's: program order, live bytes, old and new state both held
+    PLANNED = "planned"   # as program; a candidate over capacity (within ``fit_memory_margin``) fits when its
+    #                       rank program's memory plan (order + layout, ``memory.plan_memory``) + state does
 
 
 @dataclass(frozen=True)
@@ -76,6 +83,15 @@ class SearchOptions:
     memory_rounds: int = 4
     #: Fraction of device memory the search may plan for.
     memory_fraction: float = 1.0
+    #: The fit check's peak (``FitMemory``): "program" (the cost model's) or "planned" (a candidate over
+    #: capacity gets its rank program planned by ``memory``, O1, and fits when the arena + state does).
+    fit_memory: FitMemory = FitMemory.PROGRAM
+    #: planned: only candidates whose program-order peak is at most this fraction over capacity are planned.
+    #: On the examples the cost model's peak was at most 1.35x the planned arena + state (mlp dp=2,tp=2:
+    #: the cost model holds old and new state; the plan updates state in place), so 0.5 covers them.
+    fit_memory_margin: float = 0.5
+    #: planned: seconds for one rank program's memory plan (``memory.plan_memory``, O1).
+    fit_memory_time_limit: float = 5.0
 
     # -- O1 --------------------------------------------------------------------------------------
     #: Strategies kept per critical node as dynamic-programming states (the cheapest by a lower bound).
@@ -146,5 +162,10 @@ class SearchOptions:
                 or self.o1_priced_meshes < 1:
             raise ValueError("workers, boundary_states, max_mesh_axes and o1_priced_meshes must be >= 1, "
                              "tie_radius >= 0")
+        if self.fit_memory not in tuple(FitMemory):
+            raise ValueError(f"fit_memory must be program or planned, got {self.fit_memory!r}")
+        object.__setattr__(self, "fit_memory", FitMemory(self.fit_memory))
+        if self.fit_memory_margin < 0 or self.fit_memory_time_limit <= 0:
+            raise ValueError("fit_memory_margin must be >= 0 and fit_memory_time_limit positive")
         if not 0 < self.memory_fraction <= 1:
             raise ValueError(f"memory_fraction must be in (0, 1], got {self.memory_fraction}")

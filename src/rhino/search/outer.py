@@ -34,6 +34,14 @@
    ``stage(u) <= stage(v)`` on every edge, balanced, cut bytes minimised) and the micro-batch count, all
    priced by ``cost.estimate`` (schedule simulation, in-flight activations in the fit check); they
    compete with the single-stage candidates in step 6.
+
+8. Memory fit (option ``fit_memory``): "program" compares the cost model's peak with device memory.
+   "planned" (``rank_memory.planned_fit``) also plans, for a priced plan over capacity by at most
+   ``fit_memory_margin``, its rank program (order + layout, ``memory.plan_memory`` at O1) and counts it
+   as fitting when the arena + state does (no refit then). So that such plans are proposed at all (the
+   solver's memory rows hold the program-order peak under capacity), every mesh is also solved with the
+   rows' capacity raised by the margin (a second pass of ``_run``, no refit), priced, and kept only when
+   its plan fits by one of the two peaks.
 """
 from __future__ import annotations
 
@@ -52,9 +60,10 @@ from .coarsen import Cones, build_cones
 from .ilp import memory_over, row_bytes
 from .levels import O1_DESCENT_NODES, O1_ROUNDS, LevelResult, Source, Status, refine_o1, solve_problem
 from .segments import critical_classes
-from .options import Level, RecomputeWhen, SearchOptions
+from .options import FitMemory, Level, RecomputeWhen, SearchOptions
 from .pipelines import pipeline_candidates, worth_pipelining
 from .problem import Builder
+from .rank_memory import planned_fit
 from .space import Space
 
 __all__ = ["Candidate", "MeshSearch", "SearchResult", "NoPlanFits", "candidate_meshes", "search", "search_mesh"]
@@ -160,13 +169,18 @@ class MeshSearch:
 
     def __init__(self, graph: Graph, cluster: Cluster, mesh: Mesh, options: SearchOptions, *, cones: Cones,
                  base: Space, fingerprint: str, recompute: Recompute | str = Recompute.NONE, budget: float = 10.0,
-                 progress: Progress | None = None, shared: dict | None = None) -> None:
+                 progress: Progress | None = None, shared: dict | None = None, capacity_scale: float = 1.0) -> None:
         self.t0 = time.perf_counter()
         self.deadline = self.t0 + budget
         self.graph, self.cluster, self.mesh, self.options, self.cones = graph, cluster, mesh, options, cones
         self.recompute = Recompute(recompute)
         self.say = progress or (lambda event, info: None)
-        self.builder = Builder(graph, mesh, cluster, options, cones=cones, space=Space(graph, mesh, options, like=base),
+        #: the memory rows' capacity over device memory (step 8's planned pass: above 1, and no refit)
+        self.capacity_scale = capacity_scale
+        self.shared = shared if shared is not None else {}
+        rows = cluster if capacity_scale == 1.0 else replace(
+            cluster, device=replace(cluster.device, memory_bytes=cluster.device.memory_bytes * capacity_scale))
+        self.builder = Builder(graph, mesh, rows, options, cones=cones, space=Space(graph, mesh, options, like=base),
                                fingerprint=fingerprint, recompute=self.recompute, shared=shared)
         self.problem = None
         self.critical: list[int] = []
@@ -199,7 +213,8 @@ class MeshSearch:
         """Steps 2 and 3: price the plan, refit memory while it does not fit; report the score."""
         t1 = time.perf_counter()
         self.price()
-        self.refit_memory()
+        if self.capacity_scale == 1.0:
+            self.refit_memory()
         self.cand.seconds += time.perf_counter() - t1
         self._scored()
 
@@ -274,7 +289,10 @@ class MeshSearch:
         return plan
 
     def _estimate(self, plan: ShardingPlan) -> Estimate:
-        return estimate(self.graph, self.cluster, self.builder.resolved(plan), recompute=self.recompute)
+        """The cost model's estimate; with ``fit_memory`` planned, its fit check by the planned peak."""
+        rp = self.builder.resolved(plan)
+        est = estimate(self.graph, self.cluster, rp, recompute=self.recompute)
+        return planned_fit(rp, est, self.options, self.shared.setdefault("planned_fit", {}))
 
     def _scored(self) -> None:
         est = self.cand.estimate
@@ -284,12 +302,13 @@ class MeshSearch:
 
 def search_mesh(graph: Graph, cluster: Cluster, mesh: Mesh, options: SearchOptions, *, cones: Cones,
                 base: Space, fingerprint: str, recompute: Recompute | str = Recompute.NONE, budget: float = 10.0,
-                progress: Progress | None = None, shared: dict | None = None, price: bool = True) -> Candidate:
+                progress: Progress | None = None, shared: dict | None = None, price: bool = True,
+                capacity_scale: float = 1.0) -> Candidate:
     """Search one mesh (``MeshSearch``): solve, then price and refit memory unless ``price=False`` or the
     model's memory rows alone are over capacity (then ``candidate.search.finish()`` does it later, in case
     no mesh fits and this is the best there is)."""
     ms = MeshSearch(graph, cluster, mesh, options, cones=cones, base=base, fingerprint=fingerprint,
-                    recompute=recompute, budget=budget, progress=progress, shared=shared)
+                    recompute=recompute, budget=budget, progress=progress, shared=shared, capacity_scale=capacity_scale)
     cand = ms.solve()
     if ms.over_model_memory:
         ms.say("scored", {"mesh": str(mesh), "step_seconds": ms.sol.objective, "fits": False,
@@ -315,6 +334,10 @@ def search(graph: Graph, cluster: Cluster, options: SearchOptions = SearchOption
     shared: dict = {}
     for mode in modes:
         cands += _run(graph, cluster, meshes, options, cones, base, fingerprint, mode, t0, say, shared)
+    if options.fit_memory is FitMemory.PLANNED:     # step 8: plans over capacity that a memory plan may fit
+        planned = _run(graph, cluster, meshes, options, cones, base, fingerprint, Recompute.NONE, t0, say, shared,
+                       scale=1.0 + options.fit_memory_margin)
+        cands += [c for c in planned if c.fits]
     if options.recompute is RecomputeWhen.AUTO and not any(c.fits for c in cands):
         cands += _run(graph, cluster, meshes, options, cones, base, fingerprint, Recompute.FULL, t0, say, shared)
     _refine_best_first(cands, options, t0)
@@ -376,7 +399,8 @@ def _peak(c: Candidate) -> float:
     return c.estimate.memory_bytes["peak"] if c.estimate is not None else float("inf")
 
 
-def _run(graph, cluster, meshes, options, cones, base, fingerprint, mode, t0, say, shared) -> list[Candidate]:
+def _run(graph, cluster, meshes, options, cones, base, fingerprint, mode, t0, say, shared,
+         scale: float = 1.0) -> list[Candidate]:
     out = []
     lazy = options.level is Level.O1 and options.o1_priced_meshes < len(meshes) and \
         len(graph.nodes) > O1_DESCENT_NODES     # small graphs price every mesh: it is cheap
@@ -385,7 +409,8 @@ def _run(graph, cluster, meshes, options, cones, base, fingerprint, mode, t0, sa
         left = limit - (time.perf_counter() - t0)
         budget = max(0.5, left / (len(meshes) - k))
         out.append(search_mesh(graph, cluster, mesh, options, cones=cones, base=base, fingerprint=fingerprint,
-                               recompute=mode, budget=budget, progress=say, shared=shared, price=not lazy))
+                               recompute=mode, budget=budget, progress=say, shared=shared, price=not lazy,
+                               capacity_scale=scale))
     if lazy:   # price only the meshes the model ranks best (rule o1_priced_meshes)
         ok = sorted((c for c in out if c.model_peak <= MODEL_MEMORY_SLACK * c.model_peak_cap),
                     key=lambda c: c.model_seconds)

@@ -19,13 +19,16 @@ def _preset_plan(graph, strategy: str):
 
 
 def plan_workload(graph, cluster, *, level: str = "O2", time_limit: float = 60.0, presets: bool = True,
-                  workload: str = "", progress=None, keep_presets: bool = True):
-    """Search, compare with the presets, and build the report: (plan, report)."""
+                  workload: str = "", progress=None, keep_presets: bool = True, fit_memory: str = "program"):
+    """Search, compare with the presets, and build the report: (plan, report). ``fit_memory``: the search's
+    fit check (``SearchOptions.fit_memory``: "program" or "planned")."""
     from ..search import SearchOptions, search
     from ..search.experts import best_preset, score_presets
+    from ..search.rank_memory import planned_fit
     from ..search.report import build_report
     say = progress or (lambda event, info: None)
-    result = search(graph, cluster, SearchOptions(level=level, time_limit=time_limit), progress=say)
+    options = SearchOptions(level=level, time_limit=time_limit, fit_memory=fit_memory)
+    result = search(graph, cluster, options, progress=say)
     scores = score_presets(graph, cluster, say) if presets else []
     best = best_preset(scores)
     plan, est, source, recompute = result.plan, result.estimate, "search", result.best.recompute
@@ -40,7 +43,7 @@ def plan_workload(graph, cluster, *, level: str = "O2", time_limit: float = 60.0
     plan.recompute = recompute  # what the runtime executes (the plan file's "recompute")
     rp = resolve(graph, plan)
     if source == "search" and est.pp == 1:     # a pipelined plan keeps the estimate of its stage cut
-        est = estimate(graph, cluster, rp, recompute=recompute)
+        est = planned_fit(rp, estimate(graph, cluster, rp, recompute=recompute), options)
     cands = [{"mesh": dict(zip(c.mesh.names, c.mesh.sizes)), "recompute": c.recompute,
               "pp": c.estimate.pp if c.estimate else 1,
               "microbatches": c.estimate.microbatches if c.estimate else 1,

@@ -300,6 +300,7 @@ class Report:
         mem = ", ".join(f"{k} {fmt_bytes(v)}" for k, v in e.memory_bytes.items() if k != "peak" and v)
         lines.append(f"memory per device: peak {fmt_bytes(e.memory_bytes['peak'])} of {fmt_bytes(e.capacity_bytes)}"
                      f" ({mem})")
+        lines += [f"  {n}" for n in e.notes if n.startswith("fit_memory=")]   # fits by the planned peak
         bp = self.best_preset
         lines.append("")
         if bp is not None:
