@@ -13,7 +13,8 @@ from rhino.cost.cluster import make_cluster
 from rhino.cost.devices import get_device
 from rhino.cost.estimate import estimate
 from rhino.search import SearchOptions, search
-from rhino.search.pipelines import worth_pipelining
+from rhino.search.pipelines import _state_floor, worth_pipelining
+from rhino.sharding.plan import resolve
 
 
 def _megatron_gpt(layers, hidden, heads, batch):
@@ -40,6 +41,9 @@ def test_default_search_pipelines_a_memory_bound_multi_node_step_and_prices_it_e
     e = r.estimate
     assert e.pp > 1 and e.fits and e.step_seconds < min(c.step_seconds for c in single)
     assert r.plan.stages == e.pp and r.plan.microbatches == e.microbatches and r.plan.recompute == e.recompute
+    for c in r.candidates:     # rule pipeline_state_floor never exceeds a priced peak
+        if c.estimate is not None and c.estimate.pp > 1:
+            assert 0 < _state_floor(g, resolve(g, c.plan), c.estimate.pp) <= c.estimate.memory_bytes["peak"]
     again = estimate(g, cluster, r.plan)
     assert abs(again.step_seconds / e.step_seconds - 1) <= 1e-9
     assert again.memory_bytes == e.memory_bytes and again.node_stage == e.node_stage

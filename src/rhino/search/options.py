@@ -144,6 +144,9 @@ class SearchOptions:
     pipeline_microbatch_counts: int = 3
     #: Stage cut: CP-SAT on the unit DAG up to this many unit x stage variables, else the contiguous DP.
     stage_ilp_limit: int = 4000
+    #: Skip (unpriced) a pipeline degree whose stage plan's parameters and optimizer state per rank, over
+    #: ``pp``, exceed device memory: some stage holds at least that, whatever the cut. Off: every degree priced.
+    pipeline_state_floor: bool = True
     #: Price a pipelined stage plan without activation recomputation first when its single-stage plan
     #: recomputes, with it only when that does not fit (``pipelines``). Off: the single-stage plan's mode.
     pipeline_drop_recompute: bool = True

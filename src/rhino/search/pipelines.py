@@ -14,6 +14,9 @@ the world, at most ``max_pp``, dividing the candidate's outermost mesh axis, wit
    least boundary bytes), priced with ``cost.estimate`` (event simulation of the schedule, per-stage memory
    with the in-flight activations: the fit check).
 
+Rule ``pipeline_state_floor``: a degree is skipped, unpriced, when the stage plan's parameters and
+optimizer state per rank, over ``pp``, exceed the device memory (some stage holds at least the average).
+
 Rule ``pipeline_drop_recompute``: a stage plan whose single-stage plan recomputes is priced without
 recomputation first (a stage holds 1/pp of the state; under 1F1B its in-flight activations stay about
 those of one micro-batch of the whole model), and with it only when that does not fit; once a degree fits
@@ -41,7 +44,7 @@ import time
 
 from ..cost.cluster import Cluster
 from ..cost.estimate import Estimate, estimate_microbatches, stage_cluster
-from ..cost.pipeline import Schedule
+from ..cost.pipeline import Schedule, value_bytes
 from ..ir.analysis import analyze
 from ..ir.graph import Graph, Role
 from ..sharding.mesh import Mesh
@@ -129,6 +132,14 @@ def _megatron_start(graph: Graph, cluster: Cluster, like) -> list:
     return [Candidate(plan.mesh, like.recompute, plan, None, 0.0, status=like.status)]
 
 
+def _state_floor(graph: Graph, rp, pp: int) -> float:
+    """Rule ``pipeline_state_floor``: bytes some stage's rank holds at least, whatever the cut: its share of
+    the parameters and optimizer state under the stage plan is at least the average, ``1 / pp``."""
+    total = sum(value_bytes(graph, rp, i.value) for i in graph.inputs
+                if i.role in (Role.PARAM, Role.FROZEN, Role.BUFFER, Role.OPT_STATE))
+    return total / pp
+
+
 def _best(ests: list[Estimate]) -> Estimate:
     return min(ests, key=lambda e: (not e.fits, e.step_seconds))
 
@@ -183,8 +194,9 @@ def pipeline_candidates(graph: Graph, cluster: Cluster, cands: list, options: Se
             except (PlanError, ValueError):
                 continue        # a split no longer divides its dim on the smaller stage mesh
             counts = _microbatch_counts(graph, rp, pp, options)
-            if not counts:
-                continue
+            if not counts or options.pipeline_state_floor and \
+                    _state_floor(graph, rp, pp) > cluster.device.memory_bytes * options.memory_fraction:
+                continue        # no micro-batch count, or no cut can fit the state (rule pipeline_state_floor)
             e = _price(graph, cluster, rp, pp, counts, _modes(Recompute(c.recompute), options, dropped), options,
                        cones, deadline)
             dropped |= e.fits and e.recompute == Recompute.NONE.value
