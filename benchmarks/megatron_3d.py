@@ -1,6 +1,7 @@
 """Megatron-LM's published 3D configurations against ``rhino plan`` (issue #12).
 
-    python benchmarks/megatron_3d.py [--rows 39.1B,175B,1T] [--level O1] [--out docs/benchmarks.md]
+    python benchmarks/megatron_3d.py [--rows 39.1B,175B,1T] [--level O1] [--out docs/benchmarks.md] [--json F]
+    python benchmarks/megatron_3d.py --table-from F      # the table from rows run before (--json F)
 
 Source: Narayanan et al., "Efficient Large-Scale Language Model Training on GPU Clusters Using
 Megatron-LM", SC'21 (arXiv 2104.04473), Table 1: GPT with sequence 2048 and vocabulary 51,200 on
@@ -18,6 +19,7 @@ plan has ``pp > 1`` where no single-stage candidate fits.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import time
@@ -88,17 +90,28 @@ def main() -> int:
     ap.add_argument("--level", default="O1", choices=["O1", "O2"])
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--out", default=str(ROOT / "docs" / "benchmarks.md"))
+    ap.add_argument("--json", help="append each row's result to this JSON-lines file")
+    ap.add_argument("--table-from", help="write the table from this JSON-lines file (rows run before) only")
     args = ap.parse_args()
     wanted = set(args.rows.split(",")) if args.rows else None
+    if args.table_from:
+        done = [json.loads(x) for x in Path(args.table_from).read_text().splitlines() if x.strip()]
+    else:
+        done = []
+        for row in ROWS:
+            if wanted and row[0] not in wanted:
+                continue
+            d = _row(*row, level=args.level, time_limit=args.time_limit)
+            print(d, flush=True)
+            if args.json:
+                with open(args.json, "a", encoding="utf-8") as f:
+                    f.write(json.dumps(d) + "\n")
+            done.append(d)
     lines, ok = [], True
-    for row in ROWS:
-        if wanted and row[0] not in wanted:
-            continue
-        d = _row(*row, level=args.level, time_limit=args.time_limit)
+    for d in done:
         good = d["plan_step"] <= d["published_step"] * (1 + 1e-9) and (d["single_stage_fits"] or d["plan_pp"] > 1) \
             and abs(d["repriced_step"] / d["plan_step"] - 1) <= 1e-9
         ok &= good
-        print(d, flush=True)
         mesh = _mesh(d["plan_mesh"])
         lines.append(f"| {d['name']} | {d['gpus']} | {d['nodes']:,} | {d['published']} | {d['published_step']:.2f} | "
                      f"{d['published_peak'] / 2**30:.1f} | {mesh}, m={d['plan_microbatches']}, "
