@@ -1,6 +1,7 @@
 """Pipeline stage partitioning on the DAG: an integer stage per forward unit, balanced, cut bytes minimised.
 
-**Units** (``graph_units``): the coarsened graph of ``coarsen``: the forward members of each cone form a
+**Units** (``graph_units``): each forward node (no ``cones``; the search's default, rule ``stage_cut_cones``
+off), or the coarsened graph of ``coarsen``: the forward members of each cone form a
 unit (a matmul with the views, element-wise ops and norms hanging below it); cones that reach each
 other both ways are merged (strongly connected parts), so the units form a DAG. Each unit carries
 
@@ -31,7 +32,8 @@ objective; design.md "Facts from the sources"). Variables: ``x[u,k]`` in {0,1} (
 **Solvers**: CP-SAT (OR-Tools) on this model when ``units * pp <= stage_ilp_limit`` (rule, named in
 ``SearchOptions``), hinted with the DP's answer; otherwise, and as the hint, a dynamic program over
 contiguous windows of one topological order of the units (``solve_contiguous``: phase 1 by bisection on
-``L`` with greedy packing, phase 2 by a DP whose windows are ranges, so any DAG gets a monotone cut).
+``L`` with greedy packing, phase 2 by a DP whose windows are ranges, so any DAG gets a monotone cut; the
+DP's minimum over window starts is a sliding-window minimum, O(pp n) in all).
 """
 from __future__ import annotations
 
