@@ -23,7 +23,9 @@ those of one micro-batch of the whole model), and with it only when that does no
 without it, larger degrees of that stage plan are priced without it only.
 
 Rule ``pipeline_megatron_start`` adds one more stage plan: the expert tensor-parallel preset with ``tp`` =
-devices per node and data parallelism across nodes (Megatron-LM's 3D layout, arXiv 2104.04473 section 3).
+devices per node and data parallelism across nodes (Megatron-LM's 3D layout, arXiv 2104.04473 section 3),
+built for each stage mesh (a shrunk plan's strided attention splits would count the whole mesh's local
+batch: 175B-shaped at 24 layers, pp=8, m=96: 8.41 s shrunk vs 7.81 s built).
 The best (fits, then step time) per (candidate, pp) joins the candidates. Degrees are tried in increasing
 order; rule ``pipeline_stop_early`` stops a stage plan at the first degree that fits and prices slower than
 the fastest fitting plan so far (single-stage, an earlier degree, or an earlier stage plan): the bubble
@@ -129,7 +131,19 @@ def _megatron_start(graph: Graph, cluster: Cluster, like) -> list:
         plan = preset_plan(graph, StrategySpec(dp=cluster.world // tp, tp=tp))
     except ValueError:
         return []
-    return [Candidate(plan.mesh, like.recompute, plan, None, 0.0, status=like.status)]
+    return [Candidate(plan.mesh, like.recompute, plan, None, 0.0, status=like.status, problem={"preset_tp": tp})]
+
+
+def _stage_plan_of(graph: Graph, cluster: Cluster, c, pp: int) -> ShardingPlan | None:
+    """The stage plan of candidate ``c`` for ``pp`` stages: the Megatron start's preset built for the stage
+    mesh itself (its strided attention splits count the stage's own local batch), else ``stage_plan``."""
+    tp = c.problem.get("preset_tp")
+    if tp is None:
+        return stage_plan(c.plan, pp)
+    try:
+        return preset_plan(graph, StrategySpec(dp=cluster.world // (tp * pp), tp=tp))
+    except ValueError:
+        return None
 
 
 def _state_floor(graph: Graph, rp, pp: int) -> float:
@@ -188,7 +202,9 @@ def pipeline_candidates(graph: Graph, cluster: Cluster, cands: list, options: Se
             if k >= forced and time.perf_counter() > deadline:
                 return out      # the best searched plan and the Megatron start are always priced
             t0 = time.perf_counter()
-            plan = stage_plan(c.plan, pp)
+            plan = _stage_plan_of(graph, cluster, c, pp)
+            if plan is None:
+                continue
             try:
                 rp = resolve(graph, plan)
             except (PlanError, ValueError):
