@@ -437,13 +437,16 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
     # above max_leaf (no exact search): greedy, the large buffers exactly (``big_first``), then the
     # squeaky-wheel search (``layout_improve``)
     large = len(bufs) > options.split.max_leaf
-    best, best_h, how = _leaf_greedy(bufs, floor, cap, deadline, options.split.lowest_fit)
+    search = large and options.split.improve.enabled
+    now = time.monotonic()
+    best, best_h, how = _leaf_greedy(bufs, floor, cap, now + options.split.improve.greedy_share * (deadline - now)
+                                     if search else deadline, options.split.lowest_fit)
     if large and best_h > cap and options.split.big_first:
         offs = _big_first(bufs, floor, cap, time.monotonic() + 0.5 * (deadline - time.monotonic()), options, say)
         h = max((offs[b.id] + b.size for b in bufs), default=0) if offs is not None else best_h
         if h < best_h:
             best, best_h, how = offs, h, "big-first"
-    if large and best_h > cap and options.split.improve.enabled:
+    if search and best_h > cap:
         lo, up, sz, al = (np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size",
                                                                                       "alignment"))
         start = np.array([best[b.id] for b in bufs], np.int64)

@@ -32,8 +32,10 @@ __all__ = ["ImproveOptions", "squeaky_wheel"]
 class ImproveOptions:
     """Squeaky-wheel search (see the module docstring): ``alpha`` the lifetime exponent of the first
     priorities, ``boost`` the factor for a buffer above the target, ``max_passes`` a cap on passes
-    (0: none)."""
+    (0: none); ``greedy_share``: of a leaf's time, the share that the greedy passes before the search may
+    take (a pass past it stops; the first always finishes)."""
     enabled: bool = True
+    greedy_share: float = 0.35
     alpha: float = 0.3
     boost: float = 1.5
     max_passes: int = 0
