@@ -1,9 +1,11 @@
 """Pipelines against single-device training: every example (at batch 8, tests/workloads/pipelines.py) under
-pp=2,microbatches=4; pp=2,dp=2,microbatches=4; pp=2,tp=2,microbatches=4, float64, 2 steps, every rank's
-losses and held state shards compared at 1e-9 (docs/benchmarks.md, "Pipelines: exactness").
+pp=2,microbatches=4; pp=2,dp=2,microbatches=4; pp=2,tp=2,microbatches=4 (``--strategies base``), and with
+recomputation and ZeRO inside the stages (``--strategies inner``), float64, 2 steps, every rank's losses and
+held state shards compared at 1e-9 (docs/benchmarks.md, "Pipelines: exactness").
 
     PYTHONPATH=src python benchmarks/pipeline_exactness.py          # real processes: rhino run (gloo)
     PYTHONPATH=src python benchmarks/pipeline_exactness.py --sim    # in one process (runtime.pipeline_sim)
+    PYTHONPATH=src python benchmarks/pipeline_exactness.py --sim --strategies inner
 
 Prints one markdown table row per run."""
 from __future__ import annotations
@@ -21,7 +23,8 @@ EXAMPLES = ["mlp", "gpt", "bert", "llama", "moe", "resnet", "unet"]
 STRATEGIES = ["pp=2,microbatches=4", "pp=2,dp=2,microbatches=4", "pp=2,tp=2,microbatches=4"]
 #: stages that are themselves sharded further: recomputation and ZeRO inside stages (``--strategies inner``)
 INNER = ["pp=2,recompute=full,microbatches=4", "pp=2,recompute=selective,microbatches=4",
-         "pp=2,dp=2,zero=1,microbatches=4", "pp=2,dp=2,zero=2,microbatches=4", "pp=2,dp=2,zero=3,microbatches=4"]
+         "pp=2,dp=2,zero=1,microbatches=4", "pp=2,dp=2,zero=2,microbatches=4", "pp=2,dp=2,zero=3,microbatches=4",
+         "pp=2,dp=2,zero=3,recompute=full,microbatches=4"]
 
 
 def simulated(name: str, strategy: str) -> dict:
