@@ -15,6 +15,11 @@ Traces (MiniMalloc CSV, written to ``--dir``):
   buffers, few long ones), starts uniform over the horizon.
 - ``wide-S``: a second random shape (held out while the lowest-fit greedy was chosen): sizes uniform in
   64-byte multiples up to 256 KiB, lifetimes exponential (mean 800), starts uniform over 100,000.
+- ``lognorm-S`` and ``mixed-S``: two shapes made after the squeaky-wheel search was chosen (held out):
+  ``lognorm``: sizes log-normal (median 16 KiB, sigma 2, 64-byte multiples, at most 64 MiB), starts in
+  bursts (a burst every ~400 steps, 60 buffers each, starts within 40 steps of it), lifetimes log-normal
+  (median 50, sigma 1.5); ``mixed``: 59,900 tiny buffers (64 B to 4 KiB, lifetimes 1-200) and 100 huge
+  ones (8-64 MiB, lifetimes 1,000-20,000), starts uniform over 200,000.
 
 Each trace runs the CLI in a child process (``--json``); its peak RSS is the child's ``ru_maxrss``
 (``os.wait4``). Writes the section "Memory layout: large traces" of docs/benchmarks.md.
@@ -26,6 +31,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import math
 import os
 import random
 import subprocess
@@ -103,6 +109,30 @@ def synthetic_wide(seed: int, n: int = 60_000, horizon: int = 100_000) -> list[t
     return rows
 
 
+def synthetic_lognorm(seed: int, n: int = 60_000) -> list[tuple[int, int, int]]:
+    rng = random.Random(seed)
+    rows, t = [], 0
+    while len(rows) < n:
+        t += 1 + int(rng.expovariate(1 / 400))
+        for _ in range(min(60, n - len(rows))):
+            lo = t + rng.randrange(40)
+            size = 64 * max(1, min(2 ** 20, int(rng.lognormvariate(math.log(16384), 2)) // 64))
+            rows.append((lo, lo + 1 + int(rng.lognormvariate(math.log(50), 1.5)), size))
+    return rows
+
+
+def synthetic_mixed(seed: int, n: int = 60_000, huge: int = 100, horizon: int = 200_000) -> list[tuple[int, int, int]]:
+    rng = random.Random(seed)
+    rows = []
+    for k in range(n):
+        lo = rng.randrange(horizon)
+        if k < huge:
+            rows.append((lo, lo + rng.randint(1000, 20000), 2 ** 20 * rng.randint(8, 64)))
+        else:
+            rows.append((lo, lo + rng.randint(1, 200), 64 * rng.randint(1, 64)))
+    return rows
+
+
 def captured_gpt(layers: int) -> list[tuple[int, int, int]]:
     sys.path.insert(0, str(ROOT / "examples"))
     import gpt
@@ -143,8 +173,13 @@ def make_trace(name: str, out: Path) -> Path:
         rows = synthetic_random(int(arg))
     elif kind == "wide":
         rows = synthetic_wide(int(arg))
+    elif kind == "lognorm":
+        rows = synthetic_lognorm(int(arg))
+    elif kind == "mixed":
+        rows = synthetic_mixed(int(arg))
     else:
-        raise ValueError(f"unknown trace {name!r}: expected gptN, gpt2xl-xK, train-SEED, random-SEED or wide-SEED")
+        raise ValueError(f"unknown trace {name!r}: expected gptN, gpt2xl-xK, train-SEED, random-SEED, wide-SEED, "
+                         f"lognorm-SEED or mixed-SEED")
     write_csv(path, rows)
     return path
 

@@ -47,6 +47,7 @@ import numpy as np
 
 from .layout_bnb import LayoutOptions, SearchStatus, preorder_indices, search_layout
 from .layout_greedy import place_in_order
+from .layout_improve import squeaky_wheel
 from .layout_split import decompose, splittable
 
 __all__ = ["Buffer", "GreedyOrder", "LayoutStatus", "LayoutResult", "LayoutOptions", "validate_layout",
@@ -431,7 +432,25 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
           say: Progress) -> tuple[dict, str]:
     """One leaf at or under ``cap`` if greedy or the exact search finds it in time, else its lowest
     greedy layout (greedy orders past the first stop at the deadline)."""
-    best, best_h, how = _leaf_greedy(bufs, floor, cap, deadline, options.split.lowest_fit)
+    # above max_leaf (no exact search): greedy, the large buffers exactly (``big_first``), then the
+    # squeaky-wheel search (``layout_improve``; it replaces the greedy passes after the first)
+    large = len(bufs) > options.split.max_leaf
+    big = large and options.split.improve.enabled
+    best, best_h, how = _leaf_greedy(bufs, floor, cap, deadline, options.split.lowest_fit, first_only=big)
+    if large and best_h > cap and options.split.big_first:
+        offs = _big_first(bufs, floor, cap, time.monotonic() + 0.5 * (deadline - time.monotonic()), options, say)
+        h = max((offs[b.id] + b.size for b in bufs), default=0) if offs is not None else best_h
+        if h < best_h:
+            best, best_h, how = offs, h, "big-first"
+    if big and best_h > cap:
+        lo, up, sz, al = (np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size",
+                                                                                      "alignment"))
+        start = np.array([best[b.id] for b in bufs], np.int64)
+        offs, h, passes = squeaky_wheel(lo, up, sz, al, np.array(floor, np.int64), cap, deadline,
+                                        options.split.improve, start)
+        say(f"layout: leaf of {len(bufs):,} buffers: squeaky wheel {h:,} after {passes} passes (greedy {best_h:,})")
+        if h < best_h:
+            best, best_h, how = {b.id: int(o) for b, o in zip(bufs, offs.tolist())}, h, "squeaky-wheel"
     if best_h <= cap:
         return best, how
     say(f"layout: leaf of {len(bufs):,} buffers: greedy {best_h:,} ({how}) above {cap:,}; "
@@ -443,6 +462,32 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
             return offs, name
     assert best is not None  # the first greedy pass always finishes
     return best, how
+
+
+def _big_first(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, options: LayoutOptions,
+               say: Progress) -> dict | None:
+    """A leaf where a few large buffers carry the load (``SplitOptions.big_first``): the buffers of at
+    least ``cap / 200`` bytes (at most ``max_leaf / 4`` of them, holding at their peak at least 90% of the
+    leaf's own max load) laid out exactly at ``cap`` (``_fit``, until ``deadline``), then the others lowest fit by size
+    around them (``given``). None when the leaf is not of that shape or the exact search finds nothing."""
+    lo, up, sz, al = (np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size", "alignment"))
+    large = np.flatnonzero(sz * 200 >= cap)
+    if not 0 < large.size <= options.split.max_leaf // 4:
+        return None
+    sub = [bufs[i] for i in large.tolist()]
+    if lower_bound(sub) < 0.9 * lower_bound(bufs):
+        return None
+    sub_floor = [floor[i] for i in large.tolist()]
+    st, offs, name, _ = _fit(sub, cap, deadline, options, say, sub_floor)
+    if st is not SearchStatus.FOUND or offs is None or any(offs[b.id] < f for b, f in zip(sub, sub_floor)):
+        return None
+    given = np.full(len(bufs), -1, np.int64)
+    given[large] = [offs[b.id] for b in sub]
+    off = place_in_order(lo, up, sz, al, np.array(floor, np.int64), _order(GreedyOrder.SIZE, lo, up, sz),
+                         lowest=True, given=given)
+    say(f"layout: leaf of {len(bufs):,} buffers: {len(sub):,} large ones at {cap:,} ({name}), the rest around them: "
+        f"{int((off + sz).max(initial=0)):,}")
+    return {b.id: int(o) for b, o in zip(bufs, off.tolist())}
 
 
 def _order(order: GreedyOrder, lo: np.ndarray, up: np.ndarray, sz: np.ndarray) -> np.ndarray:
@@ -457,16 +502,17 @@ def _order(order: GreedyOrder, lo: np.ndarray, up: np.ndarray, sz: np.ndarray) -
 
 
 def _leaf_greedy(bufs: list[Buffer], floor: list[int], cap: int, deadline: float,
-                 lowest_fit: bool) -> tuple[dict, int, str]:
+                 lowest_fit: bool, first_only: bool = False) -> tuple[dict, int, str]:
     """The lowest of the compiled greedy passes (``layout_greedy``): every order best fit (as
     ``greedy_layout``) and, with ``lowest_fit``, lowest fit (size first: the best pass on random traces);
-    stops at ``cap`` or the deadline (the first pass always finishes)."""
+    stops at ``cap`` or the deadline (the first pass always finishes); ``first_only``: the first pass."""
     lo, up = np.array([b.lower for b in bufs], np.int64), np.array([b.upper for b in bufs], np.int64)
     sz, al = np.array([b.size for b in bufs], np.int64), np.array([b.alignment for b in bufs], np.int64)
     fl = np.array(floor, np.int64)
     passes = [(o, False) for o in GreedyOrder]
     if lowest_fit:
         passes = [(GreedyOrder.SIZE, True)] + passes + [(o, True) for o in GreedyOrder if o is not GreedyOrder.SIZE]
+    passes = passes[:1] if first_only else passes
     best, best_h, how = None, 0, ""
     for order, low in passes:
         offs = place_in_order(lo, up, sz, al, fl, _order(order, lo, up, sz), deadline, finish=best is None,

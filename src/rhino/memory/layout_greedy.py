@@ -3,128 +3,223 @@
 Same placement rule as ``layout.greedy_layout`` (each buffer in the order given goes into the smallest
 gap, between the already placed buffers that overlap it in time, that holds it at or above its floor;
 ties to the lowest gap; else on top of them), compiled, with a second rule ``lowest`` (first fit by
-address: the lowest gap that holds it). The placed buffers are indexed by time bucket (half a mean
-lifetime wide), so a placement visits about the placed buffers live near it and sorts those live
-with it. It runs in chunks so that a deadline can stop it between them.
+address: the lowest gap that holds it).
+
+Time index (``TimeIndex``): all lifetimes are known in advance, so the buffers are bucketed by time once
+(buckets half a mean lifetime wide) into one CSR array with each entry's start, end and first bucket
+stored inline (contiguous scans, no linked lists); a placement scans its buckets, skips entries not yet
+placed (offset -1) and counts a buffer met in several buckets only in the first bucket both share. The
+same index serves the peak repair (``layout_repair``), which moves placed buffers.
 
 Measured on ``benchmarks/layout_scale.py``'s ``random-1`` (60,000 buffers): best fit by size 13.0% above
-the max-load bound, by lifetime 5.6% (what ``greedy_layout`` gives too); lowest fit by size 3.95%.
+the max-load bound, by lifetime 5.6% (what ``greedy_layout`` gives too); lowest fit by size 3.95%. One
+pass (lowest fit by size) took 18.9 s with the earlier per-pass linked lists, and 0.43 s with this index
+(2 shared cores, load 2-5; ``docs/benchmarks.md``).
 """
 from __future__ import annotations
 
 import time
+from typing import NamedTuple
 
 import numba
 import numpy as np
 
-__all__ = ["place_in_order"]
+__all__ = ["TimeIndex", "time_index", "set_offset", "gather_placed", "find_gap", "place_in_order"]
 
 _CHUNK = 4096  # buffers placed between two deadline checks
 
 
+class TimeIndex(NamedTuple):
+    """Buffers by time bucket: bucket ``b`` holds entries ``start[b]:start[b + 1]`` of ``member`` (buffer
+    indices) with their starts ``mlo``, ends ``mup``, first buckets ``mb0``, offsets ``moff`` (-1: not
+    placed) and address ends ``mend`` inline; buffer ``i``'s entries are ``epos[estart[i]:estart[i + 1]]``
+    (``set_offset`` keeps them in step); ``b0``/``b1``: each buffer's first and last bucket;
+    ``t0``/``width``: bucket ``b`` covers ``t0 + b*width`` on."""
+    b0: np.ndarray
+    b1: np.ndarray
+    start: np.ndarray
+    member: np.ndarray
+    mlo: np.ndarray
+    mup: np.ndarray
+    mb0: np.ndarray
+    moff: np.ndarray
+    mend: np.ndarray
+    estart: np.ndarray
+    epos: np.ndarray
+    t0: int
+    width: int
+
+
 @numba.njit(cache=True)
-def _place(lo, up, sz, al, floor, given, order, lowest, k0, k1, b0, b1, head, nxt, item, seen, ctr, poff, pend, off):
-    """Place ``order[k0:k1]`` best-fit (see the module docstring). The placed buffers (``ctr[0]`` of
-    them, input indices ``item``) are indexed by time bucket: ``head[b]`` starts a linked list
-    (``nxt``, ``ctr[1]`` entries) of the placed buffers live in bucket ``b``; ``seen`` drops repeats."""
-    so = np.empty(64, np.int64)
-    se = np.empty(64, np.int64)
-    cnt, e = ctr[0], ctr[1]
+def _fill(b0, b1, sz, start, member, estart, epos):
+    fill = start[:-1].copy()
+    for i in range(b0.size):
+        if sz[i] > 0:
+            k = estart[i]
+            for b in range(b0[i], b1[i] + 1):
+                member[fill[b]] = i
+                epos[k] = fill[b]
+                k += 1
+                fill[b] += 1
+
+
+def time_index(lo: np.ndarray, up: np.ndarray, sz: np.ndarray) -> TimeIndex:
+    """The time index of the non-empty buffers, none placed (see the module docstring). Buckets ``width``
+    wide hold about sum(life) / width + n entries; at sum(life) / 2n that is ~3n, and a placement visits
+    ~3 buckets' worth of live buffers when lifetimes are alike."""
+    n = len(sz)
+    t0 = int(lo.min()) if n else 0
+    width = max(1, -(-int((up - lo).sum()) // (2 * max(n, 1))))
+    b0, b1 = (lo - t0) // width, (up - 1 - t0) // width
+    nb = int(b1.max()) + 1 if n else 1
+    d = np.zeros(nb + 1, np.int64)  # buffers live per bucket: +1 at the first bucket, -1 after the last
+    np.add.at(d, b0[sz > 0], 1)
+    np.add.at(d, b1[sz > 0] + 1, -1)
+    start = np.zeros(nb + 1, np.int64)
+    np.cumsum(np.cumsum(d[:nb]), out=start[1:])
+    estart = np.zeros(n + 1, np.int64)
+    np.cumsum(np.where(sz > 0, b1 - b0 + 1, 0), out=estart[1:])
+    member, epos = np.empty(int(start[-1]), np.int64), np.empty(int(estart[-1]), np.int64)
+    _fill(b0, b1, sz, start, member, estart, epos)
+    moff = np.full(member.size, -1, np.int64)
+    return TimeIndex(b0, b1, start, member, lo[member], up[member], b0[member], moff, moff.copy(), estart, epos,
+                     t0, width)
+
+
+@numba.njit(cache=True)
+def set_offset(i, o, s, off, moff, mend, estart, epos):
+    """Buffer ``i`` (``s`` bytes) at offset ``o`` (-1: not placed), in ``off`` and the index."""
+    off[i] = o
+    for k in range(estart[i], estart[i + 1]):
+        moff[epos[k]] = o
+        mend[epos[k]] = o + s
+
+
+@numba.njit(cache=True)
+def gather_placed(i, lo, up, b0, b1, start, mlo, mup, mb0, moff, mend, so, se):
+    """Offsets and ends (into ``so``/``se``) of the placed buffers other than ``i`` (not placed itself)
+    that overlap ``i`` in time; returns their count."""
+    m = 0
+    li, ui, bi = lo[i], up[i], b0[i]
+    for b in range(bi, b1[i] + 1):
+        for q in range(start[b], start[b + 1]):
+            if moff[q] >= 0 and mlo[q] < ui and mup[q] > li and (mb0[q] == b or bi == b):
+                so[m] = moff[q]
+                se[m] = mend[q]
+                m += 1
+    return m
+
+
+@numba.njit(cache=True)
+def _sift(so, se, k, m):
+    """Restore the min-heap on ``so`` (``se`` moves along) below position ``k`` of ``m``."""
+    while True:
+        c = 2 * k + 1
+        if c >= m:
+            return
+        if c + 1 < m and so[c + 1] < so[c]:
+            c += 1
+        if so[k] <= so[c]:
+            return
+        so[k], so[c] = so[c], so[k]
+        se[k], se[c] = se[c], se[k]
+        k = c
+
+
+@numba.njit(cache=True)
+def _lowest_gap(so, se, m, s, a, f):
+    """``find_gap`` with ``lowest``: the intervals come off a heap by offset until a gap holds the buffer
+    (a partial sort: O(m + k log m) for the k intervals below that gap). Permutes ``so``/``se``."""
+    for k in range(m // 2 - 1, -1, -1):
+        _sift(so, se, k, m)
+    below = 0
+    while m:
+        start = max(-(-below // a) * a, f)
+        if so[0] - start - s >= 0:
+            return start
+        if se[0] > below:
+            below = se[0]
+        m -= 1
+        so[0], se[0] = so[m], se[m]
+        _sift(so, se, 0, m)
+    return max(-(-below // a) * a, f)
+
+
+@numba.njit(cache=True)
+def find_gap(so, se, m, s, a, f, lowest):
+    """The offset for a buffer of ``s`` bytes (alignment ``a``, floor ``f``) among the intervals
+    ``[so, se)[:m]``: the smallest gap that holds it (ties: the lowest), or with ``lowest`` the lowest
+    such gap; else on top of them all. Permutes ``so``/``se`` with ``lowest``."""
+    f = -(-f // a) * a
+    if m == 0:
+        return f
+    if lowest:
+        return _lowest_gap(so, se, m, s, a, f)
+    rank = np.argsort(so[:m])
+    below = 0
+    best = -1
+    bestw = np.int64(-1)
+    for q in rank:
+        start = max(-(-below // a) * a, f)
+        w = so[q] - start - s
+        if w >= 0 and (bestw < 0 or w < bestw):
+            bestw = w
+            best = start
+            if lowest:
+                return best
+        if se[q] > below:
+            below = se[q]
+    if best < 0:
+        best = max(-(-below // a) * a, f)
+    return best
+
+
+@numba.njit(cache=True)
+def _place(lo, up, sz, al, floor, order, lowest, k0, k1, b0, b1, start, mlo, mup, mb0, moff, mend, estart, epos,
+           off, so, se):
+    """Place ``order[k0:k1]`` (those with offset -1) in turn (see the module docstring)."""
     for k in range(k0, k1):
         i = order[k]
-        s, a = sz[i], al[i]
-        if s == 0:
+        if off[i] >= 0:
+            continue
+        if sz[i] == 0:
             off[i] = 0
             continue
-        f = -(-floor[i] // a) * a
-        m = 0
-        li, ui = lo[i], up[i]
-        for b in range(b0[i], b1[i] + 1 if given[i] < 0 else b0[i]):  # (none for a given offset)
-            q = head[b]
-            while q >= 0:
-                j = item[q]
-                if seen[j] != k and lo[j] < ui and up[j] > li:
-                    seen[j] = k
-                    if m == so.size:
-                        so2 = np.empty(2 * m, np.int64)
-                        se2 = np.empty(2 * m, np.int64)
-                        so2[:m] = so
-                        se2[:m] = se
-                        so, se = so2, se2
-                    so[m] = poff[j]
-                    se[m] = pend[j]
-                    m += 1
-                q = nxt[q]
-        best = -1
-        if given[i] >= 0:
-            best = given[i]
-        elif m:
-            rank = np.argsort(so[:m], kind="mergesort")
-            below = 0
-            bestw = np.int64(-1)
-            for q in rank:
-                start = max(-(-below // a) * a, f)
-                w = so[q] - start - s
-                if w >= 0 and (bestw < 0 or w < bestw):
-                    bestw = w
-                    best = start
-                    if lowest:
-                        break
-                if se[q] > below:
-                    below = se[q]
-            if best < 0:
-                best = max(-(-below // a) * a, f)
-        else:
-            best = f
-        off[i] = best
-        poff[i], pend[i] = best, best + s
-        for b in range(b0[i], b1[i] + 1):
-            nxt[e] = head[b]
-            item[e] = i
-            head[b] = e
-            e += 1
-        cnt += 1
-    ctr[0], ctr[1] = cnt, e
+        m = gather_placed(i, lo, up, b0, b1, start, mlo, mup, mb0, moff, mend, so, se)
+        set_offset(i, find_gap(so, se, m, sz[i], al[i], floor[i], lowest), sz[i], off, moff, mend, estart, epos)
 
 
 def place_in_order(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, floor: np.ndarray,
                    order: np.ndarray, deadline: float | None = None, finish: bool = False,
-                   lowest: bool = False, given: np.ndarray | None = None) -> np.ndarray | None:
+                   lowest: bool = False, given: np.ndarray | None = None,
+                   index: TimeIndex | None = None) -> np.ndarray | None:
     """Offsets (input order) of the buffers placed best-fit in ``order`` on their floors. When
     ``deadline`` (``time.monotonic``) passes first: None, or with ``finish`` the buffers left each go
     on top of all placed so far (in order). ``lowest``: the lowest gap that holds a buffer, not the
-    smallest. ``given``: offsets fixed in advance (-1: place it)."""
+    smallest. ``given``: offsets fixed in advance (-1: place it), there for every placement.
+    ``index``: ``time_index(lo, up, sz)`` when the caller has it (its placements are reset here)."""
     n = len(sz)
     lo, up, sz, al, floor = (np.ascontiguousarray(x, np.int64) for x in (lo, up, sz, al, floor))
     order = np.ascontiguousarray(order, np.int64)
-    given = np.full(n, -1, np.int64) if given is None else np.ascontiguousarray(given, np.int64)
-    off = np.zeros(n, np.int64)
+    off = np.full(n, -1, np.int64) if given is None else np.array(given, np.int64)
     if n == 0:
         return off
-    t0 = int(lo.min())
-    # buckets ``width`` wide hold about sum(life) / width + n entries; at sum(life) / 2n that is ~3n, so
-    # a placement visits at most ~3n entries (the plain scan's n, times 3) even when a few long-lived
-    # buffers span everything, and ~3 buckets' worth of live buffers when lifetimes are alike
-    width = max(1, -(-int((up - lo).sum()) // (2 * n)))
-    b0, b1 = (lo - t0) // width, (up - 1 - t0) // width
-    head = np.full(int(b1.max()) + 1, -1, np.int64)
-    entries = int((b1 - b0 + 1).sum())
-    nxt, item = np.empty(entries, np.int64), np.empty(entries, np.int64)
-    seen = np.full(n, -1, np.int64)
-    poff, pend = np.zeros(n, np.int64), np.zeros(n, np.int64)
-    ctr = np.zeros(2, np.int64)
+    ix = time_index(lo, up, sz) if index is None else index
+    ix.moff[:] = -1
+    for i in np.flatnonzero((off >= 0) & (sz > 0)).tolist():
+        set_offset(i, off[i], sz[i], off, ix.moff, ix.mend, ix.estart, ix.epos)
+    so, se = np.empty(n, np.int64), np.empty(n, np.int64)
     for k0 in range(0, n, _CHUNK):
         if deadline is not None and k0 and time.monotonic() > deadline:
             if not finish:
                 return None
-            top = int(pend.max(initial=0))
+            top = int(np.where(off >= 0, off + sz, 0).max(initial=0))
             for i in order[k0:].tolist():
-                if sz[i]:
-                    top = -(-max(top, int(floor[i])) // int(al[i])) * int(al[i])
-                    off[i] = top
+                if off[i] < 0:
+                    top = -(-max(top, int(floor[i])) // int(al[i])) * int(al[i]) if sz[i] else top
+                    off[i] = top if sz[i] else 0
                     top += int(sz[i])
             return off
-        _place(lo, up, sz, al, floor, given, order, lowest, k0, min(n, k0 + _CHUNK), b0, b1, head, nxt, item, seen, ctr,
-               poff, pend, off)
+        _place(lo, up, sz, al, floor, order, lowest, k0, min(n, k0 + _CHUNK), ix.b0, ix.b1, ix.start, ix.mlo, ix.mup,
+               ix.mb0, ix.moff, ix.mend, ix.estart, ix.epos, off, so, se)
     return off
-

@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .layout_improve import ImproveOptions
+
 __all__ = ["SplitOptions", "Leaf", "Decomposition", "decompose", "splittable"]
 
 
@@ -48,6 +50,8 @@ class SplitOptions:
     cut_band: float = 0.25   # a cut leaves at least this fraction of the leaf's starts on each side
     cut_samples: int = 24    # cut times evaluated per leaf
     lowest_fit: bool = True  # leaves' greedy also tries lowest fit (``layout_greedy``; random-1: 5.6% -> 4.0%)
+    improve: ImproveOptions = ImproveOptions()  # leaves above max_leaf: squeaky wheel after the first pass
+    big_first: bool = True  # leaves above max_leaf that a few large buffers dominate: those exactly first
 
 
 @dataclass
