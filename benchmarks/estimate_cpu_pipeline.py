@@ -104,8 +104,9 @@ def main() -> int:
         plans = [preset_plan(cap.graph, parse_strategy(s)) for s in strategies]
         prof = measure_profile(nproc=2)     # right before this workload's runs: the same load hits both
         cluster, cost = prof.apply(parse_cluster("cpu:2"))
-        print(f"{label}: profile matmul {prof.matmul_flops / 1e9:.1f} GFLOP/s, link {prof.link_bandwidth / 1e9:.2f} "
-              f"GB/s {prof.link_latency_s * 1e6:.0f} us [load {os.getloadavg()[0]:.1f}]", flush=True)
+        print(f"{label}: profile matmul {prof.matmul_flops / 1e9:.1f} GFLOP/s, point-to-point "
+              f"{prof.p2p_bandwidth / 1e9:.2f} GB/s {prof.p2p_latency_s * 1e6:.0f} us, "
+              f"{prof.p2p_message_s * 1e6:.0f} us per message end [load {os.getloadavg()[0]:.1f}]", flush=True)
         measured = _measure(cap, plans)
         for s, plan, meas in zip(strategies, plans, measured):
             mt, mi = meas["step"], meas["idle"]

@@ -120,3 +120,19 @@ def test_a_measured_point_to_point_fit_prices_the_stage_boundaries():
     # at least one forward and one backward transfer are on the critical path (fill and drain), at most one
     # round trip per micro-batch (tiny stages: every backward waits for its round trip)
     assert 2 * (1e-3 - 1e-5) - 1e-12 <= steps[1] - steps[0] <= 2 * 4 * (1e-3 - 1e-5) + 1e-12
+
+
+def test_message_cpu_time_occupies_the_device_but_is_not_busy():
+    from rhino.cost.machine_profile import MachineProfile
+    mlp = _cap("mlp")
+    plan = preset_plan(mlp.graph, parse_strategy("pp=2,microbatches=4"))
+    base = MachineProfile("cpu (1 threads)", 1, 1e10, 1e5, 5e9, 3e-6, 0.5, 0.4, 2e9, 2e-5, 2, None, 1e9, 1e-5)
+    est = []
+    for msg in (None, 1e-3):
+        cluster, cost = MachineProfile(**{**base.__dict__, "p2p_message_s": msg}).apply(parse_cluster("cpu:2"))
+        est.append(estimate(mlp.graph, cluster, plan, options=StepOptions(profile=cost)))
+    (a, b), stages = est, [len(e.stages) for e in est]
+    assert [s["forward_seconds"] for s in a.stages] == [s["forward_seconds"] for s in b.stages]
+    # every micro-batch's forward and backward sends or receives at least one message on each stage
+    assert b.step_seconds >= a.step_seconds + 2 * 4 * 1e-3 - 1e-12
+    assert b.step_idle_fraction > a.step_idle_fraction

@@ -32,5 +32,8 @@ def run(args) -> int:
         print(f"profile OK: matmul {prof.matmul_flops / 1e9:.1f} GFLOP/s, memory {prof.memory_bandwidth / 1e9:.2f} "
               f"GB/s, op overhead {prof.launch_overhead_s * 1e6:.2f} us"
               + (f", all-reduce {prof.link_bandwidth / 1e9:.2f} GB/s + {prof.link_latency_s * 1e6:.1f} us"
-                 if prof.link_bandwidth else "") + (f" -> {args.out}" if args.out else ""))
+                 if prof.link_bandwidth else "")
+              + (f", point-to-point {prof.p2p_bandwidth / 1e9:.2f} GB/s + {prof.p2p_latency_s * 1e6:.1f} us, "
+                 f"{prof.p2p_message_s * 1e6:.1f} us per message end" if prof.p2p_bandwidth else "")
+              + (f" -> {args.out}" if args.out else ""))
     return 0

@@ -103,6 +103,7 @@ class Profile:
     # measured point-to-point messages between local processes (``rhino profile``): pipeline boundaries
     p2p_bandwidth: float | None = None
     p2p_latency_s: float | None = None
+    p2p_message_s: float | None = None   # CPU time per message end (posting / completing), not waiting
 
     def __post_init__(self) -> None:
         for name in ("matmul_efficiency", "memory_bandwidth_efficiency", "conv_efficiency",

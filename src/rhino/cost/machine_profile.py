@@ -17,7 +17,10 @@ The profile holds absolute numbers measured on the local machine by micro-benchm
   all-reduce is timed as the runtime performs a gradient's (copy, all-reduce, divide).
 - ``p2p_bandwidth`` / ``p2p_latency_s``: alpha-beta fit of one-way point-to-point message times between
   two processes (half a ping-pong, each message an ``isend`` and an ``irecv(...).wait()`` as
-  ``runtime.pipeline`` sends boundary values); the pipeline model prices stage boundaries with it.
+  ``runtime.pipeline`` sends boundary values); the pipeline model prices stage boundaries with it;
+  ``p2p_message_s``: the CPU time one end of a message takes besides waiting (half of posting an ``isend``
+  plus completing the ``irecv`` of a message already sent), charged to the device per message it sends or
+  receives.
 
 Profiled for ``N`` > 1 processes, every process runs the compute micro-benchmarks at the same time and
 the slowest one's numbers are kept: what one rank of a ``cpu:N`` run sees, with memory bandwidth
@@ -57,6 +60,7 @@ class MachineProfile:
     kind_bandwidth: dict | None = field(default=None, hash=False, compare=False)
     p2p_bandwidth: float | None = None
     p2p_latency_s: float | None = None
+    p2p_message_s: float | None = None
 
     def __post_init__(self) -> None:
         for key in ("matmul_flops", "memory_bandwidth"):
@@ -72,7 +76,8 @@ class MachineProfile:
                        launch_overhead_s=self.launch_overhead_s, conv_efficiency=clamp(self.conv_efficiency),
                        attention_efficiency=clamp(self.attention_efficiency), k0=self.k0,
                        kind_bandwidth=dict(self.kind_bandwidth) if self.kind_bandwidth else None,
-                       p2p_bandwidth=self.p2p_bandwidth, p2p_latency_s=self.p2p_latency_s)
+                       p2p_bandwidth=self.p2p_bandwidth, p2p_latency_s=self.p2p_latency_s,
+                       p2p_message_s=self.p2p_message_s)
 
     def apply(self, cluster: Cluster) -> tuple[Cluster, Profile]:
         """The cluster with its device's numbers replaced by the measured ones, and the cost profile."""

@@ -42,6 +42,7 @@ With ``pp = 1`` the single-stage formulas are unchanged: with one micro-batch th
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 from ..ir.analysis import analyze
@@ -162,13 +163,17 @@ def scaled_memory(mem: MemoryEstimate, rc: RecomputeEffect, pp: int, m: int, sch
 
 
 def simulate(fwd: list[float], bwd: list[float], send_f: list[float], send_b: list[float], m: int,
-             schedule: Schedule, chunks: int = 1) -> tuple[list[float], list[float]]:
+             schedule: Schedule, chunks: int = 1, over_f: list[float] | None = None,
+             over_b: list[float] | None = None) -> tuple[list[float], list[float]]:
     """Event simulation of one pipeline (module docstring): per device, (time its last operation ends,
     time it was busy). ``fwd`` / ``bwd``: per (virtual) stage and micro-batch; ``send_f[s]`` / ``send_b[s]``:
     transfer time from stage s to s+1 / back. Virtual stage ``c * pp + d`` runs on device ``d``; each device
-    runs ``ir.stages.schedule_order``; an operation starts when its device is free and its input arrived."""
+    runs ``ir.stages.schedule_order``; an operation starts when its device is free and its input arrived.
+    ``over_f`` / ``over_b``: per stage, seconds each forward / backward also occupies its device outside
+    its program (its messages: not busy)."""
     V = len(fwd)
     pp = V // chunks
+    of, ob = over_f or [0.0] * V, over_b or [0.0] * V
     order = [schedule_order(schedule.value, d, pp, m, chunks) for d in range(pp)]
     done: dict[tuple, float] = {}
     free, pos = [0.0] * pp, [0] * pp
@@ -187,7 +192,7 @@ def simulate(fwd: list[float], bwd: list[float], send_f: list[float], send_b: li
                 if dep is None:
                     break
                 start = max(free[d], dep)
-                free[d] = done[(kind, s, j)] = start + (fwd[s] if kind == "F" else bwd[s])
+                free[d] = done[(kind, s, j)] = start + (fwd[s] + of[s] if kind == "F" else bwd[s] + ob[s])
                 pos[d] += 1
                 left -= 1
                 moved = True
@@ -269,6 +274,21 @@ def _link(cluster: Cluster, stage_world: int, boundary: int, pp: int | None = No
     return cluster.inter_node_bandwidth_per_device, cluster.inter_node.latency_s, False
 
 
+_ASSIGNED: dict = {}
+
+
+def _assigned(graph: Graph, stage_of: dict[str, int], pp: int) -> StageAssignment:
+    """``assign_stages``, remembered for the last (graph, cut): the search prices one cut at several
+    micro-batch counts (``search.stages.stage_cut``, rule ``pipeline_reuse_cut``)."""
+    key = (len(graph.nodes), pp, tuple(sorted(stage_of.items())))
+    hit = _ASSIGNED.get("last")
+    if hit is not None and hit[0]() is graph and hit[1] == key:
+        return hit[2]
+    sa = assign_stages(graph, stage_of, pp)
+    _ASSIGNED["last"] = (weakref.ref(graph), key, sa)
+    return sa
+
+
 def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstimate, rc: RecomputeEffect,
                   cluster: Cluster, links: list[AxisLink], *, pp: int, microbatches: int, schedule: Schedule,
                   options: StepOptions, accumulators: int | None = None,
@@ -283,7 +303,7 @@ def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstim
     V = pp * chunks
     stage_of = contiguous_cut(graph, V) if stages is None else \
         {graph.nodes[i].name: s for i, s in enumerate(stages) if s >= 0}
-    sa = assign_stages(graph, stage_of, V)
+    sa = _assigned(graph, stage_of, V)
     stage = [sa.node_stage.get(n.name, -1) for n in graph.nodes]
     mesh = rp.plan.mesh
     f_mb, b_mb, ops, grad, pref, opt = _stage_work(graph, rp, st, rc, cluster, options, sa, stage, V, m)
@@ -296,7 +316,8 @@ def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstim
     worst = max(range(V - 1), key=lambda k: fb[k])
     notes.append(f"stage boundaries: up to {fb[worst] / m / 2**20:.1f} MiB per micro-batch forward "
                  f"(boundary {worst}/{worst + 1})")
-    end, busy = simulate(f_mb, b_mb, send_f, send_b, m, schedule, chunks)
+    over_f, over_b = _message_overhead(sa, V, pp, options.profile)
+    end, busy = simulate(f_mb, b_mb, send_f, send_b, m, schedule, chunks, over_f, over_b)
     dev = [[c * pp + d for c in range(chunks)] for d in range(pp)]      # device -> its virtual stages
     pipe = max(end)
     finish, work = [], []
@@ -327,6 +348,21 @@ def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstim
     return PipelineTime(step, compute, max(0.0, step - compute - bubble), comm_total, bubble,
                         rc.extra_seconds / pp, rc.extra_flops / pp, peak_stage.peak, dict(peak_stage.memory),
                         notes, idle, costs, stage, step_idle)
+
+
+def _message_overhead(sa: StageAssignment, V: int, pp: int, profile: Profile | None) -> tuple[list, list]:
+    """Per virtual stage: seconds its forward / backward spend on their messages (``profile.p2p_message_s``
+    per message sent or received; a value between two chunks of one device is no message). A forward value
+    is counted at its receiver's forward, which receives it for its backward too."""
+    over_f, over_b = [0.0] * V, [0.0] * V
+    cost = profile.p2p_message_s if profile is not None and profile.p2p_message_s else 0.0
+    for c in sa.crossings:
+        if not cost or c.phase is Phase.UPDATE or c.src % pp == c.dst % pp:
+            continue
+        side = over_f if c.phase is Phase.FORWARD else over_b
+        side[c.src] += cost
+        side[c.dst] += cost
+    return over_f, over_b
 
 
 def _stage_work(graph, rp, st, rc, cluster, options, sa, stage, V, m) -> tuple:

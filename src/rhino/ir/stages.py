@@ -42,7 +42,10 @@ receive one right before the program that reads it. In the synchronous timetable
 ``F_s(k)`` precedes every ``B_s'(k)``) each stage's order is increasing in ``t`` and, by (1)-(3), every
 crossing goes from an earlier to a later slot; update-phase values are sent after a stage's last program
 and received after the receiver's. So every receive is matched by a send that does not wait on it:
-induction on ``t`` shows that every program runs.
+induction on ``t`` shows that every program runs. The interleaved schedule (``schedule_order``) is the same
+argument over ``S * v`` virtual stages, each device running its chunks' programs in Megatron-LM's order,
+which is increasing in the same timetable; a value between two chunks of one device is handed over
+locally, made before it is read (tested with ``runtime.pipeline_sim``, which raises on a deadlock).
 
 **Default cut** (``contiguous_cut``, named option ``slack``): the forward nodes in program order (a
 topological order, so rule 1 holds for any contiguous cut) are cut into ``S`` contiguous ranges balanced

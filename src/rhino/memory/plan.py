@@ -18,7 +18,9 @@
    The baselines watch the clock: the program order's live peak and best-fit (the plan of last resort)
    always run; the allocator simulation and the heuristic baseline only when their estimated time
    (``BASELINE_COST``) fits before the deadline less what must still run; a skipped one is None in the
-   plan and named in ``skipped_baselines``.
+   plan and named in ``skipped_baselines``. When even ``order_ops``' fixed part (the order lower bound)
+   does not fit, the order is the program order and ``order_lower_bound`` the op-local bound
+   (``op_local_bound``; ``stats["order_bound"]`` says which).
 
 Every plan is checked (``simulate.check_order`` and ``layout.validate_layout``); ``valid`` records it.
 ``order_lower_bound`` is ``IndexedProblem.lower_bound``: bytes every order must hold at some step,
@@ -36,10 +38,10 @@ from .allocator import AllocatorStats, simulate_allocator
 from .layout import Buffer, GreedyOrder, greedy_layout, solve_layout, validate_layout
 from .order_graph import IndexedProblem
 from .order import OptLevel, OrderOptions, OrderResult, least_peak_order, order_ops, program_order
-from .problem import MemProblem, OpRole, buffers, lifetimes
+from .problem import MemProblem, OpRole, TensorKind, buffers, lifetimes
 from .simulate import check_order, replay
 
-__all__ = ["MemoryPlan", "plan_memory", "stacked_layout"]
+__all__ = ["MemoryPlan", "plan_memory", "stacked_layout", "op_local_bound"]
 
 Progress = Callable[[str], None]
 
@@ -166,8 +168,13 @@ def plan_memory(problem: MemProblem, level: OptLevel | str = OptLevel.O2, time_l
     # greedy layouts run only if they still fit: the heuristic orders gain more); at O2 the exact windows get
     # ORDER_SHARE of what the heuristics leave, the layout the rest
     left = deadline - time.perf_counter() - base.reserve
-    res: OrderResult = order_ops(problem, level, opts, time_limit=max(0.0, left), progress=progress,
-                                 search_share=ORDER_SHARE)
+    if deadline - time.perf_counter() - base.check_seconds >= base.order_bound_seconds:
+        # (with no time left for the heuristics the order is the program order, whose layout is best-fit's)
+        res: OrderResult = order_ops(problem, level, opts, time_limit=max(0.0, left), progress=progress,
+                                     search_share=ORDER_SHARE)
+    else:   # no time for the order lower bound: the program order, the op-local bound
+        res = OrderResult(list(base.bestfit.order), base.pytorch_live, op_local_bound(problem), "program",
+                          {"program": base.pytorch_live})
     say(f"order: peak {res.peak:,} B ({res.source}, {res.seconds:.1f}s); layout ...")
 
     # 2. layout: the time left, less the checks' reserve
@@ -232,6 +239,7 @@ class _Baselines:
     size_seconds: float = 0.0  # one greedy layout by size (the layout always made)
     llf_seconds: float = 0.0  # one long-lived-first greedy layout
     reserve: float = 0.0  # what runs whatever the time: the by-size layout of the order and the checks
+    order_bound_seconds: float = 0.0  # estimate of ``order_ops``' fixed part (IndexedProblem, lower bound)
 
 
     @property
@@ -269,7 +277,18 @@ class _Baselines:
             heuristic = _Candidate("heuristic", heu_order, heu_bufs, heu_offsets, _height(heu_bufs, heu_offsets),
                                    "heuristic")
         return _Baselines(pt_live, alloc, bestfit, heuristic, time.perf_counter() - t0, checks, t_greedy, t_llf,
-                          t_greedy + checks)
+                          t_greedy + checks, BASELINE_COST["order_bound"] * t_replay)
+
+
+def op_local_bound(problem: MemProblem) -> int:
+    """Bytes every order holds at some step, from each op alone: while an op runs its inputs and outputs are
+    live, and so are the inputs kept to the end of the step (the first term of ``IndexedProblem.lower_bound``,
+    without the graph walks)."""
+    size = {t: x.size for t, x in problem.tensors.items()}
+    always = {t for t, x in problem.tensors.items() if x.kind is TensorKind.INPUT and x.also_output}
+    always_bytes = sum(size[t] for t in always)
+    per_op = (sum(size[t] for t in set(op.inputs) | set(op.outputs) if t not in always) for op in problem.ops)
+    return always_bytes + max(per_op, default=0)
 
 
 def _layout(problem: MemProblem, res: OrderResult, level: OptLevel, opts: OrderOptions, deadline: float, time_limit: float,
@@ -336,4 +355,5 @@ def _checked_plan(problem: MemProblem, best: _Candidate, res: OrderResult, base:
         order_lower_bound=res.lower_bound, pytorch_peak_allocated=base.alloc and base.alloc.peak_allocated,
         skipped_baselines=base.skipped,
         stats={"baseline_seconds": base.seconds, "order_seconds": res.seconds, "layout_seconds": t_layout,
-               "windows": res.windows, "windows_improved": res.improved})
+               "windows": res.windows, "windows_improved": res.improved,
+               "order_bound": "op-local" if res.source == "program" and not res.seconds else "order graph"})

@@ -160,6 +160,28 @@ def _p2p_rank(ctx, sizes: tuple[int, ...]) -> list[float]:
     return out
 
 
+def _p2p_post_rank(ctx, nbytes: int = 4 << 10, reps: int = 20) -> float:
+    """Rank 0: median CPU-side seconds of one message at each end, as ``runtime.pipeline`` handles one:
+    posting an ``isend`` plus completing an ``irecv(...).wait()`` whose message was sent before (no waiting
+    for the sender); the time the device spends on a message besides its programs."""
+    x, y = torch.ones(nbytes // 4), torch.empty(nbytes // 4)
+    samples = []
+    for _ in range(reps):
+        work = dist.isend(x, 0) if ctx.rank == 1 else None
+        dist.barrier()                       # the message has been posted
+        t0 = time.perf_counter()
+        if ctx.rank == 0:
+            dist.irecv(y, 1).wait()
+            work = dist.isend(x, 1)
+        t1 = time.perf_counter()
+        if ctx.rank == 1:
+            dist.irecv(y, 0).wait()
+        if work is not None:
+            work.wait()
+        samples.append(t1 - t0)
+    return statistics.median(samples)
+
+
 def _compute(progress: Callable[[str], None], sync: Callable[[], None]) -> tuple:
     """(overhead, matmul FLOP/s, k0, bandwidth, conv eff., attention eff., kind bandwidths); ``sync``
     runs between the micro-benchmarks so that concurrent ranks measure the same thing at the same time."""
@@ -188,7 +210,8 @@ def _rank_profile(ctx, threads: int | None) -> tuple:
         torch.set_num_threads(threads)
     compute = _compute(lambda m: None, dist.barrier)
     dist.barrier()
-    return torch.get_num_threads(), compute, _allreduce_rank(ctx, _ALLREDUCE_BYTES), _p2p_rank(ctx, _P2P_BYTES)
+    return (torch.get_num_threads(), compute, _allreduce_rank(ctx, _ALLREDUCE_BYTES), _p2p_rank(ctx, _P2P_BYTES),
+            _p2p_post_rank(ctx))
 
 
 def _slowest(per_rank: list[tuple]) -> tuple:
@@ -224,9 +247,11 @@ def measure_profile(threads: int | None = None, nproc: int = 2, progress: Callab
         progress(f"  all-reduce over {nproc} processes: {link_bw / 1e9:.2f} GB/s, {link_lat * 1e6:.1f} us")
         p_slope, p_lat = fit_line([float(s) for s in _P2P_BYTES], results[0][3])
         p2p_bw, p2p_lat = 1.0 / max(p_slope, 1e-15), max(0.0, p_lat)
-        progress(f"  point-to-point: {p2p_bw / 1e9:.2f} GB/s, {p2p_lat * 1e6:.1f} us")
+        post = results[0][4] / 2
+        progress(f"  point-to-point: {p2p_bw / 1e9:.2f} GB/s, {p2p_lat * 1e6:.1f} us; {post * 1e6:.1f} us per message "
+                 f"end")
         return MachineProfile(f"cpu ({used} threads per process, {nproc} processes)", used, flops, k0, bw,
-                              overhead, conv, attn, link_bw, link_lat, nproc, kinds, p2p_bw, p2p_lat)
+                              overhead, conv, attn, link_bw, link_lat, nproc, kinds, p2p_bw, p2p_lat, post)
     old = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)

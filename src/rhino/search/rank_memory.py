@@ -211,7 +211,8 @@ def planned_fit(rp: ResolvedPlan, est: Estimate, options: SearchOptions, cache: 
     """The fit check of ``FitMemory.PLANNED``: ``est`` itself, unless the option is on, ``est`` does not fit,
     its peak is at most ``options.fit_memory_margin`` over capacity and the plan runs one stage, one
     micro-batch and no recomputation (what ``rank_ir_graph`` models); then the rank program is planned
-    (``planned_peak``, O1, ``options.fit_memory_time_limit``) and, when the arena + state fits, ``est`` is
+    (``planned_peak``, O1, ``options.fit_memory_time_limit``) and, when the arena + state fits (less
+    ``options.fit_memory_headroom``), ``est`` is
     returned with ``fits`` True and a note giving both peaks (else with a note why not). ``cache`` (plan
     key -> ``PlannedPeak``) saves planning a plan twice; ``rp.plan.meta["planned_peak_bytes"]`` is set."""
     cap, peak = est.capacity_bytes, est.memory_bytes["peak"]
@@ -227,7 +228,7 @@ def planned_fit(rp: ResolvedPlan, est: Estimate, options: SearchOptions, cache: 
     if pp.plan is None:
         return dataclasses.replace(est, notes=est.notes + [
             f"fit_memory=planned: no order fits (order lower bound {pp.arena:,} B + state {pp.state:,} B)"])
-    fits = pp.plan.valid and pp.peak <= cap
+    fits = pp.plan.valid and pp.peak <= (1 - options.fit_memory_headroom) * cap
     rp.plan.meta["planned_peak_bytes"] = pp.peak
     note = (f"fit_memory=planned: rank memory plan {pp.arena:,} B + state {pp.state:,} B = {pp.peak:,} B "
             f"{'fits' if fits else 'does not fit'} (program-order peak {peak:,} B)")
