@@ -205,10 +205,10 @@ def test_pipeline_rule_auto():
     from rhino.search.options import SearchOptions
     from rhino.search.pipelines import worth_pipelining
     one, many = parse_cluster("8xA100-80G"), parse_cluster("2x8xA100-80G")
-    est = SimpleNamespace(step_seconds=2.0, compute_seconds=1.0)
+    est = SimpleNamespace(step_seconds=2.0, compute_seconds=1.0, recompute="none")
     fits = [SimpleNamespace(fits=True, step_seconds=2.0, estimate=est)]
     none = [SimpleNamespace(fits=False, step_seconds=2.0, estimate=est)]
-    auto = SearchOptions()
+    auto = SearchOptions(pipeline="auto")
     assert worth_pipelining(none, auto, one) and worth_pipelining(none, auto, many)   # nothing fits
     assert not worth_pipelining(fits, auto, one)             # one node: single-stage plans stay
     assert not worth_pipelining(fits, auto, many)            # auto: only when nothing fits
@@ -216,7 +216,17 @@ def test_pipeline_rule_auto():
     assert worth_pipelining(fits, gain, many)                # half the step exposed on several nodes
     assert not worth_pipelining(fits, gain, one)
     tight = [SimpleNamespace(fits=True, step_seconds=1.01, estimate=SimpleNamespace(step_seconds=1.01,
-                                                                                    compute_seconds=1.0))]
+                                                                                    compute_seconds=1.0,
+                                                                                    recompute="none"))]
     assert not worth_pipelining(tight, gain, many)           # within pipeline_min_gain of its compute
+    memory = SearchOptions()                                  # the default: "memory"
+    assert memory.pipeline == "memory"
+    assert not worth_pipelining(fits, memory, many)          # fits without recomputation: stays single-stage
+    assert worth_pipelining(none, memory, many)
+    full = [SimpleNamespace(fits=True, step_seconds=1.01, estimate=SimpleNamespace(step_seconds=1.01,
+                                                                                   compute_seconds=1.0,
+                                                                                   recompute="full"))]
+    assert worth_pipelining(full, memory, many) and worth_pipelining(full, gain, many)   # fits only recomputing
+    assert not worth_pipelining(full, memory, one) and not worth_pipelining(full, auto, many)
     assert not worth_pipelining(none, SearchOptions(pipeline="never"), many)
     assert worth_pipelining(tight, SearchOptions(pipeline="always"), one)

@@ -42,6 +42,7 @@ With ``pp = 1`` the single-stage formulas are unchanged: with one micro-batch th
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 
 from ..ir.analysis import analyze
@@ -273,6 +274,21 @@ def _link(cluster: Cluster, stage_world: int, boundary: int, pp: int | None = No
     return cluster.inter_node_bandwidth_per_device, cluster.inter_node.latency_s, False
 
 
+_ASSIGNED: dict = {}
+
+
+def _assigned(graph: Graph, stage_of: dict[str, int], pp: int) -> StageAssignment:
+    """``assign_stages``, remembered for the last (graph, cut): the search prices one cut at several
+    micro-batch counts (``search.stages.stage_cut``, rule ``pipeline_reuse_cut``)."""
+    key = (len(graph.nodes), pp, tuple(sorted(stage_of.items())))
+    hit = _ASSIGNED.get("last")
+    if hit is not None and hit[0]() is graph and hit[1] == key:
+        return hit[2]
+    sa = assign_stages(graph, stage_of, pp)
+    _ASSIGNED["last"] = (weakref.ref(graph), key, sa)
+    return sa
+
+
 def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstimate, rc: RecomputeEffect,
                   cluster: Cluster, links: list[AxisLink], *, pp: int, microbatches: int, schedule: Schedule,
                   options: StepOptions, accumulators: int | None = None,
@@ -287,7 +303,7 @@ def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstim
     V = pp * chunks
     stage_of = contiguous_cut(graph, V) if stages is None else \
         {graph.nodes[i].name: s for i, s in enumerate(stages) if s >= 0}
-    sa = assign_stages(graph, stage_of, V)
+    sa = _assigned(graph, stage_of, V)
     stage = [sa.node_stage.get(n.name, -1) for n in graph.nodes]
     mesh = rp.plan.mesh
     f_mb, b_mb, ops, grad, pref, opt = _stage_work(graph, rp, st, rc, cluster, options, sa, stage, V, m)

@@ -13,8 +13,9 @@ same index serves the peak repair (``layout_repair``), which moves placed buffer
 
 Measured on ``benchmarks/layout_scale.py``'s ``random-1`` (60,000 buffers): best fit by size 13.0% above
 the max-load bound, by lifetime 5.6% (what ``greedy_layout`` gives too); lowest fit by size 3.95%. One
-pass (lowest fit by size) took 18.9 s with the earlier per-pass linked lists, and 0.43 s with this index
-(2 shared cores, load 2-5; ``docs/benchmarks.md``).
+lowest-fit pass by size, the earlier per-pass linked lists against this index in one process: 7.3-8.1 s
+against 2.0-2.1 s of CPU (35.8-41.1 s against 10.1-10.4 s wall at load 10.9 on 2 shared cores), the
+same layout (lowest fit pops the placed intervals off a heap by offset until a gap holds the buffer).
 """
 from __future__ import annotations
 

@@ -24,7 +24,8 @@ class RecomputeWhen(StrEnum):
 class PipelineWhen(StrEnum):
     """When the outer search tries pipeline stages (``pipelines``)."""
     AUTO = "auto"       # no single-stage plan fits
-    GAIN = "gain"       # as auto, or (several nodes) the best single-stage plan's exposed share is large
+    MEMORY = "memory"   # as auto, or (several nodes) the fastest fitting single-stage plan recomputes
+    GAIN = "gain"       # as memory, or (several nodes) the best single-stage plan's exposed share is large
     NEVER = "never"
     ALWAYS = "always"
 
@@ -121,18 +122,20 @@ class SearchOptions:
     recompute: RecomputeWhen = RecomputeWhen.AUTO
 
     # -- pipelines (``pipelines``, ``stages``) ---------------------------------------------------------
-    #: Try pipeline stages: "auto" when no single-stage plan fits; "gain" also when, on several nodes, the
-    #: fastest one's step exceeds its compute by more than ``pipeline_min_gain`` (``pipelines``; opt-in:
-    #: pricing pipelines of a 10k-node graph took LLaMA-7B's O1 search on 8x8xA100-80G from 8 s to 95 s);
-    #: "never", "always".
-    pipeline: PipelineWhen = PipelineWhen.AUTO
+    #: Try pipeline stages: "auto" when no single-stage plan fits; "memory" (default) also when, on several
+    #: nodes, the fastest fitting one needs activation recomputation (memory-bound: stages hold 1/pp of the
+    #: state, Megatron-LM's reason for pp, arXiv 2104.04473 section 3.3); "gain" also when the fastest
+    #: one's step exceeds its compute by more than ``pipeline_min_gain`` (opt-in: it prices pipelines for
+    #: most multi-node searches, e.g. LLaMA-7B's O1 search on 8x8xA100-80G, 8 s without); "never", "always".
+    pipeline: PipelineWhen = PipelineWhen.MEMORY
     pipeline_min_gain: float = 0.05
     #: Largest pipeline degree tried (Megatron-LM's largest in arXiv 2104.04473 Table 1 is 64).
     max_pp: int = 64
     #: Single-stage candidates whose plans are tried as stage plans (the best first).
     pipeline_plans: int = 1
     #: Stop raising the pipeline degree of a stage plan at the first degree that fits and prices slower
-    #: than the one before. Off: every degree up to ``max_pp`` is priced.
+    #: than the fastest fitting plan so far (fewer stages, another stage plan, or single-stage). Off: every
+    #: degree up to ``max_pp`` is priced.
     pipeline_stop_early: bool = True
     #: Also try the expert tensor-parallel preset (tp = devices per node, dp across nodes) as a stage plan
     #: (Megatron-LM's 3D layout). Off: only the searched single-stage plans.
@@ -141,6 +144,19 @@ class SearchOptions:
     pipeline_microbatch_counts: int = 3
     #: Stage cut: CP-SAT on the unit DAG up to this many unit x stage variables, else the contiguous DP.
     stage_ilp_limit: int = 4000
+    #: Price a pipelined stage plan without activation recomputation first when its single-stage plan
+    #: recomputes, with it only when that does not fit (``pipelines``). Off: the single-stage plan's mode.
+    pipeline_drop_recompute: bool = True
+    #: Stage cut units: the search's cones (coarser). Off: each forward node is a unit, as ``rhino
+    #: estimate`` cuts (the contiguous DP is linear in units; measured on the Megatron 175B-shaped GPT at 24
+    #: layers, pp=8, m=96: 7.81 s per step with node units, 7.93 s with cones, whose merged cycles unbalance
+    #: the first stage).
+    stage_cut_cones: bool = False
+    #: Stage cut: CP-SAT's time per solve (each of its two phases gets half), seconds.
+    stage_ilp_seconds: float = 2.0
+    #: Stage cut: keep the cut solved for a plan and degree at a larger micro-batch count for a smaller one
+    #: when it still fits the smaller count's memory rows (``stages.stage_cut``). Off: solved per count.
+    pipeline_reuse_cut: bool = True
     #: Stage cut: stage loads within this fraction of the least bottleneck (TePDist's 8%).
     stage_tolerance: float = 0.08
 
@@ -154,7 +170,7 @@ class SearchOptions:
             raise ValueError(f"recompute must be auto, never or always, got {self.recompute!r}")
         object.__setattr__(self, "recompute", RecomputeWhen(self.recompute))
         if self.pipeline not in tuple(PipelineWhen):
-            raise ValueError(f"pipeline must be auto, gain, never or always, got {self.pipeline!r}")
+            raise ValueError(f"pipeline must be auto, memory, gain, never or always, got {self.pipeline!r}")
         object.__setattr__(self, "pipeline", PipelineWhen(self.pipeline))
         if self.max_pp < 1 or self.pipeline_plans < 1 or self.pipeline_microbatch_counts < 1 \
                 or not 0 <= self.stage_tolerance < 1 or self.pipeline_min_gain < 0:

@@ -14,15 +14,23 @@ the world, at most ``max_pp``, dividing the candidate's outermost mesh axis, wit
    least boundary bytes), priced with ``cost.estimate`` (event simulation of the schedule, per-stage memory
    with the in-flight activations: the fit check).
 
+Rule ``pipeline_drop_recompute``: a stage plan whose single-stage plan recomputes is priced without
+recomputation first (a stage holds 1/pp of the state; under 1F1B its in-flight activations stay about
+those of one micro-batch of the whole model), and with it only when that does not fit; once a degree fits
+without it, larger degrees of that stage plan are priced without it only.
+
 Rule ``pipeline_megatron_start`` adds one more stage plan: the expert tensor-parallel preset with ``tp`` =
 devices per node and data parallelism across nodes (Megatron-LM's 3D layout, arXiv 2104.04473 section 3).
 The best (fits, then step time) per (candidate, pp) joins the candidates. Degrees are tried in increasing
-order; rule ``pipeline_stop_early`` stops at the first degree that fits and prices slower than the degree
-before it (the bubble grows with ``pp`` while the communication it saves shrinks). The best searched
+order; rule ``pipeline_stop_early`` stops a stage plan at the first degree that fits and prices slower than
+the fastest fitting plan so far (single-stage, an earlier degree, or an earlier stage plan): the bubble
+grows with ``pp`` while the communication and memory it saves shrink. The best searched
 stage plan's and the Megatron start's degrees are always priced; further stage plans only before the
 search's time limit. Rule ``pipeline``: ``auto``
-tries pipelines only when no single-stage plan fits; ``gain`` also when, on several nodes, the fastest
-fitting one's step is more than
+tries pipelines only when no single-stage plan fits; ``memory`` (the default) also when, on several nodes,
+the fastest fitting one recomputes activations (it pays a second forward for memory, which stages of 1/pp
+of the model may not need, or need on fewer devices: Megatron-LM's reason for pp); ``gain`` also when the
+fastest fitting one's step is more than
 ``1 + pipeline_min_gain`` times its compute (a reshaped plan does the same compute per device, each stage
 1/pp of the nodes on 1/pp of the devices, plus a bubble, so it can only win back exposed communication);
 ``never``; ``always``.
@@ -40,6 +48,7 @@ from ..sharding.mesh import Mesh
 from ..sharding.placement import local_shape
 from ..sharding.plan import PlanError, ShardingPlan, resolve
 from ..sharding.presets import StrategySpec, preset_plan
+from ..sharding.vocab import Recompute
 from .coarsen import Cones
 from .options import PipelineWhen, SearchOptions
 from .stages import stage_cut
@@ -59,7 +68,10 @@ def worth_pipelining(cands: list, options: SearchOptions, cluster: Cluster) -> b
     if options.pipeline is PipelineWhen.AUTO or cluster.nodes < 2:
         return False
     best = min(fitting, key=lambda c: c.step_seconds).estimate
-    return best.step_seconds > (1 + options.pipeline_min_gain) * best.compute_seconds
+    if best.recompute != "none":
+        return True
+    return options.pipeline is PipelineWhen.GAIN and \
+        best.step_seconds > (1 + options.pipeline_min_gain) * best.compute_seconds
 
 
 def stage_plan(plan: ShardingPlan, pp: int) -> ShardingPlan | None:
@@ -87,7 +99,7 @@ def _microbatch_counts(graph: Graph, rp, pp: int, options: SearchOptions) -> lis
         m *= 2
     if local % pp == 0 and local not in out:
         out.append(local)          # micro-batches of one sample (Megatron-LM's choice)
-    return out[-options.pipeline_microbatch_counts:]
+    return out[-options.pipeline_microbatch_counts:][::-1]    # largest first (rule pipeline_reuse_cut)
 
 
 def _degrees(cluster: Cluster, mesh: Mesh, options: SearchOptions) -> list[int]:
@@ -121,6 +133,30 @@ def _best(ests: list[Estimate]) -> Estimate:
     return min(ests, key=lambda e: (not e.fits, e.step_seconds))
 
 
+def _price(graph: Graph, cluster: Cluster, rp, pp: int, counts: list[int], modes: list, options: SearchOptions,
+           cones: Cones, deadline: float) -> Estimate:
+    """The best (fits, then step) of ``counts`` micro-batches x recomputation ``modes``; a later mode is priced
+    only when the earlier ones do not fit (rule ``pipeline_drop_recompute``)."""
+    cut = stage_cut(cones=cones if options.stage_cut_cones else None, schedule=Schedule.ONE_F_ONE_B, ilp_limit=options.stage_ilp_limit,
+                    tolerance=options.stage_tolerance, workers=options.workers,
+                    seconds=max(0.5, min(options.stage_ilp_seconds, deadline - time.perf_counter())),
+                    capacity=cluster.device.memory_bytes * options.memory_fraction,
+                    reuse=options.pipeline_reuse_cut)
+    ests: list[Estimate] = []
+    for mode in modes:
+        ests += estimate_microbatches(graph, cluster, rp, pp=pp, microbatches=counts, recompute=mode, stages=cut)
+        if _best(ests).fits:
+            break
+    return _best(ests)
+
+
+def _modes(recompute: Recompute, options: SearchOptions, dropped: bool) -> list:
+    """Recomputation modes to price a stage plan with (rule ``pipeline_drop_recompute``)."""
+    if recompute is Recompute.NONE or not options.pipeline_drop_recompute:
+        return [recompute]
+    return [Recompute.NONE] if dropped else [Recompute.NONE, recompute]
+
+
 def pipeline_candidates(graph: Graph, cluster: Cluster, cands: list, options: SearchOptions, cones: Cones,
                         deadline: float, say=None) -> list:
     """Pipelined candidates (module docstring) from the single-stage ``cands`` (``outer.Candidate``)."""
@@ -133,9 +169,10 @@ def pipeline_candidates(graph: Graph, cluster: Cluster, cands: list, options: Se
     if options.pipeline_megatron_start and base:
         base[1:1] = _megatron_start(graph, cluster, base[0])
     forced = 2 if options.pipeline_megatron_start else 1
-    out = []
+    out, a = [], analyze(graph)
+    fastest = min((c.step_seconds for c in cands if c.fits), default=float("inf"))
     for k, c in enumerate(base):
-        last = None
+        dropped = False
         for pp in _degrees(cluster, c.mesh, options):
             if k >= forced and time.perf_counter() > deadline:
                 return out      # the best searched plan and the Megatron start are always priced
@@ -148,24 +185,21 @@ def pipeline_candidates(graph: Graph, cluster: Cluster, cands: list, options: Se
             counts = _microbatch_counts(graph, rp, pp, options)
             if not counts:
                 continue
-            cut = stage_cut(cones=cones, schedule=Schedule.ONE_F_ONE_B, ilp_limit=options.stage_ilp_limit,
-                            tolerance=options.stage_tolerance, workers=options.workers,
-                            seconds=max(0.5, min(10.0, deadline - time.perf_counter())),
-                            capacity=cluster.device.memory_bytes * options.memory_fraction)
-            ests = estimate_microbatches(graph, cluster, rp, pp=pp, microbatches=counts, recompute=c.recompute,
-                                         stages=cut)
-            e = _best(ests)
+            e = _price(graph, cluster, rp, pp, counts, _modes(Recompute(c.recompute), options, dropped), options,
+                       cones, deadline)
+            dropped |= e.fits and e.recompute == Recompute.NONE.value
             plan.microbatches, plan.stages, plan.schedule = e.microbatches, pp, e.schedule
+            plan.recompute = e.recompute
             plan.stage_of = {graph.nodes[i].name: s for i, s in enumerate(e.node_stage) if s >= 0 and
-                             analyze(graph).is_forward(i)}
-            cand = Candidate(plan.mesh, c.recompute, plan, None, time.perf_counter() - t0, status=c.status,
-                             problem=dict(c.problem))
+                             a.is_forward(i)}
+            cand = Candidate(plan.mesh, Recompute(e.recompute), plan, None, time.perf_counter() - t0,
+                             status=c.status, problem=dict(c.problem))
             cand.keep(plan, e)
             out.append(cand)
             say("scored", {"mesh": f"pp={pp} x {plan.mesh}", "step_seconds": e.step_seconds, "fits": e.fits,
-                           "peak": e.memory_bytes["peak"]})
-            if options.pipeline_stop_early and last is not None and last.fits and e.fits and \
-                    e.step_seconds > last.step_seconds:
-                break       # rule pipeline_stop_early: more stages priced slower than fewer
-            last = e
+                           "peak": e.memory_bytes["peak"], "microbatches": e.microbatches,
+                           "recompute": e.recompute})
+            if options.pipeline_stop_early and e.fits and e.step_seconds > fastest:
+                break       # rule pipeline_stop_early: fits, and slower than a plan with fewer stages or another
+            fastest = min(fastest, e.step_seconds) if e.fits else fastest
     return out

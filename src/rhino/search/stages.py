@@ -206,7 +206,11 @@ def solve_contiguous(p: StageProblem) -> StageSolution:
 
 
 def _window_dp(p: StageProblem, seq: list[int], limit: float, cross: list[float]) -> list[int] | None:
-    """Exactly pp windows, loads <= limit, memory within capacity, least sum of cross at the cuts."""
+    """Exactly pp windows, loads <= limit, memory within capacity, least sum of cross at the cuts.
+
+    ``best[k][j]`` = min over ``i`` of ``best[k-1][i] + cross[i]`` for windows ``seq[i:j]`` within the time
+    limit and memory; both bounds hold on a suffix ``i >= lo(j)`` with ``lo`` nondecreasing in ``j`` (the
+    prefix sums are nondecreasing), so a monotone deque gives each minimum in O(1): O(pp n) in all."""
     n, pp, inf = len(seq), p.pp, math.inf
     first_last = min((k for k, u in enumerate(seq) if u in set(p.last)), default=n)
     pre_t, pre_s, pre_a = [0.0], [0.0], [0.0]
@@ -217,19 +221,30 @@ def _window_dp(p: StageProblem, seq: list[int], limit: float, cross: list[float]
     best = [[inf] * (n + 1) for _ in range(pp + 1)]
     back = [[-1] * (n + 1) for _ in range(pp + 1)]
     best[0][0] = 0.0
+    cap = p.capacity
     for k in range(1, pp + 1):
-        fl = p.flight[k - 1]
+        fl, prev, row, brow = p.flight[k - 1], best[k - 1], best[k], back[k]
+        lo, nxt, dq = k - 1, k - 1, []        # dq: candidate i's, increasing f(i), as a list with a head index
+        head = 0
         for j in range(k, n - (pp - k) + 1):
             if k < pp and j > first_last:
                 break          # a pinned unit would leave the last window
-            i = j - 1
-            while i >= k - 1 and pre_t[j] - pre_t[i] <= limit * (1 + 1e-12):
-                mem = pre_s[j] - pre_s[i] + fl * (pre_a[j] - pre_a[i])
-                if p.capacity is None or mem <= p.capacity:
-                    c = best[k - 1][i] + (cross[i] if k > 1 else 0.0)
-                    if c < best[k][j]:
-                        best[k][j], back[k][j] = c, i
-                i -= 1
+            while nxt < j:     # i = j - 1 becomes a candidate
+                f = prev[nxt] + (cross[nxt] if k > 1 else 0.0)
+                while len(dq) > head and dq[-1][0] >= f:
+                    dq.pop()
+                dq.append((f, nxt))
+                nxt += 1
+            while lo < j - 1 and (pre_t[j] - pre_t[lo] > limit * (1 + 1e-12) or cap is not None and
+                                  pre_s[j] - pre_s[lo] + fl * (pre_a[j] - pre_a[lo]) > cap):
+                lo += 1
+            if pre_t[j] - pre_t[lo] > limit * (1 + 1e-12) or cap is not None and \
+                    pre_s[j] - pre_s[lo] + fl * (pre_a[j] - pre_a[lo]) > cap:
+                continue       # unit seq[j-1] alone breaks a bound
+            while head < len(dq) and dq[head][1] < lo:
+                head += 1
+            if head < len(dq) and dq[head][0] < row[j]:
+                row[j], brow[j] = dq[head]
     if best[pp][n] == inf:
         return None
     stage, j = [0] * n, n
@@ -500,9 +515,17 @@ def _unit_values(graph: Graph, a, rp, unit_of: list[int], m: int) -> list[tuple[
 
 def stage_cut(*, cones: Cones | None = None, schedule: Schedule = Schedule.ONE_F_ONE_B,
               ilp_limit: int = STAGE_ILP_LIMIT, tolerance: float = STAGE_TOLERANCE, seconds: float = 10.0,
-              workers: int = 2, capacity: float | None = None, solutions: list | None = None):
+              workers: int = 2, capacity: float | None = None, solutions: list | None = None,
+              reuse: bool = False):
     """A ``cost.estimate.Cut`` callback: the forward nodes' stages of this module's partition (the
-    solutions are appended to ``solutions`` when given)."""
+    solutions are appended to ``solutions`` when given).
+
+    ``reuse`` (rule ``pipeline_reuse_cut``): the unit times and the cut bytes do not depend on the
+    micro-batch count ``m`` (bytes scale by ``1/m`` alike), only the memory rows do, and they tighten as
+    ``m`` falls (``act * min(pp - k, m) / m``, temporaries ``/ m``). So a cut solved for the same plan and
+    ``pp`` at a larger ``m`` is kept for a smaller one when it still fits its memory rows (price the counts
+    largest first); it is re-solved otherwise."""
+    last: dict = {}
 
     def cut(graph: Graph, rp, st, mem, pp: int, m: int) -> list[int]:
         cap = capacity
@@ -510,7 +533,13 @@ def stage_cut(*, cones: Cones | None = None, schedule: Schedule = Schedule.ONE_F
             cap -= (mem.breakdown.get("temporaries", 0) + mem.breakdown.get("batch", 0)) / m
         gu = graph_units(graph, rp, st, mem, pp, m, cones=cones, schedule=schedule, capacity=cap,
                          tolerance=tolerance)
-        sol = solve_stages(gu.problem, ilp_limit=ilp_limit, seconds=seconds, workers=workers)
+        kept = last.get("cut")     # (rp, st, pp, m, solution) of the last solve
+        if reuse and kept is not None and kept[0] is rp and kept[1] is st and kept[2] == pp and kept[3] > m \
+                and memory_ok(gu.problem, kept[4].stage):
+            sol = kept[4]
+        else:
+            sol = solve_stages(gu.problem, ilp_limit=ilp_limit, seconds=seconds, workers=workers)
+            last["cut"] = (rp, st, pp, m, sol)
         if solutions is not None:
             solutions.append(sol)
         return [sol.stage[u] if u >= 0 else -1 for u in gu.unit_of]
