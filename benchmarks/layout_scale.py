@@ -28,6 +28,8 @@ Each trace runs the CLI in a child process (``--json``); its peak RSS is the chi
 (``os.wait4``). Writes the section "Memory layout: large traces" of docs/benchmarks.md.
 
     .venv/bin/python benchmarks/layout_scale.py [--traces random-1,random-2,wide-1,lognorm-1,mixed-1,train-1,train-2,gpt2xl-x11] [--time-limit 60]
+    git show 892d58c:src/rhino/memory/layout_greedy.py > /tmp/old_greedy.py && \
+        .venv/bin/python benchmarks/layout_scale.py --pass-speed random-1 --old-greedy /tmp/old_greedy.py
 """
 from __future__ import annotations
 
@@ -215,15 +217,50 @@ def run_cli(path: Path, time_limit: float) -> dict:
     return row
 
 
+def pass_speed(path: Path, old: str | None, repeats: int = 2) -> None:
+    """One lowest-fit pass by size on a trace, timed (wall and CPU) in this process; with ``old`` (a
+    ``layout_greedy.py`` of another commit, e.g. from ``git show``) that module's pass beside it."""
+    import importlib.util
+
+    import numpy as np
+
+    from rhino.memory import layout_greedy
+    from rhino.memory.layout_io import read_buffers
+    bufs = read_buffers(path)
+    lo, up, sz = (np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size"))
+    al, fl = np.ones(len(bufs), np.int64), np.zeros(len(bufs), np.int64)
+    order = np.lexsort((lo, lo - up, -sz))
+    impls = [("this tree", layout_greedy.place_in_order)]
+    if old:
+        spec = importlib.util.spec_from_file_location(Path(old).stem, old)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # numba's cache finds the module by name
+        spec.loader.exec_module(mod)
+        impls.insert(0, (old, mod.place_in_order))
+    for _, f in impls:  # compile first
+        f(lo[:64], up[:64], sz[:64], al[:64], fl[:64], np.arange(64), lowest=True)
+    for _ in range(repeats):
+        for name, f in impls:
+            t, c = time.perf_counter(), time.process_time()
+            off = f(lo, up, sz, al, fl, order, lowest=True)
+            print(f"{name}: wall {time.perf_counter() - t:.2f} s, cpu {time.process_time() - c:.2f} s, height "
+                  f"{int((off + sz).max())}, load {Path('/proc/loadavg').read_text().split()[0]}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--traces", default="random-1,random-2,wide-1,lognorm-1,mixed-1,train-1,train-2,gpt2xl-x11")
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--dir", default="/tmp/rhino-layout-scale")
     ap.add_argument("--doc", default=str(ROOT / "docs/benchmarks.md"))
+    ap.add_argument("--pass-speed", metavar="TRACE", help="only time one lowest-fit pass on TRACE (e.g. random-1)")
+    ap.add_argument("--old-greedy", metavar="PATH", help="with --pass-speed: a layout_greedy.py to time beside")
     args = ap.parse_args(argv)
     out = Path(args.dir)
     out.mkdir(parents=True, exist_ok=True)
+    if args.pass_speed:
+        pass_speed(make_trace(args.pass_speed, out), args.old_greedy)
+        return 0
     rows = []
     for name in args.traces.split(","):
         r = run_cli(make_trace(name, out), args.time_limit)
