@@ -97,6 +97,15 @@ def set_offset(i, o, s, off, moff, mend, estart, epos):
 
 
 @numba.njit(cache=True)
+def _set_given(off, sz, moff, mend, estart, epos):
+    """The index records exactly the buffers with an offset (>= 0) in ``off``."""
+    moff[:] = -1
+    for i in range(off.size):
+        if off[i] >= 0 and sz[i] > 0:
+            set_offset(i, off[i], sz[i], off, moff, mend, estart, epos)
+
+
+@numba.njit(cache=True)
 def gather_placed(i, lo, up, b0, b1, start, mlo, mup, mb0, moff, mend, so, se):
     """Offsets and ends (into ``so``/``se``) of the placed buffers other than ``i`` (not placed itself)
     that overlap ``i`` in time; returns their count."""
@@ -206,9 +215,7 @@ def place_in_order(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarra
     if n == 0:
         return off
     ix = time_index(lo, up, sz) if index is None else index
-    ix.moff[:] = -1
-    for i in np.flatnonzero((off >= 0) & (sz > 0)).tolist():
-        set_offset(i, off[i], sz[i], off, ix.moff, ix.mend, ix.estart, ix.epos)
+    _set_given(off, sz, ix.moff, ix.mend, ix.estart, ix.epos)
     so, se = np.empty(n, np.int64), np.empty(n, np.int64)
     for k0 in range(0, n, _CHUNK):
         if deadline is not None and k0 and time.monotonic() > deadline:
