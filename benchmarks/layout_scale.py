@@ -19,12 +19,17 @@ Traces (MiniMalloc CSV, written to ``--dir``):
   ``lognorm``: sizes log-normal (median 16 KiB, sigma 2, 64-byte multiples, at most 64 MiB), starts in
   bursts (a burst every ~400 steps, 60 buffers each, starts within 40 steps of it), lifetimes log-normal
   (median 50, sigma 1.5); ``mixed``: 59,900 tiny buffers (64 B to 4 KiB, lifetimes 1-200) and 100 huge
-  ones (8-64 MiB, lifetimes 1,000-20,000), starts uniform over 200,000.
+  ones (8-64 MiB, lifetimes 1,000-20,000), starts uniform over 200,000. ``mixed`` was run before
+  ``big_first`` was written (it failed at 5.4%), so only ``lognorm`` stayed held out for the whole method;
+  ``pow2-S`` was made after everything else (held out): power-of-two sizes from 64 B to 16 MiB (weight
+  ``size ** -0.5``), 90% of lifetimes 1-10 and 10% 1,000-50,000, starts uniform over 300,000.
 
 Each trace runs the CLI in a child process (``--json``); its peak RSS is the child's ``ru_maxrss``
 (``os.wait4``). Writes the section "Memory layout: large traces" of docs/benchmarks.md.
 
-    .venv/bin/python benchmarks/layout_scale.py [--traces gpt2xl-x11,train-1,random-1] [--time-limit 60]
+    .venv/bin/python benchmarks/layout_scale.py [--traces random-1,random-2,wide-1,lognorm-1,mixed-1,train-1,train-2,gpt2xl-x11] [--time-limit 60]
+    git show 892d58c:src/rhino/memory/layout_greedy.py > /tmp/old_greedy.py && \
+        .venv/bin/python benchmarks/layout_scale.py --pass-speed random-1 --old-greedy /tmp/old_greedy.py
 """
 from __future__ import annotations
 
@@ -133,6 +138,17 @@ def synthetic_mixed(seed: int, n: int = 60_000, huge: int = 100, horizon: int = 
     return rows
 
 
+def synthetic_pow2(seed: int, n: int = 60_000, horizon: int = 300_000) -> list[tuple[int, int, int]]:
+    rng = random.Random(seed)
+    sizes = [2 ** k for k in range(6, 25)]
+    weights = [z ** -0.5 for z in sizes]
+    rows = []
+    for z in rng.choices(sizes, weights, k=n):
+        lo = rng.randrange(horizon)
+        rows.append((lo, lo + (rng.randint(1, 10) if rng.random() < 0.9 else rng.randint(1000, 50000)), z))
+    return rows
+
+
 def captured_gpt(layers: int) -> list[tuple[int, int, int]]:
     sys.path.insert(0, str(ROOT / "examples"))
     import gpt
@@ -177,9 +193,11 @@ def make_trace(name: str, out: Path) -> Path:
         rows = synthetic_lognorm(int(arg))
     elif kind == "mixed":
         rows = synthetic_mixed(int(arg))
+    elif kind == "pow2":
+        rows = synthetic_pow2(int(arg))
     else:
         raise ValueError(f"unknown trace {name!r}: expected gptN, gpt2xl-xK, train-SEED, random-SEED, wide-SEED, "
-                         f"lognorm-SEED or mixed-SEED")
+                         f"lognorm-SEED, mixed-SEED or pow2-SEED")
     write_csv(path, rows)
     return path
 
@@ -199,15 +217,50 @@ def run_cli(path: Path, time_limit: float) -> dict:
     return row
 
 
+def pass_speed(path: Path, old: str | None, repeats: int = 2) -> None:
+    """One lowest-fit pass by size on a trace, timed (wall and CPU) in this process; with ``old`` (a
+    ``layout_greedy.py`` of another commit, e.g. from ``git show``) that module's pass beside it."""
+    import importlib.util
+
+    import numpy as np
+
+    from rhino.memory import layout_greedy
+    from rhino.memory.layout_io import read_buffers
+    bufs = read_buffers(path)
+    lo, up, sz = (np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size"))
+    al, fl = np.ones(len(bufs), np.int64), np.zeros(len(bufs), np.int64)
+    order = np.lexsort((lo, lo - up, -sz))
+    impls = [("this tree", layout_greedy.place_in_order)]
+    if old:
+        spec = importlib.util.spec_from_file_location(Path(old).stem, old)
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[spec.name] = mod  # numba's cache finds the module by name
+        spec.loader.exec_module(mod)
+        impls.insert(0, (old, mod.place_in_order))
+    for _, f in impls:  # compile first
+        f(lo[:64], up[:64], sz[:64], al[:64], fl[:64], np.arange(64), lowest=True)
+    for _ in range(repeats):
+        for name, f in impls:
+            t, c = time.perf_counter(), time.process_time()
+            off = f(lo, up, sz, al, fl, order, lowest=True)
+            print(f"{name}: wall {time.perf_counter() - t:.2f} s, cpu {time.process_time() - c:.2f} s, height "
+                  f"{int((off + sz).max())}, load {Path('/proc/loadavg').read_text().split()[0]}", flush=True)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--traces", default="gpt2xl-x11,train-1,train-2,random-1")
+    ap.add_argument("--traces", default="random-1,random-2,wide-1,lognorm-1,mixed-1,train-1,train-2,gpt2xl-x11")
     ap.add_argument("--time-limit", type=float, default=60.0)
     ap.add_argument("--dir", default="/tmp/rhino-layout-scale")
     ap.add_argument("--doc", default=str(ROOT / "docs/benchmarks.md"))
+    ap.add_argument("--pass-speed", metavar="TRACE", help="only time one lowest-fit pass on TRACE (e.g. random-1)")
+    ap.add_argument("--old-greedy", metavar="PATH", help="with --pass-speed: a layout_greedy.py to time beside")
     args = ap.parse_args(argv)
     out = Path(args.dir)
     out.mkdir(parents=True, exist_ok=True)
+    if args.pass_speed:
+        pass_speed(make_trace(args.pass_speed, out), args.old_greedy)
+        return 0
     rows = []
     for name in args.traces.split(","):
         r = run_cli(make_trace(name, out), args.time_limit)
@@ -220,7 +273,8 @@ def main(argv: list[str] | None = None) -> int:
     body = [f"Command: `.venv/bin/python benchmarks/layout_scale.py --traces {args.traces} --time-limit "
             f"{args.time_limit:g}`, which runs `rhino layout TRACE.csv --time-limit {args.time_limit:g} --json` "
             f"per trace in a child process (traces: see the script's docstring; `gptN` is captured, the others "
-            f"are seeded synthetic traces). Seconds: what the CLI reports (after reading the CSV); wall: the "
+            f"are seeded synthetic traces). Seconds: the solver's, as the CLI reports them (after start-up and "
+            f"reading the CSV; `--time-limit` covers the whole run); wall: the "
             f"child process from start to exit; peak RSS: the child's `ru_maxrss`. Gap: height over the "
             f"max-load lower bound. Every layout is checked by `validate_layout`. Machine: {os.cpu_count()} "
             f"cores, shared (1-minute load average at each row). Date: {datetime.date.today().isoformat()}.", "",

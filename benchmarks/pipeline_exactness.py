@@ -1,9 +1,12 @@
 """Pipelines against single-device training: every example (at batch 8, tests/workloads/pipelines.py) under
-pp=2,microbatches=4; pp=2,dp=2,microbatches=4; pp=2,tp=2,microbatches=4, float64, 2 steps, every rank's
-losses and held state shards compared at 1e-9 (docs/benchmarks.md, "Pipelines: exactness").
+pp=2,microbatches=4; pp=2,dp=2,microbatches=4; pp=2,tp=2,microbatches=4 (``--strategies base``), and with
+recomputation and ZeRO inside the stages (``--strategies inner``), float64, 2 steps, every rank's losses and
+held state shards compared at 1e-9 (docs/benchmarks.md, "Pipelines: exactness").
 
     PYTHONPATH=src python benchmarks/pipeline_exactness.py          # real processes: rhino run (gloo)
     PYTHONPATH=src python benchmarks/pipeline_exactness.py --sim    # in one process (runtime.pipeline_sim)
+    PYTHONPATH=src python benchmarks/pipeline_exactness.py --sim --strategies inner
+    PYTHONPATH=src python benchmarks/pipeline_exactness.py --stash  # bytes kept per micro-batch per recompute mode
 
 Prints one markdown table row per run."""
 from __future__ import annotations
@@ -21,7 +24,8 @@ EXAMPLES = ["mlp", "gpt", "bert", "llama", "moe", "resnet", "unet"]
 STRATEGIES = ["pp=2,microbatches=4", "pp=2,dp=2,microbatches=4", "pp=2,tp=2,microbatches=4"]
 #: stages that are themselves sharded further: recomputation and ZeRO inside stages (``--strategies inner``)
 INNER = ["pp=2,recompute=full,microbatches=4", "pp=2,recompute=selective,microbatches=4",
-         "pp=2,dp=2,zero=1,microbatches=4", "pp=2,dp=2,zero=2,microbatches=4", "pp=2,dp=2,zero=3,microbatches=4"]
+         "pp=2,dp=2,zero=1,microbatches=4", "pp=2,dp=2,zero=2,microbatches=4", "pp=2,dp=2,zero=3,microbatches=4",
+         "pp=2,dp=2,zero=3,recompute=full,microbatches=4"]
 
 
 def simulated(name: str, strategy: str) -> dict:
@@ -54,13 +58,43 @@ def real(name: str, strategy: str) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def stash(name: str, strategy: str = "pp=2,microbatches=4") -> str:
+    """One row: per stage, the forward values kept per micro-batch in flight for the backward (KiB, global
+    sizes) and the bytes crossing stage boundaries, under recompute=none | selective | full."""
+    import torch
+    from rhino.capture import capture, default_dtype, load_workload
+    from rhino.runtime.pipeline import PipelineStep
+    from rhino.runtime.rank_step import microbatch_graph
+    from rhino.sharding.presets import parse_strategy, preset_plan
+    with warnings.catch_warnings(), default_dtype(torch.float64):
+        warnings.simplefilter("ignore")
+        cap = capture(load_workload(f"{ROOT}/tests/workloads/pipelines.py:{name}", dtype=torch.float64))
+        micro = microbatch_graph(cap, parse_strategy(strategy).microbatches)
+    cells = []
+    for rc in ("none", "selective", "full"):
+        plan = preset_plan(cap.graph, parse_strategy(f"{strategy},recompute={rc}"))
+        steps = [PipelineStep(cap.graph, plan, r, micro_graph=micro) for r in range(plan.stages)]
+        kept = [sum(st.rp.graph.types[v].nbytes for kind, v in st.st.forward.outputs if kind == "export") +
+                sum(st.rp.graph.types[v].nbytes for v, _, _ in st.st.forward.recvs) for st in steps]
+        crossing = sum(steps[0].spec.assignment.boundary_bytes().values())
+        cells.append(" / ".join(f"{k / 1024:.1f}" for k in kept) + f" ({crossing / 1024:.0f})")
+    return f"| {name} | {strategy} | " + " | ".join(cells) + " |"
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sim", action="store_true", help="run every rank in this process")
     ap.add_argument("--examples", default=",".join(EXAMPLES))
     ap.add_argument("--strategies", default="base",
                     help="base (the 3 rows per example), inner (recompute and ZeRO in stages), all, or a ';'-list")
+    ap.add_argument("--stash", action="store_true", help="print the stash and crossing bytes per recompute mode")
     args = ap.parse_args()
+    if args.stash:
+        print("| example | strategy | none: KiB kept per micro-batch, stage 0 / 1 (KiB crossing) | selective | full |")
+        print("|---|---|---|---|---|")
+        for name in args.examples.split(","):
+            print(stash(name), flush=True)
+        return
     strategies = {"base": STRATEGIES, "inner": INNER, "all": STRATEGIES + INNER}.get(args.strategies) \
         or args.strategies.split(";")
     print("| example | strategy | ranks | ok | max abs diff | losses (2 steps) | idle fraction | wall s |")

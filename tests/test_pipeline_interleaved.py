@@ -136,3 +136,15 @@ def test_message_cpu_time_occupies_the_device_but_is_not_busy():
     # every micro-batch's forward and backward sends or receives at least one message on each stage
     assert b.step_seconds >= a.step_seconds + 2 * 4 * 1e-3 - 1e-12
     assert b.step_idle_fraction > a.step_idle_fraction
+
+
+@pytest.mark.multiprocess
+def test_rhino_run_interleaved_on_two_processes(capsys):
+    import json
+    from rhino.cli.main import main
+    code = main(["run", str(ROOT / "tests" / "workloads" / "pipelines.py:mlp"), "--nproc", "2", "--strategy",
+                 "pp=2,microbatches=4,schedule=interleaved,chunks=2", "--dtype", "float64", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert code == 0 and d["ok"], d.get("first_mismatch") or d.get("error")
+    assert d["max_abs_diff"] <= 1e-9 and d["pipeline"]["schedule"] == "interleaved"
+    assert all(b > 0 for step in d["pipeline"]["busy_s"] for b in step)

@@ -321,13 +321,14 @@ def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstim
     dev = [[c * pp + d for c in range(chunks)] for d in range(pp)]      # device -> its virtual stages
     pipe = max(end)
     finish, work = [], []
+    divide = _divide_seconds(graph, rp, sa, V, cluster, options.profile)
     for d in range(pp):
-        g, p_, o, u = (sum(x[v] for v in dev[d]) for x in (grad, pref, opt, upd))
+        g, p_, o, u, div = (sum(x[v] for v in dev[d]) for x in (grad, pref, opt, upd, divide))
         window = b_mb[d] if options.overlap_gradient_reduction else 0.0   # chunk 0 runs the last backward
         hidden = busy[d] if options.prefetch_parameters else 0.0
         bw, lat, _ = _link(cluster, mesh.world, max(d - 1, 0), None, options.profile)
         summed = u / bw + lat if u else 0.0     # a tied weight's gradient from another stage
-        finish.append(end[d] + max(0.0, g - window) + max(0.0, p_ * m - hidden) + summed + o)
+        finish.append(end[d] + div + max(0.0, g - window) + max(0.0, p_ * m - hidden) + summed + o)
         work.append(busy[d] + finish[d] - end[d] - summed)   # programs run after the pipeline phase are busy
     step = max(finish)
     crit = max(range(pp), key=lambda d: finish[d])
@@ -348,6 +349,21 @@ def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstim
     return PipelineTime(step, compute, max(0.0, step - compute - bubble), comm_total, bubble,
                         rc.extra_seconds / pp, rc.extra_flops / pp, peak_stage.peak, dict(peak_stage.memory),
                         notes, idle, costs, stage, step_idle)
+
+
+def _divide_seconds(graph: Graph, rp: ResolvedPlan, sa: StageAssignment, V: int, cluster: Cluster,
+                    profile: Profile | None) -> list[float]:
+    """Per virtual stage: the runtime's division of its accumulated parameter gradients by m after the last
+    micro-batch (``runtime.pipeline``: one in-place pass, read + write, at the element-wise rate: the
+    profile's measured one, else the device's memory bandwidth)."""
+    rate = (profile.kind_bandwidth or {}).get("elementwise") if profile is not None else None
+    rate = rate or cluster.device.memory_bandwidth
+    out = [0.0] * V
+    for inp in graph.inputs:
+        if inp.role is Role.PARAM:
+            for s in sa.holders.get(inp.name, (0,)):
+                out[s] += 2 * value_bytes(graph, rp, inp.value) / rate
+    return out
 
 
 def _message_overhead(sa: StageAssignment, V: int, pp: int, profile: Profile | None) -> tuple[list, list]:

@@ -22,7 +22,9 @@ Solvers (``solve_layout``):
    where the cut's bound stays within ``split.cut_tolerance`` of the lower bound); each leaf is laid
    out on the floors of the buffers stacked below it: greedy first, the portfolio above where greedy
    does not reach the height ``H`` (the bound or the capacity), in a share of the time by its size;
-   identical leaves (repeated layers or steps) share one layout. The branch and bound never sees more
+   a leaf above ``split.max_leaf`` (no exact search) gets the greedy passes, then, where a few large
+   buffers carry its load, those exactly and the rest around them (``split.big_first``), then the
+   squeaky-wheel search (``layout_improve``, ``split.improve``) for the rest of its share; identical leaves (repeated layers or steps) share one layout. The branch and bound never sees more
    than ``split.max_leaf`` buffers there, which bounds its memory (its time-neighbour lists, undo logs
    and candidate pool grow with buffers x live buffers; buffers live over the whole step, such as
    parameters and optimizer state, neighbour every other one and are exactly what the peel removes).
@@ -433,16 +435,18 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
     """One leaf at or under ``cap`` if greedy or the exact search finds it in time, else its lowest
     greedy layout (greedy orders past the first stop at the deadline)."""
     # above max_leaf (no exact search): greedy, the large buffers exactly (``big_first``), then the
-    # squeaky-wheel search (``layout_improve``; it replaces the greedy passes after the first)
+    # squeaky-wheel search (``layout_improve``)
     large = len(bufs) > options.split.max_leaf
-    big = large and options.split.improve.enabled
-    best, best_h, how = _leaf_greedy(bufs, floor, cap, deadline, options.split.lowest_fit, first_only=big)
+    search = large and options.split.improve.enabled
+    now = time.monotonic()
+    best, best_h, how = _leaf_greedy(bufs, floor, cap, now + options.split.improve.greedy_share * (deadline - now)
+                                     if search else deadline, options.split.lowest_fit)
     if large and best_h > cap and options.split.big_first:
         offs = _big_first(bufs, floor, cap, time.monotonic() + 0.5 * (deadline - time.monotonic()), options, say)
         h = max((offs[b.id] + b.size for b in bufs), default=0) if offs is not None else best_h
         if h < best_h:
             best, best_h, how = offs, h, "big-first"
-    if big and best_h > cap:
+    if search and best_h > cap:
         lo, up, sz, al = (np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size",
                                                                                       "alignment"))
         start = np.array([best[b.id] for b in bufs], np.int64)
@@ -502,17 +506,16 @@ def _order(order: GreedyOrder, lo: np.ndarray, up: np.ndarray, sz: np.ndarray) -
 
 
 def _leaf_greedy(bufs: list[Buffer], floor: list[int], cap: int, deadline: float,
-                 lowest_fit: bool, first_only: bool = False) -> tuple[dict, int, str]:
+                 lowest_fit: bool) -> tuple[dict, int, str]:
     """The lowest of the compiled greedy passes (``layout_greedy``): every order best fit (as
     ``greedy_layout``) and, with ``lowest_fit``, lowest fit (size first: the best pass on random traces);
-    stops at ``cap`` or the deadline (the first pass always finishes); ``first_only``: the first pass."""
+    stops at ``cap`` or the deadline (the first pass always finishes)."""
     lo, up = np.array([b.lower for b in bufs], np.int64), np.array([b.upper for b in bufs], np.int64)
     sz, al = np.array([b.size for b in bufs], np.int64), np.array([b.alignment for b in bufs], np.int64)
     fl = np.array(floor, np.int64)
     passes = [(o, False) for o in GreedyOrder]
     if lowest_fit:
         passes = [(GreedyOrder.SIZE, True)] + passes + [(o, True) for o in GreedyOrder if o is not GreedyOrder.SIZE]
-    passes = passes[:1] if first_only else passes
     best, best_h, how = None, 0, ""
     for order, low in passes:
         offs = place_in_order(lo, up, sz, al, fl, _order(order, lo, up, sz), deadline, finish=best is None,

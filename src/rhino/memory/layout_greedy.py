@@ -13,8 +13,9 @@ same index serves the peak repair (``layout_repair``), which moves placed buffer
 
 Measured on ``benchmarks/layout_scale.py``'s ``random-1`` (60,000 buffers): best fit by size 13.0% above
 the max-load bound, by lifetime 5.6% (what ``greedy_layout`` gives too); lowest fit by size 3.95%. One
-pass (lowest fit by size) took 18.9 s with the earlier per-pass linked lists, and 0.43 s with this index
-(2 shared cores, load 2-5; ``docs/benchmarks.md``).
+lowest-fit pass by size, the earlier per-pass linked lists against this index in one process: 7.3-8.1 s
+against 2.0-2.1 s of CPU (35.8-41.1 s against 10.1-10.4 s wall at load 10.9 on 2 shared cores), the
+same layout (lowest fit pops the placed intervals off a heap by offset until a gap holds the buffer).
 """
 from __future__ import annotations
 
@@ -93,6 +94,15 @@ def set_offset(i, o, s, off, moff, mend, estart, epos):
     for k in range(estart[i], estart[i + 1]):
         moff[epos[k]] = o
         mend[epos[k]] = o + s
+
+
+@numba.njit(cache=True)
+def _set_given(off, sz, moff, mend, estart, epos):
+    """The index records exactly the buffers with an offset (>= 0) in ``off``."""
+    moff[:] = -1
+    for i in range(off.size):
+        if off[i] >= 0 and sz[i] > 0:
+            set_offset(i, off[i], sz[i], off, moff, mend, estart, epos)
 
 
 @numba.njit(cache=True)
@@ -205,9 +215,7 @@ def place_in_order(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarra
     if n == 0:
         return off
     ix = time_index(lo, up, sz) if index is None else index
-    ix.moff[:] = -1
-    for i in np.flatnonzero((off >= 0) & (sz > 0)).tolist():
-        set_offset(i, off[i], sz[i], off, ix.moff, ix.mend, ix.estart, ix.epos)
+    _set_given(off, sz, ix.moff, ix.mend, ix.estart, ix.epos)
     so, se = np.empty(n, np.int64), np.empty(n, np.int64)
     for k0 in range(0, n, _CHUNK):
         if deadline is not None and k0 and time.monotonic() > deadline:

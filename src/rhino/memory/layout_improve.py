@@ -13,7 +13,8 @@ starts like the previous one's keeps those buffers' offsets and places only the 
 Measured on ``benchmarks/layout_scale.py``'s ``random-1`` (60,000 buffers, one leaf; gaps over the
 max-load bound): one lowest-fit pass by size 3.95%, by ``s * life ** alpha`` 3.33% / 3.24% / 2.68% /
 4.53% at ``alpha`` 0.1 / 0.2 / 0.3 / 0.5; squeaky wheel from ``alpha`` 0.3, boost 1.5: 1.74% after
-9 passes (58 s at load ~10, 2 shared cores). Tried and not kept (``docs/benchmarks.md``): ruin and
+9 passes (58 s at load ~10, 2 shared cores); ``rhino layout --time-limit 60``: 2.04% (load 14.5).
+``wide-1``: 5.51% (the size pass alone 5.52%). Tried and not kept (``docs/benchmarks.md``): ruin and
 recreate of time x address boxes at the peak, and orders grouped by the highest load over a lifetime.
 """
 from __future__ import annotations
@@ -32,8 +33,10 @@ __all__ = ["ImproveOptions", "squeaky_wheel"]
 class ImproveOptions:
     """Squeaky-wheel search (see the module docstring): ``alpha`` the lifetime exponent of the first
     priorities, ``boost`` the factor for a buffer above the target, ``max_passes`` a cap on passes
-    (0: none)."""
+    (0: none); ``greedy_share``: of a leaf's time, the share that the greedy passes before the search may
+    take (a pass past it stops; the first always finishes)."""
     enabled: bool = True
+    greedy_share: float = 0.35
     alpha: float = 0.3
     boost: float = 1.5
     max_passes: int = 0

@@ -335,7 +335,8 @@ def stage_order(schedule: str, stage: int, stages: int, microbatches: int) -> li
 # -- one rank ---------------------------------------------------------------------------------------------
 @dataclass
 class StepTimes:
-    """One step on one rank: seconds running programs (busy) and the rest of the step (idle); ``waiting``:
+    """One step on one rank: seconds running programs and dividing the accumulated gradients by m (busy) and
+    the rest of the step (idle); ``waiting``:
     the part of idle blocked on messages (receives, the sends' completion, the loss broadcast): the schedule's
     fill and drain and transfers; the rest of idle is the runtime's own work between programs."""
 
@@ -473,8 +474,10 @@ class PipelineStep:
                 yield from send(dst, index, k, box[vid])
             if key == "B":
                 del stash[(v, k)]
+        t0 = time.perf_counter()
         for t in grads.values():
             t.div_(m)
+        self.divide_seconds = time.perf_counter() - t0     # compute outside a program: busy in ``run``
         updates = [spec.stages[v].update for v in self.chunks]
         for upd in updates:
             for vid, dst, index in upd.sends:
@@ -533,6 +536,7 @@ class PipelineStep:
             dist.broadcast(out, (self.plan.stages - 1) * W)
             waiting += time.perf_counter() - t0
         wall = time.perf_counter() - start
+        busy += getattr(self, "divide_seconds", 0.0)
         self.times.append(StepTimes(busy, max(wall - busy, 0.0), waiting))
         return float(out[0])
 
