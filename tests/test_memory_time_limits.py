@@ -59,7 +59,12 @@ def _check_valid(problem, plan):
     assert replay(problem, plan.order).peak <= plan.height and plan.valid
 
 
-def test_baselines_watch_the_clock():
+def test_baselines_watch_the_clock(monkeypatch):
+    # which baselines fit a 0.5 s limit depends on the machine's speed: make their estimated cost too large to
+    # fit, so the test is the same on a fast or a loaded machine (the estimate, not the clock, is under test)
+    import rhino.memory.plan as plan_module
+    monkeypatch.setitem(plan_module.BASELINE_COST, "allocator", 1e9)
+    monkeypatch.setitem(plan_module.BASELINE_COST, "least_peak", 1e9)
     problem = training_chain(1500)
     t = time.perf_counter()
     plan = plan_memory(problem, "O1", 0.5)
