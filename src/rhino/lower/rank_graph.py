@@ -36,7 +36,8 @@ from ..memory.from_graph import GraphMemory, problem_from_graph
 from ..memory.problem import MemProblem
 from ..sharding.plan import ResolvedPlan
 from ..capture.to_ir import fx_arg, ir_dtype
-from .spmd import after_step, lower_rank
+from ..sharding.steps import after_step
+from .spmd import lower_rank
 from .spmd_ops import redistribute, step_from_args
 
 __all__ = ["COMM_OP", "RankMemory", "rank_graph", "rank_problem", "rank_memories", "comm_shape", "is_comm"]

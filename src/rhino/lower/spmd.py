@@ -26,9 +26,9 @@ from ..sharding.vocab import is_split, split_letter
 from .spmd_custom import emit_custom
 from .spmd_ops import redistribute, step_args
 from .overlap import OverlapOptions, overlap_program
-from ..sharding.steps import AllGather, AllToAll, LocalSlice, ReduceScatter
+from ..sharding.steps import after_step
 
-__all__ = ["SpmdProgram", "Part", "lower_rank", "after_step"]
+__all__ = ["SpmdProgram", "Part", "lower_rank"]
 
 
 @dataclass
@@ -142,20 +142,6 @@ def whole_step(rp: ResolvedPlan) -> Part:
     return Part({n.name for n in graph.nodes}, [(i.name, i.value) for i in graph.inputs],
                 [(o.name, o.value, replicated(rp.plan.mesh) if o.name not in state_in else rp.value[state_in[o.name]])
                  for o in graph.outputs])
-
-
-def after_step(shape: tuple[int, ...], step, sizes) -> tuple[int, ...]:
-    """A local shape after one redistribution step."""
-    out = list(shape)
-    n = sizes[step.axis]
-    if isinstance(step, AllGather):
-        out[step.dim] *= n
-    elif isinstance(step, (ReduceScatter, LocalSlice)):
-        out[step.dim] //= n
-    elif isinstance(step, AllToAll):
-        out[step.src_dim] *= n
-        out[step.dst_dim] //= n
-    return tuple(out)
 
 
 def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu", part: Part | None = None, *,

@@ -41,7 +41,7 @@ from ..memory.problem import MemProblem
 from ..sharding.placement import Sharding, local_shape, replicated
 from ..sharding.plan import ResolvedPlan
 from ..sharding.redistribute import plan_redistribution
-from ..sharding.steps import AllGather, AllToAll, LocalSlice, ReduceScatter
+from ..sharding.steps import after_step
 from .options import FitMemory, SearchOptions
 
 __all__ = ["COMM_OP", "rank_ir_graph", "rank_problem_ir", "collective_order", "PlannedPeak", "planned_peak",
@@ -49,20 +49,6 @@ __all__ = ["COMM_OP", "rank_ir_graph", "rank_problem_ir", "collective_order", "P
 
 #: the op of a communication step: the name ``lower.rank_graph.COMM_OP`` gives it (tested equal)
 COMM_OP = "rhino.redistribute.default"
-
-
-def _after_step(shape: tuple[int, ...], step, sizes) -> tuple[int, ...]:
-    """A local shape after one redistribution step (as ``lower.spmd.after_step``)."""
-    out = list(shape)
-    n = sizes[step.axis]
-    if isinstance(step, AllGather):
-        out[step.dim] *= n
-    elif isinstance(step, (ReduceScatter, LocalSlice)):
-        out[step.dim] //= n
-    elif isinstance(step, AllToAll):
-        out[step.src_dim] *= n
-        out[step.dst_dim] //= n
-    return tuple(out)
 
 
 class _Builder:
@@ -92,7 +78,7 @@ class _Builder:
             x = self.new[vid]
             shape = tuple(local_shape(t.shape, have, self.mesh))
             for step in plan_redistribution(t.shape, have, want, self.mesh):
-                shape = _after_step(shape, step, self.mesh.sizes)
+                shape = after_step(shape, step, self.mesh.sizes)
                 y = self.g.new_value(dataclasses.replace(t, shape=shape))
                 self.g.nodes.append(Node(f"comm_{self.n_comm}", COMM_OP, [Ref(x), type(step).__name__, step.axis],
                                          {}, [y]))

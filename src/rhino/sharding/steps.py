@@ -21,7 +21,7 @@ from typing import Union
 
 from .placement import ReduceOp
 
-__all__ = ["AllReduce", "ReduceScatter", "AllGather", "AllToAll", "LocalSlice", "LocalScale",
+__all__ = ["after_step", "AllReduce", "ReduceScatter", "AllGather", "AllToAll", "LocalSlice", "LocalScale",
            "ZeroUnlessFirst", "Step", "is_communication"]
 
 
@@ -78,3 +78,17 @@ Step = Union[AllReduce, ReduceScatter, AllGather, AllToAll, LocalSlice, LocalSca
 
 def is_communication(step: Step) -> bool:
     return isinstance(step, (AllReduce, ReduceScatter, AllGather, AllToAll))
+
+
+def after_step(shape: tuple[int, ...], step: Step, sizes) -> tuple[int, ...]:
+    """A rank's local shape after one redistribution step on a mesh of axis ``sizes``."""
+    out = list(shape)
+    n = sizes[step.axis]
+    if isinstance(step, AllGather):
+        out[step.dim] *= n
+    elif isinstance(step, (ReduceScatter, LocalSlice)):
+        out[step.dim] //= n
+    elif isinstance(step, AllToAll):
+        out[step.src_dim] *= n
+        out[step.dst_dim] //= n
+    return tuple(out)
