@@ -140,6 +140,21 @@ class SearchOptions:
     #: Also try the expert tensor-parallel preset (tp = devices per node, dp across nodes) as a stage plan
     #: (Megatron-LM's 3D layout). Off: only the searched single-stage plans.
     pipeline_megatron_start: bool = True
+    #: Price the Megatron start's degrees before the searched stage plans' (``pipelines``), so that rule
+    #: ``pipeline_stop_early`` stops a searched stage plan at its first fitting degree slower than the
+    #: Megatron start's best (GPT-3 175B-shaped on 1024 A100s: its searched stage plan priced 46.7-73.8 s
+    #: per step at pp = 2..32 against 19.76 s for the Megatron start). Off: the best searched stage plan first.
+    pipeline_megatron_first: bool = True
+    #: When no single-stage plan fits without recomputation and rule ``pipeline`` will price pipelines anyway
+    #: (``memory`` or ``gain`` on several nodes, or ``always``; with ``recompute="auto"``), price the
+    #: pipelines (from the plans without recomputation) before searching the single-stage plans with
+    #: recomputation, and search those only when no pipelined plan fits without recomputation
+    #: (``outer``, step 3; Megatron-LM's reason for pp: stages hold 1/pp of the state, arXiv 2104.04473
+    #: section 3.3). A heuristic: a recomputing single-stage plan pays a second forward, a pipelined one a
+    #: bubble; GPT-3 175B-shaped on 1024 A100s: 115.9 s per step single-stage with recomputation against
+    #: 19.76 s pipelined without it. Off: the single-stage plans with recomputation are searched first and
+    #: compete (and the best of them is the searched stage plan).
+    pipeline_before_recompute: bool = True
     #: Micro-batch counts priced per pipeline degree (the largest that divide the rank's batch).
     pipeline_microbatch_counts: int = 3
     #: Stage cut: CP-SAT on the unit DAG up to this many unit x stage variables, else the contiguous DP.

@@ -13,7 +13,11 @@
    model did not see there, e.g. redistribution copies, as a constant) and the problem is solved again
    (``memory_rounds`` times at most). ``Candidate.status`` says what produced the plan (``levels.Status``).
 3. **Recomputation**: ``recompute="auto"`` tries ``full`` recomputation only when no mesh fits without
-   it; "always" tries both for every mesh.
+   it; "always" tries both for every mesh. Rule ``pipeline_before_recompute``: when rule ``pipeline`` will
+   price pipelines anyway (``pipelines.pipelines_certain``), step 7 runs first, from the plans without
+   recomputation (the Megatron start without it), and ``full`` is tried only when no pipelined plan fits
+   without recomputation (step 7 then runs again from the recomputing candidates, the Megatron start
+   with recomputation only: without it, it did not fit).
 4. **O1 refinement, best first** (small graphs, rule ``o1_refine_best_first``): steps 1-3 solve and
    price every candidate without descent; then, while O1's budget (``O1_TIME_BUDGET``) lasts, the
    fitting candidate that prices fastest now gets one round of O1's axis-wise descent
@@ -61,7 +65,7 @@ from .ilp import memory_over, row_bytes
 from .levels import O1_DESCENT_NODES, O1_ROUNDS, LevelResult, Source, Status, refine_o1, solve_problem
 from .segments import critical_classes
 from .options import FitMemory, Level, RecomputeWhen, SearchOptions
-from .pipelines import pipeline_candidates, worth_pipelining
+from .pipelines import pipeline_candidates, pipelines_certain, worth_pipelining
 from .problem import Builder
 from .rank_memory import planned_fit
 from .space import Space
@@ -338,8 +342,15 @@ def search(graph: Graph, cluster: Cluster, options: SearchOptions = SearchOption
         planned = _run(graph, cluster, meshes, options, cones, base, fingerprint, Recompute.NONE, t0, say, shared,
                        scale=1.0 + options.fit_memory_margin)
         cands += [c for c in planned if c.fits]
+    piped, early = False, []
     if options.recompute is RecomputeWhen.AUTO and not any(c.fits for c in cands):
-        cands += _run(graph, cluster, meshes, options, cones, base, fingerprint, Recompute.FULL, t0, say, shared)
+        if options.pipeline_before_recompute and pipelines_certain(options, cluster):   # rule: pipelines first
+            early = pipeline_candidates(graph, cluster, cands, options, cones, t0 + options.time_limit, say,
+                                        megatron_modes=[Recompute.NONE])
+            cands += early
+            piped = any(c.fits and c.recompute is Recompute.NONE for c in early)
+        if not piped:
+            cands += _run(graph, cluster, meshes, options, cones, base, fingerprint, Recompute.FULL, t0, say, shared)
     _refine_best_first(cands, options, t0)
     _keep_alternatives(cands)
     fitting = [c for c in cands if c.fits]
@@ -347,8 +358,11 @@ def search(graph: Graph, cluster: Cluster, options: SearchOptions = SearchOption
         unpriced = sorted((c for c in cands if c.estimate is None), key=lambda c: c.model_peak)
         for c in unpriced[:2]:      # the least-memory candidates, priced (and refitted) at last
             c.search.finish()
-    if worth_pipelining(cands, options, cluster):     # pipeline degree, cut and micro-batches (``pipelines``)
-        cands += pipeline_candidates(graph, cluster, cands, options, cones, t0 + options.time_limit, say)
+    if not piped and worth_pipelining(cands, options, cluster):   # degree, cut and micro-batches (``pipelines``)
+        done = {id(c) for c in early}
+        single = [c for c in cands if id(c) not in done]
+        cands += pipeline_candidates(graph, cluster, single, options, cones, t0 + options.time_limit, say,
+                                     megatron_modes=[Recompute.FULL] if early else None)
     fitting = [c for c in cands if c.fits]
     seconds = time.perf_counter() - t0
     if not fitting:

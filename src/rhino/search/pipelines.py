@@ -43,6 +43,7 @@ fastest fitting one's step is more than
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 from ..cost.cluster import Cluster
 from ..cost.estimate import Estimate, estimate_microbatches, stage_cluster
@@ -58,7 +59,7 @@ from .coarsen import Cones
 from .options import PipelineWhen, SearchOptions
 from .stages import stage_cut
 
-__all__ = ["pipeline_candidates", "worth_pipelining", "stage_plan"]
+__all__ = ["pipeline_candidates", "worth_pipelining", "pipelines_certain", "stage_plan"]
 
 
 def worth_pipelining(cands: list, options: SearchOptions, cluster: Cluster) -> bool:
@@ -77,6 +78,15 @@ def worth_pipelining(cands: list, options: SearchOptions, cluster: Cluster) -> b
         return True
     return options.pipeline is PipelineWhen.GAIN and \
         best.step_seconds > (1 + options.pipeline_min_gain) * best.compute_seconds
+
+
+def pipelines_certain(options: SearchOptions, cluster: Cluster) -> bool:
+    """Rule ``pipeline`` will price pipelines whatever recomputing single-stage plans are found, given that
+    none fits without recomputation: it prices them when nothing fits, and (``memory``, ``gain``, on
+    several nodes) when the fastest fitting plan recomputes; ``always``."""
+    if options.pipeline is PipelineWhen.ALWAYS:
+        return True
+    return options.pipeline in (PipelineWhen.MEMORY, PipelineWhen.GAIN) and cluster.nodes >= 2
 
 
 def stage_plan(plan: ShardingPlan, pp: int) -> ShardingPlan | None:
@@ -122,36 +132,50 @@ def _degrees(cluster: Cluster, mesh: Mesh, options: SearchOptions) -> list[int]:
 
 def _megatron_start(graph: Graph, cluster: Cluster, like) -> list:
     """Rule ``pipeline_megatron_start``: the expert tensor-parallel preset (tp = devices per node, data
-    parallel across nodes) as one more stage plan, with ``like``'s recomputation (a bare ``Candidate``)."""
+    parallel across nodes) as one more stage plan, with ``like``'s recomputation (a bare ``Candidate``
+    without a plan: the preset is built per stage mesh, ``_stage_plan_of``; its mesh is the whole mesh's
+    ``dp x tp``, for the degrees)."""
     from .outer import Candidate
     tp = cluster.devices_per_node
     if tp < 2 or cluster.world % tp or cluster.world == tp:
         return []
-    try:
-        plan = preset_plan(graph, StrategySpec(dp=cluster.world // tp, tp=tp))
-    except ValueError:
-        return []
-    return [Candidate(plan.mesh, like.recompute, plan, None, 0.0, status=like.status, problem={"preset_tp": tp})]
+    mesh = Mesh(("dp", "tp"), (cluster.world // tp, tp))
+    return [Candidate(mesh, like.recompute, None, None, 0.0, status=like.status, problem={"preset_tp": tp})]
 
 
-def _stage_plan_of(graph: Graph, cluster: Cluster, c, pp: int) -> ShardingPlan | None:
+def _stage_plan_of(graph: Graph, cluster: Cluster, c, pp: int, fingerprint: str) -> ShardingPlan | None:
     """The stage plan of candidate ``c`` for ``pp`` stages: the Megatron start's preset built for the stage
     mesh itself (its strided attention splits count the stage's own local batch), else ``stage_plan``."""
     tp = c.problem.get("preset_tp")
     if tp is None:
         return stage_plan(c.plan, pp)
     try:
-        return preset_plan(graph, StrategySpec(dp=cluster.world // (tp * pp), tp=tp))
+        return preset_plan(graph, StrategySpec(dp=cluster.world // (tp * pp), tp=tp), fingerprint=fingerprint)
     except ValueError:
         return None
 
 
-def _state_floor(graph: Graph, rp, pp: int) -> float:
+def _state_floor(graph: Graph, rp, pp: int, a=None) -> float:
     """Rule ``pipeline_state_floor``: bytes some stage's rank holds at least, whatever the cut: its share of
-    the parameters and optimizer state under the stage plan is at least the average, ``1 / pp``."""
+    the parameters and optimizer state under the stage plan, and of the gradients (``analyze``'s; with
+    ``m > 1`` micro-batches ``cost.pipeline.scaled_memory`` holds a full gradient buffer of the stage's
+    parameters, and every count priced here has ``m >= pp >= 2``), is at least the average, ``1 / pp``."""
+    a = a if a is not None else analyze(graph)
     total = sum(value_bytes(graph, rp, i.value) for i in graph.inputs
                 if i.role in (Role.PARAM, Role.FROZEN, Role.BUFFER, Role.OPT_STATE))
+    total += sum(value_bytes(graph, rp, v) for v in a.gradients)
     return total / pp
+
+
+def _megatron_floor(graph: Graph, a, tp: int, pp: int) -> float:
+    """Rule ``pipeline_state_floor`` for the Megatron start before its stage preset is built: that preset
+    splits state (and so gradients) along its ``tp`` axis only (no ZeRO; data parallelism replicates it), so
+    each rank holds at least ``1 / tp`` of a stage's state and gradients, and some stage at least ``1 / pp``
+    of them (``_state_floor``)."""
+    total = sum(graph.types[i.value].nbytes for i in graph.inputs
+                if i.role in (Role.PARAM, Role.FROZEN, Role.BUFFER, Role.OPT_STATE))
+    total += sum(graph.types[v].nbytes for v in a.gradients)
+    return total / (tp * pp)
 
 
 def _best(ests: list[Estimate]) -> Estimate:
@@ -183,8 +207,10 @@ def _modes(recompute: Recompute, options: SearchOptions, dropped: bool) -> list:
 
 
 def pipeline_candidates(graph: Graph, cluster: Cluster, cands: list, options: SearchOptions, cones: Cones,
-                        deadline: float, say=None) -> list:
-    """Pipelined candidates (module docstring) from the single-stage ``cands`` (``outer.Candidate``)."""
+                        deadline: float, say=None, *, megatron_modes: list | None = None) -> list:
+    """Pipelined candidates (module docstring) from the single-stage ``cands`` (``outer.Candidate``).
+    ``megatron_modes``: the recomputation modes the Megatron start is priced with, in order (default: rule
+    ``pipeline_drop_recompute``'s, from the best searched stage plan's)."""
     from .outer import Candidate     # the outer search's record (outer imports this module)
     say = say or (lambda event, info: None)
     base = [c for c in cands if c.plan is not None]
@@ -192,9 +218,12 @@ def pipeline_candidates(graph: Graph, cluster: Cluster, cands: list, options: Se
                              c.step_seconds if c.estimate is not None else c.model_seconds))
     base = base[:options.pipeline_plans]
     if options.pipeline_megatron_start and base:
-        base[1:1] = _megatron_start(graph, cluster, base[0])
+        like = base[0] if not megatron_modes else replace(base[0], recompute=Recompute(megatron_modes[-1]))
+        start = _megatron_start(graph, cluster, like)
+        at = 0 if options.pipeline_megatron_first else 1
+        base[at:at] = start
     forced = 2 if options.pipeline_megatron_start else 1
-    out, a = [], analyze(graph)
+    out, a, fingerprint = [], analyze(graph), graph.fingerprint()
     fastest = min((c.step_seconds for c in cands if c.fits), default=float("inf"))
     for k, c in enumerate(base):
         dropped = False
@@ -202,19 +231,24 @@ def pipeline_candidates(graph: Graph, cluster: Cluster, cands: list, options: Se
             if k >= forced and time.perf_counter() > deadline:
                 return out      # the best searched plan and the Megatron start are always priced
             t0 = time.perf_counter()
-            plan = _stage_plan_of(graph, cluster, c, pp)
+            tp = c.problem.get("preset_tp")
+            if tp is not None and options.pipeline_state_floor and \
+                    _megatron_floor(graph, a, tp, pp) > cluster.device.memory_bytes * options.memory_fraction:
+                continue        # rule pipeline_state_floor, before the stage preset is built
+            plan = _stage_plan_of(graph, cluster, c, pp, fingerprint)
             if plan is None:
                 continue
             try:
-                rp = resolve(graph, plan)
+                rp = resolve(graph, plan, fingerprint=fingerprint)
             except (PlanError, ValueError):
                 continue        # a split no longer divides its dim on the smaller stage mesh
             counts = _microbatch_counts(graph, rp, pp, options)
             if not counts or options.pipeline_state_floor and \
-                    _state_floor(graph, rp, pp) > cluster.device.memory_bytes * options.memory_fraction:
+                    _state_floor(graph, rp, pp, a) > cluster.device.memory_bytes * options.memory_fraction:
                 continue        # no micro-batch count, or no cut can fit the state (rule pipeline_state_floor)
-            e = _price(graph, cluster, rp, pp, counts, _modes(Recompute(c.recompute), options, dropped), options,
-                       cones, deadline)
+            modes = megatron_modes if tp is not None and megatron_modes else \
+                _modes(Recompute(c.recompute), options, dropped)
+            e = _price(graph, cluster, rp, pp, counts, modes, options, cones, deadline)
             dropped |= e.fits and e.recompute == Recompute.NONE.value
             plan.microbatches, plan.stages, plan.schedule = e.microbatches, pp, e.schedule
             plan.recompute = e.recompute

@@ -122,9 +122,9 @@ def _split_first_divisible(shape, n: int, axis: int, ndim: int) -> Sharding:
     return tuple(Replicate() for _ in range(ndim))
 
 
-def preset_plan(graph: Graph, spec: StrategySpec) -> ShardingPlan:
+def preset_plan(graph: Graph, spec: StrategySpec, *, fingerprint: str | None = None) -> ShardingPlan:
     """The expert plan for ``spec`` on this graph (with ``pp > 1``: each stage's plan, the same on every
-    stage, and the default stage cut)."""
+    stage, and the default stage cut). ``fingerprint``: the graph's, when the caller has it."""
     mesh = mesh_for(spec)
     dp = mesh.names.index("dp") if "dp" in mesh.names else None
     tp = mesh.names.index("tp") if "tp" in mesh.names else None
@@ -157,7 +157,7 @@ def preset_plan(graph: Graph, spec: StrategySpec) -> ShardingPlan:
     follows = {name: by_param[name] for name in lazy if name in by_param}
     prop = Propagator(graph, mesh, fixed, lazy, rule, follows, at_rest)
     plan = prop.run()
-    plan.fingerprint = graph.fingerprint()
+    plan.fingerprint = fingerprint or graph.fingerprint()
     plan.strategy_string = str(spec)
     plan.microbatches, plan.recompute = spec.microbatches, spec.recompute
     plan.stages, plan.schedule, plan.chunks = spec.pp, spec.schedule, spec.chunks
