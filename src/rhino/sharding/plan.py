@@ -12,7 +12,7 @@ from typing import Any
 
 from ..ir.graph import Graph, Role
 from ..ir.stages import Schedule, StageError, check_stage_fields
-from ..ir.registry import OpCall, OutputRule, annotate, call_of, lookup
+from ..ir.registry import OpCall, OutputRule, annotate, call_of, call_signature, lookup
 from .mesh import Mesh
 from .placement import Partial, Replicate, Shard, Sharding, format_sharding, local_shape, parse_placement, replicated
 from .rules import NodeShardings, StrategyError, shardings_for
@@ -175,17 +175,24 @@ def resolve(graph: Graph, plan: ShardingPlan, *, fingerprint: str | None = None)
     for vid in graph.constants:
         value[vid] = replicated(mesh)
     nodes: dict[str, NodeShardings] = {}
+    seen: dict[tuple, NodeShardings] = {}   # (call signature, strategy) -> shardings, checked (repeated layers)
     for node in graph.nodes:
         strategy = tuple(plan.strategies.get(node.name, (None,) * mesh.ndim))
-        try:
-            ns = node_shardings(graph, node, strategy, mesh)
-        except (StrategyError, ValueError) as exc:
-            raise PlanError(f"node {node.name} ({node.op}) cannot use strategy {strategy}: {exc}") from None
-        for ref, req in zip(node.input_refs(), ns.inputs):
-            _check_divisible(f"input of {node.name}", graph.types[ref.id].shape, req, mesh)
+        key = (call_signature(graph, node), strategy)
+        ns = seen.get(key)
+        if ns is None:
+            try:
+                ns = node_shardings(graph, node, strategy, mesh)
+            except (StrategyError, ValueError) as exc:
+                raise PlanError(f"node {node.name} ({node.op}) cannot use strategy {strategy}: {exc}") from None
+            for ref, req in zip(node.input_refs(), ns.inputs):
+                _check_divisible(f"input of {node.name}", graph.types[ref.id].shape, req, mesh)
+            for vid, sh in zip(node.outputs, ns.outputs):
+                if vid is not None:
+                    _check_divisible(f"output of {node.name} ({node.op})", graph.types[vid].shape, sh, mesh)
+            seen[key] = ns
         for vid, sh in zip(node.outputs, ns.outputs):
             if vid is not None:
-                _check_divisible(f"output of {node.name} ({node.op})", graph.types[vid].shape, sh, mesh)
                 value[vid] = sh
         nodes[node.name] = ns
     return ResolvedPlan(plan, graph, value, nodes)
