@@ -14,8 +14,11 @@ the world, at most ``max_pp``, dividing the candidate's outermost mesh axis, wit
    least boundary bytes), priced with ``cost.estimate`` (event simulation of the schedule, per-stage memory
    with the in-flight activations: the fit check).
 
-Rule ``pipeline_state_floor``: a degree is skipped, unpriced, when the stage plan's parameters and
-optimizer state per rank, over ``pp``, exceed the device memory (some stage holds at least the average).
+Rule ``pipeline_state_floor``: a degree is skipped, unpriced, when the stage plan's parameters, optimizer
+state and gradients per rank, over ``pp``, exceed the device memory (some stage holds at least the average;
+every count priced has ``m > 1``, so each stage holds its gradient buffer). The Megatron start's degrees
+are checked before its stage preset is built (it splits state along ``tp`` only: at least ``1 / tp`` of it
+per rank).
 
 Rule ``pipeline_drop_recompute``: a stage plan whose single-stage plan recomputes is priced without
 recomputation first (a stage holds 1/pp of the state; under 1F1B its in-flight activations stay about
@@ -26,7 +29,8 @@ Rule ``pipeline_megatron_start`` adds one more stage plan: the expert tensor-par
 devices per node and data parallelism across nodes (Megatron-LM's 3D layout, arXiv 2104.04473 section 3),
 built for each stage mesh (a shrunk plan's strided attention splits would count the whole mesh's local
 batch: 175B-shaped at 24 layers, pp=8, m=96: 8.41 s shrunk vs 7.81 s built).
-The best (fits, then step time) per (candidate, pp) joins the candidates. Degrees are tried in increasing
+The best (fits, then step time) per (candidate, pp) joins the candidates. Rule ``pipeline_megatron_first``
+prices the Megatron start's degrees before the searched stage plans'. Degrees are tried in increasing
 order; rule ``pipeline_stop_early`` stops a stage plan at the first degree that fits and prices slower than
 the fastest fitting plan so far (single-stage, an earlier degree, or an earlier stage plan): the bubble
 grows with ``pp`` while the communication and memory it saves shrink. The best searched
