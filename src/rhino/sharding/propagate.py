@@ -185,6 +185,11 @@ class Propagator:
         best = None
         refs = node.input_refs()
         sig = call_signature(self.graph, node)
+        # what every strategy's score shares (the state changes only once a strategy is chosen)
+        arrived = [(r.id, self.actual[r.id]) for r in refs if r.id in self.actual]
+        had = [any(isinstance(sh[axis], Shard) for _, sh in arrived) for axis in range(self.mesh.ndim)]
+        lazy_at = [k for k, r in enumerate(refs) if r.id in self.lazy]
+        moved = [(k, r.id, self.actual[r.id]) for k, r in enumerate(refs) if r.id not in self.lazy]
         for idx, strategy in enumerate(itertools.product(*options)):
             ns = self._ns_cache.get((sig, strategy))
             if ns is None:
@@ -197,7 +202,7 @@ class Propagator:
                 continue
             if any(is_passthrough(s) for s in strategy) and not self._passes_ok(refs, ns):
                 continue
-            key = self._score(node, refs, ns, strategy, call) + (idx,)
+            key = self._score(node, moved, ns, strategy, had, lazy_at) + (idx,)
             if best is None or key < best[0]:
                 best = (key, strategy, ns)
         if best is None:  # nothing legal (should not happen: all-replicate is always legal)
@@ -221,13 +226,15 @@ class Propagator:
                     return False
         return True
 
-    def _score(self, node: Node, refs: list[Ref], ns, strategy, call) -> tuple:
+    def _score(self, node: Node, moved: list[tuple], ns, strategy, had: list[bool], lazy_at: list[int]) -> tuple:
+        """``moved``: (position, value, sharding) of each input that is not lazy; ``had``, ``lazy_at``:
+        ``_introduction_penalty``'s."""
         cost = steps = 0
-        for ref, req in zip(refs, ns.inputs):
-            if ref.id in self.lazy:
-                continue
-            c, s = self._move(ref.id, self.actual[ref.id], req)
-            cost, steps = cost + c, steps + s
+        width = len(ns.inputs)
+        for k, vid, have in moved:
+            if k < width:
+                c, s = self._move(vid, have, ns.inputs[k])
+                cost, steps = cost + c, steps + s
         for vid, sh in zip(node.outputs, ns.outputs):
             if vid is None or sh is None:
                 continue
@@ -237,17 +244,16 @@ class Propagator:
                 if want is not None and want != sh:
                     c, s = self._move(vid, sh, want)
                     cost, steps = cost + c, steps + s
-        cost += self._introduction_penalty(refs, ns, node)
+        cost += self._introduction_penalty(ns, node, had, lazy_at)
         splits = sum(1 for s in strategy if s is not None)
         return (cost, steps, splits)
 
-    def _introduction_penalty(self, refs, ns, node: Node) -> int:
+    def _introduction_penalty(self, ns, node: Node, had: list[bool], lazy_at: list[int]) -> int:
+        """``had[axis]``: an input that arrived is split on ``axis``; ``lazy_at``: positions of lazy inputs."""
         penalty = 0
         for axis in range(self.mesh.ndim):
             n = self.mesh.sizes[axis]
-            had = any(isinstance(self.actual[r.id][axis], Shard) for r in refs if r.id in self.actual) or \
-                any(isinstance(req[axis], Shard) for r, req in zip(refs, ns.inputs) if r.id in self.lazy)
-            if had:
+            if had[axis] or any(isinstance(ns.inputs[k][axis], Shard) for k in lazy_at if k < len(ns.inputs)):
                 continue
             for vid, sh in zip(node.outputs, ns.outputs):
                 if vid is not None and sh is not None and isinstance(sh[axis], Shard):
