@@ -127,12 +127,14 @@ def _focused(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, flo
             sub = (lo[idx], up[idx], sz[idx], al[idx], floor[idx])
             ix = time_index(*sub[:3])
             sub_off, sub_h, fresh, stall, per_pass = None, 0, False, 0, None
-        # keep time for one completion: the last one's, at first a hot pass scaled to all buffers
+        # keep time for one completion (the last one's seconds, at first a hot pass scaled to all
+        # buffers); complete from 3x that before the deadline, which leaves time for cold buffers that
+        # end above the target to join and be completed once more
         est = comp_s if comp_s is not None else (per_pass * n / len(idx) if per_pass else 0.0)
         pass_deadline = deadline - 1.5 * est
         last = options.max_passes > 0 and passes >= options.max_passes - 1  # the last pass completes
         if not (fresh and (sub_h <= target or stall >= options.focus_stall or last
-                           or time.monotonic() > pass_deadline)):
+                           or time.monotonic() > deadline - 3 * est)):
             if time.monotonic() > pass_deadline:
                 break
             t = time.monotonic()
