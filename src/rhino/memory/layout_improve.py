@@ -16,7 +16,8 @@ the pressure at time ``t`` is the bytes live at ``t`` plus the highest floor amo
 least ``focus * T`` (a buffer live where the arena is nearly full, or large against the slack there),
 or when it ends above ``T`` in ``start``. Where hot buffers are at most ``focus_share`` of all, the
 passes above run on the hot buffers alone (their own time index: a pass costs a fraction of a full
-one); every time the best hot layout has not improved for ``focus_stall`` passes, reaches ``T``, or
+one), boosting every hot buffer that ends above ``T - focus_band * (h - T)`` (``h``: the pass's height;
+the band 0 is the rule above: only those above ``T``); every time the best hot layout has not improved for ``focus_stall`` passes, reaches ``T``, or
 the time left is about that of one completion, it is completed: the cold buffers go lowest fit in
 decreasing ``pi`` around the hot ones (``given``), which is a valid layout of all buffers. Cold
 buffers that end above ``T`` there become hot (boosted) and the hot search goes on with the priorities
@@ -30,7 +31,10 @@ max-load bound): one lowest-fit pass by size 3.95%, by ``s * life ** alpha`` 3.3
 ``wide-1``: 5.51% (the size pass alone 5.52%). Focus (``solve_layout``, 50 s, in one process, load
 ~6, plain search / focus 0.9 one after the other): ``random-1`` 1.81% / 0.69%, ``random-2`` 1.93% / 1.31%
 (0.95: 1.46%); the hot search alone on ``random-1``'s 1,604 hot buffers at 0.95 levels off at ~0.55% after
-~500 passes (boost 1.2 / 2 / 3: 0.89 / 1.12 / 1.68%). Tried and not kept (``docs/benchmarks.md``): ruin and
+~500 passes (boost 1.2 / 2 / 3: 0.89 / 1.12 / 1.68%). Hot search alone at 0.9 (deterministic, best after
+100 / 150 / 200 passes): ``random-1`` (5,481 hot) band 0: 1.458 / 1.124 / 0.743%, band 1: 0.797 / 0.591 /
+0.564%, boost by the excess (1 + 0.5 (e - T) / (h - T)): 1.331 / 1.259 / 1.259%; ``random-2`` (4,954 hot)
+band 0: 1.209% at 100-200, band 1: 1.179 / 1.179 / 0.835%. Tried and not kept (``docs/benchmarks.md``): ruin and
 recreate of time x address boxes at the peak, and orders grouped by the highest load over a lifetime.
 """
 from __future__ import annotations
@@ -52,7 +56,7 @@ class ImproveOptions:
     priorities, ``boost`` the factor for a buffer above the target, ``max_passes`` a cap on passes
     (0: none); ``greedy_share``: of a leaf's time, the share that the greedy passes before the search may
     take (a pass past it stops; the first always finishes). ``focus`` (0: off), ``focus_size``,
-    ``focus_share``, ``focus_stall``: the search on the hot buffers (module docstring). Values: chosen on
+    ``focus_share``, ``focus_stall``, ``focus_band``: the search on the hot buffers (module docstring). Values: chosen on
     ``random-1`` (0.9 / 6 after 0.9 / 0 and 0.95 / 6: large cold buffers ended above the target in the
     completions), ``focus_share`` so that ``wide-1`` and the training leaves (hot share 0.67 and more)
     keep the plain search."""
@@ -65,6 +69,7 @@ class ImproveOptions:
     focus_size: float = 6.0
     focus_share: float = 0.5
     focus_stall: int = 60
+    focus_band: float = 1.0
 
 
 def squeaky_wheel(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, floor: np.ndarray, target: int,
@@ -151,7 +156,7 @@ def _focused(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, flo
                 sub_off, sub_h, fresh, stall = off, h, True, 0
             else:
                 stall += 1
-            pri[idx[end > target]] *= options.boost
+            pri[idx[end > target - options.focus_band * max(h - target, 0)]] *= options.boost
             continue
         t = time.monotonic()
         given = np.full(n, -1, np.int64)
