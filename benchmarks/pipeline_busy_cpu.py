@@ -100,7 +100,7 @@ def main() -> int:
         cluster, cost = prof.apply(parse_cluster("cpu:2"))
         thin = getattr(prof, "thin_gemm_d0", None)     # None: a checkout from before the thin-GEMM factor
         print(f"{label}: profile (CPU clock) matmul {prof.matmul_flops / 1e9:.1f} GFLOP/s, k0 {prof.k0:.3g}, thin-GEMM "
-              f"d0 {thin} [load {os.getloadavg()[0]:.1f}]", flush=True)
+              f"d0 {'not measured' if thin is None else f'{thin:.1f}'} [load {os.getloadavg()[0]:.1f}]", flush=True)
         plans = [preset_plan(cap.graph, parse_strategy(s)) for s in strategies]
         runs = [(p.to_json(), microbatch_graph(cap, p.microbatches).to_json()) for p in plans]
         ranks = launch(_rank_main, 2, cap.graph.to_json(), runs, cap.initial_state(),

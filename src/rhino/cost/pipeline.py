@@ -388,13 +388,17 @@ def _micro_min_dims(graph: Graph, m: int, profile: Profile | None) -> dict[str, 
     """Per MATMUL node: its smallest dimension at one micro-batch (``compute.op_time``'s ``min_dim``). A
     micro-batch is the batch split m ways as data parallelism over m ranks splits it (the runtime checks the
     same: ``runtime.rank_step.same_structure``), so the local shapes of the ``dp=m`` preset are a
-    micro-batch's. Empty without a measured ``profile.thin_gemm_d0`` (nothing uses them), for m = 1, or when
-    the batch does not split m ways. Remembered for the last (graph, m)."""
+    micro-batch's (the stage plan's own sharding is not applied: a data-parallel stage's rows are fewer still).
+    Empty without a measured ``profile.thin_gemm_d0`` (nothing uses them), for m = 1, or when
+    the batch does not split m ways. Remembered per m for the last graph (the search prices one graph at
+    several micro-batch counts)."""
     if m == 1 or profile is None or not profile.thin_gemm_d0:
         return {}
     hit = _MICRO.get("last")
-    if hit is not None and hit[0]() is graph and hit[1] == m:
-        return hit[2]
+    if hit is None or hit[0]() is not graph:
+        hit = _MICRO["last"] = (weakref.ref(graph), {})
+    if m in hit[1]:
+        return hit[1][m]
     from ..ir.registry import OpKind, lookup
     from ..sharding.plan import PlanError, resolve
     from ..sharding.presets import parse_strategy, preset_plan
@@ -411,7 +415,7 @@ def _micro_min_dims(graph: Graph, m: int, profile: Profile | None) -> dict[str, 
         if len(mats) >= 2:
             a, b = mats[-2], mats[-1]
             out[node.name] = int(min(a[-2], a[-1], b[-1]))
-    _MICRO["last"] = (weakref.ref(graph), m, out)
+    hit[1][m] = out
     return out
 
 
