@@ -426,20 +426,40 @@ def _accumulation_seconds(graph: Graph, rp: ResolvedPlan, stage: list[int], V: i
     transposes) is added by the product itself (``lower.accumulate``: the accumulator read once more), any
     other with an in-place add (read both, write one); at the element-wise rate (the profile's measured one,
     else the device's memory bandwidth)."""
-    from .accumulate import split_step
     rate = (profile.kind_bandwidth or {}).get("elementwise") if profile is not None else None
     rate = rate or cluster.device.memory_bandwidth
-    a = analyze(graph)
     out = [0.0] * V
-    for vid in split_step(graph).boundary:
+    for vid, i, passes in _gradient_passes(graph):
+        if stage[i] >= 0:
+            out[stage[i]] += passes * value_bytes(graph, rp, vid) / rate
+    return out
+
+
+_PASSES: dict = {}
+
+
+def _gradient_passes(graph: Graph) -> list[tuple[int, int, int]]:
+    """(gradient value, index of its producer, passes of its accumulation) per accumulated gradient
+    (``_accumulation_seconds``); remembered for the last graph."""
+    hit = _PASSES.get("last")
+    if hit is not None and hit[0]() is graph:
+        return hit[1]
+    from .accumulate import SplitError, split_step
+    a = analyze(graph)
+    out = []
+    try:
+        boundary = split_step(graph).boundary
+    except SplitError:        # no loss: nothing to accumulate (and no runtime pipeline either)
+        boundary = []
+    for vid in boundary:
         i = a.producer.get(vid)
-        if i is None or stage[i] < 0:
+        if i is None:
             continue
         j = i
         while graph.nodes[j].op == "aten.t.default" and a.producer.get(graph.nodes[j].input_refs()[0].id) is not None:
             j = a.producer[graph.nodes[j].input_refs()[0].id]
-        passes = 1 if graph.nodes[j].op == "aten.mm.default" else 3
-        out[stage[i]] += passes * value_bytes(graph, rp, vid) / rate
+        out.append((vid, i, 1 if graph.nodes[j].op == "aten.mm.default" else 3))
+    _PASSES["last"] = (weakref.ref(graph), out)
     return out
 
 

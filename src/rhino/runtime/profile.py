@@ -70,7 +70,10 @@ def _matmul(overhead: float, progress) -> tuple[float, float]:
         progress(f"  matmul {n}x{n}x{n}: {2 * ws[-1] / max(ts[-1], 1e-12) / 1e9:.1f} GFLOP/s")
     # seconds per FLOP, t / 2W = 1 / P + (k0 / P) / W, is linear in 1 / W: a fit of relative errors (a fit of t
     # itself is set by the largest sizes, and their timing noise alone moved k0 by millions of multiply-adds)
-    slope, intercept = fit_line([1.0 / w for w in ws], [t / (2.0 * w) for w, t in zip(ws, ts)])
+    per_flop = [t / (2.0 * w) for w, t in zip(ws, ts)]
+    slope, intercept = fit_line([1.0 / w for w in ws], per_flop)
+    if intercept <= 0:       # noise larger than the saturation: the fastest size's rate, no saturation term
+        return 1.0 / min(per_flop), 0.0
     flops = 1.0 / intercept
     return flops, max(0.0, slope * flops)
 
