@@ -57,13 +57,13 @@ def _rank_main(ctx, graph_json: str, runs: list, state: dict, batch: tuple) -> l
         b = step.local_batch(batch)
         for _ in range(WARMUP + STEPS):
             step.run(local, b)
-        out.append([(t.busy, t.idle, t.waiting) for t in step.times[WARMUP:]])
+        out.append([(t.busy, t.idle, t.waiting, t.posting) for t in step.times[WARMUP:]])
     return out
 
 
 def _measure(cap, plans: list) -> list[dict]:
-    """Per plan: median slowest-rank step seconds, idle fraction, and per rank busy / waiting / other seconds
-    per step (medians)."""
+    """Per plan: median slowest-rank step seconds, idle fraction, and per rank busy / waiting / posting / other
+    seconds per step (medians)."""
     from rhino.runtime.launch import launch
     from rhino.runtime.rank_step import microbatch_graph
     runs = [(p.to_json(), microbatch_graph(cap, p.microbatches).to_json()) for p in plans]
@@ -72,12 +72,12 @@ def _measure(cap, plans: list) -> list[dict]:
     out = []
     for k in range(len(plans)):
         per = [r[k] for r in ranks]
-        step = statistics.median(max(b + i for b, i, _ in ts) for ts in zip(*per))
-        busy = sum(b for ts in per for b, _, _ in ts)
-        idle = sum(i for ts in per for _, i, _ in ts)
-        detail = [tuple(statistics.median(t[j] for t in ts) for j in range(3)) for ts in per]
+        step = statistics.median(max(t[0] + t[1] for t in ts) for ts in zip(*per))
+        busy = sum(t[0] for ts in per for t in ts)
+        idle = sum(t[1] for ts in per for t in ts)
+        detail = [tuple(statistics.median(t[j] for t in ts) for j in range(4)) for ts in per]
         out.append({"step": step, "idle": idle / (busy + idle),
-                    "ranks": [{"busy": b, "waiting": w, "other": i - w} for b, i, w in detail]})
+                    "ranks": [{"busy": b, "waiting": w, "posting": p, "other": i - w - p} for b, i, w, p in detail]})
     return out
 
 
@@ -113,7 +113,8 @@ def main() -> int:
             est = estimate(cap.graph, cluster, plan, options=StepOptions(profile=cost))
             pt, pi = est.step_seconds, est.step_idle_fraction
             print("   measured per rank (ms/step): " + "; ".join(
-                f"busy {r['busy'] * 1e3:.1f} waiting {r['waiting'] * 1e3:.1f} other {r['other'] * 1e3:.1f}"
+                f"busy {r['busy'] * 1e3:.1f} waiting {r['waiting'] * 1e3:.1f} posting {r['posting'] * 1e3:.1f} "
+                f"other {r['other'] * 1e3:.1f}"
                 for r in meas["ranks"]) + " | predicted busy per stage (ms/step): " + ", ".join(
                 f"{(st['forward_seconds'] + st['backward_seconds']) * plan.microbatches * 1e3:.1f}"
                 for st in est.stages), flush=True)

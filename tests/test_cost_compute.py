@@ -145,6 +145,25 @@ def test_profile_overrides_constants():
         Profile(matmul_efficiency=1.5)
 
 
+def test_a_measured_thin_gemm_d0_slows_thin_products_only():
+    """``Profile.thin_gemm_d0``: a product whose smallest dimension is d runs at d / (d + d0) of the rate of a
+    square one of equal work; without it (the default) shapes of equal work cost the same."""
+    thin, square = mm(32, 1024, 1024, DType.float32), mm(256, 256, 512, DType.float32)   # both 2**25 multiply-adds
+    assert C.gemm_min_dim(thin) == 32 and C.gemm_min_dim(square) == 256
+    plain = Profile(matmul_efficiency=1.0, k0=0.0, launch_overhead_s=0.0)
+    measured = Profile(matmul_efficiency=1.0, k0=0.0, launch_overhead_s=0.0, thin_gemm_d0=8.0)
+    assert op_time(thin, CPU, profile=plain).seconds == pytest.approx(op_time(square, CPU, profile=plain).seconds)
+    assert op_time(thin, CPU, profile=measured).seconds == pytest.approx(
+        op_time(thin, CPU, profile=plain).seconds * (32 + 8) / 32)
+    assert op_time(square, CPU, profile=measured).seconds == pytest.approx(
+        op_time(square, CPU, profile=plain).seconds * (256 + 8) / 256)
+    # the caller's own smallest dimension (a micro-batch's rows) replaces the shapes'
+    assert op_time(thin, CPU, profile=measured, min_dim=4).seconds == pytest.approx(
+        op_time(thin, CPU, profile=plain).seconds * (4 + 8) / 4)
+    with pytest.raises(ValueError):
+        Profile(thin_gemm_d0=-1.0)
+
+
 # -- graphs ---------------------------------------------------------------------------------
 def test_local_shapes_scale_the_op():
     g, node = one_op("aten.add.Tensor", [(4096, 4096)] * 2, [(4096, 4096)], DType.float32)

@@ -83,6 +83,35 @@ def test_pipeline_bubble_and_schedules():
     assert m16.mesh == {"pp": 4, "tp": 2}
 
 
+def test_a_pipeline_prices_micro_batch_products_at_their_rows_and_the_gradient_accumulation():
+    """mlp (batch 32, hidden 64), pp=2 with 8 micro-batches of 4 rows: with a measured ``thin_gemm_d0`` every
+    product of a micro-batch is priced at its own smallest dimension (4: the rows of forward and input-gradient
+    products, the contraction of weight-gradient ones), and each later
+    micro-batch adds its gradients into the accumulators: the weights' (matmul-made) by the product, one pass
+    over them, the biases' by an add, three passes."""
+    from rhino.cost.compute import Profile
+    from rhino.cost.pipeline import _accumulation_seconds, _micro_min_dims
+    from rhino.ir.graph import Role
+    from rhino.sharding.plan import resolve
+    from rhino.sharding.presets import parse_strategy, preset_plan
+    g = graph("mlp")
+    dims = _micro_min_dims(g, 8, Profile(thin_gemm_d0=8.0))
+    assert dims and set(dims.values()) == {4}
+    assert _micro_min_dims(g, 8, Profile()) == {}          # nothing measured: nothing computed
+    plan = preset_plan(g, parse_strategy("pp=2,microbatches=8"))
+    rp = resolve(g, plan)
+    cpu = parse_cluster("cpu:2")
+    stage = [0 if i < len(g.nodes) // 2 else 1 for i in range(len(g.nodes))]  # any cut: the sum is per gradient
+    acc = sum(_accumulation_seconds(g, rp, stage, 2, cpu, Profile(kind_bandwidth={"elementwise": 1e9})))
+    params = [i for i in g.inputs if i.role is Role.PARAM]
+    weights = sum(g.types[i.value].nbytes for i in params if g.types[i.value].rank == 2)
+    biases = sum(g.types[i.value].nbytes for i in params if g.types[i.value].rank == 1)
+    assert acc == pytest.approx((weights + 3 * biases) / 1e9)
+    slow = estimate(g, cpu, plan, options=StepOptions(profile=Profile(thin_gemm_d0=8.0)))
+    plain = estimate(g, cpu, plan)
+    assert slow.stages[0]["forward_seconds"] > plain.stages[0]["forward_seconds"]
+
+
 def test_bad_degrees_are_clear_errors():
     with pytest.raises(ValueError, match="dp\\*tp\\*pp = 8"):
         estimate_strategy(graph(), A100, "dp=3")

@@ -357,6 +357,7 @@ def test_profile_measures_concurrent_ranks(tmp_path):
                 "p2p_bandwidth", "p2p_message_s"):
         assert doc[key] > 0, key
     assert doc["p2p_latency_s"] >= 0     # a fitted intercept, clamped at 0
+    assert doc["thin_gemm_d0"] >= 0 and doc["k0"] >= 0   # least-squares fits, clamped at 0
     assert set(doc["kind_bandwidth"]) == {"elementwise", "norm", "reduction"}
     prof = load_profile(out)
     assert prof.link_ranks == 2 and prof.matmul_flops == doc["matmul_flops"]

@@ -20,6 +20,12 @@ The model, per op::
   ``eff = eff_max(kind) * W / (W + K0)``. Small problems cannot fill the machine (too few tiles
   for the SMs, prologue/epilogue not amortised); a problem of ``K0`` multiply-adds runs at half of
   ``eff_max``. Monotone increasing in every dimension.
+- With a measured ``Profile.thin_gemm_d0`` (``rhino profile``), a MATMUL whose smallest dimension is ``d``
+  (rows, contraction or columns of one matrix product) runs at a further ``d / (d + d0)``: a product with a
+  thin operand (a micro-batch's 32 rows against a 1024 x 1024 weight) re-reads the wide operand for little
+  work and runs below a square product of the same FLOPs, which ``K0`` alone cannot say. ``d`` comes from the
+  op's shapes (``gemm_min_dim``), or from the caller (``op_time(min_dim=...)``: the pipeline model gives the
+  micro-batch's own).
 - Views cost nothing on a GPU (no kernel) and the dispatch overhead on a CPU.
 - A profile may give measured bytes/s per op kind (``Profile.kind_bandwidth``): ops of that kind
   then take ``bytes / measured`` (e.g. element-wise ops with transcendental math on a CPU).
@@ -43,7 +49,7 @@ from ..ir.registry import OpCall, OpKind, bytes_of, call_of, flops_of, lookup
 from ..ir.types import DType
 from .devices import DeviceSpec, get_device
 
-__all__ = ["OpTime", "Profile", "op_time", "graph_compute_time", "efficiency", "peak_dtype",
+__all__ = ["OpTime", "Profile", "op_time", "graph_compute_time", "efficiency", "peak_dtype", "gemm_min_dim",
            "EFF_MAX", "K0", "BW_EFFICIENCY", "LAUNCH_OVERHEAD_GPU_S", "LAUNCH_OVERHEAD_CPU_S"]
 
 # -- constants (each with its source) -------------------------------------------------------------
@@ -104,6 +110,8 @@ class Profile:
     p2p_bandwidth: float | None = None
     p2p_latency_s: float | None = None
     p2p_message_s: float | None = None   # CPU time per message end (posting / completing), not waiting
+    # smallest GEMM dimension at which a MATMUL runs at half the rate of a square one of equal work (measured)
+    thin_gemm_d0: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("matmul_efficiency", "memory_bandwidth_efficiency", "conv_efficiency",
@@ -115,6 +123,8 @@ class Profile:
             raise ValueError(f"Profile.launch_overhead_s must be >= 0, got {self.launch_overhead_s}")
         if self.k0 is not None and self.k0 < 0:
             raise ValueError(f"Profile.k0 must be >= 0, got {self.k0}")
+        if self.thin_gemm_d0 is not None and self.thin_gemm_d0 < 0:
+            raise ValueError(f"Profile.thin_gemm_d0 must be >= 0, got {self.thin_gemm_d0}")
 
     def eff_max(self, kind: OpKind) -> float:
         own = {OpKind.MATMUL: self.matmul_efficiency, OpKind.CONV: self.conv_efficiency,
@@ -143,14 +153,28 @@ def is_cpu(device: DeviceSpec) -> bool:
     return device.name.lower().startswith("cpu")
 
 
-def efficiency(kind: OpKind, flops: float, profile: Profile | None = None) -> float:
-    """Fraction of peak reached by an op of ``kind`` doing ``flops``; 1 for non-matmul-like kinds."""
+def efficiency(kind: OpKind, flops: float, profile: Profile | None = None, min_dim: float | None = None) -> float:
+    """Fraction of peak reached by an op of ``kind`` doing ``flops``; 1 for non-matmul-like kinds. ``min_dim``:
+    a MATMUL's smallest dimension (the thin-GEMM factor, when the profile measured ``thin_gemm_d0``)."""
     prof = profile or _DEFAULT_PROFILE
     if kind not in _MATMUL_LIKE:
         return 1.0
     w = max(flops, 0.0) / 2
     k0 = K0 if prof.k0 is None else prof.k0
-    return prof.eff_max(kind) * (w / (w + k0)) if w > 0 else prof.eff_max(kind) * 1e-9
+    eff = prof.eff_max(kind) * (w / (w + k0)) if w > 0 else prof.eff_max(kind) * 1e-9
+    if kind is OpKind.MATMUL and prof.thin_gemm_d0 and min_dim:
+        eff *= min_dim / (min_dim + prof.thin_gemm_d0)
+    return eff
+
+
+def gemm_min_dim(call: OpCall) -> int | None:
+    """The smallest of a matrix product's rows, contraction and columns (per matrix of a batched product): the
+    last two inputs of rank >= 2 are ``A [..., m, k]`` and ``B [..., k, n]``; None for other shapes."""
+    mats = [t for t in call.in_types if t is not None and getattr(t, "shape", None) is not None and len(t.shape) >= 2]
+    if len(mats) < 2:
+        return None
+    a, b = mats[-2].shape, mats[-1].shape
+    return int(min(a[-2], a[-1], b[-1]))
 
 
 def _float_dtype(call: OpCall) -> DType | None:
@@ -180,9 +204,10 @@ def peak_dtype(call: OpCall, device: DeviceSpec, *, allow_tf32: bool = False) ->
 
 
 def op_time(call: OpCall, device: DeviceSpec | str, *, allow_tf32: bool = False,
-            profile: Profile | None = None, scale: float = 1.0) -> OpTime:
+            profile: Profile | None = None, scale: float = 1.0, min_dim: float | None = None) -> OpTime:
     """Roofline time of one op on one device. ``scale`` multiplies its FLOPs and bytes (the
-    fraction of the op a rank executes; see ``graph_compute_time``)."""
+    fraction of the op a rank executes; see ``graph_compute_time``); ``min_dim``: a MATMUL's smallest
+    dimension as it runs (default: ``gemm_min_dim`` of its shapes; used with ``Profile.thin_gemm_d0``)."""
     dev = get_device(device) if isinstance(device, str) else device
     prof = profile or _DEFAULT_PROFILE
     opdef = lookup(call.op)
@@ -194,7 +219,9 @@ def op_time(call: OpCall, device: DeviceSpec | str, *, allow_tf32: bool = False,
     flops = flops_of(call) * scale
     nbytes = bytes_of(call) * scale
     peak = dev.flops(peak_dtype(call, dev, allow_tf32=allow_tf32))
-    t_compute = flops / (peak * efficiency(kind, flops, prof)) if flops > 0 else 0.0
+    if kind is OpKind.MATMUL and prof.thin_gemm_d0 and min_dim is None:
+        min_dim = gemm_min_dim(call)
+    t_compute = flops / (peak * efficiency(kind, flops, prof, min_dim)) if flops > 0 else 0.0
     bw_eff = prof.memory_bandwidth_efficiency if prof.memory_bandwidth_efficiency is not None else BW_EFFICIENCY
     measured = (prof.kind_bandwidth or {}).get(kind.value)
     if measured:

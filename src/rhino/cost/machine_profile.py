@@ -5,7 +5,10 @@ The profile holds absolute numbers measured on the local machine by micro-benchm
 
 - ``matmul_flops``: the asymptotic FLOP/s of fp32 GEMMs and ``k0`` the multiply-adds at which a GEMM
   reaches half of it: a least-squares fit of ``t = 2 (W + k0) / matmul_flops + overhead`` over square
-  GEMMs of several sizes (W multiply-adds);
+  GEMMs of several sizes (W multiply-adds), fitted on relative errors (seconds per FLOP against 1 / W);
+- ``thin_gemm_d0``: GEMMs with one small dimension ``d`` (a micro-batch's rows) run at ``d / (d + d0)`` of the
+  rate of a square GEMM of the same work: least squares over ``r x 1024 @ 1024 x 1024`` and ``1024 x r @ r x 1024``
+  GEMMs, ``r`` = 8 .. 128 (``Profile.thin_gemm_d0``);
 - ``conv_efficiency`` / ``attention_efficiency``: the measured FLOP/s of a convolution and of
   scaled-dot-product attention over ``matmul_flops``;
 - ``memory_bandwidth``: bytes read + written per second by a large element-wise add;
@@ -61,6 +64,7 @@ class MachineProfile:
     p2p_bandwidth: float | None = None
     p2p_latency_s: float | None = None
     p2p_message_s: float | None = None
+    thin_gemm_d0: float | None = None
 
     def __post_init__(self) -> None:
         for key in ("matmul_flops", "memory_bandwidth"):
@@ -77,7 +81,7 @@ class MachineProfile:
                        attention_efficiency=clamp(self.attention_efficiency), k0=self.k0,
                        kind_bandwidth=dict(self.kind_bandwidth) if self.kind_bandwidth else None,
                        p2p_bandwidth=self.p2p_bandwidth, p2p_latency_s=self.p2p_latency_s,
-                       p2p_message_s=self.p2p_message_s)
+                       p2p_message_s=self.p2p_message_s, thin_gemm_d0=self.thin_gemm_d0)
 
     def apply(self, cluster: Cluster) -> tuple[Cluster, Profile]:
         """The cluster with its device's numbers replaced by the measured ones, and the cost profile."""

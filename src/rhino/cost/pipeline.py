@@ -381,11 +381,96 @@ def _message_overhead(sa: StageAssignment, V: int, pp: int, profile: Profile | N
     return over_f, over_b
 
 
+_MICRO: dict = {}
+
+
+def _micro_min_dims(graph: Graph, m: int, profile: Profile | None) -> dict[str, int]:
+    """Per MATMUL node: its smallest dimension at one micro-batch (``compute.op_time``'s ``min_dim``). A
+    micro-batch is the batch split m ways as data parallelism over m ranks splits it (the runtime checks the
+    same: ``runtime.rank_step.same_structure``), so the local shapes of the ``dp=m`` preset are a
+    micro-batch's (the stage plan's own sharding is not applied: a data-parallel stage's rows are fewer still).
+    Empty without a measured ``profile.thin_gemm_d0`` (nothing uses them), for m = 1, or when
+    the batch does not split m ways. Remembered per m for the last graph (the search prices one graph at
+    several micro-batch counts)."""
+    if m == 1 or profile is None or not profile.thin_gemm_d0:
+        return {}
+    hit = _MICRO.get("last")
+    if hit is None or hit[0]() is not graph:
+        hit = _MICRO["last"] = (weakref.ref(graph), {})
+    if m in hit[1]:
+        return hit[1][m]
+    from ..ir.registry import OpKind, lookup
+    from ..sharding.plan import PlanError, resolve
+    from ..sharding.presets import parse_strategy, preset_plan
+    out: dict[str, int] = {}
+    try:
+        micro = resolve(graph, preset_plan(graph, parse_strategy(f"dp={m}")))
+    except (PlanError, ValueError):
+        micro = None
+    for node in graph.nodes if micro is not None else ():
+        opdef = lookup(node.op)
+        if opdef is None or opdef.kind is not OpKind.MATMUL:
+            continue
+        mats = [tuple(micro.local_shape(r.id)) for r in node.input_refs() if graph.types[r.id].rank >= 2]
+        if len(mats) >= 2:
+            a, b = mats[-2], mats[-1]
+            out[node.name] = int(min(a[-2], a[-1], b[-1]))
+    hit[1][m] = out
+    return out
+
+
+def _accumulation_seconds(graph: Graph, rp: ResolvedPlan, stage: list[int], V: int, cluster: Cluster,
+                          profile: Profile | None) -> list[float]:
+    """Per virtual stage: seconds one later micro-batch spends adding its gradients into the accumulators
+    (``runtime.pipeline``, ``lower.spmd.Part.accumulate``): a gradient made by a matrix product (seen through
+    transposes) is added by the product itself (``lower.accumulate``: the accumulator read once more), any
+    other with an in-place add (read both, write one); at the element-wise rate (the profile's measured one,
+    else the device's memory bandwidth)."""
+    rate = (profile.kind_bandwidth or {}).get("elementwise") if profile is not None else None
+    rate = rate or cluster.device.memory_bandwidth
+    out = [0.0] * V
+    for vid, i, passes in _gradient_passes(graph):
+        if stage[i] >= 0:
+            out[stage[i]] += passes * value_bytes(graph, rp, vid) / rate
+    return out
+
+
+_PASSES: dict = {}
+
+
+def _gradient_passes(graph: Graph) -> list[tuple[int, int, int]]:
+    """(gradient value, index of its producer, passes of its accumulation) per accumulated gradient
+    (``_accumulation_seconds``); remembered for the last graph."""
+    hit = _PASSES.get("last")
+    if hit is not None and hit[0]() is graph:
+        return hit[1]
+    from .accumulate import SplitError, split_step
+    a = analyze(graph)
+    out = []
+    try:
+        boundary = split_step(graph).boundary
+    except SplitError:        # no loss: nothing to accumulate (and no runtime pipeline either)
+        boundary = []
+    for vid in boundary:
+        i = a.producer.get(vid)
+        if i is None:
+            continue
+        j = i
+        while graph.nodes[j].op == "aten.t.default" and a.producer.get(graph.nodes[j].input_refs()[0].id) is not None:
+            j = a.producer[graph.nodes[j].input_refs()[0].id]
+        out.append((vid, i, 1 if graph.nodes[j].op == "aten.mm.default" else 3))
+    _PASSES["last"] = (weakref.ref(graph), out)
+    return out
+
+
 def _stage_work(graph, rp, st, rc, cluster, options, sa, stage, V, m) -> tuple:
     """Per (virtual) stage: forward and backward seconds per micro-batch, forward op count, and per step its
-    gradient-reduction, parameter-gather and optimizer seconds."""
+    gradient-reduction, parameter-gather and optimizer seconds. A micro-batch's matrix products are priced at
+    its own smallest dimension (``_micro_min_dims``); its backward adds its gradients into the accumulators
+    (``_accumulation_seconds``; every micro-batch but the first: ``(m - 1) / m`` of it per micro-batch)."""
     a = analyze(graph)
     mesh = rp.plan.mesh
+    dims = _micro_min_dims(graph, m, options.profile)
     f_mb, b_mb, f_full = [0.0] * V, [0.0] * V, [0.0] * V
     grad, pref, opt = [0.0] * V, [0.0] * V, [0.0] * V
     ops = [0] * V
@@ -399,8 +484,8 @@ def _stage_work(graph, rp, st, rc, cluster, options, sa, stage, V, m) -> tuple:
             continue
         s = stage[i]
         t = node_compute(graph, node, rp.plan.strategies.get(node.name), mesh, cluster.device,
-                         allow_tf32=options.allow_tf32, profile=options.profile, extra_scale=1.0 / m).seconds \
-            if cost.compute else 0.0
+                         allow_tf32=options.allow_tf32, profile=options.profile, extra_scale=1.0 / m,
+                         min_dim=dims.get(node.name)).seconds if cost.compute else 0.0
         t += cost.comm / m if cost.kind == "blocking" else 0.0
         if a.is_forward(i):
             f_mb[s] += t
@@ -409,8 +494,9 @@ def _stage_work(graph, rp, st, rc, cluster, options, sa, stage, V, m) -> tuple:
         else:
             b_mb[s] += t
     total_f = sum(f_full) or 1.0
+    acc = _accumulation_seconds(graph, rp, stage, V, cluster, options.profile) if m > 1 else [0.0] * V
     for s in range(V):   # the recomputed forward runs before each stage's backward
-        b_mb[s] += (rc.extra_seconds + rc.extra_comm_seconds) * f_full[s] / total_f / m
+        b_mb[s] += (rc.extra_seconds + rc.extra_comm_seconds) * f_full[s] / total_f / m + acc[s] * (m - 1) / m
     return f_mb, b_mb, ops, grad, pref, opt
 
 

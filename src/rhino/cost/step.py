@@ -118,10 +118,11 @@ def node_scale(strategy, mesh) -> float:
 
 
 def node_compute(graph: Graph, node, strategy, mesh, device: DeviceSpec, *, allow_tf32: bool = False,
-                 profile: Profile | None = None, extra_scale: float = 1.0):
-    """``OpTime`` of ``node`` on one rank under ``strategy`` (see the module docstring)."""
+                 profile: Profile | None = None, extra_scale: float = 1.0, min_dim: float | None = None):
+    """``OpTime`` of ``node`` on one rank under ``strategy`` (see the module docstring); ``min_dim``: a
+    matrix product's smallest dimension as it runs (``compute.op_time``)."""
     return op_time(call_of(graph, node), device, allow_tf32=allow_tf32, profile=profile,
-                   scale=node_scale(strategy, mesh) * extra_scale)
+                   scale=node_scale(strategy, mesh) * extra_scale, min_dim=min_dim)
 
 
 def _custom_comm(graph: Graph, node, strategy, mesh, links, rp: ResolvedPlan) -> tuple[float, int]:

@@ -26,6 +26,7 @@ from ..sharding.vocab import is_split, split_letter
 from .spmd_custom import emit_custom
 from .spmd_ops import redistribute, step_args
 from .overlap import OverlapOptions, overlap_program
+from .accumulate import fuse_matmul_accumulation
 from ..sharding.steps import after_step
 
 __all__ = ["SpmdProgram", "Part", "lower_rank"]
@@ -39,7 +40,8 @@ class Part:
     order, each arriving in the value's own sharding; ``outputs``: (name, value id, sharding to deliver,
     None for the value's own, i.e. as produced: a partial gradient stays partial); ``accumulate``:
     (name, value id) of values added in place (``Tensor.add_``) into an extra trailing input each, as
-    soon as they are computed, instead of being returned."""
+    soon as they are computed, instead of being returned (a matmul's product is added by the matmul:
+    ``lower.accumulate``)."""
 
     nodes: set[str]
     inputs: list[tuple[str, int]]
@@ -199,6 +201,9 @@ def lower_rank(rp: ResolvedPlan, rank: int, device: torch.device | str = "cpu", 
 
     outs = [env[vid] if want is None else moved(vid, want) for _, vid, want in part.outputs]
     fg.output(outs)
+    if accumulators:       # a gradient made by a matmul is added into its accumulator by the matmul
+        removed = fuse_matmul_accumulation(fg)
+        env = {v: n for v, n in env.items() if n not in removed}
     gm = torch.fx.GraphModule(root, fg)
     prog = SpmdProgram(gm, rank, [n for n, _ in part.inputs] + [n for n, _ in part.accumulate],
                        [n for n, _, _ in part.outputs], stats["bytes"], stats["collectives"],

@@ -10,11 +10,31 @@ capacity), every buffer with ``e_i > T`` (one that sits above the target: the "s
 search stops at the target or the deadline (a pass cut by the deadline is dropped). A pass whose order
 starts like the previous one's keeps those buffers' offsets and places only the rest (``given``).
 
+Focus (``ImproveOptions.focus``; a pass on 60,000 buffers costs seconds, so the plain search gets few):
+the pressure at time ``t`` is the bytes live at ``t`` plus the highest floor among the buffers live at
+``t``; a buffer is hot when the highest pressure over its lifetime plus ``focus_size * s_i`` is at
+least ``focus * T`` (a buffer live where the arena is nearly full, or large against the slack there),
+or when it ends above ``T`` in ``start``. Where hot buffers are at most ``focus_share`` of all, the
+passes above run on the hot buffers alone (their own time index: a pass costs a fraction of a full
+one), boosting every hot buffer that ends above ``T - focus_band * (h - T)`` (``h``: the pass's height;
+the band 0 is the rule above: only those above ``T``); every time the best hot layout has not improved for ``focus_stall`` passes, reaches ``T``, or
+the time left is about that of one completion, it is completed: the cold buffers go lowest fit in
+decreasing ``pi`` around the hot ones (``given``), which is a valid layout of all buffers. Cold
+buffers that end above ``T`` there become hot (boosted) and the hot search goes on with the priorities
+it has. At every time where the pressure is at least ``focus * T`` all live buffers are hot, so the
+hot search sees the whole problem where the arena is full; elsewhere the cold ones have slack.
+
 Measured on ``benchmarks/layout_scale.py``'s ``random-1`` (60,000 buffers, one leaf; gaps over the
 max-load bound): one lowest-fit pass by size 3.95%, by ``s * life ** alpha`` 3.33% / 3.24% / 2.68% /
 4.53% at ``alpha`` 0.1 / 0.2 / 0.3 / 0.5; squeaky wheel from ``alpha`` 0.3, boost 1.5: 1.74% after
 9 passes (58 s at load ~10, 2 shared cores); ``rhino layout --time-limit 60``: 2.04% (load 14.5).
-``wide-1``: 5.51% (the size pass alone 5.52%). Tried and not kept (``docs/benchmarks.md``): ruin and
+``wide-1``: 5.51% (the size pass alone 5.52%). Focus (``solve_layout``, 50 s, in one process, load
+~6, plain search / focus 0.9 one after the other): ``random-1`` 1.81% / 0.69%, ``random-2`` 1.93% / 1.31%
+(0.95: 1.46%); the hot search alone on ``random-1``'s 1,604 hot buffers at 0.95 levels off at ~0.55% after
+~500 passes (boost 1.2 / 2 / 3: 0.89 / 1.12 / 1.68%). Hot search alone at 0.9 (deterministic, best after
+100 / 150 / 200 passes): ``random-1`` (5,481 hot) band 0: 1.458 / 1.124 / 0.743%, band 1: 0.797 / 0.591 /
+0.564%, boost by the excess (1 + 0.5 (e - T) / (h - T)): 1.331 / 1.259 / 1.259%; ``random-2`` (4,954 hot)
+band 0: 1.209% at 100-200, band 1: 1.179 / 1.179 / 0.835%. Tried and not kept (``docs/benchmarks.md``): ruin and
 recreate of time x address boxes at the peak, and orders grouped by the highest load over a lifetime.
 """
 from __future__ import annotations
@@ -22,6 +42,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from .layout_greedy import place_in_order, time_index
@@ -34,12 +55,21 @@ class ImproveOptions:
     """Squeaky-wheel search (see the module docstring): ``alpha`` the lifetime exponent of the first
     priorities, ``boost`` the factor for a buffer above the target, ``max_passes`` a cap on passes
     (0: none); ``greedy_share``: of a leaf's time, the share that the greedy passes before the search may
-    take (a pass past it stops; the first always finishes)."""
+    take (a pass past it stops; the first always finishes). ``focus`` (0: off), ``focus_size``,
+    ``focus_share``, ``focus_stall``, ``focus_band``: the search on the hot buffers (module docstring). Values: chosen on
+    ``random-1`` (0.9 / 6 after 0.9 / 0 and 0.95 / 6: large cold buffers ended above the target in the
+    completions), ``focus_share`` so that ``wide-1`` and the training leaves (hot share 0.67 and more)
+    keep the plain search."""
     enabled: bool = True
     greedy_share: float = 0.35
     alpha: float = 0.3
     boost: float = 1.5
     max_passes: int = 0
+    focus: float = 0.9
+    focus_size: float = 6.0
+    focus_share: float = 0.5
+    focus_stall: int = 60
+    focus_band: float = 1.0
 
 
 def squeaky_wheel(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, floor: np.ndarray, target: int,
@@ -48,14 +78,20 @@ def squeaky_wheel(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray
     """The lowest layout (offsets in input order) of the squeaky-wheel passes until ``deadline``
     (``time.monotonic``) or a height at most ``target``; ``start``: a layout to beat (kept when no pass
     is lower). Returns the offsets (None when no pass finished and no ``start``), their height and the
-    number of passes finished."""
+    number of passes finished (with ``focus``: hot passes and completions)."""
     lo, up, sz, al, floor = (np.ascontiguousarray(x, np.int64) for x in (lo, up, sz, al, floor))
     best = None if start is None else np.asarray(start, np.int64)
     best_h = int((best + sz).max(initial=0)) if best is not None else 0
     if len(sz) == 0 or (best is not None and best_h <= target):
         return best, best_h, 0
-    ix = time_index(lo, up, sz)
     pri = sz * (up - lo).astype(np.float64) ** options.alpha
+    if options.focus > 0:
+        hot = (lifetime_pressure(lo, up, sz, floor) + options.focus_size * sz >= options.focus * target) & (sz > 0)
+        if best is not None:
+            hot |= best + sz > target
+        if hot.sum() <= options.focus_share * len(sz):
+            return _focused(lo, up, sz, al, floor, target, deadline, options, best, best_h, pri, hot)
+    ix = time_index(lo, up, sz)
     prev_order = prev_off = None
     passes = 0
     while time.monotonic() < deadline and (options.max_passes <= 0 or passes < options.max_passes):
@@ -79,3 +115,115 @@ def squeaky_wheel(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray
         pri[end > target] *= options.boost
         prev_order, prev_off = order, off
     return best, best_h, passes
+
+
+def _focused(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, floor: np.ndarray, target: int,
+             deadline: float, options: ImproveOptions, best: np.ndarray | None, best_h: int, pri: np.ndarray,
+             hot: np.ndarray) -> tuple[np.ndarray | None, int, int]:
+    """``squeaky_wheel`` on the hot buffers ``hot`` alone, each best hot layout completed by placing the
+    cold ones around it (see the module docstring). ``pri`` is updated in place."""
+    n = len(sz)
+    passes = 0
+    comp_s = None  # wall seconds of the last completion (a full pass with the hot buffers given)
+    idx = None
+    while time.monotonic() < deadline and (options.max_passes <= 0 or passes < options.max_passes):
+        if idx is None:  # a new hot set: its own time index and search
+            idx = np.flatnonzero(hot)
+            sub = (lo[idx], up[idx], sz[idx], al[idx], floor[idx])
+            ix = time_index(*sub[:3])
+            sub_off, sub_h, fresh, stall, per_pass = None, 0, False, 0, None
+        # keep time for one completion (the last one's seconds, at first a hot pass scaled to all
+        # buffers); complete from 3x that before the deadline, which leaves time for cold buffers that
+        # end above the target to join and be completed once more
+        est = comp_s if comp_s is not None else (per_pass * n / len(idx) if per_pass else 0.0)
+        pass_deadline = deadline - 1.5 * est
+        last = options.max_passes > 0 and passes >= options.max_passes - 1  # the last pass completes
+        if not (fresh and (sub_h <= target or stall >= options.focus_stall or last
+                           or time.monotonic() > deadline - 3 * est)):
+            if time.monotonic() > pass_deadline:
+                break
+            t = time.monotonic()
+            off = place_in_order(*sub, np.argsort(-pri[idx], kind="stable"), pass_deadline, lowest=True, index=ix)
+            if off is None:
+                if fresh:
+                    continue  # complete what was found
+                break
+            per_pass = time.monotonic() - t
+            passes += 1
+            end = off + sub[2]
+            h = int(end.max(initial=0))
+            if sub_off is None or h < sub_h:
+                sub_off, sub_h, fresh, stall = off, h, True, 0
+            else:
+                stall += 1
+            pri[idx[end > target - options.focus_band * max(h - target, 0)]] *= options.boost
+            continue
+        t = time.monotonic()
+        given = np.full(n, -1, np.int64)
+        given[idx] = sub_off
+        off = place_in_order(lo, up, sz, al, floor, np.argsort(-pri, kind="stable"), deadline, lowest=True,
+                             given=given)
+        fresh, stall = False, 0
+        if off is None:
+            break
+        comp_s = time.monotonic() - t
+        passes += 1
+        end = off + sz
+        h = int(end.max(initial=0))
+        if best is None or h < best_h:
+            best, best_h = off, h
+        if best_h <= target:
+            break
+        over = (end > target) & ~hot
+        if over.any():  # cold buffers that ended above the target join the hot ones, boosted
+            pri[over] *= options.boost
+            hot |= over
+            idx = None
+    return best, best_h, passes
+
+
+@numba.njit(cache=True)
+def _top_floor(a, b, fl, m):
+    """Per time segment ``k < m``: the highest floor of the buffers covering it (buffer ``i`` covers
+    segments ``a[i]:b[i]``), painted in decreasing floor with a next-unpainted pointer per segment."""
+    out = np.zeros(m, np.int64)
+    nxt = np.arange(m + 1)
+    for i in np.argsort(-fl):
+        if fl[i] <= 0:
+            break
+        k = a[i]
+        while True:  # the first unpainted segment from a[i] on (path halving)
+            while nxt[k] != k:
+                nxt[k] = nxt[nxt[k]]
+                k = nxt[k]
+            if k >= b[i]:
+                break
+            out[k] = fl[i]
+            nxt[k] = k + 1
+    return out
+
+
+def lifetime_pressure(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, floor: np.ndarray) -> np.ndarray:
+    """Per buffer, the highest pressure over its lifetime, where the pressure at time ``t`` is the bytes
+    live at ``t`` plus the highest floor among the buffers live at ``t`` (with no floors: the max load
+    over its lifetime). Times are compressed to the starts and ends; a sparse table answers the range
+    maxima."""
+    n = len(sz)
+    if n == 0:
+        return np.zeros(0, np.int64)
+    times = np.unique(np.concatenate([lo, up]))
+    a, b = np.searchsorted(times, lo), np.searchsorted(times, up)
+    m = len(times) - 1
+    d = np.zeros(m + 1, np.int64)
+    np.add.at(d, a, sz)
+    np.add.at(d, b, -sz)
+    table = np.cumsum(d)[:m]
+    if (floor > 0).any():
+        table = table + _top_floor(a, b, np.ascontiguousarray(floor, np.int64), m)
+    level = np.frexp((b - a).astype(np.float64))[1] - 1  # floor(log2(segments covered)), exact
+    out = np.zeros(n, np.int64)
+    for q in range(int(level.max()) + 1):  # table[k] = max of segments k .. k + 2**q - 1
+        sel = np.flatnonzero(level == q)
+        out[sel] = np.maximum(table[a[sel]], table[b[sel] - (1 << q)])
+        table = np.maximum(table[:-(1 << q)], table[1 << q:])
+    return out

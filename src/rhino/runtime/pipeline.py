@@ -338,11 +338,13 @@ class StepTimes:
     """One step on one rank: seconds running programs and dividing the accumulated gradients by m (busy) and
     the rest of the step (idle); ``waiting``:
     the part of idle blocked on messages (receives, the sends' completion, the loss broadcast): the schedule's
-    fill and drain and transfers; the rest of idle is the runtime's own work between programs."""
+    fill and drain and transfers; ``posting``: the part of idle spent posting messages (``isend``, a receive's
+    buffer and ``irecv``); the rest of idle is the runtime's own work between programs."""
 
     busy: float
     idle: float
     waiting: float = 0.0
+    posting: float = 0.0
 
 
 def _part(spec: ProgramSpec, rp: ResolvedPlan, first: bool, state_in: dict[str, int], batch_values: list[int]) -> Part:
@@ -504,7 +506,7 @@ class PipelineStep:
     def run(self, local_state: dict, local_batch: tuple) -> float:
         """One step with ``torch.distributed`` point-to-point messages (every rank of the job calls it);
         returns the loss (broadcast from the last stage) and appends this rank's ``StepTimes``."""
-        W, busy, waiting, pending = self.plan.mesh.world, 0.0, 0.0, []
+        W, busy, waiting, posting, pending = self.plan.mesh.world, 0.0, 0.0, 0.0, []
         start = time.perf_counter()
         gen = self.schedule(local_state, local_batch)
         reply = None
@@ -521,13 +523,18 @@ class PipelineStep:
                     reply = act.program.module(*act.args)
                     busy += time.perf_counter() - t0
                 elif isinstance(act, Send):
+                    t0 = time.perf_counter()
                     t = _wire_tensor(act.tensor.contiguous())
                     pending.append((dist.isend(t, act.dst * W + self.local, tag=act.tag), t))
+                    posting += time.perf_counter() - t0
                 else:
-                    buf = torch.empty(act.shape, dtype=_wire_dtype(act.dtype), device=self.device)
                     t0 = time.perf_counter()
-                    dist.irecv(buf, act.src * W + self.local, tag=act.tag).wait()
-                    waiting += time.perf_counter() - t0
+                    buf = torch.empty(act.shape, dtype=_wire_dtype(act.dtype), device=self.device)
+                    work = dist.irecv(buf, act.src * W + self.local, tag=act.tag)
+                    t1 = time.perf_counter()
+                    work.wait()
+                    posting += t1 - t0
+                    waiting += time.perf_counter() - t1
                     reply = buf.view(act.dtype) if act.dtype is torch.bool else buf
             t0 = time.perf_counter()
             for work, _ in pending:
@@ -537,7 +544,7 @@ class PipelineStep:
             waiting += time.perf_counter() - t0
         wall = time.perf_counter() - start
         busy += getattr(self, "divide_seconds", 0.0)
-        self.times.append(StepTimes(busy, max(wall - busy, 0.0), waiting))
+        self.times.append(StepTimes(busy, max(wall - busy, 0.0), waiting, posting))
         return float(out[0])
 
 

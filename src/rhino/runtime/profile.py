@@ -68,9 +68,32 @@ def _matmul(overhead: float, progress) -> tuple[float, float]:
         ts.append(time_call(lambda: torch.mm(a, b)) - overhead)
         ws.append(float(n) ** 3)
         progress(f"  matmul {n}x{n}x{n}: {2 * ws[-1] / max(ts[-1], 1e-12) / 1e9:.1f} GFLOP/s")
-    slope, intercept = fit_line(ws, ts)       # t = 2 W / P + 2 k0 / P
-    flops = 2.0 / slope
-    return flops, max(0.0, intercept * flops / 2.0)
+    # seconds per FLOP, t / 2W = 1 / P + (k0 / P) / W, is linear in 1 / W: a fit of relative errors (a fit of t
+    # itself is set by the largest sizes, and their timing noise alone moved k0 by millions of multiply-adds)
+    per_flop = [t / (2.0 * w) for w, t in zip(ws, ts)]
+    slope, intercept = fit_line([1.0 / w for w in ws], per_flop)
+    if intercept <= 0:       # noise larger than the saturation: the fastest size's rate, no saturation term
+        return 1.0 / min(per_flop), 0.0
+    flops = 1.0 / intercept
+    return flops, max(0.0, slope * flops)
+
+
+_THIN_ROWS = (8, 16, 32, 64, 128)
+
+
+def _thin_matmul(overhead: float, flops: float, k0: float) -> float:
+    """``d0`` of ``Profile.thin_gemm_d0``: GEMMs with one small dimension ``r`` (``r x 1024 @ 1024 x 1024``, as a
+    micro-batch's forward and input-gradient GEMMs, and ``1024 x r @ r x 1024``, as its weight gradient) run at
+    ``r / (r + d0)`` of the square-GEMM rate of the same work; least squares of ``rate_sq / rate - 1 = d0 / r``."""
+    xs, ys = [], []
+    for r in _THIN_ROWS:
+        for a, b in ((torch.randn(r, 1024), torch.randn(1024, 1024)), (torch.randn(1024, r), torch.randn(r, 1024))):
+            t = max(time_call(lambda: torch.mm(a, b)) - overhead, 1e-12)
+            w = float(r) * 1024 * 1024
+            square = flops * w / (w + k0)
+            xs.append(1.0 / r)
+            ys.append(square / (2 * w / t) - 1.0)
+    return max(0.0, sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs))
 
 
 def _bandwidth() -> float:
@@ -183,7 +206,7 @@ def _p2p_post_rank(ctx, nbytes: int = 4 << 10, reps: int = 20) -> float:
 
 
 def _compute(progress: Callable[[str], None], sync: Callable[[], None]) -> tuple:
-    """(overhead, matmul FLOP/s, k0, bandwidth, conv eff., attention eff., kind bandwidths); ``sync``
+    """(overhead, matmul FLOP/s, k0, bandwidth, conv eff., attention eff., kind bandwidths, thin-GEMM d0); ``sync``
     runs between the micro-benchmarks so that concurrent ranks measure the same thing at the same time."""
     with torch.no_grad():
         progress(f"profiling with {torch.get_num_threads()} thread(s)")
@@ -193,6 +216,9 @@ def _compute(progress: Callable[[str], None], sync: Callable[[], None]) -> tuple
         flops, k0 = _matmul(overhead, progress)
         progress(f"  matmul fit: {flops / 1e9:.1f} GFLOP/s asymptotic, half efficiency at {k0:.3g} multiply-adds")
         sync()
+        thin = _thin_matmul(overhead, flops, k0)
+        progress(f"  thin matmuls: half the rate at a smallest dimension of {thin:.1f}")
+        sync()
         bw = _bandwidth()
         progress(f"  memory bandwidth: {bw / 1e9:.2f} GB/s")
         sync()
@@ -201,7 +227,7 @@ def _compute(progress: Callable[[str], None], sync: Callable[[], None]) -> tuple
         sync()
         kinds = _kind_bandwidth()
         progress("  " + ", ".join(f"{k} ops {v / 1e9:.2f} GB/s" for k, v in kinds.items()))
-    return overhead, flops, k0, bw, conv, attn, kinds
+    return overhead, flops, k0, bw, conv, attn, kinds, thin
 
 
 def _rank_profile(ctx, threads: int | None) -> tuple:
@@ -221,7 +247,7 @@ def _slowest(per_rank: list[tuple]) -> tuple:
     bw = min(r[3] for r in per_rank)
     conv, attn = min(r[4] for r in per_rank), min(r[5] for r in per_rank)
     kinds = {k: min(r[6][k] for r in per_rank) for k in per_rank[0][6]}
-    return over, flops, k0, bw, conv, attn, kinds
+    return over, flops, k0, bw, conv, attn, kinds, max(r[7] for r in per_rank)
 
 
 def measure_profile(threads: int | None = None, nproc: int = 2, progress: Callable[[str], None] = lambda m: None
@@ -237,7 +263,7 @@ def measure_profile(threads: int | None = None, nproc: int = 2, progress: Callab
         progress(f"profiling {nproc} concurrent processes" + (f" with {threads} thread(s) each" if threads else ""))
         results = launch(_rank_profile, nproc, threads, timeout_s=600.0)
         used = results[0][0]
-        overhead, flops, k0, bw, conv, attn, kinds = _slowest([r[1] for r in results])
+        overhead, flops, k0, bw, conv, attn, kinds, thin = _slowest([r[1] for r in results])
         progress(f"  slowest rank: op overhead {overhead * 1e6:.2f} us, matmul {flops / 1e9:.1f} GFLOP/s, "
                  f"memory {bw / 1e9:.2f} GB/s, " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in kinds.items()))
         worst = [max(ts) for ts in zip(*(r[2] for r in results))]
@@ -251,13 +277,13 @@ def measure_profile(threads: int | None = None, nproc: int = 2, progress: Callab
         progress(f"  point-to-point: {p2p_bw / 1e9:.2f} GB/s, {p2p_lat * 1e6:.1f} us; {post * 1e6:.1f} us per message "
                  f"end")
         return MachineProfile(f"cpu ({used} threads per process, {nproc} processes)", used, flops, k0, bw,
-                              overhead, conv, attn, link_bw, link_lat, nproc, kinds, p2p_bw, p2p_lat, post)
+                              overhead, conv, attn, link_bw, link_lat, nproc, kinds, p2p_bw, p2p_lat, post, thin)
     old = torch.get_num_threads()
     if threads is not None:
         torch.set_num_threads(threads)
     try:
-        overhead, flops, k0, bw, conv, attn, kinds = _compute(progress, lambda: None)
+        overhead, flops, k0, bw, conv, attn, kinds, thin = _compute(progress, lambda: None)
         return MachineProfile(f"cpu ({torch.get_num_threads()} threads)", torch.get_num_threads(), flops, k0, bw,
-                              overhead, conv, attn, None, None, None, kinds)
+                              overhead, conv, attn, None, None, None, kinds, thin_gemm_d0=thin)
     finally:
         torch.set_num_threads(old)
