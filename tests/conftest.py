@@ -11,3 +11,37 @@ sys.path.insert(0, str(Path(__file__).parent))
 @pytest.fixture
 def root() -> Path:
     return ROOT
+
+
+def eager_losses(spec: str, steps: int) -> list[float]:
+    """PyTorch's plain single-device loop over the workload file's batches(), float64: the oracle of the
+    trainer, checkpoint and pipeline tests."""
+    import torch
+    from rhino.capture import default_dtype, load_workload
+    with default_dtype(torch.float64):
+        w = load_workload(spec)
+        it, losses = w.batches(), []
+        for _ in range(steps):
+            w.optimizer.zero_grad(set_to_none=True)
+            loss = w.loss_fn(w.model, *next(it))
+            loss.backward()
+            w.optimizer.step()
+            losses.append(loss.item())
+    return losses
+
+
+def torchrun_train(tmp_path: Path, spec: str, strategy: str, steps: int) -> tuple[dict, dict, list[dict]]:
+    """``rhino train`` as the 2 ranks of a ``torchrun --standalone`` job and with the local launcher:
+    (torchrun's result, the local result, the torchrun job's log lines)."""
+    import json
+    import subprocess
+    args = ["train", spec, "--strategy", strategy, "--steps", str(steps), "--dtype", "float64", "--json"]
+    torchrun = Path(sys.executable).with_name("torchrun")
+    job = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "rhino.cli.main", "--", *args,
+                          "--log", str(tmp_path / "log.jsonl")], capture_output=True, text=True, cwd=ROOT, timeout=600)
+    assert job.returncode == 0, job.stderr[-2000:]
+    local = subprocess.run([sys.executable, "-m", "rhino.cli.main", *args], capture_output=True, text=True,
+                           cwd=ROOT, timeout=600)
+    assert local.returncode == 0, local.stderr[-2000:]
+    lines = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
+    return json.loads(job.stdout.strip().splitlines()[-1]), json.loads(local.stdout), lines

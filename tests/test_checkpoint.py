@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import eager_losses
 from rhino.runtime.collectives import shard_tensor
 from rhino.runtime.launch import RankFailedError, launch
 from rhino.sharding.placement import Shard
@@ -197,21 +198,6 @@ def _cli(*args, timeout=600):
                           cwd=ROOT, timeout=timeout)
 
 
-def _eager_losses(steps: int) -> list[float]:
-    """The plain single-device loop over the workload's batches, float64."""
-    from rhino.capture import default_dtype, load_workload
-    with default_dtype(torch.float64):
-        w = load_workload(GPT)
-        it, losses = w.batches(), []
-        for _ in range(steps):
-            w.optimizer.zero_grad()
-            loss = w.loss_fn(w.model, *next(it))
-            loss.backward()
-            w.optimizer.step()
-            losses.append(loss.item())
-    return losses
-
-
 @pytest.mark.multiprocess
 def test_rhino_train_checkpoint_resume_and_export_on_the_command_line(tmp_path):
     """--resume on an empty directory starts at step 0; 4 steps saved every 2, then --steps 6 --resume continues
@@ -228,7 +214,7 @@ def test_rhino_train_checkpoint_resume_and_export_on_the_command_line(tmp_path):
     assert second.returncode == 0, second.stderr[-2000:]
     b = json.loads(second.stdout)
     assert b["resumed_from_step"] == 4 and len(b["losses"]) == 2
-    want = _eager_losses(6)
+    want = eager_losses(GPT, 6)
     for got, ref in zip(a["losses"] + b["losses"], want):
         assert abs(got - ref) <= RTOL * abs(ref), (got, ref)
     out = _cli("export", d, "--out", tmp_path / "gpt.pt", "--json", timeout=300)

@@ -6,15 +6,11 @@ stages) under ``pp=2,microbatches=2``, 4 steps, saving after step 2; and PyTorch
 the same batches. Resumed runs must give the same losses and, on every rank, the same held state."""
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, eager_losses, torchrun_train
 from rhino.runtime.launch import launch
 
 GPT = str(ROOT / "examples" / "gpt.py")
@@ -36,21 +32,6 @@ def _run(ctx, strategy, steps, directory, save_at, resume):
             "info": None if info is None else info.to_dict()}
 
 
-def _eager_losses(steps: int) -> list[float]:
-    """PyTorch's single-device loop over the workload's batches, float64."""
-    from rhino.capture import default_dtype, load_workload
-    with default_dtype(torch.float64):
-        w = load_workload(GPT)
-        it, losses = w.batches(), []
-        for _ in range(steps):
-            w.optimizer.zero_grad()
-            loss = w.loss_fn(w.model, *next(it))
-            loss.backward()
-            w.optimizer.step()
-            losses.append(loss.item())
-    return losses
-
-
 def _close(a: float, b: float) -> bool:
     return abs(a - b) <= TOL * max(1.0, abs(b))
 
@@ -64,7 +45,7 @@ def test_pipeline_checkpoint_resumes_under_the_same_and_another_plan(tmp_path):
     whole = launch(_run, 2, "pp=2,microbatches=2", 4, str(d), (2,), False, timeout_s=300)
     assert "tok.weight" in whole[0]["local"] and "tok.weight" in whole[1]["local"]   # held by both stages
     assert set(whole[0]["local"]) != set(whole[1]["local"])
-    want = _eager_losses(4)
+    want = eager_losses(GPT, 4)
     assert all(_close(a, b) for a, b in zip(whole[0]["losses"], want)), (whole[0]["losses"], want)
     same = launch(_run, 2, "pp=2,microbatches=2", 4, str(d), (), True, timeout_s=300)
     for rank in range(2):
@@ -87,16 +68,7 @@ def test_pipeline_checkpoint_resumes_under_the_same_and_another_plan(tmp_path):
 def test_rhino_train_pipeline_under_torchrun_matches_the_local_launcher(tmp_path):
     """``rhino train --strategy pp=2,microbatches=2`` as the 2 ranks of a torchrun job: the local launcher's
     losses, and each step's loss in the log."""
-    args = ["train", MLP, "--strategy", "pp=2,microbatches=2", "--steps", "3", "--dtype", "float64", "--json"]
-    torchrun = Path(sys.executable).with_name("torchrun")
-    job = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "rhino.cli.main", "--", *args,
-                          "--log", str(tmp_path / "log.jsonl")], capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert job.returncode == 0, job.stderr[-2000:]
-    local = subprocess.run([sys.executable, "-m", "rhino.cli.main", *args], capture_output=True, text=True,
-                           cwd=ROOT, timeout=600)
-    assert local.returncode == 0, local.stderr[-2000:]
-    a, b = json.loads(job.stdout.strip().splitlines()[-1]), json.loads(local.stdout)
+    a, b, lines = torchrun_train(tmp_path, MLP, "pp=2,microbatches=2", 3)
     assert a["nproc"] == 2 and a["mesh"] == "pp2xdp1" and a["losses"] == b["losses"]
     assert len(set(a["losses"])) == 3
-    lines = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3] and [x["loss"] for x in lines] == a["losses"]

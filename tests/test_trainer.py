@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conftest import eager_losses, torchrun_train
 from rhino.capture import capture, load_workload
 from rhino.runtime.data import batch_stream, check_batch, rank_batch
 from rhino.sharding.plan import resolve
@@ -90,26 +91,6 @@ def test_api_capture_estimate_plan_memory():
     assert mem.valid and mem.height > 0
 
 
-def _plain_losses(spec: str, steps: int) -> list[float]:
-    """A plain PyTorch loop over the workload file's batches(), in float64."""
-    w = load_workload(spec, dtype=torch.float64)
-    before = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    try:
-        it = w.batches()
-        losses = []
-        for _ in range(steps):
-            batch = next(it)
-            w.optimizer.zero_grad(set_to_none=True)
-            loss = w.loss_fn(w.model, *batch)
-            loss.backward()
-            w.optimizer.step()
-            losses.append(loss.item())
-        return losses
-    finally:
-        torch.set_default_dtype(before)
-
-
 @pytest.mark.multiprocess
 def test_rhino_train_with_batches_equals_a_plain_pytorch_loop():
     """20 steps of ``rhino train --strategy dp=2`` over ``batches()``, float64: every step's loss equals the
@@ -119,7 +100,7 @@ def test_rhino_train_with_batches_equals_a_plain_pytorch_loop():
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout)
-    want = _plain_losses(GPT, 20)
+    want = eager_losses(GPT, 20)
     assert len(r["losses"]) == 20
     for step, (got, ref) in enumerate(zip(r["losses"], want)):
         assert abs(got - ref) <= 1e-9 * max(1.0, abs(ref)), (step, got, ref)
@@ -139,17 +120,8 @@ def test_rhino_train_errors_are_one_sentence(tmp_path):
 @pytest.mark.multiprocess
 def test_rhino_train_under_torchrun_matches_the_local_launcher(tmp_path):
     """The same command as one rank per process of a torchrun job: same losses as ``rhino train --nproc``."""
-    args = ["train", MLP, "--strategy", "dp=2", "--steps", "3", "--dtype", "float64", "--json"]
-    torchrun = Path(sys.executable).with_name("torchrun")
-    job = subprocess.run([str(torchrun), "--standalone", "--nproc_per_node", "2", "-m", "rhino.cli.main", "--", *args,
-                          "--log", str(tmp_path / "log.jsonl")], capture_output=True, text=True, cwd=ROOT, timeout=600)
-    assert job.returncode == 0, job.stderr[-2000:]
-    local = subprocess.run([sys.executable, "-m", "rhino.cli.main", *args], capture_output=True, text=True,
-                           cwd=ROOT, timeout=600)
-    assert local.returncode == 0, local.stderr[-2000:]
-    a, b = json.loads(job.stdout.strip().splitlines()[-1]), json.loads(local.stdout)
+    a, b, lines = torchrun_train(tmp_path, MLP, "dp=2", 3)
     assert a["nproc"] == 2 and a["losses"] == b["losses"]
-    lines = [json.loads(x) for x in (tmp_path / "log.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2, 3] and [x["loss"] for x in lines] == a["losses"]
 
 
@@ -162,5 +134,5 @@ def test_rhino_train_with_microbatches_and_recompute_equals_the_whole_batch_loop
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout)
-    for step, (got, ref) in enumerate(zip(r["losses"], _plain_losses(GPT, 4))):
+    for step, (got, ref) in enumerate(zip(r["losses"], eager_losses(GPT, 4))):
         assert abs(got - ref) <= 1e-9 * max(1.0, abs(ref)), (step, got, ref)
