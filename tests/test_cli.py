@@ -91,3 +91,25 @@ def test_demo(capsys):
     code, out, _ = run(capsys, "demo")
     assert code == 0
     assert "check OK: steps=2" in out and "FLOPs" in out and "params" in out
+
+
+def test_entry_leaves_at_once_while_a_solver_thread_runs():
+    """``rhino`` (cli.main.entry) exits with main's code without interpreter shutdown while a layout search
+    thread is still alive (shutdown would end it inside native code: SIGABRT), and normally otherwise."""
+    import subprocess
+    import sys
+    code = ("import atexit, threading, time, rhino.cli.main as m\n"
+            "from rhino.memory.layout import SOLVER_THREAD\n"
+            "atexit.register(lambda: print('shutdown', flush=True))\n"
+            "def fake(argv=None):\n"
+            "    if {alive}:\n"
+            "        threading.Thread(target=time.sleep, args=(60,), daemon=True, name=SOLVER_THREAD + 'x').start()\n"
+            "    print('done', flush=True)\n"
+            "    return 3\n"
+            "m.main = fake\n"
+            "m.entry()\n")
+    for alive, shutdown in ((True, False), (False, True)):
+        out = subprocess.run([sys.executable, "-c", code.format(alive=alive)], capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 3 and "done" in out.stdout, out.stderr[-1000:]
+        assert ("shutdown" in out.stdout) == shutdown, (alive, out.stdout)

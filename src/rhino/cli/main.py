@@ -3,12 +3,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import threading
 
 from ..capture.workload import WorkloadError
 from ..ir.verify import VerifyError
 
-__all__ = ["main"]
+__all__ = ["entry", "main"]
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -36,5 +38,19 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
 
+def entry() -> None:
+    """The ``rhino`` executable: ``main``, then exit. A layout search thread left running at its deadline
+    (``memory.layout``: its set-up cannot be interrupted) may still be inside OR-Tools' native code; at
+    interpreter shutdown such a daemon thread is ended mid-call, which aborts the process (SIGABRT) after
+    the result was printed. So when one is alive, leave at once once the output is flushed."""
+    from ..memory.layout import SOLVER_THREAD
+    code = main()
+    if any(t.is_alive() and t.name.startswith(SOLVER_THREAD) for t in threading.enumerate()):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    sys.exit(code)
+
+
 if __name__ == "__main__":
-    sys.exit(main())
+    entry()

@@ -238,6 +238,9 @@ def _best_greedy(buffers: Sequence[Buffer], deadline: float | None = None) -> tu
     return best
 
 
+SOLVER_THREAD = "rhino-solver-"   # name prefix of the search threads left running at a deadline (see cli.main.entry)
+
+
 def _fit(buffers: Sequence[Buffer], capacity: int, deadline: float, options: LayoutOptions,
          say: Progress, floor: list[int] | None = None) -> tuple[SearchStatus, dict | None, str, int]:
     """One capacity: branch and bound here and CP-SAT in a thread, the first answer wins (``floor``:
@@ -289,8 +292,8 @@ def _fit(buffers: Sequence[Buffer], capacity: int, deadline: float, options: Lay
     # both run in threads that this one leaves at the deadline (their set-up cannot be interrupted; they
     # stop at their next check of ``stop``), so that the time limit holds
     done: list = []
-    worker = threading.Thread(target=portfolio, daemon=True) if options.cpsat else None
-    searcher = threading.Thread(target=exact, daemon=True) if bnb else None
+    worker = threading.Thread(target=portfolio, daemon=True, name=SOLVER_THREAD + "cp-sat") if options.cpsat else None
+    searcher = threading.Thread(target=exact, daemon=True, name=SOLVER_THREAD + "bnb") if bnb else None
     for t in (worker, searcher):
         if t is not None:
             t.start()
