@@ -47,6 +47,7 @@ from dataclasses import dataclass, field
 
 from ..ir.analysis import analyze
 from ..ir.graph import Graph, Role
+from ..ir.registry import Accumulate, lookup
 from ..ir.stages import Phase, Schedule, StageAssignment, assign_stages, contiguous_cut, schedule_order
 from ..sharding.placement import local_shape
 from ..sharding.plan import ResolvedPlan
@@ -438,6 +439,11 @@ def _accumulation_seconds(graph: Graph, rp: ResolvedPlan, stage: list[int], V: i
 _PASSES: dict = {}
 
 
+def _accumulate(op: str) -> Accumulate | None:
+    opdef = lookup(op)
+    return None if opdef is None else opdef.accumulate
+
+
 def _gradient_passes(graph: Graph) -> list[tuple[int, int, int]]:
     """(gradient value, index of its producer, passes of its accumulation) per accumulated gradient
     (``_accumulation_seconds``); remembered for the last graph."""
@@ -456,9 +462,10 @@ def _gradient_passes(graph: Graph) -> list[tuple[int, int, int]]:
         if i is None:
             continue
         j = i
-        while graph.nodes[j].op == "aten.t.default" and a.producer.get(graph.nodes[j].input_refs()[0].id) is not None:
+        while _accumulate(graph.nodes[j].op) is Accumulate.SEE_THROUGH \
+                and a.producer.get(graph.nodes[j].input_refs()[0].id) is not None:
             j = a.producer[graph.nodes[j].input_refs()[0].id]
-        out.append((vid, i, 1 if graph.nodes[j].op == "aten.mm.default" else 3))
+        out.append((vid, i, 1 if _accumulate(graph.nodes[j].op) is Accumulate.MATMUL else 3))
     _PASSES["last"] = (weakref.ref(graph), out)
     return out
 

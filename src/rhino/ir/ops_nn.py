@@ -6,11 +6,11 @@ from typing import Mapping
 
 from .annotation import Annotation, Dim, parse
 from .graph import Ref
-from .registry import Family, Linear, Lowering, OpCall, OpKind, OutputRule, SizeArg, SizeRule, register
+from .registry import Accumulate, Family, Linear, Lowering, OpCall, OpKind, OutputRule, SizeArg, SizeRule, register
 from .rules import NewLetters, elementwise, letters
 
 M = OpKind.MATMUL
-register("aten.mm.default", M, "m k+, k+ n -> m n", linear=Linear.ONE)
+register("aten.mm.default", M, "m k+, k+ n -> m n", linear=Linear.ONE, accumulate=Accumulate.MATMUL)
 register("aten.bmm.default", M, "b m k+, b k+ n -> b m n", linear=Linear.ONE)
 register("aten.dot.default", M, "k+, k+ -> ")
 register("aten.mv.default", M, "m k+, k+ -> m")

@@ -4,7 +4,7 @@ from __future__ import annotations
 from math import ceil, prod
 
 from .annotation import Annotation, Dim
-from .registry import Family, Linear, OpCall, OpKind, SizeArg, SizeRule, Values, register
+from .registry import Accumulate, Family, Linear, OpCall, OpKind, SizeArg, SizeRule, Values, register
 from .types import DType
 from .rules import NewLetters, fixed_from_types, letters, norm_dim
 
@@ -135,7 +135,7 @@ def squeeze_rule(call: OpCall) -> Annotation:
 
 register("aten.permute.default", V, permute_rule, family=Family.PERMUTE)
 register("aten.transpose.int", V, transpose_rule, family=Family.TRANSPOSE)
-register("aten.t.default", V, transpose_rule, family=Family.PERMUTE)
+register("aten.t.default", V, transpose_rule, family=Family.PERMUTE, accumulate=Accumulate.SEE_THROUGH)
 register("aten.expand.default", V, expand_rule, size_args=_SHAPE_ARG)
 register("aten.unsqueeze.default", V, unsqueeze_rule)
 # locally: squeeze the dims of global size 1 only (a split dim may have size 1 on a rank)

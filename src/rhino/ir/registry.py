@@ -13,8 +13,9 @@ later stages read with ``lookup(op).<fact>`` instead of keeping tables keyed by 
 sizes that the SPMD lowering rewrites to local ones), ``local_op`` (the op a rank calls on its
 shard), ``lowering`` (the key of a custom SPMD lowering), ``reduces``/``per_channel`` (the
 all-reduces that lowering adds, for the cost model), ``outputs`` (output placements the lowering
-makes other than the annotation's), ``family`` (structural roles the planners look for) and
-``values`` (random or uninitialised results).
+makes other than the annotation's), ``family`` (structural roles the planners look for),
+``values`` (random or uninitialised results) and ``accumulate`` (what the fusion of gradient accumulation
+into a matrix product, ``lower.accumulate``, can see through or fuse).
 """
 from __future__ import annotations
 
@@ -118,6 +119,13 @@ class Family(str, Enum):
     EMBEDDING = "embedding"    # a lookup of rows of the table in argument 0
 
 
+class Accumulate(str, Enum):
+    """The op's part in fusing ``acc.add_(g)`` into the product that makes ``g`` (``lower.accumulate``)."""
+
+    MATMUL = "matmul"          # its product can be added into the accumulator (mm -> addmm_)
+    SEE_THROUGH = "see_through"  # a transpose view between the product and the addition (t)
+
+
 class Values(str, Enum):
     """What the op's output values are."""
 
@@ -179,6 +187,7 @@ class OpDef:
     outputs: OutputRule | None = None
     family: Family | None = None
     values: Values = Values.COMPUTED
+    accumulate: Accumulate | None = None
 
 
 REGISTRY: dict[str, OpDef] = {}
