@@ -34,8 +34,8 @@ def _rhino(args, env_extra=None, timeout=300):
 def reference():
     """The uninterrupted 10-step run: plain single-device PyTorch over the same batches(), float64 (in this
     process; it equals an uninterrupted ``rhino train --strategy dp=2`` to 1.6e-16 relative, measured)."""
-    from test_trainer import _plain_losses
-    return _plain_losses(GPT, 10)
+    from conftest import eager_losses
+    return eager_losses(GPT, 10)
 
 
 def _assert_losses_equal(got, want):

@@ -119,7 +119,10 @@ def run_from_env(fn: Callable[..., Any], *args: Any, timeout_s: float = 60.0) ->
     """``fn(ctx, *args)`` as this rank of a ``torchrun`` job; the process group is destroyed after."""
     ctx = init_from_env(timeout_s)
     try:
-        return fn(ctx, *args)
+        out = fn(ctx, *args)
+        if ctx.world_size > 1:   # every rank done communicating before any tears its groups down
+            dist.barrier()
+        return out
     finally:
         shutdown()
 
