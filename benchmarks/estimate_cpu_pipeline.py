@@ -37,8 +37,8 @@ WARMUP = 2   # untimed steps: the first steps of a process pay for page faults a
 STEPS = 5
 
 
-def _rank_main(ctx, graph_json: str, runs: list, state: dict, batch: tuple) -> list[list[tuple]]:
-    """Per plan: (busy, idle) of each timed step on this rank."""
+def rank_steps(ctx, graph_json: str, runs: list, state: dict, batch: tuple):
+    """Per plan of ``runs`` on this rank: (its ``PipelineStep``, the rank's local state, its local batch)."""
     from rhino.ir.graph import Graph
     from rhino.lower.spmd_ops import set_context
     from rhino.runtime.collectives import TORCH_COLLECTIVES
@@ -47,14 +47,19 @@ def _rank_main(ctx, graph_json: str, runs: list, state: dict, batch: tuple) -> l
     from rhino.runtime.pipeline_run import pipeline_rank_state
     from rhino.sharding.plan import ShardingPlan
     graph = Graph.from_json(graph_json)
-    out, groups = [], None
+    groups = None
     for plan_json, micro_json in runs:
         plan = ShardingPlan.from_json(plan_json)
         groups = groups or build_stage_groups(plan.mesh, plan.stages, 600)
         step = PipelineStep(graph, plan, ctx.rank, ctx.device, micro_graph=Graph.from_json(micro_json))
         set_context(plan.mesh, step.local, groups, TORCH_COLLECTIVES)
-        local = pipeline_rank_state(step, state, ctx.device)
-        b = step.local_batch(batch)
+        yield step, pipeline_rank_state(step, state, ctx.device), step.local_batch(batch)
+
+
+def _rank_main(ctx, graph_json: str, runs: list, state: dict, batch: tuple) -> list[list[tuple]]:
+    """Per plan: (busy, idle, waiting, posting) of each timed step on this rank."""
+    out = []
+    for step, local, b in rank_steps(ctx, graph_json, runs, state, batch):
         for _ in range(WARMUP + STEPS):
             step.run(local, b)
         out.append([(t.busy, t.idle, t.waiting, t.posting) for t in step.times[WARMUP:]])

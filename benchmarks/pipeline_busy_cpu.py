@@ -27,6 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "benchmarks"))
 from estimate_cpu import WORKLOADS, _capture  # noqa: E402  (same workloads and capture)
+from estimate_cpu_pipeline import rank_steps  # noqa: E402  (same per-rank set-up)
 
 STRATEGIES = ["pp=2,microbatches=2", "pp=2,microbatches=8", "pp=2,microbatches=8,schedule=interleaved,chunks=2"]
 WARMUP, STEPS = 3, 5
@@ -34,22 +35,8 @@ WARMUP, STEPS = 3, 5
 
 def _rank_main(ctx, graph_json: str, runs: list, state: dict, batch: tuple) -> list[dict]:
     """Per plan: program key -> median thread-CPU seconds per call."""
-    from rhino.ir.graph import Graph
-    from rhino.lower.spmd_ops import set_context
-    from rhino.runtime.collectives import TORCH_COLLECTIVES
-    from rhino.runtime.groups import build_stage_groups
-    from rhino.runtime.pipeline import PipelineStep
-    from rhino.runtime.pipeline_run import pipeline_rank_state
-    from rhino.sharding.plan import ShardingPlan
-    graph = Graph.from_json(graph_json)
-    out, groups = [], None
-    for plan_json, micro_json in runs:
-        plan = ShardingPlan.from_json(plan_json)
-        groups = groups or build_stage_groups(plan.mesh, plan.stages, 600)
-        step = PipelineStep(graph, plan, ctx.rank, ctx.device, micro_graph=Graph.from_json(micro_json))
-        set_context(plan.mesh, step.local, groups, TORCH_COLLECTIVES)
-        local = pipeline_rank_state(step, state, ctx.device)
-        b = step.local_batch(batch)
+    out = []
+    for step, local, b in rank_steps(ctx, graph_json, runs, state, batch):
         for _ in range(WARMUP):
             step.run(local, b)
         calls = collections.defaultdict(list)
