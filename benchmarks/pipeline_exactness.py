@@ -113,7 +113,10 @@ def main() -> None:
     for name in args.examples.split(","):
         for strategy in strategies:
             t0 = time.perf_counter()
-            d = simulated(name, strategy) if args.sim else real(name, strategy)
+            try:
+                d = simulated(name, strategy) if args.sim else real(name, strategy)
+            except ValueError as exc:   # a plan the workload cannot take (e.g. a micro-batch too small to split)
+                d = {"ok": False, "error": str(exc)}
             idle = d.get("pipeline", {}).get("idle_fraction", "-")
             losses = ", ".join(f"{x:.6f}" for x in d.get("losses", []))
             print(f"| {name.split(':')[-1]} | {strategy} | {d.get('nproc', '-')} | {'yes' if d.get('ok') else 'NO'} | "

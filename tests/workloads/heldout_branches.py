@@ -12,6 +12,7 @@ mean of its micro-batches.
 - ``longskip``: the input embedding added to the last layer's output, LayerNorm / GELU / softmax gate; SGD.
 - ``sandwich``: one weight matrix used by the first layer and (transposed) by the last; Adam.
 - ``gnresnet``: conv net with GroupNorm and a strided residual downsample path; SGD momentum.
+- ``towers``: an image and a token tower, a frozen layer, a position buffer, a logit scale used only in the loss; AdamW.
 """
 import torch
 import torch.nn as nn
@@ -330,4 +331,43 @@ def gnresnet():
     return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9, weight_decay=1e-4), _cls_loss, (x, y)
 
 
-WORKLOADS = ["siamese", "t5", "densenet", "inception", "multitask", "longskip", "sandwich", "gnresnet"]
+# ---------------------------------------------------------------- two different towers, frozen layer, buffer
+class Towers(nn.Module):
+    """An image tower (conv) and a token tower (embedding + a registered position buffer), a frozen
+    projection, a learnable logit scale used only in the loss (CLIP-like, but a per-pair loss)."""
+
+    def __init__(self, vocab=30, seq=5, hidden=16):
+        super().__init__()
+        self.conv = nn.Conv2d(3, 4, 3, padding=1)
+        self.img_fc = nn.Linear(4, hidden)
+        self.tok = nn.Embedding(vocab, hidden)
+        pos = torch.arange(seq, dtype=torch.get_default_dtype())[:, None] / 10 ** (torch.arange(hidden) / hidden)
+        self.register_buffer("pos", torch.sin(pos))
+        self.txt_fc = nn.Linear(hidden, hidden)
+        self.frozen = nn.Linear(hidden, hidden)
+        self.frozen.requires_grad_(False)
+        self.logit_scale = nn.Parameter(torch.tensor(2.0))
+
+    def forward(self, img, ids):
+        zi = self.img_fc(F.relu(self.conv(img)).mean((2, 3)))
+        zt = self.txt_fc(torch.tanh(self.tok(ids) + self.pos).mean(1))
+        zi, zt = F.normalize(self.frozen(zi), dim=-1), F.normalize(zt, dim=-1)
+        return (zi * zt).sum(-1)
+
+
+def _towers_loss(model, img, ids, match):
+    return F.binary_cross_entropy_with_logits(model.logit_scale * model(img, ids), match)
+
+
+def towers():
+    torch.manual_seed(0)
+    model = Towers()
+    g = _gen()
+    img = torch.randn(BATCH, 3, 6, 6, generator=g)
+    ids = torch.randint(0, 30, (BATCH, 5), generator=g)
+    match = (torch.rand(BATCH, generator=g) < 0.5).to(img.dtype)
+    params = [p for p in model.parameters() if p.requires_grad]
+    return model, torch.optim.AdamW(params, lr=1e-2), _towers_loss, (img, ids, match)
+
+
+WORKLOADS = ["siamese", "t5", "densenet", "inception", "multitask", "longskip", "sandwich", "gnresnet", "towers"]
