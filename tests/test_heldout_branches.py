@@ -72,6 +72,16 @@ def test_heldout_pipelines_match_single_device_training_on_every_rank(name, stra
         assert "frozen.weight" in holders
 
 
+def test_a_micro_batch_too_small_for_the_stage_mesh_is_refused_in_one_sentence():
+    """pp=2,dp=2,tp=2 at 2-row micro-batches: the tp preset splits the rows of the siamese encoder's LayerNorm
+    over tp as well as dp (an all-to-all after the column-parallel matmul), so 2 rows do not split 4 ways; the
+    error says what to change."""
+    cap = _cap("siamese")
+    plan = preset_plan(cap.graph, parse_strategy("pp=2,dp=2,tp=2,microbatches=4"))
+    with pytest.raises(ValueError, match="microbatches=4: a micro-batch cannot be split.*use fewer micro-batches"):
+        simulate_pipeline(cap, plan, 1)
+
+
 @pytest.mark.slow
 def test_searched_stage_cut_of_a_tied_encoder_decoder_runs_exactly():
     """The search's own stage cut (search/stages.py, not the default contiguous cut) of the T5-like model,
