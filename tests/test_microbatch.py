@@ -163,3 +163,33 @@ def test_rhino_run_with_a_micro_batch_plan_file_on_two_processes(capsys, tmp_pat
     assert out["nproc"] == 2 and out["max_abs_diff"] < 1e-9 and len(out["losses"]) == 2
     assert sorted(p.name for p in (tmp_path / "ranks").iterdir()) == [
         f"rank{r}_{k}.py" for r in range(2) for k in ("grad", "grad_first", "update")]
+
+
+# -- micro-batches of one row (runtime.microbatch) ---------------------------------------------------------
+def test_one_row_micro_batches_run_from_the_derived_step():
+    """At one row BERT's attention takes other code paths (a view where two rows copy), so the direct capture
+    has 638 nodes for the step's 658; the derived step has the step's structure and the accumulation over
+    8 one-row micro-batches equals PyTorch's loop on every rank (float64)."""
+    from rhino.runtime.microbatch import _capture_units, microbatch_graph
+    from rhino.runtime.rank_step import same_structure
+    cap = _cap(str(ROOT / "examples" / "bert.py"))     # batch 8
+    with pytest.raises(ValueError, match="differs from the whole-batch step"):
+        same_structure(cap.graph, _capture_units(cap, 8, 1), 8)
+    micro = microbatch_graph(cap, 8)
+    same_structure(cap.graph, micro, 8)
+    assert all(micro.types[i.value].shape[0] == 1 for i in micro.inputs if i.role.value == "batch")
+    for strategy in ("microbatches=8", "dp=2,microbatches=4"):   # one row per micro-batch, per rank
+        r, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy(strategy)), 2)
+        assert r.ok, (strategy, r.first_mismatch)
+
+
+def test_numbers_are_fitted_linear_or_reciprocal_and_checked():
+    from rhino.runtime.microbatch import _at_one, _NotAFunctionOfK
+    # at k = 3 and 4, checked at k = 2 and k = m = 8: a size 32 k, a constant 1 / (32 k), an unchanged -inf
+    assert _at_one([96, 4], [128, 4], {2: [64, 4], 8: [256, 4]}) == [32, 4]
+    assert _at_one(1 / 96, 1 / 128, {2: 1 / 64, 8: 1 / 256}) == pytest.approx(1 / 32, rel=1e-12)
+    assert _at_one(float("-inf"), float("-inf"), {2: float("-inf"), 8: float("-inf")}) == float("-inf")
+    with pytest.raises(_NotAFunctionOfK):      # 9, 16 at k = 3, 4 but 4 at k = 2: k^2, not linear
+        _at_one(9, 16, {2: 4, 8: 64})
+    with pytest.raises(_NotAFunctionOfK):
+        _at_one("mean", "sum", {2: "mean", 8: "mean"})

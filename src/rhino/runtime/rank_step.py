@@ -19,8 +19,9 @@ PyTorch's loop ``for mb: (loss_fn(model, *mb) / m).backward(); opt.step()``.
 
 The micro-batch program needs the step's constants at batch B/m (a mean's 1/N, a loss's total weight
 are numbers in the captured graph), so it is lowered from the step **captured again at batch B/m**
-(``microbatch_graph``), with the plan applied by node name; ``same_structure`` checks that the two
-graphs differ only in the batch dim and in numbers (a clear error otherwise).
+(``microbatch_graph``, ``runtime.microbatch``: derived from captures at larger micro-batches where PyTorch
+takes other code paths at one row), with the plan applied by node name; ``same_structure`` checks that the
+two graphs differ only in the batch dim and in numbers (a clear error otherwise).
 
 **Recomputation**: a ``plan.recompute`` other than ``Recompute.NONE`` rewrites the step with ``cost.remat.remat``
 (``with_recompute``) before anything is lowered (with micro-batches, the step at batch B/m).
@@ -33,12 +34,11 @@ reduction per bucket).
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from typing import Callable, Generator
 
 import torch
 
-from ..capture import Captured, capture, default_dtype
+from ..capture import Captured
 from ..ir.graph import Graph, Ref, Role
 from ..lower.overlap import release_inputs
 from ..lower.spmd import Part, SpmdProgram, lower_rank
@@ -47,6 +47,7 @@ from ..cost.remat import remat, remat_plan
 from ..sharding.placement import Partial, ReduceOp, replicated
 from ..sharding.plan import PlanError, ResolvedPlan, ShardingPlan, resolve
 from ..sharding.vocab import Recompute
+from .microbatch import microbatch_graph
 
 __all__ = ["RankStep", "microbatch_graph", "same_structure", "with_recompute", "Executor", "rank_program_sources"]
 
@@ -63,21 +64,6 @@ def with_recompute(graph: Graph, plan: ShardingPlan) -> tuple[Graph, ShardingPla
         return graph, plan
     new, origin = remat(graph, plan.recompute)
     return new, remat_plan(plan, origin)
-
-
-def microbatch_graph(cap: Captured, microbatches: int) -> Graph:
-    """The training step captured again on the first B/m rows of every batch tensor (B: dim 0)."""
-    micro = []
-    for i, b in enumerate(cap.workload.batch):
-        if not isinstance(b, torch.Tensor) or b.dim() == 0 or b.shape[0] % microbatches:
-            size = b.shape[0] if isinstance(b, torch.Tensor) and b.dim() else "no batch dim"
-            raise ValueError(f"batch tensor {i} has dim 0 of size {size}, which does not split into "
-                             f"{microbatches} micro-batches; choose microbatches dividing the batch size")
-        micro.append(b[: b.shape[0] // microbatches])
-    dtypes = {p.dtype for p in cap.workload.model.parameters() if p.is_floating_point()}
-    with warnings.catch_warnings(), default_dtype(torch.float64 if dtypes == {torch.float64} else None):
-        warnings.simplefilter("ignore")
-        return capture(dataclasses.replace(cap.workload, batch=tuple(micro))).graph
 
 
 def _same_args(a, b) -> bool:

@@ -1,0 +1,148 @@
+"""The training step at batch B/m (``microbatch_graph``): what the micro-batch programs are lowered from.
+
+The step is captured again on the first B/m rows of every batch tensor. Its structure (nodes, ops, wiring)
+must be the whole-batch step's, as the plan is applied by node name (``rank_step.same_structure``). PyTorch
+does not always give that: a tensor with a dimension of size 1 counts as contiguous after a transpose, so at
+one row per micro-batch ``reshape`` becomes a ``view`` where it copies at two rows or more (``clone`` +
+``_unsafe_view``), and ``linear`` folds into ``addmm`` (BERT's attention, a T5 decoder).
+
+**Derived step** (used only when the direct capture's structure differs). The step is captured at k = 3 and
+4 units of B/m rows (rows past B repeat the batch: only shapes matter), where PyTorch takes the whole-batch
+code paths. Every number that differs between the two captures (a shape, a size argument, a constant like a
+mean's 1/N) is taken as a function of k, linear in k or, failing that, with a linear reciprocal; each such
+fit is checked exactly at k = 2 (a third capture) and at k = m (the whole-batch step), and the step at k = 1
+is the whole-batch structure with every number evaluated at k = 1. Any number that fits neither form, and any
+difference of structure between the captures, keeps the direct capture, which ``same_structure`` then
+refuses with its message.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+import warnings
+
+import torch
+
+from ..capture import Captured, capture, default_dtype
+from ..ir.graph import Graph, Ref
+from ..ir.types import TensorType
+
+__all__ = ["microbatch_graph"]
+
+_FIT_UNITS = (3, 4)        # k of the two captures every number is fitted on
+_CHECK_UNIT = 2            # k of a third capture each fit must reproduce exactly (as must the whole batch, k = m)
+
+
+class _NotAFunctionOfK(Exception):
+    """A number of the captures is not linear (nor reciprocal-linear) in the micro-batch size."""
+
+
+def microbatch_graph(cap: Captured, microbatches: int) -> Graph:
+    """The training step at batch B/m (module docstring)."""
+    from .rank_step import same_structure
+    direct = _capture_units(cap, microbatches, 1)
+    try:
+        same_structure(cap.graph, direct, microbatches)
+        return direct
+    except ValueError:
+        pass
+    derived = _derived(cap, microbatches, direct)
+    return direct if derived is None else derived
+
+
+def _capture_units(cap: Captured, microbatches: int, units: int) -> Graph:
+    """The step captured on ``units`` x B/m rows of every batch tensor (rows past B repeat the batch)."""
+    micro = []
+    for i, b in enumerate(cap.workload.batch):
+        if not isinstance(b, torch.Tensor) or b.dim() == 0 or b.shape[0] % microbatches:
+            size = b.shape[0] if isinstance(b, torch.Tensor) and b.dim() else "no batch dim"
+            raise ValueError(f"batch tensor {i} has dim 0 of size {size}, which does not split into "
+                             f"{microbatches} micro-batches; choose microbatches dividing the batch size")
+        rows = b.shape[0] // microbatches * units
+        if rows > b.shape[0]:
+            b = torch.cat([b] * math.ceil(rows / b.shape[0]))
+        micro.append(b[:rows])
+    dtypes = {p.dtype for p in cap.workload.model.parameters() if p.is_floating_point()}
+    with warnings.catch_warnings(), default_dtype(torch.float64 if dtypes == {torch.float64} else None):
+        warnings.simplefilter("ignore")
+        return capture(dataclasses.replace(cap.workload, batch=tuple(micro))).graph
+
+
+def _derived(cap: Captured, m: int, direct: Graph) -> Graph | None:
+    """The whole-batch structure with every number at one unit of B/m rows, or None (module docstring)."""
+    at = {k: _capture_units(cap, m, k) for k in (_CHECK_UNIT, *_FIT_UNITS)}
+    at[m] = cap.graph
+    a, b = (at[k] for k in _FIT_UNITS)
+    checks = {k: at[k] for k in (_CHECK_UNIT, m)}
+    try:
+        for g in [b, *checks.values()]:
+            _same_frame(a, g)
+        types = {v: TensorType(tuple(_at_one(a.types[v].shape, b.types[v].shape,
+                                            {k: g.types[v].shape for k, g in checks.items()})), a.types[v].dtype)
+                 for v in a.types}
+        nodes = [dataclasses.replace(
+            n, args=_at_one(n.args, b.nodes[i].args, {k: g.nodes[i].args for k, g in checks.items()}),
+            kwargs=_at_one(n.kwargs, b.nodes[i].kwargs, {k: g.nodes[i].kwargs for k, g in checks.items()}))
+            for i, n in enumerate(a.nodes)]
+    except _NotAFunctionOfK:
+        return None
+    if any(d1 <= 0 < d3 for v in types for d1, d3 in zip(types[v].shape, a.types[v].shape)):
+        return None                # a dimension that vanishes at one unit: not this kind of step
+    return dataclasses.replace(a, types=types, nodes=nodes, meta=dict(direct.meta))
+
+
+def _same_frame(a: Graph, g: Graph) -> None:
+    """Everything but the numbers is the same in ``a`` and ``g``: inputs, outputs, constants, node names,
+    ops and outputs, and the set of values."""
+    same = ([(i.name, i.role, i.value) for i in a.inputs] == [(i.name, i.role, i.value) for i in g.inputs]
+            and [(o.name, o.role, o.value) for o in a.outputs] == [(o.name, o.role, o.value) for o in g.outputs]
+            and a.constants == g.constants and a.types.keys() == g.types.keys()
+            and all(a.types[v].dtype == g.types[v].dtype and len(a.types[v].shape) == len(g.types[v].shape)
+                    for v in a.types)
+            and len(a.nodes) == len(g.nodes)
+            and all((x.name, x.op, x.outputs, x.multi) == (y.name, y.op, y.outputs, y.multi)
+                    for x, y in zip(a.nodes, g.nodes)))
+    if not same:
+        raise _NotAFunctionOfK("structure")
+
+
+def _identical(v, x) -> bool:
+    return type(v) is type(x) and (v == x or (isinstance(x, float) and math.isnan(x) and math.isnan(v)))
+
+
+def _at_one(x, y, checks: dict[int, object]):
+    """``x`` (at k = 3) and ``y`` (at k = 4) evaluated at k = 1, every number checked at ``checks`` (k -> value)."""
+    kx, ky = _FIT_UNITS
+    if isinstance(x, bool) or x is None or isinstance(x, (str, Ref, torch.dtype)) or not isinstance(
+            x, (int, float, list, tuple, dict)):
+        if any(v != x for v in (y, *checks.values())):
+            raise _NotAFunctionOfK(repr(x))
+        return x
+    if isinstance(x, (list, tuple)):
+        if not isinstance(y, (list, tuple)) or len(y) != len(x) or any(
+                not isinstance(v, (list, tuple)) or len(v) != len(x) for v in checks.values()):
+            raise _NotAFunctionOfK("length")
+        return type(x)(_at_one(xi, y[i], {k: v[i] for k, v in checks.items()}) for i, xi in enumerate(x))
+    if isinstance(x, dict):
+        if not isinstance(y, dict) or y.keys() != x.keys() or any(v.keys() != x.keys() for v in checks.values()):
+            raise _NotAFunctionOfK("keys")
+        return {key: _at_one(x[key], y[key], {k: v[key] for k, v in checks.items()}) for key in x}
+    if all(_identical(v, x) for v in (y, *checks.values())):
+        return x                   # the same at every k (infinities and NaNs included)
+    if isinstance(x, int) and isinstance(y, int) and not isinstance(y, bool):
+        slope = y - x
+        if all(isinstance(v, int) and v == x + slope * (k - kx) for k, v in checks.items()):
+            return x + slope * (1 - kx)
+        raise _NotAFunctionOfK(f"int {x}, {y}")
+    if isinstance(x, float) and isinstance(y, float):
+        for f, inv in ((lambda v: v, lambda v: v), (lambda v: 1.0 / v, lambda v: 1.0 / v)):
+            try:
+                fx, fy = f(x), f(y)
+                slope = (fy - fx) / (ky - kx)
+                if all(isinstance(v, float) and math.isclose(inv(fx + slope * (k - kx)), v, rel_tol=1e-12)
+                       for k, v in checks.items()):
+                    return inv(fx + slope * (1 - kx))
+            except ZeroDivisionError:
+                continue
+        raise _NotAFunctionOfK(f"float {x}, {y}")
+    raise _NotAFunctionOfK(f"{x!r}, {y!r}")
