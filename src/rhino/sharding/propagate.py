@@ -64,6 +64,11 @@ class Propagator:
     # before it, not passed through (under autocast the row-parallel matmul's bf16 output is all-reduced,
     # as Megatron-LM does, instead of the fp32 sum it is added to: half the bytes); see ``_widens``
     reduce_before_widening: bool = True
+    #: Remember each decision by what it depends on (``_decision_key``: the call signature, the strategy
+    #: options, and the shardings, availability and laziness of the inputs and the wanted state outputs),
+    #: so that identical layers are scored once (exact: the same key gives the same scores). Off: every node
+    #: is scored.
+    memo_decisions: bool = True
 
     def __post_init__(self) -> None:
         self.actual: dict[int, Sharding] = {}
@@ -78,6 +83,8 @@ class Propagator:
         self.output_state = {o.value: o.name for o in self.graph.outputs if o.role in STATE_ROLES}
         self.users = self.graph.users()
         self._ns_cache: dict[tuple, object] = {}   # (call signature, strategy) -> NodeShardings | error
+        self._decisions: dict[tuple, tuple] = {}   # _decision_key -> (strategy, NodeShardings)
+        self.scored = 0                            # nodes scored (not remembered): for the tests
         self._to_optimizer = update_feeders(self.graph)
 
     # -- public ---------------------------------------------------------------------------
@@ -182,9 +189,38 @@ class Propagator:
         ann = annotate(call)
         sizes = letter_sizes(ann, [t.shape for t in call.in_types]) if ann is not None else {}
         options = [self._options(node, ann, sizes, a) for a in range(self.mesh.ndim)]
-        best = None
         refs = node.input_refs()
         sig = call_signature(self.graph, node)
+        key = self._decision_key(node, refs, sig, options) if self.memo_decisions else None
+        hit = self._decisions.get(key) if key is not None else None
+        if hit is None:
+            hit = self._best(node, refs, sig, options)
+            if key is not None:
+                self._decisions[key] = hit
+        strategy, ns = hit
+        for ref, req in zip(refs, ns.inputs):
+            if ref.id in self.lazy:
+                self._resolve(ref.id, req)
+            self.available.setdefault(ref.id, set()).add(req)
+        self.strategies[node.name] = strategy
+        for vid, sh in zip(node.outputs, ns.outputs):
+            if vid is not None:
+                self.actual[vid] = sh
+
+    def _decision_key(self, node: Node, refs: list[Ref], sig: tuple, options: list) -> tuple:
+        """Everything ``_best`` reads besides the graph's types (in ``sig``): per input its laziness, sharding
+        and the shardings it is available in; per output the sharding its state is wanted in."""
+        ins = tuple((r.id in self.lazy, self.actual.get(r.id), frozenset(self.available.get(r.id, ())))
+                    for r in refs)
+        outs = tuple(None if v is None else (self.inputs.get(self.output_state.get(v)) if v in self.output_state
+                                              else None, frozenset(self.available.get(v, ())))
+                     for v in node.outputs)
+        return (sig, tuple(tuple(o) for o in options), ins, outs)
+
+    def _best(self, node: Node, refs: list[Ref], sig: tuple, options: list) -> tuple:
+        """The cheapest legal strategy of ``node`` and its shardings (module docstring)."""
+        self.scored += 1
+        best = None
         # what every strategy's score shares (the state changes only once a strategy is chosen)
         arrived = [(r.id, self.actual[r.id]) for r in refs if r.id in self.actual]
         had = [any(isinstance(sh[axis], Shard) for _, sh in arrived) for axis in range(self.mesh.ndim)]
@@ -207,15 +243,7 @@ class Propagator:
                 best = (key, strategy, ns)
         if best is None:  # nothing legal (should not happen: all-replicate is always legal)
             raise AssertionError(f"no legal strategy for {node.name}")
-        _, strategy, ns = best
-        for ref, req in zip(refs, ns.inputs):
-            if ref.id in self.lazy:
-                self._resolve(ref.id, req)
-            self.available.setdefault(ref.id, set()).add(req)
-        self.strategies[node.name] = strategy
-        for vid, sh in zip(node.outputs, ns.outputs):
-            if vid is not None:
-                self.actual[vid] = sh
+        return best[1], best[2]
 
     def _passes_ok(self, refs: list[Ref], ns) -> bool:
         for ref, req in zip(refs, ns.inputs):
