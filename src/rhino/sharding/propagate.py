@@ -84,6 +84,8 @@ class Propagator:
         self.users = self.graph.users()
         self._ns_cache: dict[tuple, object] = {}   # (call signature, strategy) -> NodeShardings | error
         self._decisions: dict[tuple, tuple] = {}   # _decision_key -> (strategy, NodeShardings)
+        self._ann_cache: dict[tuple, tuple] = {}   # call signature -> (annotation, letter sizes)
+        self._letters: dict[tuple, list] = {}      # (call signature, axis size) -> candidate letters
         self.scored = 0                            # nodes scored (not remembered): for the tests
         self._to_optimizer = update_feeders(self.graph)
 
@@ -135,14 +137,18 @@ class Propagator:
         return node.name not in self._to_optimizer
 
     # -- deciding a node ------------------------------------------------------------------
-    def _options(self, node: Node, ann, sizes, axis: int) -> list:
+    def _options(self, node: Node, ann, sizes, axis: int, sig: tuple | None = None) -> list:
         n = self.mesh.sizes[axis]
         if n == 1:
             return [None]
         if ann is None:
             return [None]
         allowed = self.rule(self, node, ann, axis) if self.rule else None
-        letters = candidate_letters(ann, sizes, n)
+        letters = self._letters.get((sig, n)) if sig is not None else None
+        if letters is None:
+            letters = candidate_letters(ann, sizes, n)
+            if sig is not None:
+                self._letters[(sig, n)] = letters
         if allowed is not None:
             return [x for x in allowed if x is None or split_letter(x)[0] in letters] or [None]
         opts: list = [None] + letters
@@ -185,12 +191,16 @@ class Propagator:
             leader = self.follows.get(lz.input_name) if lz is not None and lz.input_name else None
             if leader is not None and leader in self.inputs:
                 self._resolve(ref.id, self.inputs[leader])
-        call = call_of(self.graph, node)
-        ann = annotate(call)
-        sizes = letter_sizes(ann, [t.shape for t in call.in_types]) if ann is not None else {}
-        options = [self._options(node, ann, sizes, a) for a in range(self.mesh.ndim)]
-        refs = node.input_refs()
         sig = call_signature(self.graph, node)
+        hit = self._ann_cache.get(sig)     # equal calls have equal annotations (``call_signature``)
+        if hit is None:
+            call = call_of(self.graph, node)
+            ann = annotate(call)
+            hit = self._ann_cache[sig] = (ann, letter_sizes(ann, [t.shape for t in call.in_types])
+                                          if ann is not None else {})
+        ann, sizes = hit
+        options = [self._options(node, ann, sizes, a, sig) for a in range(self.mesh.ndim)]
+        refs = node.input_refs()
         key = self._decision_key(node, refs, sig, options) if self.memo_decisions else None
         hit = self._decisions.get(key) if key is not None else None
         if hit is None:
