@@ -108,7 +108,7 @@ def _single_time(cap, threads: int, steps: int = STEPS) -> float:
 
 
 def main() -> int:
-    from rhino.benchmarks_doc import replace_section
+    from rhino.benchmarks_doc import priority_note, replace_section
     from rhino.cost.cluster import parse_cluster
     from rhino.cost.estimate import estimate, estimate_strategy
     from rhino.runtime.profile import measure_profile
@@ -152,7 +152,7 @@ def main() -> int:
         rows.append(f"| {key[0]} | {key[1]} | {m * 1e3:.2f} | {p * 1e3:.2f} | {p / m:.2f} |")
     load = os.getloadavg()[0]
     cmd = " ".join(["python benchmarks/estimate_cpu.py"] + sys.argv[1:])
-    body = [f"Command: `{cmd}` ({cores} cores; one device uses "
+    body = [f"Command: `{cmd}` ({priority_note()}; {cores} cores; one device uses "
             f"all of them, each of 2 ranks uses {max(1, cores // 2)} thread(s); 1-minute load average {load:.1f} "
             f"at the end, from other processes sharing the machine).", "",
             f"Measured: median step time after {WARMUP} untimed steps (single device: the captured program; dp=2/tp=2: "

@@ -87,7 +87,7 @@ def _measure(cap, plans: list) -> list[dict]:
 
 
 def main() -> int:
-    from rhino.benchmarks_doc import replace_section
+    from rhino.benchmarks_doc import priority_note, replace_section
     from rhino.cost.cluster import parse_cluster
     from rhino.cost.estimate import estimate
     from rhino.cost.step import StepOptions
@@ -130,8 +130,8 @@ def main() -> int:
             print(rows[-1], f"[load {os.getloadavg()[0]:.1f}]", flush=True)
     load = os.getloadavg()
     cmd = " ".join(["PYTHONPATH=src python benchmarks/estimate_cpu_pipeline.py"] + sys.argv[1:])
-    body = [f"Command: `{cmd}` ({time.perf_counter() - t0:.0f} s; 2 gloo processes of one torch thread each on "
-            f"{os.cpu_count()} cores; load average {load[0]:.1f} / {load[1]:.1f} (1 / 5 min) at the end, from "
+    body = [f"Command: `{cmd}` ({time.perf_counter() - t0:.0f} s, {priority_note()}; 2 gloo processes of one "
+            f"torch thread each on {os.cpu_count()} cores; load average {load[0]:.1f} / {load[1]:.1f} (1 / 5 min) at the end, from "
             "other processes sharing the machine).", "",
             "Measured: median over "
             f"{STEPS} steps after {WARMUP} untimed ones of the slowest rank's step (`PipelineStep.run`: "

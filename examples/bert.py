@@ -6,7 +6,7 @@ the batch, a GELU MLP, and a masked-LM head (dense + GELU + LayerNorm, decoder
 tied to the token embedding, with its own output bias). The loss is cross
 entropy over masked positions only (labels are -100 elsewhere).
 
-Default size: 2 layers, hidden 64, 4 heads, vocab 256, sequence 32, batch 4
+Default size: 2 layers, hidden 64, 4 heads, vocab 256, sequence 32, batch 8
 (~0.12M parameters). Optimizer: AdamW.
 """
 import torch
@@ -81,7 +81,7 @@ def make_batch(batch, seq, vocab, mask_prob=0.15):
     return ids, segment_ids, pad_mask, labels
 
 
-def workload(layers=2, hidden=64, heads=4, seq=32, batch=4, vocab=256, lr=1e-4, device="cpu"):
+def workload(layers=2, hidden=64, heads=4, seq=32, batch=8, vocab=256, lr=1e-4, device="cpu"):
     torch.manual_seed(0)
     with torch.device(device):
         model = Bert(vocab, seq, hidden, heads, layers)

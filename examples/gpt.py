@@ -4,7 +4,7 @@ Token + learned position embeddings, pre-LayerNorm transformer blocks with a
 fused QKV projection and causal scaled-dot-product attention, a 4x GELU MLP,
 a final LayerNorm and an output head tied to the token embedding.
 
-Default size: 2 layers, hidden 64, 4 heads, vocab 256, sequence 32, batch 4
+Default size: 2 layers, hidden 64, 4 heads, vocab 256, sequence 32, batch 8
 (~0.12M parameters). Optimizer: AdamW with two parameter groups (weight decay
 on >=2-D weights only, none on biases and norms).
 """
@@ -87,7 +87,7 @@ def autocast_loss_fn(model, x, y):
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
-def workload(layers=2, hidden=64, heads=4, seq=32, batch=4, vocab=256, lr=3e-4, device="cpu", dtype=None,
+def workload(layers=2, hidden=64, heads=4, seq=32, batch=8, vocab=256, lr=3e-4, device="cpu", dtype=None,
              attention="sdpa", autocast=False):
     torch.manual_seed(0)
     with torch.device(device):
@@ -111,7 +111,7 @@ def workload(layers=2, hidden=64, heads=4, seq=32, batch=4, vocab=256, lr=3e-4, 
     return model, optimizer, loss, (tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous())
 
 
-def batches(seq=32, batch=4, vocab=256, corpus=64, seed=1):
+def batches(seq=32, batch=8, vocab=256, corpus=64, seed=1):
     """Training data for ``rhino train``: global batches shaped like ``workload()``'s, drawn by a seeded,
     shuffling ``DataLoader`` from a fixed random corpus of ``corpus`` sequences, epoch after epoch."""
     from torch.utils.data import DataLoader, TensorDataset

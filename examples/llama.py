@@ -6,7 +6,7 @@ attention (``n_kv_heads``), a SwiGLU MLP, no biases anywhere and an untied
 output head.
 
 Default size: 2 layers, hidden 64, 4 heads (4 KV heads), MLP 172, vocab 256,
-sequence 32, batch 4 (~0.13M parameters). Optimizer: Adam.
+sequence 32, batch 8 (~0.13M parameters). Optimizer: Adam.
 """
 import torch
 import torch.nn as nn
@@ -109,7 +109,7 @@ def autocast_loss_fn(model, x, y):
     return F.cross_entropy(logits.float().flatten(0, 1), y.flatten())
 
 
-def workload(layers=2, hidden=64, heads=4, n_kv_heads=None, seq=32, batch=4, vocab=256,
+def workload(layers=2, hidden=64, heads=4, n_kv_heads=None, seq=32, batch=8, vocab=256,
              inner=None, lr=3e-4, device="cpu", dtype=None, autocast=False):
     torch.manual_seed(0)
     n_kv_heads = n_kv_heads or heads

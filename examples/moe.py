@@ -8,7 +8,7 @@ all shapes are static. A Switch-style load-balancing auxiliary loss is added
 to the language-modelling loss.
 
 Default size: 2 layers, hidden 64, 4 heads, 4 experts (inner 128), vocab 256,
-sequence 32, batch 4 (~0.20M parameters). Optimizer: AdamW.
+sequence 32, batch 8 (~0.20M parameters). Optimizer: AdamW.
 """
 import math
 
@@ -90,7 +90,7 @@ def loss_fn(model, x, y, aux_weight=0.01):
     return F.cross_entropy(logits.flatten(0, 1), y.flatten()) + aux_weight * aux
 
 
-def workload(layers=2, hidden=64, heads=4, experts=4, inner=128, seq=32, batch=4, vocab=256,
+def workload(layers=2, hidden=64, heads=4, experts=4, inner=128, seq=32, batch=8, vocab=256,
              lr=3e-4, device="cpu"):
     torch.manual_seed(0)
     with torch.device(device):

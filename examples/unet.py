@@ -8,7 +8,7 @@ per-pixel cross entropy.
 
 ``unet.py:batchnorm`` is the same network with BatchNorm (training mode) in place of GroupNorm.
 
-Default size: base width 16, 4 classes, 3x32x32 images, batch 4
+Default size: base width 16, 4 classes, 3x32x32 images, batch 8
 (~0.10M parameters). Optimizer: SGD with momentum and weight decay. (Not Adam: Adam's first
 steps scale every gradient element to about +-lr, so the float32 rounding noise of the few
 near-zero gradient elements of a conv net, which changes with how the batch is split, would show
@@ -60,7 +60,7 @@ def loss_fn(model, images, masks):
     return F.cross_entropy(model(images), masks)
 
 
-def workload(width=16, classes=4, image=32, batch=4, lr=0.05, device="cpu", norm="group"):
+def workload(width=16, classes=4, image=32, batch=8, lr=0.05, device="cpu", norm="group"):
     torch.manual_seed(0)
     with torch.device(device):
         model = UNet(3, classes, width, norm)

@@ -129,3 +129,36 @@ def test_time_limit_is_a_limit():
             res = solve_layout(bufs, cap, limit)
             assert time.monotonic() - t0 <= limit + 1.0, (n, cap, res.solver)
             assert validate_layout(bufs, res.offsets) == [] and res.height >= res.lower_bound
+
+
+def test_revisit_lowers_the_highest_leaf_from_its_layout():
+    """``SplitOptions.revisit`` (``layout._revisit``): two leaves apart in time, one stacked (every buffer
+    on the one before it: valid but high), one laid out greedily. The revisit lowers the stacked leaf,
+    keeps the other, stops at the other's top or the target, and the result is valid."""
+    import numpy as np
+
+    from rhino.memory.layout import _revisit
+    from rhino.memory.layout_improve import ImproveOptions
+    rng = random.Random(3)
+    bufs = []
+    for base in (0, 1000):  # two groups apart in time: independent leaves
+        for _ in range(300):
+            lo = base + rng.randint(0, 400)
+            bufs.append(Buffer(len(bufs), lo, lo + rng.randint(1, 120), rng.randint(1, 64)))
+    lo, up, sz, al = (np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size",
+                                                                                  "alignment"))
+    a, b = np.arange(300), np.arange(300, 600)
+    stacked = np.concatenate([[0], np.cumsum(sz[a])[:-1]]).tolist()
+    g = greedy_layout(bufs[300:])
+    done = {"a": (stacked, "stacked"), "b": ([g[x.id] for x in bufs[300:]], "greedy")}
+    top_b = max(g[x.id] + x.size for x in bufs[300:])
+    opts = LayoutOptions(split=SplitOptions(improve=ImproveOptions(max_passes=40)))
+    target = lower_bound(bufs)
+    _revisit({"a": a, "b": b}, done, lo, up, sz, al, np.zeros(600, np.int64), target, time.monotonic() + 60, opts,
+             lambda m: None)
+    offs = {x.id: o for x, o in zip(bufs, done["a"][0] + done["b"][0])}
+    assert validate_layout(bufs, offs) == []
+    top_a = max(offs[x.id] + x.size for x in bufs[:300])
+    assert done["a"][1] == "squeaky-wheel" and top_a <= max(top_b, target) < int(sz[a].sum()), (top_a, top_b)
+    assert done["b"][1] in ("greedy", "squeaky-wheel")
+    assert max(offs[x.id] + x.size for x in bufs[300:]) <= top_b

@@ -5,7 +5,7 @@ import os
 import tempfile
 from pathlib import Path
 
-__all__ = ["replace_section"]
+__all__ = ["replace_section", "priority_note"]
 
 
 def replace_section(path: str | Path, title: str, body: str) -> None:
@@ -25,3 +25,15 @@ def replace_section(path: str | Path, title: str, body: str) -> None:
     with os.fdopen(fd, "w") as f:
         f.write("\n".join(lines).rstrip("\n") + "\n")
     os.replace(tmp, path)
+
+
+def priority_note() -> str:
+    """How this process is scheduled, for a timing benchmark's "Command" line: timing runs on this shared
+    2-core machine are taken under ``chrt -r 1`` (SCHED_RR, priority 1; inherited by the ranks it starts),
+    so other processes sharing the machine do not preempt the ranks or their communication threads."""
+    policy = os.sched_getscheduler(0)
+    if policy in (os.SCHED_RR, os.SCHED_FIFO):
+        name = "chrt -r" if policy == os.SCHED_RR else "chrt -f"
+        return (f"under `{name} {os.sched_getparam(0).sched_priority}` (real-time priority: other processes "
+                "sharing the machine, e.g. background jobs, do not preempt it)")
+    return "at normal priority (other processes sharing the machine compete for the cores)"

@@ -1,7 +1,9 @@
-"""The examples at batch 8 (``FILE:FUNC``, e.g. ``tests/workloads/pipelines.py:bert``): pp=2 with 4
-micro-batches and dp=2 inside a stage splits a batch of 8 into micro-batches of 2 rows, one per rank; at
-the examples' default batch of 4 a micro-batch would have one row (which dp=2 cannot split, and which
-sends nn.MultiheadAttention down another code path, so the step at 1/4 of the batch differs)."""
+"""The examples at batch 8 (``FILE:FUNC``, e.g. ``tests/workloads/pipelines.py:bert``), which is also their
+default batch since session 11 (it was 4 for bert, gpt, llama, moe and unet): pp=2 with 4 micro-batches and
+dp=2 inside a stage splits a batch of 8 into micro-batches of 2 rows, one per rank; at a batch of 4 a
+micro-batch would have one row (which dp=2 cannot split, and which sends nn.MultiheadAttention down another
+code path, so the step at 1/4 of the batch differs). Kept so that the tests and benchmarks name the batch
+they were written for."""
 import importlib.util
 from pathlib import Path
 

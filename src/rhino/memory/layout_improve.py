@@ -106,15 +106,23 @@ def squeaky_wheel(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray
         if off is None:
             break
         passes += 1
-        end = off + sz
-        h = int(end.max(initial=0))
-        if best is None or h < best_h:
-            best, best_h = off, h
+        end, best, best_h = _keep(off, sz, best, best_h)
         if best_h <= target:
             break
         pri[end > target] *= options.boost
         prev_order, prev_off = order, off
     return best, best_h, passes
+
+
+def _keep(off: np.ndarray, sz: np.ndarray, best: np.ndarray | None,
+          best_h: int) -> tuple[np.ndarray, np.ndarray, int]:
+    """A finished pass's ends, and the lowest layout so far with its height (``off`` when lower than
+    ``best``, or when there is no ``best``)."""
+    end = off + sz
+    h = int(end.max(initial=0))
+    if best is None or h < best_h:
+        return end, off, h
+    return end, best, best_h
 
 
 def _focused(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, floor: np.ndarray, target: int,
@@ -168,10 +176,7 @@ def _focused(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, flo
             break
         comp_s = time.monotonic() - t
         passes += 1
-        end = off + sz
-        h = int(end.max(initial=0))
-        if best is None or h < best_h:
-            best, best_h = off, h
+        end, best, best_h = _keep(off, sz, best, best_h)
         if best_h <= target:
             break
         over = (end > target) & ~hot

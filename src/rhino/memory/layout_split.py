@@ -52,6 +52,7 @@ class SplitOptions:
     lowest_fit: bool = True  # leaves' greedy also tries lowest fit (``layout_greedy``; random-1: 5.6% -> 4.0%)
     improve: ImproveOptions = ImproveOptions()  # leaves above max_leaf: squeaky wheel after the first pass
     big_first: bool = True  # leaves above max_leaf that a few large buffers dominate: those exactly first
+    revisit: bool = True  # time left after every leaf: the squeaky wheel again on the highest leaf (bimodal-1)
 
 
 @dataclass

@@ -394,8 +394,8 @@ class PipelineStep:
         try:
             self.rp = rp = resolve(g, dataclasses.replace(p, fingerprint=""))
         except PlanError as exc:
-            raise ValueError(f"microbatches={m}: a micro-batch cannot be split as the plan splits the batch ({exc})") \
-                from None
+            raise ValueError(f"microbatches={m}: a micro-batch cannot be split as the plan splits the batch ({exc}); "
+                             f"use fewer micro-batches, a larger batch or fewer devices per stage") from None
         self.spec = spec or pipeline_spec(g, p, full)
         for vid in self.spec.split.boundary:
             if any(isinstance(p, Partial) and p.op is not ReduceOp.SUM for p in rp.value[vid]):
