@@ -9,7 +9,7 @@ import pytest
 from conftest import ROOT
 from rhino.capture import capture, load_workload
 from rhino.cost.cluster import parse_cluster
-from rhino.cost.estimate import estimate
+from rhino.cost.estimate import estimate, estimate_microbatches
 from rhino.cost.pipeline import Schedule, simulate
 from rhino.ir.analysis import analyze
 from rhino.sharding.presets import StrategySpec, preset_plan
@@ -230,3 +230,26 @@ def test_pipeline_rule_auto():
     assert not worth_pipelining(full, memory, one) and not worth_pipelining(full, auto, many)
     assert not worth_pipelining(none, SearchOptions(pipeline="never"), many)
     assert worth_pipelining(tight, SearchOptions(pipeline="always"), one)
+
+
+def test_graph_units_remembered_parts_give_the_problem_computed_afresh():
+    """``graph_units`` keeps what does not depend on m (per graph and cones, per plan and step pricing): the
+    problem at m = 4 after m = 8 equals the one computed with nothing remembered."""
+    from rhino.search import stages
+    g = graph("gpt")
+    plan = preset_plan(g, StrategySpec(dp=2, tp=2))
+    got = []
+
+    def grab(graph_, rp, st, mem, pp, m):
+        if m == 4:
+            stages._BASE.clear()
+            stages._COSTS.clear()
+            got.append(stages.graph_units(graph_, rp, st, mem, pp, m, capacity=1e9))
+        got.append(stages.graph_units(graph_, rp, st, mem, pp, m, capacity=1e9))
+        return None
+    estimate_microbatches(g, parse_cluster("8xA100-80G"), plan, pp=2, microbatches=[8, 4], stages=grab)
+    warm8, fresh, warm4 = got
+    assert warm4.unit_of == fresh.unit_of
+    for f in ("time", "state", "act", "edges", "values", "flight", "capacity", "order", "last"):
+        assert getattr(warm4.problem, f) == getattr(fresh.problem, f), f
+    assert warm8.problem.act != warm4.problem.act      # what depends on m is recomputed

@@ -266,3 +266,27 @@ def test_huggingface_models_under_presets(name, preset):
         cap = capture(Workload(m, opt, loss_fn, tuple(batch), "hf_workloads.py", name))
     r, _ = simulate(cap, preset_plan(cap.graph, parse_strategy(preset)))
     assert r.ok, r.first_mismatch
+
+
+@pytest.mark.parametrize("preset", ["tp=4", "dp=2,tp=2", "dp=2,tp=2,sp=on", "dp=4,zero=3"])
+def test_remembered_decisions_give_the_same_plan_and_score_fewer_nodes(preset, monkeypatch):
+    """``Propagator.memo_decisions``: on, a 4-layer GPT's identical layers are scored once; the plan is the
+    one every node scored gives (off)."""
+    from rhino.sharding import propagate
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = capture(load_workload(str(ROOT / "examples" / "gpt.py"), call=lambda fn: fn(layers=4))).graph
+    made = []
+    post = propagate.Propagator.__post_init__
+    monkeypatch.setattr(propagate.Propagator, "__post_init__", lambda self: (post(self), made.append(self)))
+    plans = {}
+    for memo in (False, True):
+        defaults = list(propagate.Propagator.__init__.__defaults__)
+        defaults[-1] = memo
+        monkeypatch.setattr(propagate.Propagator.__init__, "__defaults__", tuple(defaults))
+        plans[memo] = preset_plan(graph, parse_strategy(preset))
+        assert made[-1].memo_decisions is memo
+    assert plans[True].strategies == plans[False].strategies
+    assert plans[True].inputs == plans[False].inputs
+    off, on = made[-2].scored, made[-1].scored
+    assert on < off / 2, (on, off)

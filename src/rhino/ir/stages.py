@@ -242,7 +242,7 @@ def _backward_stages(graph: Graph, a, node_stage: dict[str, int], stages: int,
         node_stage[nodes[i].name] = ub[i]
         if prefer and nodes[i].name in prefer:    # a recomputed forward value: anchors its readers as one
             avail.update((v, {ub[i]}) for v in nodes[i].outputs if v is not None)
-    readers = _direct_readers(graph)
+    readers = _facts(graph, a)[1]
     home = _parameter_homes(graph, a, node_stage)
     for i in reversed(free):
         want = []
@@ -283,11 +283,26 @@ def _parameter_homes(graph: Graph, a, node_stage: dict[str, int]) -> dict[int, i
         for r in node.input_refs():
             first[r.id] = min(first.get(r.id, node_stage[node.name]), node_stage[node.name])
     out: dict[int, int] = {}
-    for name, ids in _optimizer_ancestors(graph, a).items():
+    for name, ids in _facts(graph, a)[0].items():
         if by_name.get(name) in first:
             for i in ids:
                 out[i] = min(out.get(i, first[by_name[name]]), first[by_name[name]])
     return out
+
+
+_FACTS: dict = {}
+
+
+def _facts(graph: Graph, a) -> tuple:
+    """(``_optimizer_ancestors``, ``_direct_readers``, ``batch_dependent``) of ``graph``, facts of the graph
+    alone, remembered for its last analysis ``a`` (a new one when the graph changes): the search assigns
+    stages to many cuts of one graph. Read-only."""
+    hit = _FACTS.get("last")
+    if hit is not None and hit[0] is a:
+        return hit[1]
+    facts = (_optimizer_ancestors(graph, a), _direct_readers(graph), batch_dependent(graph))
+    _FACTS["last"] = (a, facts)
+    return facts
 
 
 def _direct_readers(graph: Graph) -> dict[int, list[int]]:
@@ -329,7 +344,7 @@ def _holders_and_updates(graph: Graph, a, node_stage: dict[str, int]):
             for r in node.input_refs():
                 if r.id in state:
                     holders[state[r.id]].add(node_stage[node.name])
-    anc = _optimizer_ancestors(graph, a)
+    anc = _facts(graph, a)[0]
     update: dict[int, set[int]] = {i: set() for i in a.optimizer}
     _grow(nodes, state, holders, anc, update)
     for h in holders.values():
@@ -360,7 +375,7 @@ def _grow(nodes, state: dict[int, str], holders: dict[str, set[int]], anc: dict[
 
 def _crossings(graph: Graph, a, node_stage: dict[str, int], update: dict[str, frozenset[int]]) -> list[Crossing]:
     nodes = graph.nodes
-    dep = batch_dependent(graph)
+    dep = _facts(graph, a)[2]
     seen: set[tuple[int, int, Phase]] = set()
     out: list[Crossing] = []
 

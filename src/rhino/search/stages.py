@@ -458,12 +458,50 @@ def graph_units(graph: Graph, rp, st, mem, pp: int, m: int, *, cones: Cones | No
                 schedule: Schedule = Schedule.ONE_F_ONE_B, capacity: float | None = None,
                 tolerance: float = STAGE_TOLERANCE) -> GraphUnits:
     """The stage problem of ``graph`` under the resolved plan ``rp`` priced by ``st`` (``cost.step.StepTime``)
-    and ``mem`` (``cost.memory.MemoryEstimate``) with ``m`` micro-batches (module docstring)."""
+    and ``mem`` (``cost.memory.MemoryEstimate``) with ``m`` micro-batches (module docstring). What does not
+    depend on ``m`` is remembered for the last (graph, cones) and (``rp``, ``st``): the search prices one plan
+    and degree at several micro-batch counts, and one graph at several plans and degrees."""
     a = analyze(graph)
+    base = _unit_base(graph, a, cones)
+    time, state, value_bytes_ = _unit_costs(graph, rp, st, base)
+    k = len(base.order)
+    act = [0.0] * k
+    unit_of = base.unit_of
+    for p, _, b in mem.activation_spans:
+        if unit_of[p] >= 0:
+            act[unit_of[p]] += b / m
+    values = [(u, us, vb / m * f) for (u, us), (vb, f) in zip(base.values, value_bytes_)]
+    flight = [in_flight(schedule, pp, m, s) for s in range(pp)]
+    problem = StageProblem(list(time), list(state), act, base.edges, values, pp, flight, capacity, tolerance,
+                           order=list(base.order), last=list(base.last))
+    return GraphUnits(problem, unit_of)
+
+
+@dataclass
+class _UnitBase:
+    """What ``graph_units`` takes from the graph (and cones) alone."""
+    unit_of: list[int]
+    edges: list[tuple[int, int]]
+    order: list[int]                 # the units in topological order
+    node_unit: list[int]             # every node's unit (module docstring: time attributed there)
+    state_unit: list[tuple]          # (input, its unit) for each state input read in some unit
+    values: list[tuple[int, list[int]]]   # (producer unit, reader units) per value read in another unit
+    value_ids: list[int]
+    last: list[int]
+
+
+_BASE: dict = {}
+_COSTS: dict = {}
+
+
+def _unit_base(graph: Graph, a, cones: Cones | None) -> _UnitBase:
+    hit = _BASE.get("last")
+    if hit is not None and hit[0] is a and hit[1] is cones:
+        return hit[2]
     unit_of, edges = _forward_units(graph, a, cones)
     k = max(unit_of) + 1
-    pos = {u: j for j, u in enumerate(_topological(k, edges))}
-    time, state, act = [0.0] * k, [0.0] * k, [0.0] * k
+    order = _topological(k, edges)
+    pos = {u: j for j, u in enumerate(order)}
     value_unit: dict[int, int] = {}
     for inp in graph.inputs:     # a state input: the earliest unit reading it
         readers = [unit_of[u] for u in a.readers.get(a.root.get(inp.value, inp.value), ()) if unit_of[u] >= 0]
@@ -477,30 +515,46 @@ def graph_units(graph: Graph, rp, st, mem, pp: int, m: int, *, cones: Cones | No
         for v in node.outputs:
             if v is not None:
                 value_unit[v] = node_unit[i]
-        c = st.nodes[i]
-        if not c.optimizer:
-            time[node_unit[i]] += c.compute + (c.comm if c.kind == "blocking" else 0.0)
+    state_unit = []
     for inp in graph.inputs:
         if inp.role in (Role.PARAM, Role.FROZEN, Role.BUFFER) and inp.value in value_unit:
-            state[value_unit[inp.value]] += value_bytes(graph, rp, inp.value) * (2 if inp.role is Role.PARAM else 1)
+            state_unit.append((inp, value_unit[inp.value]))
         elif inp.role is Role.OPT_STATE:
             readers = [node_unit[u] for u in a.readers.get(inp.value, ())]
             if readers:
-                state[min(readers, key=pos.get)] += value_bytes(graph, rp, inp.value)
-    for p, _, b in mem.activation_spans:
-        if unit_of[p] >= 0:
-            act[unit_of[p]] += b / m
-    values = _unit_values(graph, a, rp, unit_of, m)
-    flight = [in_flight(schedule, pp, m, s) for s in range(pp)]
+                state_unit.append((inp, min(readers, key=pos.get)))
+    ids, values = _unit_values(graph, a, unit_of)
     loss = [unit_of[a.loss_node]] if a.loss_node is not None and unit_of[a.loss_node] >= 0 else []
-    problem = StageProblem(time, state, act, edges, values, pp, flight, capacity, tolerance,
-                           order=sorted(range(k), key=pos.get), last=loss)
-    return GraphUnits(problem, unit_of)
+    base = _UnitBase(unit_of, edges, sorted(range(k), key=pos.get), node_unit, state_unit, values, ids, loss)
+    _BASE["last"] = (a, cones, base)
+    return base
 
 
-def _unit_values(graph: Graph, a, rp, unit_of: list[int], m: int) -> list[tuple[int, list[int], float]]:
-    """Forward values read in another unit: (producer unit, reader units, bytes per micro-batch, both ways
-    for floating values)."""
+def _unit_costs(graph: Graph, rp, st, base: _UnitBase) -> tuple:
+    """(time, state, (bytes, factor) per value) of the units under ``rp`` and ``st``, remembered for the last."""
+    hit = _COSTS.get("last")
+    if hit is not None and hit[0] is rp and hit[1] is st and hit[2] is base:
+        return hit[3]
+    k = len(base.order)
+    time, state = [0.0] * k, [0.0] * k
+    node_unit = base.node_unit
+    for i, c in enumerate(st.nodes):
+        if not c.optimizer:
+            time[node_unit[i]] += c.compute + (c.comm if c.kind == "blocking" else 0.0)
+    for inp, u in base.state_unit:
+        if inp.role is Role.OPT_STATE:
+            state[u] += value_bytes(graph, rp, inp.value)
+        else:
+            state[u] += value_bytes(graph, rp, inp.value) * (2 if inp.role is Role.PARAM else 1)
+    vb = [(value_bytes(graph, rp, v), 2 if graph.types[v].dtype.is_floating else 1) for v in base.value_ids]
+    out = (time, state, vb)
+    _COSTS["last"] = (rp, st, base, out)
+    return out
+
+
+def _unit_values(graph: Graph, a, unit_of: list[int]) -> tuple[list[int], list[tuple[int, list[int]]]]:
+    """Forward values read in another unit: their ids, and (producer unit, reader units) of each (their bytes
+    per micro-batch, both ways for floating values: ``_unit_costs``, ``graph_units``)."""
     readers: dict[int, set[int]] = {}
     for i, node in enumerate(graph.nodes):
         if unit_of[i] >= 0:
@@ -508,11 +562,7 @@ def _unit_values(graph: Graph, a, rp, unit_of: list[int], m: int) -> list[tuple[
                 p = a.producer.get(r.id)
                 if p is not None and unit_of[p] >= 0 and unit_of[p] != unit_of[i]:
                     readers.setdefault(r.id, set()).add(unit_of[i])
-    out = []
-    for v, us in readers.items():
-        b = value_bytes(graph, rp, v) / m * (2 if graph.types[v].dtype.is_floating else 1)
-        out.append((unit_of[a.producer[v]], sorted(us), b))
-    return out
+    return list(readers), [(unit_of[a.producer[v]], sorted(us)) for v, us in readers.items()]
 
 
 def stage_cut(*, cones: Cones | None = None, schedule: Schedule = Schedule.ONE_F_ONE_B,

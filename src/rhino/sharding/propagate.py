@@ -64,6 +64,11 @@ class Propagator:
     # before it, not passed through (under autocast the row-parallel matmul's bf16 output is all-reduced,
     # as Megatron-LM does, instead of the fp32 sum it is added to: half the bytes); see ``_widens``
     reduce_before_widening: bool = True
+    #: Remember each decision by what it depends on (``_decision_key``: the call signature, the strategy
+    #: options, and the shardings, availability and laziness of the inputs and the wanted state outputs),
+    #: so that identical layers are scored once (exact: the same key gives the same scores). Off: every node
+    #: is scored.
+    memo_decisions: bool = True
 
     def __post_init__(self) -> None:
         self.actual: dict[int, Sharding] = {}
@@ -78,6 +83,10 @@ class Propagator:
         self.output_state = {o.value: o.name for o in self.graph.outputs if o.role in STATE_ROLES}
         self.users = self.graph.users()
         self._ns_cache: dict[tuple, object] = {}   # (call signature, strategy) -> NodeShardings | error
+        self._decisions: dict[tuple, tuple] = {}   # _decision_key -> (strategy, NodeShardings)
+        self._ann_cache: dict[tuple, tuple] = {}   # call signature -> (annotation, letter sizes)
+        self._letters: dict[tuple, list] = {}      # (call signature, axis size) -> candidate letters
+        self.scored = 0                            # nodes scored (not remembered): for the tests
         self._to_optimizer = update_feeders(self.graph)
 
     # -- public ---------------------------------------------------------------------------
@@ -128,14 +137,18 @@ class Propagator:
         return node.name not in self._to_optimizer
 
     # -- deciding a node ------------------------------------------------------------------
-    def _options(self, node: Node, ann, sizes, axis: int) -> list:
+    def _options(self, node: Node, ann, sizes, axis: int, sig: tuple | None = None) -> list:
         n = self.mesh.sizes[axis]
         if n == 1:
             return [None]
         if ann is None:
             return [None]
         allowed = self.rule(self, node, ann, axis) if self.rule else None
-        letters = candidate_letters(ann, sizes, n)
+        letters = self._letters.get((sig, n)) if sig is not None else None
+        if letters is None:
+            letters = candidate_letters(ann, sizes, n)
+            if sig is not None:
+                self._letters[(sig, n)] = letters
         if allowed is not None:
             return [x for x in allowed if x is None or split_letter(x)[0] in letters] or [None]
         opts: list = [None] + letters
@@ -178,13 +191,46 @@ class Propagator:
             leader = self.follows.get(lz.input_name) if lz is not None and lz.input_name else None
             if leader is not None and leader in self.inputs:
                 self._resolve(ref.id, self.inputs[leader])
-        call = call_of(self.graph, node)
-        ann = annotate(call)
-        sizes = letter_sizes(ann, [t.shape for t in call.in_types]) if ann is not None else {}
-        options = [self._options(node, ann, sizes, a) for a in range(self.mesh.ndim)]
-        best = None
-        refs = node.input_refs()
         sig = call_signature(self.graph, node)
+        hit = self._ann_cache.get(sig)     # equal calls have equal annotations (``call_signature``)
+        if hit is None:
+            call = call_of(self.graph, node)
+            ann = annotate(call)
+            hit = self._ann_cache[sig] = (ann, letter_sizes(ann, [t.shape for t in call.in_types])
+                                          if ann is not None else {})
+        ann, sizes = hit
+        options = [self._options(node, ann, sizes, a, sig) for a in range(self.mesh.ndim)]
+        refs = node.input_refs()
+        key = self._decision_key(node, refs, sig, options) if self.memo_decisions else None
+        hit = self._decisions.get(key) if key is not None else None
+        if hit is None:
+            hit = self._best(node, refs, sig, options)
+            if key is not None:
+                self._decisions[key] = hit
+        strategy, ns = hit
+        for ref, req in zip(refs, ns.inputs):
+            if ref.id in self.lazy:
+                self._resolve(ref.id, req)
+            self.available.setdefault(ref.id, set()).add(req)
+        self.strategies[node.name] = strategy
+        for vid, sh in zip(node.outputs, ns.outputs):
+            if vid is not None:
+                self.actual[vid] = sh
+
+    def _decision_key(self, node: Node, refs: list[Ref], sig: tuple, options: list) -> tuple:
+        """Everything ``_best`` reads besides the graph's types (in ``sig``): per input its laziness, sharding
+        and the shardings it is available in; per output the sharding its state is wanted in."""
+        ins = tuple((r.id in self.lazy, self.actual.get(r.id), frozenset(self.available.get(r.id, ())))
+                    for r in refs)
+        outs = tuple(None if v is None else (self.inputs.get(self.output_state.get(v)) if v in self.output_state
+                                              else None, frozenset(self.available.get(v, ())))
+                     for v in node.outputs)
+        return (sig, tuple(tuple(o) for o in options), ins, outs)
+
+    def _best(self, node: Node, refs: list[Ref], sig: tuple, options: list) -> tuple:
+        """The cheapest legal strategy of ``node`` and its shardings (module docstring)."""
+        self.scored += 1
+        best = None
         # what every strategy's score shares (the state changes only once a strategy is chosen)
         arrived = [(r.id, self.actual[r.id]) for r in refs if r.id in self.actual]
         had = [any(isinstance(sh[axis], Shard) for _, sh in arrived) for axis in range(self.mesh.ndim)]
@@ -207,15 +253,7 @@ class Propagator:
                 best = (key, strategy, ns)
         if best is None:  # nothing legal (should not happen: all-replicate is always legal)
             raise AssertionError(f"no legal strategy for {node.name}")
-        _, strategy, ns = best
-        for ref, req in zip(refs, ns.inputs):
-            if ref.id in self.lazy:
-                self._resolve(ref.id, req)
-            self.available.setdefault(ref.id, set()).add(req)
-        self.strategies[node.name] = strategy
-        for vid, sh in zip(node.outputs, ns.outputs):
-            if vid is not None:
-                self.actual[vid] = sh
+        return best[1], best[2]
 
     def _passes_ok(self, refs: list[Ref], ns) -> bool:
         for ref, req in zip(refs, ns.inputs):
