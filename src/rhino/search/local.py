@@ -25,11 +25,11 @@ _BUCKETS = ("cf", "cb", "co", *KINDS)
 
 def term_cost(term, choice: list[int]) -> float:
     """Seconds of one term under ``choice`` (each needed sharding paid once), times its multiplicity."""
-    s = term.sigma[choice[term.producer]]
+    cost = term.cost[term.sigma[choice[term.producer]]]
     taus = set(term.fixed)
     for uc, need in term.uses:
         taus.update(need[choice[uc]])
-    return term.mult * sum(term.cost[s][t] for t in taus)
+    return term.mult * sum([cost[t] for t in taus])    # a list: same order and sum, no generator
 
 
 def step_of(b: dict[str, float]) -> float:
@@ -75,6 +75,24 @@ class Evaluator:
         for kind, v in self.p.comm[k][c].items():
             yield kind, v * m
 
+    def _swap(self, b: dict[str, float], k: int, old: int, c: int) -> None:
+        """``b`` with class ``k``'s unary terms moved from ``old`` to ``c`` (inlined ``_unary``: the same
+        operations in the same order, so the same floats)."""
+        m = self.p.mult[k]
+        compute, comm = self.p.compute[k], self.p.comm[k]
+        f, bw, o = compute[old]
+        b["cf"] -= f * m
+        b["cb"] -= bw * m
+        b["co"] -= o * m
+        for kind, v in comm[old].items():
+            b[kind] -= v * m
+        f, bw, o = compute[c]
+        b["cf"] += f * m
+        b["cb"] += bw * m
+        b["co"] += o * m
+        for kind, v in comm[c].items():
+            b[kind] += v * m
+
     def score(self) -> tuple[float, float]:
         if self.ignore_memory:
             return (0.0, step_of(self.b))
@@ -86,14 +104,12 @@ class Evaluator:
         if c == old:
             return self.score()
         b = dict(self.b)
-        for name, v in self._unary(k, old):
-            b[name] -= v
-        for name, v in self._unary(k, c):
-            b[name] += v
+        self._swap(b, k, old, c)
         self.choice[k] = c
+        terms, tc, choice = self.p.terms, self.tc, self.choice
         for i in self.inc[k]:
-            t = self.p.terms[i]
-            b[t.kind] += term_cost(t, self.choice) - self.tc[i]
+            t = terms[i]
+            b[t.kind] += term_cost(t, choice) - tc[i]
         if self.ignore_memory:
             self.choice[k] = old
             return (0.0, step_of(b))
@@ -116,10 +132,7 @@ class Evaluator:
         old = self.choice[k]
         if c == old:
             return
-        for name, v in self._unary(k, old):
-            self.b[name] -= v
-        for name, v in self._unary(k, c):
-            self.b[name] += v
+        self._swap(self.b, k, old, c)
         self.choice[k] = c
         for i in self.inc[k]:
             t = self.p.terms[i]
