@@ -70,8 +70,8 @@ def _capture_units(cap: Captured, microbatches: int, units: int) -> Graph:
 
 def _derived(cap: Captured, m: int, direct: Graph) -> Graph | None:
     """The whole-batch structure with every number at one unit of B/m rows, or None (module docstring)."""
-    at = {k: _capture_units(cap, m, k) for k in (_CHECK_UNIT, *_FIT_UNITS)}
-    at[m] = cap.graph
+    at = {k: cap.graph if k == m else _capture_units(cap, m, k) for k in (_CHECK_UNIT, *_FIT_UNITS)}
+    at[m] = cap.graph              # the whole batch: captured already, never again
     a, b = (at[k] for k in _FIT_UNITS)
     checks = {k: at[k] for k in (_CHECK_UNIT, m)}
     try:
