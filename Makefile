@@ -12,6 +12,8 @@ $(STAMP): pyproject.toml
 	# torch first and pinned, so nothing pulls a multi-GB CUDA build.
 	$(BIN)/pip install --quiet torch==2.13.0
 	$(BIN)/pip install --quiet -e '.[dev,hf]'
+	# numba's cache, so that a layout's time limit is not spent compiling
+	$(BIN)/python -m rhino.memory.warm
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -24,7 +24,9 @@ Solvers (``solve_layout``):
    does not reach the height ``H`` (the bound or the capacity), in a share of the time by its size;
    a leaf above ``split.max_leaf`` (no exact search) gets the greedy passes, then, where a few large
    buffers carry its load, those exactly and the rest around them (``split.big_first``), then the
-   squeaky-wheel search (``layout_improve``, ``split.improve``) for the rest of its share; identical leaves (repeated layers or steps) share one layout. The branch and bound never sees more
+   squeaky-wheel search (``layout_improve``, ``split.improve``) for the rest of its share but
+   ``split.eject.share`` of it, then ejection chains (``layout_eject``, ``split.eject``: the buffers above
+   the target moved down by moving those in their way) from its best layout; identical leaves (repeated layers or steps) share one layout. The branch and bound never sees more
    than ``split.max_leaf`` buffers there, which bounds its memory (its time-neighbour lists, undo logs
    and candidate pool grow with buffers x live buffers; buffers live over the whole step, such as
    parameters and optimizer state, neighbour every other one and are exactly what the peel removes).
@@ -53,6 +55,7 @@ from typing import Callable, Hashable, Sequence
 import numpy as np
 
 from .layout_bnb import LayoutOptions, SearchStatus, preorder_indices, search_layout
+from .layout_eject import eject_repair
 from .layout_greedy import place_in_order
 from .layout_improve import squeaky_wheel
 from .layout_split import decompose, splittable
@@ -483,11 +486,19 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
         lo, up, sz, al = (np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size",
                                                                                       "alignment"))
         start = np.array([best[b.id] for b in bufs], np.int64)
-        offs, h, passes = squeaky_wheel(lo, up, sz, al, np.array(floor, np.int64), cap, deadline,
-                                        options.split.improve, start)
+        fl = np.array(floor, np.int64)
+        eject = options.split.eject
+        sw_deadline = deadline - (eject.share * (deadline - time.monotonic()) if eject.enabled else 0.0)
+        offs, h, passes = squeaky_wheel(lo, up, sz, al, fl, cap, sw_deadline, options.split.improve, start)
         say(f"layout: leaf of {len(bufs):,} buffers: squeaky wheel {h:,} after {passes} passes (greedy {best_h:,})")
         if h < best_h:
             best, best_h, how = {b.id: int(o) for b, o in zip(bufs, offs.tolist())}, h, "squeaky-wheel"
+        if eject.enabled and best_h > cap:
+            start = np.array([best[b.id] for b in bufs], np.int64)
+            offs, h, moved = eject_repair(lo, up, sz, al, fl, start, cap, deadline, eject)
+            say(f"layout: leaf of {len(bufs):,} buffers: ejection chains {best_h:,} -> {h:,} ({moved} moved)")
+            if h < best_h:
+                best, best_h, how = {b.id: int(o) for b, o in zip(bufs, offs.tolist())}, h, how + "+eject"
     if best_h <= cap:
         return best, how
     say(f"layout: leaf of {len(bufs):,} buffers: greedy {best_h:,} ({how}) above {cap:,}; "

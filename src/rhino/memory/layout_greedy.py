@@ -8,8 +8,8 @@ address: the lowest gap that holds it).
 Time index (``TimeIndex``): all lifetimes are known in advance, so the buffers are bucketed by time once
 (buckets half a mean lifetime wide) into one CSR array with each entry's start, end and first bucket
 stored inline (contiguous scans, no linked lists); a placement scans its buckets, skips entries not yet
-placed (offset -1) and counts a buffer met in several buckets only in the first bucket both share. The
-same index serves the peak repair (``layout_repair``), which moves placed buffers.
+placed (offset -1) and counts a buffer met in several buckets only in the first bucket both share
+(``set_offset`` moves a placed buffer in it, or removes it with offset -1).
 
 Measured on ``benchmarks/layout_scale.py``'s ``random-1`` (60,000 buffers): best fit by size 13.0% above
 the max-load bound, by lifetime 5.6% (what ``greedy_layout`` gives too); lowest fit by size 3.95%. One

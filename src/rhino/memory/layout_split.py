@@ -29,6 +29,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from .layout_eject import EjectOptions
 from .layout_improve import ImproveOptions
 
 __all__ = ["SplitOptions", "Leaf", "Decomposition", "decompose", "splittable"]
@@ -53,6 +54,7 @@ class SplitOptions:
     improve: ImproveOptions = ImproveOptions()  # leaves above max_leaf: squeaky wheel after the first pass
     big_first: bool = True  # leaves above max_leaf that a few large buffers dominate: those exactly first
     revisit: bool = True  # time left after every leaf: the squeaky wheel again on the highest leaf (bimodal-1)
+    eject: EjectOptions = EjectOptions()  # leaves above max_leaf: ejection chains after the squeaky wheel
 
 
 @dataclass

@@ -1,0 +1,275 @@
+"""Ejection chains: lower the top of a valid layout by moving buffers out of the way (numba; no torch).
+
+Formulation. A valid layout of height ``h`` (offsets ``o_i``, floors ``f_i``, alignments ``a_i``) and a
+target ``T``. Repeatedly, with ``cap = max(T, h - step)``: every buffer ending above ``cap`` (largest
+``s_i * life_i`` first) is taken out and placed with its end at most ``cap``:
+
+- directly: the lowest offset (at or above its floor, aligned) that no buffer live at the same time
+  covers, if one ends at most ``cap``; else
+- by ejection: at a candidate offset ``x`` (its floor, or the end of a buffer live at the same time,
+  aligned and at or above its floor, ``x + s <= cap``) that at most ``max_blockers`` buffers live at the
+  same time cover, candidates ranked by the sum of those blockers' ``size x lifetime``: the blockers are
+  taken out, the buffer goes to ``x``, and each blocker (largest first) is placed again the same way, at
+  most ``depth`` levels deep, trying at most ``tries`` candidates per buffer and ``budget`` placements
+  per top buffer. A chain that fails is undone exactly (a log of the moves).
+
+When every buffer above ``cap`` has moved, the height is at most ``cap`` and the next round starts; it
+stops at the first ``cap`` it cannot reach, at ``T``, or at the deadline. Every move keeps the layout
+valid and no buffer ends above the height it started from, so the result is never higher.
+
+Why (``benchmarks/layout_scale.py``, session 12): the squeaky wheel's best layouts of the random traces
+that miss 1% have a handful of buffers on top at times where the arena is not full (``random-4``: 27
+buffers above 1.01x the bound, at 1.38-1.77%, not at its peak) that no lowest-fit order brought down;
+ejection moves the buffers in their way, which a greedy pass never does once they are placed.
+Measured (prototype, one process, from the CLI's layouts): ``random-4`` 1.768% -> 1.199% (depth 4, 18 s of
+CPU), ``wide-1`` 5.066% -> 4.297%; ``random-7`` 1.525% unchanged (its top buffers span its peak, where
+the arena is full).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numba
+import numpy as np
+
+from .layout_greedy import _set_given, set_offset, time_index
+
+__all__ = ["EjectOptions", "eject_repair"]
+
+_ENTER, _NEXT, _OK, _FAIL = 0, 1, 2, 3
+
+
+@dataclass(frozen=True)
+class EjectOptions:
+    """Ejection chains (module docstring). ``share``: of a large leaf's time, the part kept for them
+    after the squeaky wheel (they stopped within 1.5-1.7 s of CPU on ``random-4``, ``random-7`` and
+    ``wide-1``; at 0.25 the squeaky wheel's shorter search left ``random-1`` at 0.851% against 0.573%);
+    ``step``: how far below the height each round aims, as a fraction of the target. Values: the
+    prototype's on ``random-4`` (depth 2 / 3 / 4: 1.262 / 1.244 / 1.199%)."""
+    enabled: bool = True
+    share: float = 0.1
+    depth: int = 4
+    max_blockers: int = 2000
+    tries: int = 8
+    budget: int = 50_000
+    step: float = 2e-4
+
+
+@numba.njit(cache=True)
+def _gather(i, lo, up, b0, b1, start, member, mlo, mup, mb0, moff, mend, so, se, sid):
+    """Offsets, ends and ids of the placed buffers other than ``i`` that overlap ``i`` in time."""
+    m = 0
+    li, ui, bi = lo[i], up[i], b0[i]
+    for b in range(bi, b1[i] + 1):
+        for q in range(start[b], start[b + 1]):
+            if moff[q] >= 0 and mlo[q] < ui and mup[q] > li and (mb0[q] == b or bi == b) and member[q] != i:
+                so[m] = moff[q]
+                se[m] = mend[q]
+                sid[m] = member[q]
+                m += 1
+    return m
+
+
+@numba.njit(cache=True)
+def _up(x, a):
+    return -(-x // a) * a
+
+
+@numba.njit(cache=True)
+def _lowest_below(so, se, m, s, cap, a, f):
+    """The lowest aligned offset at or above ``f`` where ``s`` bytes overlap none of ``[so, se)[:m]``
+    and end at most ``cap``; -1 if there is none."""
+    below = f
+    for q in np.argsort(so[:m]):
+        x = _up(below, a)
+        if x + s > cap:
+            return -1
+        if so[q] >= x + s:
+            return x
+        if se[q] > below:
+            below = se[q]
+    x = _up(below, a)
+    return x if x + s <= cap else -1
+
+
+@numba.njit(cache=True)
+def _candidates(b, so, se, sid, m, sz, al, floor, area, cap, max_blockers, out):
+    """Candidate offsets for ``b`` (module docstring) into ``out``, best first; returns their count.
+    ``so``/``se``/``sid`` are sorted by ``so`` here."""
+    rk = np.argsort(so[:m])
+    so[:m] = so[:m][rk]
+    se[:m] = se[:m][rk]
+    sid[:m] = sid[:m][rk]
+    s, a, f = sz[b], al[b], floor[b]
+    longest = 0
+    for q in range(m):
+        longest = max(longest, se[q] - so[q])
+    xs = np.empty(m + 1, np.int64)
+    xs[0] = _up(f, a)
+    for q in range(m):
+        xs[q + 1] = _up(max(se[q], f), a)
+    xs = np.unique(xs)
+    score = np.empty(xs.size, np.float64)
+    keep = np.empty(xs.size, np.int64)
+    n = 0
+    for c in range(xs.size):
+        x = xs[c]
+        if x + s > cap:
+            break
+        k, total = 0, 0.0
+        q = np.searchsorted(so[:m], x + s) - 1
+        low = x - longest
+        while q >= 0 and so[q] > low:
+            if se[q] > x:
+                k += 1
+                if k > max_blockers:
+                    break
+                total += area[sid[q]]
+            q -= 1
+        if k <= max_blockers:
+            keep[n] = x
+            score[n] = total
+            n += 1
+    order = np.argsort(score[:n], kind="mergesort")
+    for c in range(n):
+        out[c] = keep[order[c]]
+    return n
+
+
+@numba.njit(cache=True)
+def _blockers(x, s, so, se, sid, m, out):
+    """Ids of the buffers among ``[so, se)[:m]`` (any order) overlapping ``[x, x + s)``."""
+    k = 0
+    for q in range(m):
+        if so[q] < x + s and se[q] > x:
+            out[k] = sid[q]
+            k += 1
+    return k
+
+
+@numba.njit(cache=True)
+def _undo(mark, nlog, logb, logo, sz, off, moff, mend, estart, epos):
+    for q in range(nlog - 1, mark - 1, -1):
+        set_offset(logb[q], logo[q], sz[logb[q]], off, moff, mend, estart, epos)
+    return mark
+
+
+@numba.njit(cache=True)
+def _move(top, cap, depth, max_blockers, tries, budget, deadline, lo, up, sz, al, floor, area, off, b0, b1, start,
+          member, mlo, mup, mb0, moff, mend, estart, epos):
+    """Place ``top`` (placed, ending above ``cap``) with its end at most ``cap`` by an ejection chain (an
+    explicit depth-first search, module docstring); on failure everything is as before. Returns whether
+    it moved."""
+    n = sz.size
+    so, se, sid = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
+    cand = np.empty((depth + 1, n + 1), np.int64)
+    ncand, nxt = np.zeros(depth + 1, np.int64), np.zeros(depth + 1, np.int64)
+    blk = np.empty((depth + 1, max_blockers), np.int64)
+    nblk, j, mark = np.zeros(depth + 1, np.int64), np.zeros(depth + 1, np.int64), np.zeros(depth + 1, np.int64)
+    buf = np.empty(depth + 2, np.int64)
+    cap_log = 8 * n + 16
+    logb, logo = np.empty(cap_log, np.int64), np.empty(cap_log, np.int64)
+    logb[0], logo[0] = top, off[top]
+    set_offset(top, -1, sz[top], off, moff, mend, estart, epos)
+    nlog, level, nodes, state = 1, 0, 0, _ENTER
+    buf[0] = top
+    while True:
+        if state == _ENTER:
+            b = buf[level]
+            nodes += 1
+            late = False
+            if nodes % 64 == 0:
+                with numba.objmode(now="float64"):
+                    now = time.monotonic()
+                late = now > deadline
+            if nodes > budget or late or nlog + max_blockers + 2 > cap_log:
+                _undo(0, nlog, logb, logo, sz, off, moff, mend, estart, epos)
+                return False
+            m = _gather(b, lo, up, b0, b1, start, member, mlo, mup, mb0, moff, mend, so, se, sid)
+            x = _lowest_below(so, se, m, sz[b], cap, al[b], floor[b])
+            if x >= 0:
+                logb[nlog], logo[nlog] = b, -1
+                nlog += 1
+                set_offset(b, x, sz[b], off, moff, mend, estart, epos)
+                state = _OK
+            elif level == depth:
+                state = _FAIL
+            else:
+                ncand[level] = _candidates(b, so, se, sid, m, sz, al, floor, area, cap, max_blockers, cand[level])
+                nxt[level] = 0
+                state = _NEXT
+        elif state == _NEXT:
+            b = buf[level]
+            if nxt[level] >= min(ncand[level], tries):
+                state = _FAIL
+                continue
+            x = cand[level, nxt[level]]
+            nxt[level] += 1
+            m = _gather(b, lo, up, b0, b1, start, member, mlo, mup, mb0, moff, mend, so, se, sid)
+            k = _blockers(x, sz[b], so, se, sid, m, blk[level])
+            rk = np.argsort(-sz[blk[level, :k]], kind="mergesort")
+            blk[level, :k] = blk[level, :k][rk]
+            nblk[level], j[level], mark[level] = k, 0, nlog
+            for q in range(k):
+                c = blk[level, q]
+                logb[nlog], logo[nlog] = c, off[c]
+                nlog += 1
+                set_offset(c, -1, sz[c], off, moff, mend, estart, epos)
+            logb[nlog], logo[nlog] = b, -1
+            nlog += 1
+            set_offset(b, x, sz[b], off, moff, mend, estart, epos)
+            if k == 0:
+                state = _OK
+            else:
+                buf[level + 1] = blk[level, 0]
+                level += 1
+                state = _ENTER
+        elif state == _OK:
+            if level == 0:
+                return True
+            level -= 1
+            j[level] += 1
+            if j[level] < nblk[level]:
+                buf[level + 1] = blk[level, j[level]]
+                level += 1
+                state = _ENTER
+        else:  # _FAIL
+            if level == 0:
+                _undo(0, nlog, logb, logo, sz, off, moff, mend, estart, epos)
+                return False
+            level -= 1
+            nlog = _undo(mark[level], nlog, logb, logo, sz, off, moff, mend, estart, epos)
+            state = _NEXT
+
+
+def eject_repair(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, floor: np.ndarray,
+                 offsets: np.ndarray, target: int, deadline: float,
+                 options: EjectOptions = EjectOptions()) -> tuple[np.ndarray, int, int]:
+    """A layout at most as high as ``offsets`` (a valid layout, input order), lowered by ejection chains
+    until ``target``, the first height they cannot reach, or ``deadline`` (``time.monotonic``). Returns
+    the offsets, their height and the number of buffers moved below a round's cap."""
+    lo, up, sz, al, floor = (np.ascontiguousarray(x, np.int64) for x in (lo, up, sz, al, floor))
+    off = np.array(offsets, np.int64)
+    if sz.size == 0:
+        return off, 0, 0
+    ix = time_index(lo, up, sz)
+    _set_given(off, sz, ix.moff, ix.mend, ix.estart, ix.epos)
+    area = sz * (up - lo).astype(np.float64)
+    step = max(1, int(target * options.step))
+    moved = 0
+    while time.monotonic() < deadline:
+        end = off + sz
+        h = int(end.max())
+        if h <= target:
+            break
+        cap = max(target, h - step)
+        tops = np.flatnonzero(end > cap)
+        for b in tops[np.argsort(-area[tops], kind="stable")].tolist():
+            if off[b] + sz[b] > cap and not _move(b, cap, options.depth, options.max_blockers, options.tries,
+                                                  options.budget, deadline, lo, up, sz, al, floor, area, off,
+                                                  ix.b0, ix.b1, ix.start, ix.member, ix.mlo, ix.mup, ix.mb0, ix.moff,
+                                                  ix.mend, ix.estart, ix.epos):
+                return off, int((off + sz).max()), moved
+            moved += 1
+    return off, int((off + sz).max()), moved

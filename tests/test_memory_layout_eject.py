@@ -1,0 +1,76 @@
+"""Ejection chains (``memory.layout_eject``): valid, never higher, floors and alignment kept, and they lower
+a layout that a greedy pass left high."""
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+
+from rhino.memory.layout import Buffer, lower_bound, validate_layout
+from rhino.memory.layout_eject import EjectOptions, eject_repair
+from rhino.memory.layout_greedy import place_in_order
+
+
+def _trace(seed: int, n: int = 800, horizon: int = 3000, aligned: bool = False) -> list[Buffer]:
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        lo = rng.randrange(horizon)
+        a = rng.choice((1, 8, 64)) if aligned else 1
+        out.append(Buffer(i, lo, lo + max(1, int(2 ** rng.uniform(0, 10))), 64 * max(1, int(2 ** rng.uniform(0, 10))), a))
+    return out
+
+
+def _arrays(bufs):
+    return tuple(np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size", "alignment"))
+
+
+def _start_order_layout(bufs, floor):
+    """Lowest fit in order of start: a poor layout, far above the bound."""
+    lo, up, sz, al = _arrays(bufs)
+    return place_in_order(lo, up, sz, al, floor, np.lexsort((np.arange(len(bufs)), lo)), lowest=True)
+
+
+def test_lowers_a_greedy_layout_and_stays_valid():
+    bufs = _trace(1)
+    lo, up, sz, al = _arrays(bufs)
+    fl = np.zeros(len(bufs), np.int64)
+    off = _start_order_layout(bufs, fl)
+    h0 = int((off + sz).max())
+    lb = lower_bound(bufs)
+    assert h0 > lb
+    new, h, moved = eject_repair(lo, up, sz, al, fl, off, lb, time.monotonic() + 20)
+    assert not validate_layout(bufs, {b.id: int(o) for b, o in zip(bufs, new.tolist())})
+    assert h == int((new + sz).max())
+    assert moved > 0 and h < h0  # 1 round moves every buffer above the cap, so h drops by >= the step
+    assert np.array_equal(off, _start_order_layout(bufs, fl))  # the input is not changed
+
+
+def test_floors_alignment_and_never_higher():
+    for seed in range(4):
+        bufs = _trace(10 + seed, n=400, aligned=True)
+        lo, up, sz, al = _arrays(bufs)
+        rng = np.random.default_rng(seed)
+        fl = rng.integers(0, 3, len(bufs)) * 4096  # some buffers may not go below a floor
+        off = _start_order_layout(bufs, fl)
+        h0 = int((off + sz).max())
+        new, h, _ = eject_repair(lo, up, sz, al, fl, off, lower_bound(bufs), time.monotonic() + 10,
+                                 EjectOptions(depth=2, tries=4))
+        assert h <= h0
+        assert (new >= fl).all() and (new % al == 0).all()
+        assert not validate_layout(bufs, {b.id: int(o) for b, o in zip(bufs, new.tolist())})
+
+
+def test_stops_at_the_target_and_at_the_deadline():
+    bufs = _trace(3)
+    lo, up, sz, al = _arrays(bufs)
+    fl = np.zeros(len(bufs), np.int64)
+    off = _start_order_layout(bufs, fl)
+    h0 = int((off + sz).max())
+    new, h, moved = eject_repair(lo, up, sz, al, fl, off, h0, time.monotonic() + 10)  # already at the target
+    assert (h, moved) == (h0, 0) and np.array_equal(new, off)
+    t = time.monotonic()
+    new, h, _ = eject_repair(lo, up, sz, al, fl, off, lower_bound(bufs), t + 0.3)
+    assert time.monotonic() - t < 1.5 and h <= h0
+    assert not validate_layout(bufs, {b.id: int(o) for b, o in zip(bufs, new.tolist())})
