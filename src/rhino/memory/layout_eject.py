@@ -13,17 +13,20 @@ target ``T``. Repeatedly, with ``cap = max(T, h - step)``: every buffer ending a
   most ``depth`` levels deep, trying at most ``tries`` candidates per buffer and ``budget`` placements
   per top buffer. A chain that fails is undone exactly (a log of the moves).
 
-When every buffer above ``cap`` has moved, the height is at most ``cap`` and the next round starts; it
-stops at the first ``cap`` it cannot reach, at ``T``, or at the deadline. Every move keeps the layout
+When every buffer above ``cap`` has moved, the height is at most ``cap`` and the next round starts. A
+buffer it cannot move makes the search deeper (``depth`` + 1 up to ``max_depth``), then wider (``tries`` x 2
+up to ``max_tries``, back at ``depth``), from the layout reached; it stops there, at ``T``, or at the
+deadline. Every move keeps the layout
 valid and no buffer ends above the height it started from, so the result is never higher.
 
 Why (``benchmarks/layout_scale.py``, session 12): the squeaky wheel's best layouts of the random traces
 that miss 1% have a handful of buffers on top at times where the arena is not full (``random-4``: 27
 buffers above 1.01x the bound, at 1.38-1.77%, not at its peak) that no lowest-fit order brought down;
 ejection moves the buffers in their way, which a greedy pass never does once they are placed.
-Measured (prototype, one process, from the CLI's layouts): ``random-4`` 1.768% -> 1.199% (depth 4, 18 s of
-CPU), ``wide-1`` 5.066% -> 4.297%; ``random-7`` 1.525% unchanged (its top buffers span its peak, where
-the arena is full).
+Measured (one process, from the CLI's session-11 layouts): ``random-4`` 1.768% -> 1.199% at depth 4 and
+8 tries (1.8 s of CPU, then stuck), 0.998% at depth 6 (12.9 s), 0.977% with the escalation in 20 s;
+``wide-1`` 5.066% -> 4.150% (depth 4), 3.815% (32 tries, 11 s), 3.909% (escalation, 20 s); ``random-7``
+1.525% unchanged (its top buffers span its peak, where the arena is full).
 """
 from __future__ import annotations
 
@@ -33,7 +36,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
-from .layout_greedy import _set_given, set_offset, time_index
+from .layout_greedy import set_given, set_offset, time_index
 
 __all__ = ["EjectOptions", "eject_repair"]
 
@@ -43,15 +46,17 @@ _ENTER, _NEXT, _OK, _FAIL = 0, 1, 2, 3
 @dataclass(frozen=True)
 class EjectOptions:
     """Ejection chains (module docstring). ``share``: of a large leaf's time, the part kept for them
-    after the squeaky wheel (they stopped within 1.5-1.7 s of CPU on ``random-4``, ``random-7`` and
-    ``wide-1``; at 0.25 the squeaky wheel's shorter search left ``random-1`` at 0.851% against 0.573%);
-    ``step``: how far below the height each round aims, as a fraction of the target. Values: the
-    prototype's on ``random-4`` (depth 2 / 3 / 4: 1.262 / 1.244 / 1.199%)."""
+    after the squeaky wheel; ``step``: how far below the height each round aims, as a fraction of the
+    target; ``depth``/``tries`` to start with, ``max_depth``/``max_tries`` for the escalation. Values:
+    measured on ``random-4`` (depth 2 / 3 / 4 / 6: 1.262 / 1.244 / 1.199 / 0.998%; ``budget`` 200,000:
+    no change)."""
     enabled: bool = True
     share: float = 0.1
     depth: int = 4
+    max_depth: int = 8
     max_blockers: int = 2000
     tries: int = 8
+    max_tries: int = 64
     budget: int = 50_000
     step: float = 2e-4
 
@@ -156,6 +161,27 @@ def _undo(mark, nlog, logb, logo, sz, off, moff, mend, estart, epos):
 
 
 @numba.njit(cache=True)
+def _late(deadline):
+    with numba.objmode(now="float64"):
+        now = time.monotonic()
+    return now > deadline
+
+
+@numba.njit(cache=True)
+def _apply(b, x, blockers, sz, off, moff, mend, estart, epos, logb, logo, nlog):
+    """Take ``blockers`` out (sorted largest first, in place) and put ``b`` at ``x``, logging each move;
+    returns the new log length."""
+    blockers[:] = blockers[np.argsort(-sz[blockers], kind="mergesort")]
+    for c in blockers:
+        logb[nlog], logo[nlog] = c, off[c]
+        nlog += 1
+        set_offset(c, -1, sz[c], off, moff, mend, estart, epos)
+    logb[nlog], logo[nlog] = b, -1
+    set_offset(b, x, sz[b], off, moff, mend, estart, epos)
+    return nlog + 1
+
+
+@numba.njit(cache=True)
 def _move(top, cap, depth, max_blockers, tries, budget, deadline, lo, up, sz, al, floor, area, off, b0, b1, start,
           member, mlo, mup, mb0, moff, mend, estart, epos):
     """Place ``top`` (placed, ending above ``cap``) with its end at most ``cap`` by an ejection chain (an
@@ -178,12 +204,7 @@ def _move(top, cap, depth, max_blockers, tries, budget, deadline, lo, up, sz, al
         if state == _ENTER:
             b = buf[level]
             nodes += 1
-            late = False
-            if nodes % 64 == 0:
-                with numba.objmode(now="float64"):
-                    now = time.monotonic()
-                late = now > deadline
-            if nodes > budget or late or nlog + max_blockers + 2 > cap_log:
+            if nodes > budget or nlog + max_blockers + 2 > cap_log or (nodes % 64 == 0 and _late(deadline)):
                 _undo(0, nlog, logb, logo, sz, off, moff, mend, estart, epos)
                 return False
             m = _gather(b, lo, up, b0, b1, start, member, mlo, mup, mb0, moff, mend, so, se, sid)
@@ -208,17 +229,8 @@ def _move(top, cap, depth, max_blockers, tries, budget, deadline, lo, up, sz, al
             nxt[level] += 1
             m = _gather(b, lo, up, b0, b1, start, member, mlo, mup, mb0, moff, mend, so, se, sid)
             k = _blockers(x, sz[b], so, se, sid, m, blk[level])
-            rk = np.argsort(-sz[blk[level, :k]], kind="mergesort")
-            blk[level, :k] = blk[level, :k][rk]
             nblk[level], j[level], mark[level] = k, 0, nlog
-            for q in range(k):
-                c = blk[level, q]
-                logb[nlog], logo[nlog] = c, off[c]
-                nlog += 1
-                set_offset(c, -1, sz[c], off, moff, mend, estart, epos)
-            logb[nlog], logo[nlog] = b, -1
-            nlog += 1
-            set_offset(b, x, sz[b], off, moff, mend, estart, epos)
+            nlog = _apply(b, x, blk[level, :k], sz, off, moff, mend, estart, epos, logb, logo, nlog)
             if k == 0:
                 state = _OK
             else:
@@ -254,10 +266,10 @@ def eject_repair(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray,
     if sz.size == 0:
         return off, 0, 0
     ix = time_index(lo, up, sz)
-    _set_given(off, sz, ix.moff, ix.mend, ix.estart, ix.epos)
+    set_given(off, sz, ix.moff, ix.mend, ix.estart, ix.epos)
     area = sz * (up - lo).astype(np.float64)
     step = max(1, int(target * options.step))
-    moved = 0
+    moved, depth, tries = 0, options.depth, options.tries
     while time.monotonic() < deadline:
         end = off + sz
         h = int(end.max())
@@ -266,10 +278,17 @@ def eject_repair(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray,
         cap = max(target, h - step)
         tops = np.flatnonzero(end > cap)
         for b in tops[np.argsort(-area[tops], kind="stable")].tolist():
-            if off[b] + sz[b] > cap and not _move(b, cap, options.depth, options.max_blockers, options.tries,
-                                                  options.budget, deadline, lo, up, sz, al, floor, area, off,
-                                                  ix.b0, ix.b1, ix.start, ix.member, ix.mlo, ix.mup, ix.mb0, ix.moff,
-                                                  ix.mend, ix.estart, ix.epos):
-                return off, int((off + sz).max()), moved
+            if off[b] + sz[b] <= cap:
+                continue
+            if not _move(b, cap, depth, options.max_blockers, tries, options.budget, deadline, lo, up, sz, al,
+                         floor, area, off, ix.b0, ix.b1, ix.start, ix.member, ix.mlo, ix.mup, ix.mb0, ix.moff,
+                         ix.mend, ix.estart, ix.epos):
+                if depth < options.max_depth:  # stuck: search deeper, then wider, from this layout
+                    depth += 1
+                elif tries < options.max_tries:
+                    depth, tries = options.depth, 2 * tries
+                else:
+                    return off, int((off + sz).max()), moved
+                break
             moved += 1
     return off, int((off + sz).max()), moved

@@ -25,7 +25,7 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-__all__ = ["TimeIndex", "time_index", "set_offset", "gather_placed", "find_gap", "place_in_order"]
+__all__ = ["TimeIndex", "time_index", "set_offset", "set_given", "gather_placed", "find_gap", "place_in_order"]
 
 _CHUNK = 4096  # buffers placed between two deadline checks
 
@@ -97,7 +97,7 @@ def set_offset(i, o, s, off, moff, mend, estart, epos):
 
 
 @numba.njit(cache=True)
-def _set_given(off, sz, moff, mend, estart, epos):
+def set_given(off, sz, moff, mend, estart, epos):
     """The index records exactly the buffers with an offset (>= 0) in ``off``."""
     moff[:] = -1
     for i in range(off.size):
@@ -215,7 +215,7 @@ def place_in_order(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarra
     if n == 0:
         return off
     ix = time_index(lo, up, sz) if index is None else index
-    _set_given(off, sz, ix.moff, ix.mend, ix.estart, ix.epos)
+    set_given(off, sz, ix.moff, ix.mend, ix.estart, ix.epos)
     so, se = np.empty(n, np.int64), np.empty(n, np.int64)
     for k0 in range(0, n, _CHUNK):
         if deadline is not None and k0 and time.monotonic() > deadline:
