@@ -55,7 +55,7 @@ from typing import Callable, Hashable, Sequence
 import numpy as np
 
 from .layout_bnb import LayoutOptions, SearchStatus, preorder_indices, search_layout
-from .layout_eject import eject_repair
+from .layout_eject import Follower, cores, eject_repair
 from .layout_greedy import place_in_order
 from .layout_improve import squeaky_wheel
 from .layout_split import decompose, splittable
@@ -488,12 +488,24 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
         start = np.array([best[b.id] for b in bufs], np.int64)
         fl = np.array(floor, np.int64)
         eject = options.split.eject
-        sw_deadline = deadline - (eject.share * (deadline - time.monotonic()) if eject.enabled else 0.0)
-        offs, h, passes = squeaky_wheel(lo, up, sz, al, fl, cap, sw_deadline, options.split.improve, start)
+        # ejection chains: in a thread beside the search where there are two cores, else after it
+        follower = (Follower(lo, up, sz, al, fl, cap, deadline, eject).start()
+                    if eject.enabled and eject.beside and cores() >= 2 else None)
+        sw_deadline = deadline - (eject.share * (deadline - time.monotonic())
+                                  if eject.enabled and follower is None else 0.0)
+        if follower is not None:
+            follower.offer(start, best_h)
+        offs, h, passes = squeaky_wheel(lo, up, sz, al, fl, cap, sw_deadline, options.split.improve, start,
+                                        on_best=None if follower is None else follower.offer)
         say(f"layout: leaf of {len(bufs):,} buffers: squeaky wheel {h:,} after {passes} passes (greedy {best_h:,})")
         if h < best_h:
             best, best_h, how = {b.id: int(o) for b, o in zip(bufs, offs.tolist())}, h, "squeaky-wheel"
-        if eject.enabled and best_h > cap:
+        if follower is not None:
+            offs, h = follower.finish()
+            say(f"layout: leaf of {len(bufs):,} buffers: ejection chains beside it {h:,}")
+            if offs is not None and h < best_h:
+                best, best_h, how = {b.id: int(o) for b, o in zip(bufs, offs.tolist())}, h, "squeaky-wheel+eject"
+        elif eject.enabled and best_h > cap:
             start = np.array([best[b.id] for b in bufs], np.int64)
             offs, h, moved = eject_repair(lo, up, sz, al, fl, start, cap, deadline, eject)
             say(f"layout: leaf of {len(bufs):,} buffers: ejection chains {best_h:,} -> {h:,} ({moved} moved)")

@@ -30,27 +30,32 @@ Measured (one process, from the CLI's session-11 layouts): ``random-4`` 1.768% -
 """
 from __future__ import annotations
 
+import os
+import threading
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numba
 import numpy as np
 
 from .layout_greedy import set_given, set_offset, time_index
 
-__all__ = ["EjectOptions", "eject_repair"]
+__all__ = ["EjectOptions", "eject_repair", "Follower", "cores"]
 
 _ENTER, _NEXT, _OK, _FAIL = 0, 1, 2, 3
 
 
 @dataclass(frozen=True)
 class EjectOptions:
-    """Ejection chains (module docstring). ``share``: of a large leaf's time, the part kept for them
-    after the squeaky wheel; ``step``: how far below the height each round aims, as a fraction of the
+    """Ejection chains (module docstring). ``beside``: with two cores or more they run in a thread beside
+    the squeaky wheel (``Follower``) for the whole of a large leaf's time; else ``share``: of its time,
+    the part kept for them after the squeaky wheel; ``step``: how far below the height each round aims, as a fraction of the
     target; ``depth``/``tries`` to start with, ``max_depth``/``max_tries`` for the escalation. Values:
     measured on ``random-4`` (depth 2 / 3 / 4 / 6: 1.262 / 1.244 / 1.199 / 0.998%; ``budget`` 200,000:
     no change)."""
     enabled: bool = True
+    beside: bool = True
     share: float = 0.1
     depth: int = 4
     max_depth: int = 8
@@ -181,12 +186,12 @@ def _apply(b, x, blockers, sz, off, moff, mend, estart, epos, logb, logo, nlog):
     return nlog + 1
 
 
-@numba.njit(cache=True)
-def _move(top, cap, depth, max_blockers, tries, budget, deadline, lo, up, sz, al, floor, area, off, b0, b1, start,
+@numba.njit(cache=True, nogil=True)
+def _move(top, cap, depth, max_blockers, tries, budget, limit, lo, up, sz, al, floor, area, off, b0, b1, start,
           member, mlo, mup, mb0, moff, mend, estart, epos):
     """Place ``top`` (placed, ending above ``cap``) with its end at most ``cap`` by an ejection chain (an
     explicit depth-first search, module docstring); on failure everything is as before. Returns whether
-    it moved."""
+    it moved. ``limit[0]``: the deadline (``time.monotonic``; another thread may bring it forward)."""
     n = sz.size
     so, se, sid = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
     cand = np.empty((depth + 1, n + 1), np.int64)
@@ -204,7 +209,7 @@ def _move(top, cap, depth, max_blockers, tries, budget, deadline, lo, up, sz, al
         if state == _ENTER:
             b = buf[level]
             nodes += 1
-            if nodes > budget or nlog + max_blockers + 2 > cap_log or (nodes % 64 == 0 and _late(deadline)):
+            if nodes > budget or nlog + max_blockers + 2 > cap_log or (nodes % 64 == 0 and _late(limit[0])):
                 _undo(0, nlog, logb, logo, sz, off, moff, mend, estart, epos)
                 return False
             m = _gather(b, lo, up, b0, b1, start, member, mlo, mup, mb0, moff, mend, so, se, sid)
@@ -256,11 +261,15 @@ def _move(top, cap, depth, max_blockers, tries, budget, deadline, lo, up, sz, al
 
 
 def eject_repair(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, floor: np.ndarray,
-                 offsets: np.ndarray, target: int, deadline: float,
-                 options: EjectOptions = EjectOptions()) -> tuple[np.ndarray, int, int]:
+                 offsets: np.ndarray, target: int, deadline: float, options: EjectOptions = EjectOptions(),
+                 stop: Callable[[int], bool] | None = None,
+                 limit: np.ndarray | None = None) -> tuple[np.ndarray, int, int]:
     """A layout at most as high as ``offsets`` (a valid layout, input order), lowered by ejection chains
-    until ``target``, the first height they cannot reach, or ``deadline`` (``time.monotonic``). Returns
-    the offsets, their height and the number of buffers moved below a round's cap."""
+    until ``target``, the end of the escalation, ``deadline`` (``time.monotonic``) or ``stop(height)``
+    (asked between buffers), or ``limit[0]`` (a one-element float array: a deadline another thread may
+    bring forward). Returns the offsets, their height and the number of buffers moved below a round's
+    cap."""
+    limit = np.array([deadline], np.float64) if limit is None else limit
     lo, up, sz, al, floor = (np.ascontiguousarray(x, np.int64) for x in (lo, up, sz, al, floor))
     off = np.array(offsets, np.int64)
     if sz.size == 0:
@@ -270,7 +279,7 @@ def eject_repair(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray,
     area = sz * (up - lo).astype(np.float64)
     step = max(1, int(target * options.step))
     moved, depth, tries = 0, options.depth, options.tries
-    while time.monotonic() < deadline:
+    while time.monotonic() < min(deadline, limit[0]):
         end = off + sz
         h = int(end.max())
         if h <= target:
@@ -278,9 +287,11 @@ def eject_repair(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray,
         cap = max(target, h - step)
         tops = np.flatnonzero(end > cap)
         for b in tops[np.argsort(-area[tops], kind="stable")].tolist():
+            if stop is not None and stop(h):
+                return off, int((off + sz).max()), moved
             if off[b] + sz[b] <= cap:
                 continue
-            if not _move(b, cap, depth, options.max_blockers, tries, options.budget, deadline, lo, up, sz, al,
+            if not _move(b, cap, depth, options.max_blockers, tries, options.budget, limit, lo, up, sz, al,
                          floor, area, off, ix.b0, ix.b1, ix.start, ix.member, ix.mlo, ix.mup, ix.mb0, ix.moff,
                          ix.mend, ix.estart, ix.epos):
                 if depth < options.max_depth:  # stuck: search deeper, then wider, from this layout
@@ -292,3 +303,76 @@ def eject_repair(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray,
                 break
             moved += 1
     return off, int((off + sz).max()), moved
+
+
+def cores() -> int:
+    """CPUs this process may run on."""
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+class Follower:
+    """Ejection chains in a thread beside the squeaky wheel (with two cores or more; ``_move`` and the
+    greedy pass run without the GIL): ``offer`` (the squeaky wheel's ``on_best``) hands it each lower
+    layout; it works from the lowest layout known, its own or the squeaky wheel's, and starts again from
+    the squeaky wheel's when that becomes lower than the one it is lowering; when its escalation ends it
+    waits for a lower one. ``finish`` stops it (at the latest at ``deadline``) and returns its lowest
+    layout and height (None, 0 when it made none)."""
+
+    def __init__(self, lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, floor: np.ndarray,
+                 target: int, deadline: float, options: EjectOptions = EjectOptions()) -> None:
+        self._args = (lo, up, sz, al, floor)
+        self._target, self._deadline, self._options = target, deadline, options
+        self._lock = threading.Lock()
+        self._latest: tuple[np.ndarray, int] | None = None
+        self._own: tuple[np.ndarray, int] | None = None
+        self._done = threading.Event()
+        self._limit = np.array([deadline], np.float64)  # brought forward by ``finish`` and ``offer``
+        self._working = 1 << 62  # height of the layout being repaired
+        self._thread = threading.Thread(target=self._run, name="rhino-eject", daemon=True)
+
+    def start(self) -> "Follower":
+        self._thread.start()
+        return self
+
+    def offer(self, offsets: np.ndarray, height: int) -> None:
+        with self._lock:
+            if self._latest is None or height < self._latest[1]:
+                self._latest = (np.array(offsets, np.int64), int(height))
+            if height < self._working:  # lower than the layout being repaired: start again from it
+                self._limit[0] = 0.0
+
+    def _latest_height(self) -> int | None:
+        with self._lock:
+            return None if self._latest is None else self._latest[1]
+
+    def _run(self) -> None:
+        waiting_below = None  # after the escalation ended: wait for a squeaky layout below this height
+        while not self._done.is_set() and time.monotonic() < self._deadline:
+            with self._lock:
+                latest = self._latest
+            if latest is None or (waiting_below is not None and latest[1] >= waiting_below):
+                self._done.wait(0.05)
+                continue
+            start = self._own if self._own is not None and self._own[1] <= latest[1] else latest
+            with self._lock:
+                self._working, self._limit[0] = start[1], self._deadline
+            off, h, _ = eject_repair(*self._args, start[0], self._target, self._deadline, self._options,
+                                     stop=self._stop, limit=self._limit)
+            if self._own is None or h < self._own[1]:
+                self._own = (off, h)
+            lh = self._latest_height()
+            waiting_below = None if lh is not None and lh < h else h
+        with self._lock:
+            self._working = 1 << 62
+
+    def _stop(self, height: int) -> bool:
+        with self._lock:
+            self._working = height
+            lh = None if self._latest is None else self._latest[1]
+        return self._done.is_set() or (lh is not None and lh < height)
+
+    def finish(self) -> tuple[np.ndarray | None, int]:
+        self._done.set()
+        self._limit[0] = 0.0
+        self._thread.join(max(0.0, self._deadline - time.monotonic()) + 1.0)
+        return (None, 0) if self._own is None else self._own

@@ -184,7 +184,7 @@ def find_gap(so, se, m, s, a, f, lowest):
     return best
 
 
-@numba.njit(cache=True)
+@numba.njit(cache=True, nogil=True)  # nogil: ejection chains may run beside it (``layout_eject.Follower``)
 def _place(lo, up, sz, al, floor, order, lowest, k0, k1, b0, b1, start, mlo, mup, mb0, moff, mend, estart, epos,
            off, so, se):
     """Place ``order[k0:k1]`` (those with offset -1) in turn (see the module docstring)."""

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 import numba
 import numpy as np
@@ -74,10 +75,12 @@ class ImproveOptions:
 
 def squeaky_wheel(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, floor: np.ndarray, target: int,
                   deadline: float, options: ImproveOptions = ImproveOptions(),
-                  start: np.ndarray | None = None) -> tuple[np.ndarray | None, int, int]:
+                  start: np.ndarray | None = None,
+                  on_best: Callable[[np.ndarray, int], None] | None = None) -> tuple[np.ndarray | None, int, int]:
     """The lowest layout (offsets in input order) of the squeaky-wheel passes until ``deadline``
     (``time.monotonic``) or a height at most ``target``; ``start``: a layout to beat (kept when no pass
-    is lower). Returns the offsets (None when no pass finished and no ``start``), their height and the
+    is lower); ``on_best(offsets, height)`` is called with every lower layout found. Returns the offsets
+    (None when no pass finished and no ``start``), their height and the
     number of passes finished (with ``focus``: hot passes and completions)."""
     lo, up, sz, al, floor = (np.ascontiguousarray(x, np.int64) for x in (lo, up, sz, al, floor))
     best = None if start is None else np.asarray(start, np.int64)
@@ -90,7 +93,7 @@ def squeaky_wheel(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray
         if best is not None:
             hot |= best + sz > target
         if hot.sum() <= options.focus_share * len(sz):
-            return _focused(lo, up, sz, al, floor, target, deadline, options, best, best_h, pri, hot)
+            return _focused(lo, up, sz, al, floor, target, deadline, options, best, best_h, pri, hot, on_best)
     ix = time_index(lo, up, sz)
     prev_order = prev_off = None
     passes = 0
@@ -106,7 +109,7 @@ def squeaky_wheel(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray
         if off is None:
             break
         passes += 1
-        end, best, best_h = _keep(off, sz, best, best_h)
+        end, best, best_h = _keep(off, sz, best, best_h, on_best)
         if best_h <= target:
             break
         pri[end > target] *= options.boost
@@ -114,20 +117,23 @@ def squeaky_wheel(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray
     return best, best_h, passes
 
 
-def _keep(off: np.ndarray, sz: np.ndarray, best: np.ndarray | None,
-          best_h: int) -> tuple[np.ndarray, np.ndarray, int]:
+def _keep(off: np.ndarray, sz: np.ndarray, best: np.ndarray | None, best_h: int,
+          on_best: Callable[[np.ndarray, int], None] | None = None) -> tuple[np.ndarray, np.ndarray, int]:
     """A finished pass's ends, and the lowest layout so far with its height (``off`` when lower than
-    ``best``, or when there is no ``best``)."""
+    ``best``, or when there is no ``best``; then ``on_best`` hears of it)."""
     end = off + sz
     h = int(end.max(initial=0))
     if best is None or h < best_h:
+        if on_best is not None:
+            on_best(off, h)
         return end, off, h
     return end, best, best_h
 
 
 def _focused(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, floor: np.ndarray, target: int,
              deadline: float, options: ImproveOptions, best: np.ndarray | None, best_h: int, pri: np.ndarray,
-             hot: np.ndarray) -> tuple[np.ndarray | None, int, int]:
+             hot: np.ndarray,
+             on_best: Callable[[np.ndarray, int], None] | None = None) -> tuple[np.ndarray | None, int, int]:
     """``squeaky_wheel`` on the hot buffers ``hot`` alone, each best hot layout completed by placing the
     cold ones around it (see the module docstring). ``pri`` is updated in place."""
     n = len(sz)
@@ -176,7 +182,7 @@ def _focused(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, flo
             break
         comp_s = time.monotonic() - t
         passes += 1
-        end, best, best_h = _keep(off, sz, best, best_h)
+        end, best, best_h = _keep(off, sz, best, best_h, on_best)
         if best_h <= target:
             break
         over = (end > target) & ~hot
