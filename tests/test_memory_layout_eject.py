@@ -8,7 +8,7 @@ import time
 import numpy as np
 
 from rhino.memory.layout import Buffer, lower_bound, validate_layout
-from rhino.memory.layout_eject import EjectOptions, eject_repair
+from rhino.memory.layout_eject import EjectOptions, Follower, eject_repair
 from rhino.memory.layout_greedy import place_in_order
 
 
@@ -74,3 +74,26 @@ def test_stops_at_the_target_and_at_the_deadline():
     new, h, _ = eject_repair(lo, up, sz, al, fl, off, lower_bound(bufs), t + 0.3)
     assert time.monotonic() - t < 1.5 and h <= h0
     assert not validate_layout(bufs, {b.id: int(o) for b, o in zip(bufs, new.tolist())})
+
+
+def test_follower_lowers_what_it_is_offered_and_finishes_at_once():
+    bufs = _trace(2)
+    lo, up, sz, al = _arrays(bufs)
+    fl = np.zeros(len(bufs), np.int64)
+    off = _start_order_layout(bufs, fl)
+    h0 = int((off + sz).max())
+    f = Follower(lo, up, sz, al, fl, lower_bound(bufs), time.monotonic() + 30).start()
+    f.offer(off, h0)
+    time.sleep(3)
+    t = time.monotonic()
+    new, h = f.finish()
+    assert time.monotonic() - t < 2.0  # brought forward, not run to its deadline
+    assert new is not None and h < h0 and h == int((new + sz).max())
+    assert not validate_layout(bufs, {b.id: int(o) for b, o in zip(bufs, new.tolist())})
+
+
+def test_follower_without_an_offer_returns_nothing():
+    bufs = _trace(4, n=100)
+    lo, up, sz, al = _arrays(bufs)
+    f = Follower(lo, up, sz, al, np.zeros(len(bufs), np.int64), lower_bound(bufs), time.monotonic() + 10).start()
+    assert f.finish() == (None, 0)

@@ -24,9 +24,10 @@ Solvers (``solve_layout``):
    does not reach the height ``H`` (the bound or the capacity), in a share of the time by its size;
    a leaf above ``split.max_leaf`` (no exact search) gets the greedy passes, then, where a few large
    buffers carry its load, those exactly and the rest around them (``split.big_first``), then the
-   squeaky-wheel search (``layout_improve``, ``split.improve``) for the rest of its share but
-   ``split.eject.share`` of it, then ejection chains (``layout_eject``, ``split.eject``: the buffers above
-   the target moved down by moving those in their way) from its best layout; identical leaves (repeated layers or steps) share one layout. The branch and bound never sees more
+   squeaky-wheel search (``layout_improve``, ``split.improve``) for the rest of its share, with
+   ejection chains (``layout_eject``, ``split.eject``: the buffers above the target moved down by moving
+   those in their way) on its best layouts in a thread beside it where there are two cores, else after
+   it in ``split.eject.share`` of the share; identical leaves (repeated layers or steps) share one layout. The branch and bound never sees more
    than ``split.max_leaf`` buffers there, which bounds its memory (its time-neighbour lists, undo logs
    and candidate pool grow with buffers x live buffers; buffers live over the whole step, such as
    parameters and optimizer state, neighbour every other one and are exactly what the peel removes).

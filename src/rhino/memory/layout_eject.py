@@ -19,6 +19,10 @@ up to ``max_tries``, back at ``depth``), from the layout reached; it stops there
 deadline. Every move keeps the layout
 valid and no buffer ends above the height it started from, so the result is never higher.
 
+Where they run (``layout._leaf``, on a leaf too large for the exact search): with two cores or more in a
+thread beside the squeaky wheel (``Follower``: the compiled kernels of both release the GIL), from each
+lower layout the squeaky wheel finds; with one core, after it, in ``EjectOptions.share`` of the leaf's time.
+
 Why (``benchmarks/layout_scale.py``, session 12): the squeaky wheel's best layouts of the random traces
 that miss 1% have a handful of buffers on top at times where the arena is not full (``random-4``: 27
 buffers above 1.01x the bound, at 1.38-1.77%, not at its peak) that no lowest-fit order brought down;
