@@ -97,3 +97,21 @@ def test_follower_without_an_offer_returns_nothing():
     lo, up, sz, al = _arrays(bufs)
     f = Follower(lo, up, sz, al, np.zeros(len(bufs), np.int64), lower_bound(bufs), time.monotonic() + 10).start()
     assert f.finish() == (None, 0)
+
+
+def test_large_leaf_runs_the_chains_beside_or_after_the_search():
+    """Both ways the solver runs them (a thread beside the squeaky wheel, which goes on after a search that
+    stops early, or after it on one core) give a valid layout lower than the search alone (3 passes)."""
+    from rhino.memory.layout import LayoutOptions, solve_layout
+    from rhino.memory.layout_improve import ImproveOptions
+    from rhino.memory.layout_split import SplitOptions
+    bufs = _trace(5, n=1500)
+
+    def opts(**eject):
+        return LayoutOptions(split=SplitOptions(above=0, max_leaf=100, cuts=False, revisit=False,
+                                                improve=ImproveOptions(max_passes=3), eject=EjectOptions(**eject)))
+    plain = solve_layout(bufs, time_limit=5.0, options=opts(enabled=False))
+    for kw in ({"beside": False}, {"beside": True}):
+        r = solve_layout(bufs, time_limit=5.0, options=opts(**kw))
+        assert r.valid and validate_layout(bufs, r.offsets) == []
+        assert r.height < plain.height and "+eject" in r.solver, (kw, r.height, plain.height, r.solver)

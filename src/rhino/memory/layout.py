@@ -502,7 +502,7 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
         if h < best_h:
             best, best_h, how = {b.id: int(o) for b, o in zip(bufs, offs.tolist())}, h, "squeaky-wheel"
         if follower is not None:
-            offs, h = follower.finish()
+            offs, h = follower.finish(wait=best_h > cap)
             say(f"layout: leaf of {len(bufs):,} buffers: ejection chains beside it {h:,}")
             if offs is not None and h < best_h:
                 best, best_h, how = {b.id: int(o) for b, o in zip(bufs, offs.tolist())}, h, "squeaky-wheel+eject"

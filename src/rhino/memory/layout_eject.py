@@ -319,8 +319,9 @@ class Follower:
     greedy pass run without the GIL): ``offer`` (the squeaky wheel's ``on_best``) hands it each lower
     layout; it works from the lowest layout known, its own or the squeaky wheel's, and starts again from
     the squeaky wheel's when that becomes lower than the one it is lowering; when its escalation ends it
-    waits for a lower one. ``finish`` stops it (at the latest at ``deadline``) and returns its lowest
-    layout and height (None, 0 when it made none)."""
+    waits for a lower one. ``finish`` stops it, or with ``wait`` (the search ended before the deadline
+    without reaching the target) lets it end by itself (at the latest at ``deadline``), and returns its
+    lowest layout and height (None, 0 when it made none)."""
 
     def __init__(self, lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, floor: np.ndarray,
                  target: int, deadline: float, options: EjectOptions = EjectOptions()) -> None:
@@ -330,6 +331,7 @@ class Follower:
         self._latest: tuple[np.ndarray, int] | None = None
         self._own: tuple[np.ndarray, int] | None = None
         self._done = threading.Event()
+        self._closed = threading.Event()  # no more offers
         self._limit = np.array([deadline], np.float64)  # brought forward by ``finish`` and ``offer``
         self._working = 1 << 62  # height of the layout being repaired
         self._thread = threading.Thread(target=self._run, name="rhino-eject", daemon=True)
@@ -355,6 +357,8 @@ class Follower:
             with self._lock:
                 latest = self._latest
             if latest is None or (waiting_below is not None and latest[1] >= waiting_below):
+                if self._closed.is_set():  # no lower layout will come
+                    break
                 self._done.wait(0.05)
                 continue
             start = self._own if self._own is not None and self._own[1] <= latest[1] else latest
@@ -375,8 +379,11 @@ class Follower:
             lh = None if self._latest is None else self._latest[1]
         return self._done.is_set() or (lh is not None and lh < height)
 
-    def finish(self) -> tuple[np.ndarray | None, int]:
-        self._done.set()
-        self._limit[0] = 0.0
+    def finish(self, wait: bool = False) -> tuple[np.ndarray | None, int]:
+        if wait:  # the search stopped early: let the chains go on until they end or the deadline
+            self._closed.set()
+        else:
+            self._done.set()
+            self._limit[0] = 0.0
         self._thread.join(max(0.0, self._deadline - time.monotonic()) + 1.0)
         return (None, 0) if self._own is None else self._own
