@@ -32,19 +32,28 @@ def _start_order_layout(bufs, floor):
     return place_in_order(lo, up, sz, al, floor, np.lexsort((np.arange(len(bufs)), lo)), lowest=True)
 
 
-def test_lowers_a_greedy_layout_and_stays_valid():
-    bufs = _trace(1)
+def _poor(seed: int, n: int = 800):
+    """A trace's arrays, zero floors, its start-order layout and that layout's height."""
+    bufs = _trace(seed, n=n)
     lo, up, sz, al = _arrays(bufs)
     fl = np.zeros(len(bufs), np.int64)
     off = _start_order_layout(bufs, fl)
-    h0 = int((off + sz).max())
+    return bufs, (lo, up, sz, al, fl), off, int((off + sz).max())
+
+
+def _valid(bufs, off) -> bool:
+    return not validate_layout(bufs, {b.id: int(o) for b, o in zip(bufs, off.tolist())})
+
+
+def test_lowers_a_greedy_layout_and_stays_valid():
+    bufs, arrays, off, h0 = _poor(1)
     lb = lower_bound(bufs)
     assert h0 > lb
-    new, h, moved = eject_repair(lo, up, sz, al, fl, off, lb, time.monotonic() + 20)
-    assert not validate_layout(bufs, {b.id: int(o) for b, o in zip(bufs, new.tolist())})
-    assert h == int((new + sz).max())
+    new, h, moved = eject_repair(*arrays, off, lb, time.monotonic() + 20)
+    assert _valid(bufs, new)
+    assert h == int((new + arrays[2]).max())
     assert moved > 0 and h < h0  # 1 round moves every buffer above the cap, so h drops by >= the step
-    assert np.array_equal(off, _start_order_layout(bufs, fl))  # the input is not changed
+    assert np.array_equal(off, _start_order_layout(bufs, arrays[4]))  # the input is not changed
 
 
 def test_floors_alignment_and_never_higher():
@@ -59,43 +68,34 @@ def test_floors_alignment_and_never_higher():
                                  EjectOptions(depth=2, tries=4))
         assert h <= h0
         assert (new >= fl).all() and (new % al == 0).all()
-        assert not validate_layout(bufs, {b.id: int(o) for b, o in zip(bufs, new.tolist())})
+        assert _valid(bufs, new)
 
 
 def test_stops_at_the_target_and_at_the_deadline():
-    bufs = _trace(3)
-    lo, up, sz, al = _arrays(bufs)
-    fl = np.zeros(len(bufs), np.int64)
-    off = _start_order_layout(bufs, fl)
-    h0 = int((off + sz).max())
-    new, h, moved = eject_repair(lo, up, sz, al, fl, off, h0, time.monotonic() + 10)  # already at the target
+    bufs, arrays, off, h0 = _poor(3)
+    new, h, moved = eject_repair(*arrays, off, h0, time.monotonic() + 10)  # already at the target
     assert (h, moved) == (h0, 0) and np.array_equal(new, off)
     t = time.monotonic()
-    new, h, _ = eject_repair(lo, up, sz, al, fl, off, lower_bound(bufs), t + 0.3)
+    new, h, _ = eject_repair(*arrays, off, lower_bound(bufs), t + 0.3)
     assert time.monotonic() - t < 1.5 and h <= h0
-    assert not validate_layout(bufs, {b.id: int(o) for b, o in zip(bufs, new.tolist())})
+    assert _valid(bufs, new)
 
 
 def test_follower_lowers_what_it_is_offered_and_finishes_at_once():
-    bufs = _trace(2)
-    lo, up, sz, al = _arrays(bufs)
-    fl = np.zeros(len(bufs), np.int64)
-    off = _start_order_layout(bufs, fl)
-    h0 = int((off + sz).max())
-    f = Follower(lo, up, sz, al, fl, lower_bound(bufs), time.monotonic() + 30).start()
+    bufs, arrays, off, h0 = _poor(2)
+    f = Follower(*arrays, lower_bound(bufs), time.monotonic() + 30).start()
     f.offer(off, h0)
     time.sleep(3)
     t = time.monotonic()
     new, h = f.finish()
     assert time.monotonic() - t < 2.0  # brought forward, not run to its deadline
-    assert new is not None and h < h0 and h == int((new + sz).max())
-    assert not validate_layout(bufs, {b.id: int(o) for b, o in zip(bufs, new.tolist())})
+    assert new is not None and h < h0 and h == int((new + arrays[2]).max())
+    assert _valid(bufs, new)
 
 
 def test_follower_without_an_offer_returns_nothing():
-    bufs = _trace(4, n=100)
-    lo, up, sz, al = _arrays(bufs)
-    f = Follower(lo, up, sz, al, np.zeros(len(bufs), np.int64), lower_bound(bufs), time.monotonic() + 10).start()
+    bufs, arrays, _, _ = _poor(4, n=100)
+    f = Follower(*arrays, lower_bound(bufs), time.monotonic() + 10).start()
     assert f.finish() == (None, 0)
 
 
@@ -105,6 +105,8 @@ def test_large_leaf_runs_the_chains_beside_or_after_the_search():
     from rhino.memory.layout import LayoutOptions, solve_layout
     from rhino.memory.layout_improve import ImproveOptions
     from rhino.memory.layout_split import SplitOptions
+    from rhino.memory.warm import warm
+    warm()  # compiled before the timed runs (after an edit numba compiles again, ~15 s)
     bufs = _trace(5, n=1500)
 
     def opts(**eject):

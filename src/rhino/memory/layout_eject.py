@@ -16,8 +16,8 @@ target ``T``. Repeatedly, with ``cap = max(T, h - step)``: every buffer ending a
 When every buffer above ``cap`` has moved, the height is at most ``cap`` and the next round starts. A
 buffer it cannot move makes the search deeper (``depth`` + 1 up to ``max_depth``), then wider (``tries`` x 2
 up to ``max_tries``, back at ``depth``), from the layout reached; it stops there, at ``T``, or at the
-deadline. Every move keeps the layout
-valid and no buffer ends above the height it started from, so the result is never higher.
+deadline. Every move keeps the layout valid and no buffer ends above the height it started from, so the
+result is never higher.
 
 Where they run (``layout._leaf``, on a leaf too large for the exact search): with two cores or more in a
 thread beside the squeaky wheel (``Follower``: the compiled kernels of both release the GIL), from each
@@ -43,7 +43,7 @@ from typing import Callable
 import numba
 import numpy as np
 
-from .layout_greedy import set_given, set_offset, time_index
+from .layout_greedy import gather_placed, set_given, set_offset, time_index
 
 __all__ = ["EjectOptions", "eject_repair", "Follower", "cores"]
 
@@ -54,8 +54,8 @@ _ENTER, _NEXT, _OK, _FAIL = 0, 1, 2, 3
 class EjectOptions:
     """Ejection chains (module docstring). ``beside``: with two cores or more they run in a thread beside
     the squeaky wheel (``Follower``) for the whole of a large leaf's time; else ``share``: of its time,
-    the part kept for them after the squeaky wheel; ``step``: how far below the height each round aims, as a fraction of the
-    target; ``depth``/``tries`` to start with, ``max_depth``/``max_tries`` for the escalation. Values:
+    the part kept for them after the squeaky wheel; ``step``: how far below the height each round aims,
+    as a fraction of the target; ``depth``/``tries`` to start with, ``max_depth``/``max_tries`` for the escalation. Values:
     measured on ``random-4`` (depth 2 / 3 / 4 / 6: 1.262 / 1.244 / 1.199 / 0.998%; ``budget`` 200,000:
     no change)."""
     enabled: bool = True
@@ -71,31 +71,26 @@ class EjectOptions:
 
 
 @numba.njit(cache=True)
-def _gather(i, lo, up, b0, b1, start, member, mlo, mup, mb0, moff, mend, so, se, sid):
-    """Offsets, ends and ids of the placed buffers other than ``i`` that overlap ``i`` in time."""
-    m = 0
-    li, ui, bi = lo[i], up[i], b0[i]
-    for b in range(bi, b1[i] + 1):
-        for q in range(start[b], start[b + 1]):
-            if moff[q] >= 0 and mlo[q] < ui and mup[q] > li and (mb0[q] == b or bi == b) and member[q] != i:
-                so[m] = moff[q]
-                se[m] = mend[q]
-                sid[m] = member[q]
-                m += 1
-    return m
-
-
-@numba.njit(cache=True)
 def _up(x, a):
     return -(-x // a) * a
 
 
 @numba.njit(cache=True)
+def _by_offset(so, se, sid, m):
+    """Sort ``[so, se)[:m]`` and their ids by offset, in place."""
+    rk = np.argsort(so[:m])
+    so[:m] = so[:m][rk]
+    se[:m] = se[:m][rk]
+    sid[:m] = sid[:m][rk]
+
+
+@numba.njit(cache=True)
 def _lowest_below(so, se, m, s, cap, a, f):
     """The lowest aligned offset at or above ``f`` where ``s`` bytes overlap none of ``[so, se)[:m]``
-    and end at most ``cap``; -1 if there is none."""
+    (sorted by offset) and end at most ``cap``; -1 if there is none. ``layout_greedy.find_gap`` without
+    the cap, which stops at the first interval past it, and without permuting the intervals."""
     below = f
-    for q in np.argsort(so[:m]):
+    for q in range(m):
         x = _up(below, a)
         if x + s > cap:
             return -1
@@ -110,11 +105,7 @@ def _lowest_below(so, se, m, s, cap, a, f):
 @numba.njit(cache=True)
 def _candidates(b, so, se, sid, m, sz, al, floor, area, cap, max_blockers, out):
     """Candidate offsets for ``b`` (module docstring) into ``out``, best first; returns their count.
-    ``so``/``se``/``sid`` are sorted by ``so`` here."""
-    rk = np.argsort(so[:m])
-    so[:m] = so[:m][rk]
-    se[:m] = se[:m][rk]
-    sid[:m] = sid[:m][rk]
+    ``so``/``se``/``sid``: sorted by offset."""
     s, a, f = sz[b], al[b], floor[b]
     longest = 0
     for q in range(m):
@@ -216,7 +207,8 @@ def _move(top, cap, depth, max_blockers, tries, budget, limit, lo, up, sz, al, f
             if nodes > budget or nlog + max_blockers + 2 > cap_log or (nodes % 64 == 0 and _late(limit[0])):
                 _undo(0, nlog, logb, logo, sz, off, moff, mend, estart, epos)
                 return False
-            m = _gather(b, lo, up, b0, b1, start, member, mlo, mup, mb0, moff, mend, so, se, sid)
+            m = gather_placed(b, lo, up, b0, b1, start, member, mlo, mup, mb0, moff, mend, so, se, sid)
+            _by_offset(so, se, sid, m)
             x = _lowest_below(so, se, m, sz[b], cap, al[b], floor[b])
             if x >= 0:
                 logb[nlog], logo[nlog] = b, -1
@@ -236,7 +228,7 @@ def _move(top, cap, depth, max_blockers, tries, budget, limit, lo, up, sz, al, f
                 continue
             x = cand[level, nxt[level]]
             nxt[level] += 1
-            m = _gather(b, lo, up, b0, b1, start, member, mlo, mup, mb0, moff, mend, so, se, sid)
+            m = gather_placed(b, lo, up, b0, b1, start, member, mlo, mup, mb0, moff, mend, so, se, sid)
             k = _blockers(x, sz[b], so, se, sid, m, blk[level])
             nblk[level], j[level], mark[level] = k, 0, nlog
             nlog = _apply(b, x, blk[level, :k], sz, off, moff, mend, estart, epos, logb, logo, nlog)

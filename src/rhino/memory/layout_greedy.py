@@ -106,9 +106,9 @@ def set_given(off, sz, moff, mend, estart, epos):
 
 
 @numba.njit(cache=True)
-def gather_placed(i, lo, up, b0, b1, start, mlo, mup, mb0, moff, mend, so, se):
-    """Offsets and ends (into ``so``/``se``) of the placed buffers other than ``i`` (not placed itself)
-    that overlap ``i`` in time; returns their count."""
+def gather_placed(i, lo, up, b0, b1, start, member, mlo, mup, mb0, moff, mend, so, se, sid):
+    """Offsets, ends and ids (into ``so``/``se``/``sid``) of the placed buffers other than ``i`` (not
+    placed itself) that overlap ``i`` in time; returns their count."""
     m = 0
     li, ui, bi = lo[i], up[i], b0[i]
     for b in range(bi, b1[i] + 1):
@@ -116,6 +116,7 @@ def gather_placed(i, lo, up, b0, b1, start, mlo, mup, mb0, moff, mend, so, se):
             if moff[q] >= 0 and mlo[q] < ui and mup[q] > li and (mb0[q] == b or bi == b):
                 so[m] = moff[q]
                 se[m] = mend[q]
+                sid[m] = member[q]
                 m += 1
     return m
 
@@ -185,8 +186,8 @@ def find_gap(so, se, m, s, a, f, lowest):
 
 
 @numba.njit(cache=True, nogil=True)  # nogil: ejection chains may run beside it (``layout_eject.Follower``)
-def _place(lo, up, sz, al, floor, order, lowest, k0, k1, b0, b1, start, mlo, mup, mb0, moff, mend, estart, epos,
-           off, so, se):
+def _place(lo, up, sz, al, floor, order, lowest, k0, k1, b0, b1, start, member, mlo, mup, mb0, moff, mend, estart,
+           epos, off, so, se, sid):
     """Place ``order[k0:k1]`` (those with offset -1) in turn (see the module docstring)."""
     for k in range(k0, k1):
         i = order[k]
@@ -195,7 +196,7 @@ def _place(lo, up, sz, al, floor, order, lowest, k0, k1, b0, b1, start, mlo, mup
         if sz[i] == 0:
             off[i] = 0
             continue
-        m = gather_placed(i, lo, up, b0, b1, start, mlo, mup, mb0, moff, mend, so, se)
+        m = gather_placed(i, lo, up, b0, b1, start, member, mlo, mup, mb0, moff, mend, so, se, sid)
         set_offset(i, find_gap(so, se, m, sz[i], al[i], floor[i], lowest), sz[i], off, moff, mend, estart, epos)
 
 
@@ -216,7 +217,7 @@ def place_in_order(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarra
         return off
     ix = time_index(lo, up, sz) if index is None else index
     set_given(off, sz, ix.moff, ix.mend, ix.estart, ix.epos)
-    so, se = np.empty(n, np.int64), np.empty(n, np.int64)
+    so, se, sid = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
     for k0 in range(0, n, _CHUNK):
         if deadline is not None and k0 and time.monotonic() > deadline:
             if not finish:
@@ -228,6 +229,6 @@ def place_in_order(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarra
                     off[i] = top if sz[i] else 0
                     top += int(sz[i])
             return off
-        _place(lo, up, sz, al, floor, order, lowest, k0, min(n, k0 + _CHUNK), ix.b0, ix.b1, ix.start, ix.mlo, ix.mup,
-               ix.mb0, ix.moff, ix.mend, ix.estart, ix.epos, off, so, se)
+        _place(lo, up, sz, al, floor, order, lowest, k0, min(n, k0 + _CHUNK), ix.b0, ix.b1, ix.start, ix.member,
+               ix.mlo, ix.mup, ix.mb0, ix.moff, ix.mend, ix.estart, ix.epos, off, so, se, sid)
     return off
