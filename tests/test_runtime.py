@@ -361,3 +361,24 @@ def test_profile_measures_concurrent_ranks(tmp_path):
     assert set(doc["kind_bandwidth"]) == {"elementwise", "norm", "reduction"}
     prof = load_profile(out)
     assert prof.link_ranks == 2 and prof.matmul_flops == doc["matmul_flops"]
+
+
+def _gloo_threads_after_training(ctx):
+    """Train one step (fake-tensor capture, dp groups, the per-rank programs' context), shut down, and
+    name the gloo threads still running in this process."""
+    from rhino.runtime import shutdown
+    from rhino.runtime.trainer import Trainer
+    trainer = Trainer(str(Path(__file__).resolve().parents[1] / "examples" / "mlp.py"), strategy="dp=2",
+                      dtype=torch.float64)
+    trainer.step()
+    del trainer
+    shutdown()
+    names = [(Path("/proc/self/task") / t / "comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+    return sorted(n for n in names if "gloo" in n)
+
+
+@pytest.mark.multiprocess
+def test_no_process_group_outlives_shutdown():
+    """A group still alive at interpreter exit aborts the process at random (a gloo thread frees a finished
+    collective's tensors after Python has finalized): after ``shutdown`` no gloo thread may be left."""
+    assert launch(_gloo_threads_after_training, 2) == [[], []]

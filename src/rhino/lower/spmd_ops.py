@@ -21,7 +21,7 @@ from ..sharding.placement import ReduceOp
 from ..sharding.steps import (AllGather, AllReduce, AllToAll, LocalScale, LocalSlice, ReduceScatter, Step,
                               ZeroUnlessFirst)
 
-__all__ = ["Collectives", "set_context", "redistribute", "step_args", "step_from_args", "start", "wait",
+__all__ = ["Collectives", "set_context", "clear_context", "redistribute", "step_args", "step_from_args", "start", "wait",
            "COMM_KINDS"]
 
 COMM_KINDS = frozenset({"AllReduce", "ReduceScatter", "AllGather", "AllToAll"})
@@ -43,6 +43,13 @@ def set_context(mesh: Mesh, rank: int, groups, collectives: Collectives, native:
     """What ``redistribute`` and ``start`` run on in this process: the mesh, this rank, its process groups
     and the collective implementation."""
     _CTX.update(mesh=mesh, rank=rank, groups=groups, collectives=collectives, native=native)
+
+
+def clear_context() -> None:
+    """Forget the context (its process groups with it): the runtime calls it before destroying the process
+    group, so no group outlives ``destroy_process_group`` (a gloo group still alive at interpreter exit can
+    abort the process when one of its threads frees a finished collective's tensors)."""
+    _CTX.clear()
 
 
 def step_args(step: Step) -> tuple:

@@ -35,7 +35,16 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.nn  # noqa: F401  (before any process group exists: see below)
 import torch.multiprocessing as mp
+
+from ..lower.spmd_ops import clear_context
+
+# ``torch.distributed.nn.functional`` binds ``group.WORLD`` as a default argument when it is first imported
+# (torch 2.13); fake-tensor capture imports it lazily. Imported after ``init_process_group``, it keeps the
+# default group alive after ``destroy_process_group``, and at interpreter exit a gloo thread of that group
+# freeing a finished collective's tensors aborts the process ("terminate called without an active
+# exception"). Imported here, before any group exists, the defaults are None.
 
 __all__ = ["Backend", "RankContext", "RankFailedError", "launch", "init_from_env", "run_from_env",
            "in_torchrun", "shutdown", "current_context"]
@@ -128,7 +137,9 @@ def run_from_env(fn: Callable[..., Any], *args: Any, timeout_s: float = 60.0) ->
 
 
 def shutdown() -> None:
-    """Destroy the default process group (and all groups made from it) if there is one."""
+    """Destroy the default process group (and all groups made from it) if there is one, after dropping the
+    per-rank programs' reference to them (``lower.spmd_ops.clear_context``)."""
+    clear_context()
     if dist.is_initialized():
         dist.destroy_process_group()
 
