@@ -55,6 +55,7 @@ from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
+from .layout_check import any_overlap
 from .layout_bnb import LayoutOptions, SearchStatus, preorder_indices, search_layout
 from .layout_eject import Follower, cores, eject_repair
 from .layout_greedy import place_in_order
@@ -155,6 +156,8 @@ def validate_layout(buffers: Sequence[Buffer], offsets: dict, capacity: int | No
     up = np.array([b.upper for b in ok], np.int64)
     start = np.array([offsets[b.id] for b in ok], np.int64)
     end = start + np.array([b.size for b in ok], np.int64)
+    if not any_overlap(lo, up, start, end):  # O(n log n); the pairwise pass below names the pairs
+        return errors
     live = np.zeros(0, np.int64)  # earlier buffers still live at the chunk's first start
     for c0 in range(0, len(ok), _CHUNK):
         c1 = min(c0 + _CHUNK, len(ok))

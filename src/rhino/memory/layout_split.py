@@ -84,10 +84,22 @@ def splittable(size: np.ndarray, alignment: np.ndarray) -> bool:
     return bool((size % lcm == 0).all())
 
 
-def _components(idx: np.ndarray, lo: np.ndarray, up: np.ndarray) -> list[np.ndarray]:
-    order = idx[np.argsort(lo[idx], kind="stable")]
-    reach = np.maximum.accumulate(up[order])
-    return np.split(order, np.flatnonzero(lo[order][1:] >= reach[:-1]) + 1)
+def _runs(idx: np.ndarray, lo: np.ndarray, up: np.ndarray) -> list[np.ndarray]:
+    """The components (groups with no buffer crossing between them in time) of ``idx``, which is sorted
+    by start: its contiguous runs, as views of it."""
+    reach = np.maximum.accumulate(up[idx])
+    return np.split(idx, np.flatnonzero(lo[idx][1:] >= reach[:-1]) + 1)
+
+
+def _peel_count(idx: np.ndarray, up: np.ndarray) -> int:
+    """How many buffers repeated peels of this window (sorted by start, longest first among equal
+    starts) stack before it splits or becomes a leaf: a buffer spans what follows it when its end is
+    the largest from it on, and the peels take the longest prefix of such buffers (each spans the rest,
+    so the rest stays one component). Peeling level by level costs a pass per level instead: quadratic
+    on deeply nested lifetimes."""
+    ends = up[idx]
+    spans = ends >= np.maximum.accumulate(ends[::-1])[::-1]
+    return spans.size if spans.all() else int(np.argmin(spans))
 
 
 def _profile(l: np.ndarray, u: np.ndarray, z: np.ndarray, times: int) -> np.ndarray:
@@ -122,7 +134,7 @@ def _cut_time(idx: np.ndarray, lo: np.ndarray, up: np.ndarray, sz: np.ndarray, f
         cross = (l < tc) & (u > tc)
         x = np.flatnonzero(cross)
         x = x[np.lexsort((l[x], -u[x]))]
-        end = _stack(idx[x], sz, floor)
+        end = _stack(idx[x], sz, floor[idx[x]])
         stair = np.zeros(nt + 1, np.int64)
         np.maximum.at(stair, l[x], end)  # left of t: the stacked buffers started by u
         left = np.maximum.accumulate(stair[:nt])
@@ -138,11 +150,11 @@ def _cut_time(idx: np.ndarray, lo: np.ndarray, up: np.ndarray, sz: np.ndarray, f
     return best_t, best[0]
 
 
-def _stack(x: np.ndarray, sz: np.ndarray, floor: np.ndarray) -> np.ndarray:
-    """Ends of the buffers ``x`` stacked in that order, each on its floor or the one before:
-    ``end_i = max_{j <= i} (floor_j + z_j + ... + z_i)``."""
+def _stack(x: np.ndarray, sz: np.ndarray, floors: np.ndarray) -> np.ndarray:
+    """Ends of the buffers ``x`` stacked in that order, each on its floor (``floors``, in that order) or
+    the one before: ``end_i = max_{j <= i} (floor_j + z_j + ... + z_i)``."""
     zc = np.cumsum(sz[x])
-    return zc + np.maximum.accumulate(floor[x] - (zc - sz[x]))
+    return zc + np.maximum.accumulate(floors - (zc - sz[x]))
 
 
 def _raise_floors(rest: np.ndarray, x: np.ndarray, end: np.ndarray, lo, up, floor) -> None:
@@ -172,29 +184,38 @@ def decompose(lower, upper, size, max_leaf: int = 6000, cuts: bool = True, cut_b
     floor = np.zeros(len(sz), np.int64)
     leaves: list[Leaf] = []
     n_stacked = n_cuts = 0
-    todo = [(idx, False) for idx in _components(np.flatnonzero(sz > 0), lo, up)] if (sz > 0).any() else []
+    live = np.flatnonzero(sz > 0)
+    live = live[np.lexsort((-up[live], lo[live]))]  # windows stay sorted by start, longest first
+    # a window: (its buffers, below a cut?, base: the stack top under all of them, not yet in ``floor``)
+    todo = [(idx, False, 0) for idx in _runs(live, lo, up)] if live.size else []
     while todo:
-        idx, cut = todo.pop()
-        a, b = lo[idx].min(), up[idx].max()
-        span = (lo[idx] <= a) & (up[idx] >= b)
+        idx, cut, base = todo.pop()
+        k = _peel_count(idx, up)
         made_cut = False
-        if not span.any() and cuts and len(idx) > max_leaf:
+        if k == 0 and cuts and len(idx) > max_leaf:
+            floor[idx] = np.maximum(floor[idx], base)
+            base = 0
             t, bound = _cut_time(idx, lo, up, sz, floor, cut_band, cut_samples)
             if max_bound is None or bound <= max_bound:
                 span = (lo[idx] < t) & (up[idx] > t)
+                x, rest = idx[span], idx[~span]
                 made_cut = True
-        if not span.any():  # (a cut always has buffers across it: a window is one component)
-            leaves.append(Leaf(idx, cut))
+        if k == 0 and not made_cut:  # (a cut always has buffers across it: a window is one component)
+            floor[idx] = np.maximum(floor[idx], base)
+            leaves.append(Leaf(idx[np.lexsort((idx, lo[idx]))], cut))
             continue
-        x = idx[span]
+        if not made_cut:
+            x, rest = idx[:k], idx[k:]
         x = x[np.lexsort((lo[x], -up[x]))]  # longest-lived (to the right) lowest
-        end = _stack(x, sz, floor)
+        end = _stack(x, sz, np.maximum(floor[x], base))
         offsets[x] = end - sz[x]
         n_stacked += len(x)
         n_cuts += made_cut
-        rest = idx[~span]
-        if rest.size:
+        if rest.size and made_cut:
             _raise_floors(rest, x, end, lo, up, floor)
-            todo.extend((c, cut or made_cut) for c in _components(rest, lo, up))
+        elif rest.size:  # a peel: every buffer left lies inside all of ``x``
+            base = max(base, int(end.max()))
+        if rest.size:
+            todo.extend((c, cut or made_cut, base) for c in _runs(rest, lo, up))
     floor[offsets >= 0] = 0
     return Decomposition(offsets, floor, leaves, n_stacked, n_cuts)
