@@ -218,3 +218,21 @@ def test_fast_overlap_check_agrees_with_every_pair():
         seen.add(pairs)
         assert any_overlap(lo, up, off, end) == pairs
     assert seen == {True, False}
+
+
+def test_alignments_that_do_not_divide_sizes_split_into_components_only():
+    """With alignments that do not divide every size, peeling could misalign (it shifts buffers by
+    others' sizes), so the split keeps only the independent components as leaves; the layout is valid
+    and aligned (before: the whole problem went to the small-problem path, 3.5 GB on 60,000 buffers)."""
+    rng = random.Random(5)
+    bufs = []
+    for block in range(3):
+        for _ in range(40):
+            lo = 100 * block + rng.randint(0, 60)
+            bufs.append(Buffer(len(bufs), lo, lo + rng.randint(1, 30), rng.randint(1, 50), rng.choice((1, 8, 12))))
+        bufs.append(Buffer(len(bufs), 100 * block, 100 * block + 95, 7, 8))  # spans its block: no peel here
+    dec = decompose([b.lower for b in bufs], [b.upper for b in bufs], [b.size for b in bufs], peel=False)
+    assert dec.stacked == 0 and len(dec.leaves) == 3 and (dec.floor == 0).all()
+    res = solve_layout(bufs, time_limit=10, options=LayoutOptions(split=SplitOptions(above=0)))
+    assert res.solver.startswith("split/3 leaves") and res.valid and validate_layout(bufs, res.offsets) == []
+    assert all(res.offsets[b.id] % b.alignment == 0 for b in bufs)

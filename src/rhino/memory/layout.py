@@ -398,18 +398,20 @@ def _solve_split(buffers: Sequence[Buffer], capacity: int | None, deadline: floa
     """``solve_layout`` by leaves (``layout_split``), each on the floors of the buffers stacked below
     it, at the height ``H`` (the lower bound, or the capacity): best-fit greedy first, the exact search
     (``_fit``) where greedy does not fit; a leaf that fits neither keeps its best greedy layout and
-    raises ``H`` (later leaves get that slack). None when the sizes do not allow an exact peel
-    (``splittable``) or the bound is above the capacity (the plain path reports that)."""
+    raises ``H`` (later leaves get that slack). Where the sizes do not allow an exact peel
+    (``splittable``: alignments that do not divide every size), the leaves are the independent
+    components alone. None when the bound is above the capacity (the plain path reports that)."""
     t0 = time.monotonic()
     lo, up = np.array([b.lower for b in buffers]), np.array([b.upper for b in buffers])
     sz, al = np.array([b.size for b in buffers]), np.array([b.alignment for b in buffers])
     lb = lower_bound(buffers)
-    if not splittable(sz, al) or (capacity is not None and lb > capacity):
+    if capacity is not None and lb > capacity:
         return None
     opts = options.split
     target = lb if capacity is None else capacity
     dec = decompose(lo, up, sz, opts.max_leaf, opts.cuts, opts.cut_band, opts.cut_samples,
-                    max_bound=int(target * (1 + opts.cut_tolerance)) if capacity is None else capacity)
+                    max_bound=int(target * (1 + opts.cut_tolerance)) if capacity is None else capacity,
+                    peel=splittable(sz, al))
     say(f"layout: {len(buffers):,} buffers split into {len(dec.leaves):,} leaves ({dec.stacked:,} stacked, "
         f"{dec.cuts} cuts, largest {max((len(leaf.index) for leaf in dec.leaves), default=0):,}); "
         f"lower bound {lb:,}")

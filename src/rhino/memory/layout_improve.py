@@ -87,7 +87,10 @@ def squeaky_wheel(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray
     best_h = int((best + sz).max(initial=0)) if best is not None else 0
     if len(sz) == 0 or (best is not None and best_h <= target):
         return best, best_h, 0
-    pri = sz * (up - lo).astype(np.float64) ** options.alpha
+    # in log space: a boost adds log(boost) (repeated boosts would overflow a product after ~1,750 passes)
+    with np.errstate(divide="ignore"):
+        pri = np.log(sz.astype(np.float64)) + options.alpha * np.log((up - lo).astype(np.float64))
+    step = float(np.log(options.boost))
     if options.focus > 0:
         hot = (lifetime_pressure(lo, up, sz, floor) + options.focus_size * sz >= options.focus * target) & (sz > 0)
         if best is not None:
@@ -112,7 +115,7 @@ def squeaky_wheel(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray
         end, best, best_h = _keep(off, sz, best, best_h, on_best)
         if best_h <= target:
             break
-        pri[end > target] *= options.boost
+        pri[end > target] += step
         prev_order, prev_off = order, off
     return best, best_h, passes
 
@@ -170,7 +173,7 @@ def _focused(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, flo
                 sub_off, sub_h, fresh, stall = off, h, True, 0
             else:
                 stall += 1
-            pri[idx[end > target - options.focus_band * max(h - target, 0)]] *= options.boost
+            pri[idx[end > target - options.focus_band * max(h - target, 0)]] += np.log(options.boost)
             continue
         t = time.monotonic()
         given = np.full(n, -1, np.int64)
@@ -187,7 +190,7 @@ def _focused(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, flo
             break
         over = (end > target) & ~hot
         if over.any():  # cold buffers that ended above the target join the hot ones, boosted
-            pri[over] *= options.boost
+            pri[over] += np.log(options.boost)
             hot |= over
             idx = None
     return best, best_h, passes

@@ -173,10 +173,12 @@ def _raise_floors(rest: np.ndarray, x: np.ndarray, end: np.ndarray, lo, up, floo
 
 
 def decompose(lower, upper, size, max_leaf: int = 6000, cuts: bool = True, cut_band: float = 0.25,
-              cut_samples: int = 24, max_bound: int | None = None) -> Decomposition:
+              cut_samples: int = 24, max_bound: int | None = None, peel: bool = True) -> Decomposition:
     """Peel and (with ``cuts``) cut the buffers into leaves (see the module docstring); a cut is made
     only if its bound (``_cut_time``) is at most ``max_bound`` (None: any). Zero-byte buffers get
-    offset 0 and no leaf. The caller checks ``splittable`` first."""
+    offset 0 and no leaf. ``peel`` only where ``splittable`` holds; without it the leaves are the
+    components (groups with no buffer crossing between them in time: independent whatever the
+    alignments, each from offset 0)."""
     lo, up = np.asarray(lower, np.int64), np.asarray(upper, np.int64)
     sz = np.asarray(size, np.int64)
     offsets = np.full(len(sz), -1, np.int64)
@@ -190,6 +192,9 @@ def decompose(lower, upper, size, max_leaf: int = 6000, cuts: bool = True, cut_b
     todo = [(idx, False, 0) for idx in _runs(live, lo, up)] if live.size else []
     while todo:
         idx, cut, base = todo.pop()
+        if not peel:
+            leaves.append(Leaf(idx[np.lexsort((idx, lo[idx]))], False))
+            continue
         k = _peel_count(idx, up)
         made_cut = False
         if k == 0 and cuts and len(idx) > max_leaf:
