@@ -8,7 +8,7 @@ import numpy as np
 
 from rhino.memory.layout import (Buffer, GreedyOrder, LayoutOptions, greedy_layout, height, solve_layout,
                                  validate_layout)
-from rhino.memory.layout_greedy import place_in_order
+from rhino.memory.layout_greedy import place_in_order, time_index
 from rhino.memory.layout_split import SplitOptions
 
 
@@ -72,3 +72,15 @@ def test_deadline_stops_or_finishes_on_top():
     off = place_in_order(lo, up, sz, al, fl, idx, past, finish=True)
     assert time.monotonic() - t0 < 1.0
     assert validate_layout(bufs, {b.id: int(o) for b, o in zip(bufs, off)}) == []
+
+
+def test_time_index_stays_small_for_short_lifetimes_over_a_long_span():
+    """A set whose lifetimes are short against its span (a subset of a leaf, or timestamps in ns) gets at
+    most ~4n buckets, not span / lifetime (here 10^12: no memory for that), and places validly."""
+    lo = np.array([0, 10 ** 12] + list(range(5, 1005)), np.int64)
+    up, sz = lo + 1, np.full(lo.size, 64, np.int64)
+    ix = time_index(lo, up, sz)
+    assert ix.start.size <= 4 * lo.size + 2
+    off = place_in_order(lo, up, sz, np.ones(lo.size, np.int64), np.zeros(lo.size, np.int64), np.arange(lo.size),
+                         lowest=True, index=ix)
+    assert (off == 0).all()

@@ -71,6 +71,8 @@ def time_index(lo: np.ndarray, up: np.ndarray, sz: np.ndarray) -> TimeIndex:
     n = len(sz)
     t0 = int(lo.min()) if n else 0
     width = max(1, -(-int((up - lo).sum()) // (2 * max(n, 1))))
+    if n:  # at most ~4n buckets, even for a subset whose lifetimes are short against its span
+        width = max(width, -(-(int(up.max()) - t0) // (4 * n)))
     b0, b1 = (lo - t0) // width, (up - 1 - t0) // width
     nb = int(b1.max()) + 1 if n else 1
     d = np.zeros(nb + 1, np.int64)  # buffers live per bucket: +1 at the first bucket, -1 after the last
