@@ -27,6 +27,9 @@ Traces (MiniMalloc CSV, written to ``--dir``):
   heavy-tailed (``20 * Pareto(1.2)``, at most 50,000), starts uniform over 200,000. ``bimodal-1`` was held out
   from session 10's method and missed (1.471%); ``SplitOptions.revisit`` was then made from it, so only
   ``bimodal-2`` and ``wide-2`` (``wide``'s generator, another seed) are held out from that.
+- ``nested-S``, ``lifo-S``, ``aligned-S`` (session 13, shapes that broke the planner's limits rather than its
+  quality): fully nested lifetimes; a random stack of allocations (nested lifetimes of random depth);
+  ``random-S`` with 4 KiB alignments on 30% of the buffers (alignments that do not divide the sizes).
 
 Each trace runs the CLI in a child process (``--json``); its peak RSS is the child's ``ru_maxrss``
 (``os.wait4``). Writes the section "Memory layout: large traces" of docs/benchmarks.md.
@@ -53,10 +56,11 @@ ROOT = Path(__file__).resolve().parents[1]
 TITLE = "Memory layout: large traces"
 
 
-def write_csv(path: Path, rows: list[tuple[int, int, int]]) -> None:
+def write_csv(path: Path, rows: list[tuple[int, ...]]) -> None:
+    """Rows ``(lower, upper, size)``, or ``(lower, upper, size, alignment)`` for every row."""
     with path.open("w") as f:
-        f.write("id,lower,upper,size\n")
-        f.writelines(f"{i},{lo},{up},{sz}\n" for i, (lo, up, sz) in enumerate(rows))
+        f.write("id,lower,upper,size" + (",alignment" if rows and len(rows[0]) == 4 else "") + "\n")
+        f.writelines(",".join(map(str, (i, *r))) + "\n" for i, r in enumerate(rows))
 
 
 def _size(rng: random.Random, lo_exp: float, hi_exp: float) -> int:
@@ -163,6 +167,33 @@ def synthetic_bimodal(seed: int, n: int = 60_000, horizon: int = 200_000) -> lis
     return rows
 
 
+def synthetic_nested(seed: int, n: int = 60_000) -> list[tuple[int, int, int]]:
+    """Every buffer inside the one before (``[i, 2n - i)``): the deepest nesting a trace can have."""
+    rng = random.Random(seed)
+    return [(i, 2 * n - i, _size(rng, 6, 22)) for i in range(n)]
+
+
+def synthetic_lifo(seed: int, n: int = 60_000) -> list[tuple[int, int, int]]:
+    """A stack of allocations: each step allocates one buffer after freeing the newest live one with
+    probability 1/2 (nested lifetimes of random depth, as a caching allocator sees a program's temporaries)."""
+    rng = random.Random(seed)
+    rows, stack = [], []
+    for t in range(1, n + 1):
+        if stack and rng.random() < 0.5:
+            rows[stack.pop()][1] = t
+        stack.append(len(rows))
+        rows.append([t, -1, _size(rng, 6, 22)])
+    for i in stack:
+        rows[i][1] = n + 1
+    return [(lo, up, sz) for lo, up, sz in rows]
+
+
+def synthetic_aligned(seed: int) -> list[tuple[int, int, int, int]]:
+    """``random-SEED`` with an alignment per buffer: 4 KiB for 30% of them (not dividing most sizes), else 64."""
+    rng = random.Random(seed + 1000)
+    return [(lo, up, sz, 4096 if rng.random() < 0.3 else 64) for lo, up, sz in synthetic_random(seed)]
+
+
 def captured_gpt(layers: int) -> list[tuple[int, int, int]]:
     sys.path.insert(0, str(ROOT / "examples"))
     import gpt
@@ -211,9 +242,12 @@ def make_trace(name: str, out: Path) -> Path:
         rows = synthetic_pow2(int(arg))
     elif kind == "bimodal":
         rows = synthetic_bimodal(int(arg))
+    elif kind in ("nested", "lifo", "aligned"):
+        rows = {"nested": synthetic_nested, "lifo": synthetic_lifo, "aligned": synthetic_aligned}[kind](int(arg))
     else:
         raise ValueError(f"unknown trace {name!r}: expected gptN, gpt2xl-xK, train-SEED, random-SEED, wide-SEED, "
-                         f"lognorm-SEED, mixed-SEED, pow2-SEED or bimodal-SEED")
+                         f"lognorm-SEED, mixed-SEED, pow2-SEED, bimodal-SEED, nested-SEED, lifo-SEED or "
+                         f"aligned-SEED")
     write_csv(path, rows)
     return path
 
