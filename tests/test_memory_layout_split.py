@@ -233,6 +233,6 @@ def test_alignments_that_do_not_divide_sizes_split_into_components_only():
         bufs.append(Buffer(len(bufs), 100 * block, 100 * block + 95, 7, 8))  # spans its block: no peel here
     dec = decompose([b.lower for b in bufs], [b.upper for b in bufs], [b.size for b in bufs], peel=False)
     assert dec.stacked == 0 and len(dec.leaves) == 3 and (dec.floor == 0).all()
-    res = solve_layout(bufs, time_limit=10, options=LayoutOptions(split=SplitOptions(above=0)))
+    res = solve_layout(bufs, time_limit=2, options=LayoutOptions(split=SplitOptions(above=0)))
     assert res.solver.startswith("split/3 leaves") and res.valid and validate_layout(bufs, res.offsets) == []
     assert all(res.offsets[b.id] % b.alignment == 0 for b in bufs)
