@@ -505,18 +505,18 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
                                         on_best=None if follower is None else follower.offer)
         say(f"layout: leaf of {len(bufs):,} buffers: squeaky wheel {h:,} after {passes} passes (greedy {best_h:,})")
         if h < best_h:
-            best, best_h, how = {b.id: int(o) for b, o in zip(bufs, offs.tolist())}, h, "squeaky-wheel"
+            best, best_h, how = _by_id(bufs, offs), h, "squeaky-wheel"
         if follower is not None:
             offs, h = follower.finish(wait=best_h > cap)
             say(f"layout: leaf of {len(bufs):,} buffers: ejection chains beside it {h:,}")
             if offs is not None and h < best_h:
-                best, best_h, how = {b.id: int(o) for b, o in zip(bufs, offs.tolist())}, h, "squeaky-wheel+eject"
+                best, best_h, how = _by_id(bufs, offs), h, "squeaky-wheel+eject"
         elif eject.enabled and best_h > cap:
             start = np.array([best[b.id] for b in bufs], np.int64)
             offs, h, moved = eject_repair(lo, up, sz, al, fl, start, cap, deadline, eject)
             say(f"layout: leaf of {len(bufs):,} buffers: ejection chains {best_h:,} -> {h:,} ({moved} moved)")
             if h < best_h:
-                best, best_h, how = {b.id: int(o) for b, o in zip(bufs, offs.tolist())}, h, how + "+eject"
+                best, best_h, how = _by_id(bufs, offs), h, how + "+eject"
     if best_h <= cap:
         return best, how
     say(f"layout: leaf of {len(bufs):,} buffers: greedy {best_h:,} ({how}) above {cap:,}; "
@@ -528,6 +528,11 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
             return offs, name
     assert best is not None  # the first greedy pass always finishes
     return best, how
+
+
+def _by_id(bufs: list[Buffer], offs: np.ndarray) -> dict:
+    """Offsets in ``bufs`` order as a dict by buffer id."""
+    return {b.id: int(o) for b, o in zip(bufs, offs.tolist())}
 
 
 def _big_first(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, options: LayoutOptions,
@@ -553,7 +558,7 @@ def _big_first(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, 
                          lowest=True, given=given)
     say(f"layout: leaf of {len(bufs):,} buffers: {len(sub):,} large ones at {cap:,} ({name}), the rest around them: "
         f"{int((off + sz).max(initial=0)):,}")
-    return {b.id: int(o) for b, o in zip(bufs, off.tolist())}
+    return _by_id(bufs, off)
 
 
 def _order(order: GreedyOrder, lo: np.ndarray, up: np.ndarray, sz: np.ndarray) -> np.ndarray:

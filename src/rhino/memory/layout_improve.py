@@ -140,6 +140,7 @@ def _focused(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, flo
     """``squeaky_wheel`` on the hot buffers ``hot`` alone, each best hot layout completed by placing the
     cold ones around it (see the module docstring). ``pri`` is updated in place."""
     n = len(sz)
+    step = float(np.log(options.boost))  # priorities are logarithms (``squeaky_wheel``)
     passes = 0
     comp_s = None  # wall seconds of the last completion (a full pass with the hot buffers given)
     idx = None
@@ -173,7 +174,7 @@ def _focused(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, flo
                 sub_off, sub_h, fresh, stall = off, h, True, 0
             else:
                 stall += 1
-            pri[idx[end > target - options.focus_band * max(h - target, 0)]] += np.log(options.boost)
+            pri[idx[end > target - options.focus_band * max(h - target, 0)]] += step
             continue
         t = time.monotonic()
         given = np.full(n, -1, np.int64)
@@ -190,7 +191,7 @@ def _focused(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, flo
             break
         over = (end > target) & ~hot
         if over.any():  # cold buffers that ended above the target join the hot ones, boosted
-            pri[over] += np.log(options.boost)
+            pri[over] += step
             hot |= over
             idx = None
     return best, best_h, passes

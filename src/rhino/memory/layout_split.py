@@ -192,12 +192,9 @@ def decompose(lower, upper, size, max_leaf: int = 6000, cuts: bool = True, cut_b
     todo = [(idx, False, 0) for idx in _runs(live, lo, up)] if live.size else []
     while todo:
         idx, cut, base = todo.pop()
-        if not peel:
-            leaves.append(Leaf(idx[np.lexsort((idx, lo[idx]))], False))
-            continue
-        k = _peel_count(idx, up)
+        k = _peel_count(idx, up) if peel else 0
         made_cut = False
-        if k == 0 and cuts and len(idx) > max_leaf:
+        if k == 0 and peel and cuts and len(idx) > max_leaf:
             floor[idx] = np.maximum(floor[idx], base)
             base = 0
             t, bound = _cut_time(idx, lo, up, sz, floor, cut_band, cut_samples)
@@ -216,11 +213,11 @@ def decompose(lower, upper, size, max_leaf: int = 6000, cuts: bool = True, cut_b
         offsets[x] = end - sz[x]
         n_stacked += len(x)
         n_cuts += made_cut
-        if rest.size and made_cut:
-            _raise_floors(rest, x, end, lo, up, floor)
-        elif rest.size:  # a peel: every buffer left lies inside all of ``x``
-            base = max(base, int(end.max()))
         if rest.size:
+            if made_cut:
+                _raise_floors(rest, x, end, lo, up, floor)
+            else:  # a peel: every buffer left lies inside all of ``x``
+                base = max(base, int(end.max()))
             todo.extend((c, cut or made_cut, base) for c in _runs(rest, lo, up))
     floor[offsets >= 0] = 0
     return Decomposition(offsets, floor, leaves, n_stacked, n_cuts)
