@@ -135,7 +135,8 @@ def test_lifetime_pressure_is_the_highest_load_plus_top_floor_over_each_lifetime
 def test_focus_is_valid_and_no_worse_on_peaked_traces():
     """Traces with a few peaks (horizon 20,000: 13-19% of the buffers hot): with ``focus`` the search
     (hot passes + completions, 40 in all, deterministic) ends valid, on the floors, and no higher than
-    the plain search's 40 full passes; with ``focus_share`` 0 (never focused) it is the plain search."""
+    the plain lowest-fit search's 40 full passes; with ``focus_share`` 0 (never focused) it is the plain
+    search."""
     for seed in (0, 2, 5):
         bufs = _trace(seed, n=3000, horizon=20000)
         lo, up, sz, al = _arrays(bufs)
@@ -144,7 +145,7 @@ def test_focus_is_valid_and_no_worse_on_peaked_traces():
         lb = lower_bound(bufs)
         plain = place_in_order(lo, up, sz, al, fl, np.lexsort((lo, lo - up, -sz)), lowest=True)
         runs = {name: squeaky_wheel(lo, up, sz, al, fl, lb, time.monotonic() + 600,
-                                    ImproveOptions(max_passes=40, **kw), start=plain)
+                                    ImproveOptions(max_passes=40, plain="lowest-fit", **kw), start=plain)
                 for name, kw in (("plain", dict(focus=0.0)), ("focus", {}), ("never", dict(focus_share=0.0)))}
         off, h, _ = runs["focus"]
         assert validate_layout(bufs, _offsets(bufs, off)) == [] and (off >= fl).all()

@@ -24,7 +24,9 @@ Solvers (``solve_layout``):
    does not reach the height ``H`` (the bound or the capacity), in a share of the time by its size;
    a leaf above ``split.max_leaf`` (no exact search) gets the greedy passes, then, where a few large
    buffers carry its load, those exactly and the rest around them (``split.big_first``), then the
-   squeaky-wheel search (``layout_improve``, ``split.improve``) for the rest of its share, with
+   squeaky-wheel search (``layout_improve``, ``split.improve``: lowest-fit passes on the hot buffers
+   where few are hot, else skyline passes, ``layout_skyline``, after a shorter greedy phase) for the
+   rest of its share, with
    ejection chains (``layout_eject``, ``split.eject``: the buffers above the target moved down by moving
    those in their way) on its best layouts in a thread beside it where there are two cores, else after
    it in ``split.eject.share`` of the share; identical leaves (repeated layers or steps) share one
@@ -59,7 +61,7 @@ from .layout_check import any_overlap
 from .layout_bnb import LayoutOptions, SearchStatus, preorder_indices, search_layout
 from .layout_eject import Follower, cores, eject_repair
 from .layout_greedy import place_in_order
-from .layout_improve import squeaky_wheel
+from .layout_improve import plain_skyline, squeaky_wheel
 from .layout_split import decompose, splittable
 
 __all__ = ["Buffer", "GreedyOrder", "LayoutStatus", "LayoutResult", "LayoutOptions", "validate_layout",
@@ -480,9 +482,15 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
     # squeaky-wheel search (``layout_improve``)
     large = len(bufs) > options.split.max_leaf
     search = large and options.split.improve.enabled
+    improve = options.split.improve
+    share = improve.greedy_share
+    if search and improve.plain == "skyline":  # skyline passes are fast: the greedy ones get less time
+        lo, up, sz = (np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size"))
+        if plain_skyline(lo, up, sz, np.array(floor, np.int64), cap, improve):
+            share = improve.skyline.greedy_share
     now = time.monotonic()
-    best, best_h, how = _leaf_greedy(bufs, floor, cap, now + options.split.improve.greedy_share * (deadline - now)
-                                     if search else deadline, options.split.lowest_fit)
+    best, best_h, how = _leaf_greedy(bufs, floor, cap, now + share * (deadline - now) if search else deadline,
+                                     options.split.lowest_fit)
     if large and best_h > cap and options.split.big_first:
         offs = _big_first(bufs, floor, cap, time.monotonic() + 0.5 * (deadline - time.monotonic()), options, say)
         h = max((offs[b.id] + b.size for b in bufs), default=0) if offs is not None else best_h

@@ -47,8 +47,9 @@ import numba
 import numpy as np
 
 from .layout_greedy import place_in_order, time_index
+from .layout_skyline import SkylineOptions, skyline_search
 
-__all__ = ["ImproveOptions", "squeaky_wheel"]
+__all__ = ["ImproveOptions", "hot_buffers", "plain_skyline", "squeaky_wheel"]
 
 
 @dataclass(frozen=True)
@@ -60,7 +61,9 @@ class ImproveOptions:
     ``focus_share``, ``focus_stall``, ``focus_band``: the search on the hot buffers (module docstring). Values: chosen on
     ``random-1`` (0.9 / 6 after 0.9 / 0 and 0.95 / 6: large cold buffers ended above the target in the
     completions), ``focus_share`` so that ``wide-1`` and the training leaves (hot share 0.67 and more)
-    keep the plain search."""
+    keep the plain search. ``plain``: the passes of the plain search, ``"skyline"`` (``layout_skyline``,
+    with ``skyline``'s settings; ten times faster a pass, lower on the ``wide`` traces) or
+    ``"lowest-fit"`` (the passes above)."""
     enabled: bool = True
     greedy_share: float = 0.35
     alpha: float = 0.3
@@ -71,6 +74,8 @@ class ImproveOptions:
     focus_share: float = 0.5
     focus_stall: int = 60
     focus_band: float = 1.0
+    plain: str = "skyline"
+    skyline: SkylineOptions = SkylineOptions()
 
 
 def squeaky_wheel(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, floor: np.ndarray, target: int,
@@ -92,11 +97,14 @@ def squeaky_wheel(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray
         pri = np.log(sz.astype(np.float64)) + options.alpha * np.log((up - lo).astype(np.float64))
     step = float(np.log(options.boost))
     if options.focus > 0:
-        hot = (lifetime_pressure(lo, up, sz, floor) + options.focus_size * sz >= options.focus * target) & (sz > 0)
+        hot = hot_buffers(lo, up, sz, floor, target, options)
         if best is not None:
             hot |= best + sz > target
         if hot.sum() <= options.focus_share * len(sz):
             return _focused(lo, up, sz, al, floor, target, deadline, options, best, best_h, pri, hot, on_best)
+    if options.plain == "skyline":
+        return skyline_search(lo, up, sz, al, floor, target, deadline, options.skyline, best, on_best,
+                              options.max_passes)
     ix = time_index(lo, up, sz)
     prev_order = prev_off = None
     passes = 0
@@ -118,6 +126,23 @@ def squeaky_wheel(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray
         pri[end > target] += step
         prev_order, prev_off = order, off
     return best, best_h, passes
+
+
+def hot_buffers(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, floor: np.ndarray, target: int,
+                options: ImproveOptions = ImproveOptions()) -> np.ndarray:
+    """The hot buffers of the focus (module docstring) without a first layout: those whose highest
+    pressure over their lifetime plus ``focus_size`` times their size reaches ``focus * target``."""
+    pressure = lifetime_pressure(*(np.ascontiguousarray(x, np.int64) for x in (lo, up, sz, floor)))
+    return (pressure + options.focus_size * sz >= options.focus * target) & (sz > 0)
+
+
+def plain_skyline(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, floor: np.ndarray, target: int,
+                  options: ImproveOptions = ImproveOptions()) -> bool:
+    """Whether ``squeaky_wheel`` on these buffers will be the skyline search: ``plain`` is
+    ``"skyline"`` and the focus does not apply (more than ``focus_share`` hot before any layout)."""
+    if options.plain != "skyline":
+        return False
+    return options.focus <= 0 or hot_buffers(lo, up, sz, floor, target, options).sum() > options.focus_share * len(sz)
 
 
 def _keep(off: np.ndarray, sz: np.ndarray, best: np.ndarray | None, best_h: int,

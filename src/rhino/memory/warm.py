@@ -13,6 +13,7 @@ from .layout import Buffer, lower_bound, solve_layout
 from .layout_eject import eject_repair
 from .layout_greedy import place_in_order
 from .layout_improve import ImproveOptions, lifetime_pressure, squeaky_wheel
+from .layout_skyline import skyline_pass
 
 
 def warm() -> None:
@@ -28,6 +29,7 @@ def warm() -> None:
     for lowest in (False, True):
         off = place_in_order(lo, up, sz, al, fl, order, lowest=lowest)
     lifetime_pressure(lo, up, sz, fl + 8)
+    skyline_pass(lo, up, sz, al, fl, sz.astype(np.float64))
     # targets below the bound, so that every compiled step runs (and fails)
     squeaky_wheel(lo, up, sz, al, fl, lb - 1, time.monotonic() + 5, ImproveOptions(max_passes=3), start=off)
     eject_repair(lo, up, sz, al, fl, off, lb - 1, time.monotonic() + 5)

@@ -1,0 +1,102 @@
+"""Skyline passes and their squeaky wheel (``memory.layout_skyline``)."""
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+
+from rhino.memory.layout import Buffer, lower_bound, validate_layout
+from rhino.memory.layout_improve import ImproveOptions, plain_skyline, squeaky_wheel
+from rhino.memory.layout_skyline import skyline_pass, skyline_search
+
+
+def _wide(seed: int, n: int = 2000, horizon: int = 1000) -> list[Buffer]:
+    """``benchmarks/layout_scale.py``'s ``wide`` shape, smaller: uniform sizes, exponential lifetimes
+    (~200 buffers live at a time; 68-74% of them hot on seeds 0-2)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        lo = rng.randrange(horizon)
+        out.append(Buffer(i, lo, lo + 1 + int(rng.expovariate(1 / 100)), 64 * rng.randint(1, 4096)))
+    return out
+
+
+def _arrays(bufs: list[Buffer]) -> tuple[np.ndarray, ...]:
+    return tuple(np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size", "alignment"))
+
+
+def _with(bufs: list[Buffer], off: np.ndarray) -> dict:
+    return {b.id: int(o) for b, o in zip(bufs, off.tolist())}
+
+
+def test_a_pass_is_valid_on_floors_alignments_and_empty_buffers():
+    """Random traces with floors on a fifth of the buffers, alignments of 1-4096 and empty buffers:
+    every pass valid (the independent checker), on the floors, aligned."""
+    for seed in range(6):
+        rng = np.random.default_rng(seed)
+        n = 800
+        lo = rng.integers(0, 500, n)
+        up = lo + rng.integers(1, 80, n)
+        sz = rng.integers(0, 5000, n) * (rng.random(n) > 0.05)
+        al = rng.choice([1, 8, 64, 4096], n)
+        fl = np.where(rng.random(n) < 0.2, rng.integers(0, 20000, n), 0)
+        bufs = [Buffer(i, int(a), int(b), int(s), int(g)) for i, (a, b, s, g) in enumerate(zip(lo, up, sz, al))]
+        off = skyline_pass(lo, up, sz, al, fl, rng.random(n))
+        assert validate_layout(bufs, _with(bufs, off)) == [], seed
+        live = sz > 0
+        assert (off[live] >= fl[live]).all() and (off % al == 0).all() and (off[~live] == 0).all()
+
+
+def test_nested_lifetimes_longest_first_reach_the_bound():
+    """Nested lifetimes with the longest first: the skyline stacks them with no gap (the max-load bound),
+    and none sits on empty space."""
+    rng = np.random.default_rng(3)
+    n = 300
+    lo = np.arange(n)
+    up = 2 * n - lo
+    sz = rng.integers(1, 1000, n)
+    al, fl = np.ones(n, np.int64), np.zeros(n, np.int64)
+    bound = int(sz.sum())
+    off = skyline_pass(lo, up, sz, al, fl, (up - lo).astype(float))
+    assert int((off + sz).max()) == bound and (off == np.concatenate([[0], np.cumsum(sz)[:-1]])).all()
+
+
+def test_search_lowers_a_wide_trace_and_keeps_its_contract():
+    """On a small ``wide`` trace: up to 30 passes (fewer only at the bound) end lower than the first,
+    valid; a start at the target is returned as is; a deadline in the past finishes no pass; a pass past
+    its deadline is dropped."""
+    bufs = _wide(0)
+    lo, up, sz, al = _arrays(bufs)
+    fl = np.zeros(len(bufs), np.int64)
+    lb = lower_bound(bufs)
+    first, h1, p1 = skyline_search(lo, up, sz, al, fl, lb, time.monotonic() + 600, max_passes=1)
+    seen = []
+    off, h, passes = skyline_search(lo, up, sz, al, fl, lb, time.monotonic() + 600, max_passes=30,
+                                    on_best=lambda o, hh: seen.append(hh))
+    assert p1 == 1 and (passes == 30 or h == lb) and lb <= h < h1 and seen[0] == h1 and seen[-1] == h and seen == sorted(seen)[::-1]
+    assert validate_layout(bufs, _with(bufs, off)) == []
+    same, hs, ps = skyline_search(lo, up, sz, al, fl, h, time.monotonic() + 600, start=off)
+    assert ps == 0 and hs == h and (same == off).all()
+    none, _, p0 = skyline_search(lo, up, sz, al, fl, lb, time.monotonic() - 1)
+    assert none is None and p0 == 0
+    big = _wide(1, n=20000, horizon=10000)
+    blo, bup, bsz, bal = _arrays(big)
+    assert skyline_pass(blo, bup, bsz, bal, np.zeros(len(big), np.int64), np.zeros(len(big)),
+                        deadline=time.monotonic() - 1) is None
+
+
+def test_the_plain_search_is_the_skyline_where_most_buffers_are_hot():
+    """``wide`` traces are mostly hot: ``squeaky_wheel`` runs skyline passes there (the same layout as
+    ``skyline_search``), and the lowest-fit passes with ``plain="lowest-fit"``."""
+    bufs = _wide(2)
+    lo, up, sz, al = _arrays(bufs)
+    fl = np.zeros(len(bufs), np.int64)
+    lb = lower_bound(bufs)
+    assert plain_skyline(lo, up, sz, fl, lb) and not plain_skyline(lo, up, sz, fl, lb, ImproveOptions(plain="lowest-fit"))
+    off, h, _ = squeaky_wheel(lo, up, sz, al, fl, lb, time.monotonic() + 600, ImproveOptions(max_passes=5))
+    ref, href, _ = skyline_search(lo, up, sz, al, fl, lb, time.monotonic() + 600, max_passes=5)
+    assert h == href and (off == ref).all()
+    low, hl, _ = squeaky_wheel(lo, up, sz, al, fl, lb, time.monotonic() + 600,
+                               ImproveOptions(max_passes=5, plain="lowest-fit"))
+    assert validate_layout(bufs, _with(bufs, low)) == [] and hl == int((low + sz).max())
