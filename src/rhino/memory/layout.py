@@ -482,15 +482,7 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
     # squeaky-wheel search (``layout_improve``)
     large = len(bufs) > options.split.max_leaf
     search = large and options.split.improve.enabled
-    improve = options.split.improve
-    share = improve.greedy_share
-    if search and improve.plain == "skyline":  # skyline passes are fast: the greedy ones get less time
-        lo, up, sz = (np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size"))
-        if plain_skyline(lo, up, sz, np.array(floor, np.int64), cap, improve):
-            share = improve.skyline.greedy_share
-    now = time.monotonic()
-    best, best_h, how = _leaf_greedy(bufs, floor, cap, now + share * (deadline - now) if search else deadline,
-                                     options.split.lowest_fit)
+    best, best_h, how = _greedy_phase(bufs, floor, cap, deadline, options, search)
     if large and best_h > cap and options.split.big_first:
         offs = _big_first(bufs, floor, cap, time.monotonic() + 0.5 * (deadline - time.monotonic()), options, say)
         h = max((offs[b.id] + b.size for b in bufs), default=0) if offs is not None else best_h
@@ -538,6 +530,29 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
     return best, how
 
 
+def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, options: LayoutOptions,
+                  search: bool) -> tuple[dict, int, str]:
+    """A leaf's greedy passes: until ``deadline`` without the search after them; with it, the first pass,
+    then the others until ``greedy_share`` of the time, or ``skyline.greedy_share`` where the search will
+    be the skyline one (``plain_skyline``, asked with the first pass as its start, as ``squeaky_wheel``
+    will be: skyline passes are fast, so the greedy ones get less time)."""
+    lowest = options.split.lowest_fit
+    if not search:
+        return _leaf_greedy(bufs, floor, cap, deadline, lowest)
+    now = time.monotonic()
+    improve = options.split.improve
+    best, best_h, how = _leaf_greedy(bufs, floor, cap, now + improve.greedy_share * (deadline - now), lowest,
+                                     count=1)
+    if best_h <= cap:
+        return best, best_h, how
+    lo, up, sz = (np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size"))
+    start = np.array([best[b.id] for b in bufs], np.int64)
+    skyline = plain_skyline(lo, up, sz, np.array(floor, np.int64), cap, improve, start)
+    share = improve.skyline.greedy_share if skyline else improve.greedy_share
+    more = _leaf_greedy(bufs, floor, cap, now + share * (deadline - now), lowest, skip=1)
+    return more if more is not None and more[1] < best_h else (best, best_h, how)
+
+
 def _by_id(bufs: list[Buffer], offs: np.ndarray) -> dict:
     """Offsets in ``bufs`` order as a dict by buffer id."""
     return {b.id: int(o) for b, o in zip(bufs, offs.tolist())}
@@ -581,10 +596,11 @@ def _order(order: GreedyOrder, lo: np.ndarray, up: np.ndarray, sz: np.ndarray) -
 
 
 def _leaf_greedy(bufs: list[Buffer], floor: list[int], cap: int, deadline: float,
-                 lowest_fit: bool) -> tuple[dict, int, str]:
+                 lowest_fit: bool, skip: int = 0, count: int | None = None) -> tuple[dict, int, str] | None:
     """The lowest of the compiled greedy passes (``layout_greedy``): every order best fit (as
     ``greedy_layout``) and, with ``lowest_fit``, lowest fit (size first: the best pass on random traces);
-    stops at ``cap`` or the deadline (the first pass always finishes)."""
+    stops at ``cap`` or the deadline (the first pass always finishes). ``skip``: passes already run
+    (then none is forced to finish: None when none did); ``count``: at most this many passes."""
     lo, up = np.array([b.lower for b in bufs], np.int64), np.array([b.upper for b in bufs], np.int64)
     sz, al = np.array([b.size for b in bufs], np.int64), np.array([b.alignment for b in bufs], np.int64)
     fl = np.array(floor, np.int64)
@@ -592,9 +608,9 @@ def _leaf_greedy(bufs: list[Buffer], floor: list[int], cap: int, deadline: float
     if lowest_fit:
         passes = [(GreedyOrder.SIZE, True)] + passes + [(o, True) for o in GreedyOrder if o is not GreedyOrder.SIZE]
     best, best_h, how = None, 0, ""
-    for order, low in passes:
-        offs = place_in_order(lo, up, sz, al, fl, _order(order, lo, up, sz), deadline, finish=best is None,
-                              lowest=low)
+    for order, low in passes[skip:None if count is None else skip + count]:
+        offs = place_in_order(lo, up, sz, al, fl, _order(order, lo, up, sz), deadline,
+                              finish=best is None and not skip, lowest=low)
         if offs is None:
             break
         h = int((offs + sz).max(initial=0))
@@ -602,7 +618,9 @@ def _leaf_greedy(bufs: list[Buffer], floor: list[int], cap: int, deadline: float
             best, best_h, how = offs, h, f"greedy/{order.value}" + ("/lowest" if low else "")
         if best_h <= cap:
             break
-    assert best is not None  # the first pass always finishes
+    if best is None:
+        assert skip  # else the first pass always finishes
+        return None
     return {b.id: int(o) for b, o in zip(bufs, best.tolist())}, best_h, how
 
 

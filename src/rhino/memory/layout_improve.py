@@ -137,12 +137,17 @@ def hot_buffers(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, floor: np.ndarra
 
 
 def plain_skyline(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, floor: np.ndarray, target: int,
-                  options: ImproveOptions = ImproveOptions()) -> bool:
-    """Whether ``squeaky_wheel`` on these buffers will be the skyline search: ``plain`` is
-    ``"skyline"`` and the focus does not apply (more than ``focus_share`` hot before any layout)."""
+                  options: ImproveOptions = ImproveOptions(), start: np.ndarray | None = None) -> bool:
+    """Whether ``squeaky_wheel`` on these buffers (from ``start``) will be the skyline search: ``plain``
+    is ``"skyline"`` and the focus does not apply (more than ``focus_share`` hot)."""
     if options.plain != "skyline":
         return False
-    return options.focus <= 0 or hot_buffers(lo, up, sz, floor, target, options).sum() > options.focus_share * len(sz)
+    if options.focus <= 0:
+        return True
+    hot = hot_buffers(lo, up, sz, floor, target, options)
+    if start is not None:
+        hot |= np.asarray(start) + sz > target
+    return hot.sum() > options.focus_share * len(sz)
 
 
 def _keep(off: np.ndarray, sz: np.ndarray, best: np.ndarray | None, best_h: int,
