@@ -30,6 +30,8 @@ Traces (MiniMalloc CSV, written to ``--dir``):
 - ``nested-S``, ``lifo-S``, ``aligned-S`` (session 13, shapes that broke the planner's limits rather than its
   quality): fully nested lifetimes; a random stack of allocations (nested lifetimes of random depth);
   ``random-S`` with 4 KiB alignments on 30% of the buffers (alignments that do not divide the sizes).
+- Session 14 (skyline passes): ``wide-1`` and ``wide-3`` chose the skyline search's settings and ``wide-2`` its
+  ``focus_share``; ``wide-4``, ``wide-5``, ``random-13`` and ``random-14`` were made after every choice (held out).
 
 Each trace runs the CLI in a child process (``--json``); its peak RSS is the child's ``ru_maxrss``
 (``os.wait4``). Writes the section "Memory layout: large traces" of docs/benchmarks.md.
