@@ -61,7 +61,7 @@ class ImproveOptions:
     ``focus_share``, ``focus_stall``, ``focus_band``: the search on the hot buffers (module docstring). Values: chosen on
     ``random-1`` (0.9 / 6 after 0.9 / 0 and 0.95 / 6: large cold buffers ended above the target in the
     completions), ``focus_share`` so that ``wide-1`` and the training leaves (hot share 0.67 and more)
-    keep the plain search, lowered from 0.5 to 0.4 with the skyline passes (session 14): ``wide-2`` (46.7%
+    keep the plain search, lowered from 0.5 to 0.4 with the skyline passes (session 14): ``wide-2`` (45.6%
     hot with its first pass) 1.436% focused, 0.955% with skyline passes (``solve_layout``, 52 s); the
     ``random`` traces are 12-18% hot. ``plain``: the passes of the plain search, ``"skyline"`` (``layout_skyline``,
     with ``skyline``'s settings; ten times faster a pass, lower on the ``wide`` traces) or

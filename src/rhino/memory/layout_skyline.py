@@ -23,9 +23,11 @@ buffers first, on which the shorter ones stack); after a pass of height ``h`` ev
 Why (``benchmarks/layout_scale.py``, session 14): on the ``wide`` traces (uniform sizes, exponential
 lifetimes) most buffers are hot, so the focused lowest-fit search does not apply and the plain one
 stalls (``wide-1`` 4.241% over the max-load bound in 60 s). A skyline pass on 60,000 buffers takes
-~0.15 s against 1-2 s for a lowest-fit pass, so the squeaky wheel gets ten times the passes: ``wide-1``
-2.6-3.0%, ``wide-2`` 1.12% (1.60%), ``wide-3`` 4.63% (4.91%) in 30-40 s of one core. On the ``random``
-traces the focused lowest-fit search stays better (``random-7`` 3.3% here against 1.1%).
+~0.2 s against 1-2 s for a lowest-fit pass, so the squeaky wheel gets ten times the passes. Alone, in
+30-40 s of one core: ``wide-1`` 2.6-3.0%, ``wide-2`` 1.12%, ``wide-3`` 4.63%. In ``rhino layout
+--time-limit 60``, with ejection chains beside it: ``wide-1/2/3`` 2.184 / 0.955 / 3.804% (4.241 /
+1.436 / 4.912% before); held out, ``wide-6/7`` 2.553 / 1.780% (3.994 / 2.686%). On the ``random``
+traces the focused lowest-fit search stays better (``random-7``: 3.3% here against 1.1%).
 """
 from __future__ import annotations
 
