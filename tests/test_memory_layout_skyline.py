@@ -5,6 +5,7 @@ import random
 import time
 
 import numpy as np
+import pytest
 
 from rhino.memory.layout import Buffer, lower_bound, validate_layout
 from rhino.memory.layout_improve import ImproveOptions, plain_skyline, squeaky_wheel
@@ -100,3 +101,8 @@ def test_the_plain_search_is_the_skyline_where_most_buffers_are_hot():
     low, hl, _ = squeaky_wheel(lo, up, sz, al, fl, lb, time.monotonic() + 600,
                                ImproveOptions(max_passes=5, plain="lowest-fit"))
     assert validate_layout(bufs, _with(bufs, low)) == [] and hl == int((low + sz).max())
+
+
+def test_an_unknown_plain_search_is_refused():
+    with pytest.raises(ValueError, match="'skyline' or 'lowest-fit'"):
+        ImproveOptions(plain="sky")

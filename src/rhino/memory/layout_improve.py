@@ -79,6 +79,10 @@ class ImproveOptions:
     plain: str = "skyline"
     skyline: SkylineOptions = SkylineOptions()
 
+    def __post_init__(self) -> None:
+        if self.plain not in ("skyline", "lowest-fit"):
+            raise ValueError(f"ImproveOptions.plain is {self.plain!r}; use 'skyline' or 'lowest-fit'")
+
 
 def squeaky_wheel(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, floor: np.ndarray, target: int,
                   deadline: float, options: ImproveOptions = ImproveOptions(),
