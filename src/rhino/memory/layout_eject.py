@@ -43,7 +43,7 @@ from typing import Callable
 import numba
 import numpy as np
 
-from .layout_greedy import gather_placed, set_given, set_offset, time_index
+from .layout_greedy import gather_placed, past, set_given, set_offset, time_index
 
 __all__ = ["EjectOptions", "eject_repair", "Follower", "cores"]
 
@@ -161,13 +161,6 @@ def _undo(mark, nlog, logb, logo, sz, off, moff, mend, estart, epos):
 
 
 @numba.njit(cache=True)
-def _late(deadline):
-    with numba.objmode(now="float64"):
-        now = time.monotonic()
-    return now > deadline
-
-
-@numba.njit(cache=True)
 def _apply(b, x, blockers, sz, off, moff, mend, estart, epos, logb, logo, nlog):
     """Take ``blockers`` out (sorted largest first, in place) and put ``b`` at ``x``, logging each move;
     returns the new log length."""
@@ -204,7 +197,7 @@ def _move(top, cap, depth, max_blockers, tries, budget, limit, lo, up, sz, al, f
         if state == _ENTER:
             b = buf[level]
             nodes += 1
-            if nodes > budget or nlog + max_blockers + 2 > cap_log or (nodes % 64 == 0 and _late(limit[0])):
+            if nodes > budget or nlog + max_blockers + 2 > cap_log or (nodes % 64 == 0 and past(limit[0])):
                 _undo(0, nlog, logb, logo, sz, off, moff, mend, estart, epos)
                 return False
             m = gather_placed(b, lo, up, b0, b1, start, member, mlo, mup, mb0, moff, mend, so, se, sid)

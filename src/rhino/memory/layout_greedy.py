@@ -25,7 +25,8 @@ from typing import NamedTuple
 import numba
 import numpy as np
 
-__all__ = ["TimeIndex", "time_index", "set_offset", "set_given", "gather_placed", "find_gap", "place_in_order"]
+__all__ = ["TimeIndex", "time_index", "set_offset", "set_given", "gather_placed", "find_gap", "place_in_order",
+           "past"]
 
 _CHUNK = 4096  # buffers placed between two deadline checks
 
@@ -49,6 +50,15 @@ class TimeIndex(NamedTuple):
     epos: np.ndarray
     t0: int
     width: int
+
+
+@numba.njit(cache=True)
+def past(deadline):
+    """Whether ``time.monotonic()`` is past ``deadline``, from compiled code (the deadline checks of the
+    ``layout_eject`` and ``layout_skyline`` kernels)."""
+    with numba.objmode(now="float64"):
+        now = time.monotonic()
+    return now > deadline
 
 
 @numba.njit(cache=True)

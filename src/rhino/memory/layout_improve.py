@@ -64,7 +64,7 @@ class ImproveOptions:
     keep the plain search, lowered from 0.5 to 0.4 with the skyline passes (session 14): ``wide-2`` (45.6%
     hot with its first pass) 1.436% focused, 0.955% with skyline passes (``solve_layout``, 52 s); the
     ``random`` traces are 12-18% hot. ``plain``: the passes of the plain search, ``"skyline"`` (``layout_skyline``,
-    with ``skyline``'s settings; ten times faster a pass, lower on the ``wide`` traces) or
+    with ``skyline``'s settings; a pass 5-10 times faster, lower on the ``wide`` traces) or
     ``"lowest-fit"`` (the passes above)."""
     enabled: bool = True
     greedy_share: float = 0.35

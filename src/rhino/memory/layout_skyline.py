@@ -23,7 +23,7 @@ buffers first, on which the shorter ones stack); after a pass of height ``h`` ev
 Why (``benchmarks/layout_scale.py``, session 14): on the ``wide`` traces (uniform sizes, exponential
 lifetimes) most buffers are hot, so the focused lowest-fit search does not apply and the plain one
 stalls (``wide-1`` 4.241% over the max-load bound in 60 s). A skyline pass on 60,000 buffers takes
-~0.2 s against 1-2 s for a lowest-fit pass, so the squeaky wheel gets ten times the passes. Alone, in
+~0.2 s against 1-2 s for a lowest-fit pass, so the squeaky wheel gets 5-10 times the passes. Alone, in
 30-40 s of one core: ``wide-1`` 2.6-3.0%, ``wide-2`` 1.12%, ``wide-3`` 4.63%. In ``rhino layout
 --time-limit 60``, with ejection chains beside it: ``wide-1/2/3`` 2.184 / 0.955 / 3.804% (4.241 /
 1.436 / 4.912% before); held out, ``wide-6/7`` 2.553 / 1.780% (3.994 / 2.686%). On the ``random``
@@ -37,6 +37,8 @@ from typing import Callable
 
 import numba
 import numpy as np
+
+from .layout_greedy import past
 
 __all__ = ["SkylineOptions", "skyline_pass", "skyline_search"]
 
@@ -146,13 +148,6 @@ def _level(s, e, h, seg_end, seg_h, alive, sofe, K):
     return s
 
 
-@numba.njit(cache=True)
-def _late(deadline):
-    with numba.objmode(now="float64"):
-        now = time.monotonic()
-    return now > deadline
-
-
 @numba.njit(cache=True, nogil=True)
 def _pass(li, ui, sz, al, floor, pri, K, deadline):
     """One skyline pass (module docstring) over compressed time ``[0, K)``: offsets in input order, or
@@ -184,7 +179,7 @@ def _pass(li, ui, sz, al, floor, pri, K, deadline):
         if not alive[a] or seg_h[a] != y:
             continue  # stale entry
         steps += 1
-        if steps % _CHECK == 0 and _late(deadline):
+        if steps % _CHECK == 0 and past(deadline):
             return None
         b = seg_end[a]
         ceiling = min(seg_h[sofe[a]] if a > 0 else _INF, seg_h[b] if b < K else _INF)
