@@ -106,3 +106,53 @@ def test_the_plain_search_is_the_skyline_where_most_buffers_are_hot():
 def test_an_unknown_plain_search_is_refused():
     with pytest.raises(ValueError, match="'skyline' or 'lowest-fit'"):
         ImproveOptions(plain="sky")
+
+
+def _log_uniform(seed: int, n: int = 1500, horizon: int = 5000) -> list[Buffer]:
+    """MiniMalloc-style random buffers: log-uniform lifetimes and sizes, starts uniform (17-30% hot)."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        lo = rng.randrange(horizon)
+        out.append(Buffer(i, lo, lo + max(1, int(2 ** rng.uniform(0, 10))), 64 * max(1, int(2 ** rng.uniform(0, 12)))))
+    return out
+
+
+def test_plain_forces_the_skyline_search_where_the_focus_would_apply():
+    """Few buffers hot: ``squeaky_wheel`` would focus, but with ``plain=True`` it runs the skyline search
+    (the same layout as ``skyline_search``)."""
+    bufs = _log_uniform(1)
+    lo, up, sz, al = _arrays(bufs)
+    fl = np.zeros(len(bufs), np.int64)
+    lb = lower_bound(bufs)
+    assert not plain_skyline(lo, up, sz, fl, lb)
+    off, h, _ = squeaky_wheel(lo, up, sz, al, fl, lb, time.monotonic() + 600, ImproveOptions(max_passes=4), plain=True)
+    ref, href, _ = skyline_search(lo, up, sz, al, fl, lb, time.monotonic() + 600, max_passes=4)
+    assert h == href and (off == ref).all()
+
+
+def test_a_skyline_pass_far_below_the_greedy_one_starts_the_search():
+    """A leaf above ``max_leaf`` whose first skyline pass (``first_priorities``) is 0.002% above the bound
+    against 1.128% for the greedy pass by size: the solver keeps it (its result is at most that pass's
+    height, valid); with ``skyline_start`` off the same short search (3 passes, no ejection chains) ends
+    higher."""
+    from rhino.memory.layout import LayoutOptions, solve_layout
+    from rhino.memory.layout_eject import EjectOptions
+    from rhino.memory.layout_greedy import place_in_order
+    from rhino.memory.layout_skyline import first_priorities
+    from rhino.memory.layout_split import SplitOptions
+    bufs = _log_uniform(1)
+    lo, up, sz, al = _arrays(bufs)
+    fl = np.zeros(len(bufs), np.int64)
+    sky = int((skyline_pass(lo, up, sz, al, fl, first_priorities(lo, up, sz)) + sz).max())
+    greedy = int((place_in_order(lo, up, sz, al, fl, np.lexsort((lo, lo - up, -sz)), lowest=True) + sz).max())
+    lb = lower_bound(bufs)
+    assert sky - lb <= 0.5 * (greedy - lb)  # the trace is what the test needs
+
+    def opts(start: bool) -> LayoutOptions:
+        improve = ImproveOptions(max_passes=3, skyline_start=start)
+        return LayoutOptions(split=SplitOptions(above=0, max_leaf=100, cuts=False, revisit=False, improve=improve,
+                                                eject=EjectOptions(enabled=False)))
+    on, off = solve_layout(bufs, time_limit=10.0, options=opts(True)), solve_layout(bufs, time_limit=10.0, options=opts(False))
+    assert on.valid and validate_layout(bufs, on.offsets) == [] and on.height <= sky < off.height, \
+        (on.height, sky, off.height, off.solver)

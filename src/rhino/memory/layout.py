@@ -25,7 +25,8 @@ Solvers (``solve_layout``):
    a leaf above ``split.max_leaf`` (no exact search) gets the greedy passes, then, where a few large
    buffers carry its load, those exactly and the rest around them (``split.big_first``), then the
    squeaky-wheel search (``layout_improve``, ``split.improve``: lowest-fit passes on the hot buffers
-   where few are hot, else skyline passes, ``layout_skyline``, after a shorter greedy phase) for the
+   where few are hot, else skyline passes, ``layout_skyline``, after a shorter greedy phase; a first
+   skyline pass joins the greedy ones and, where far lower, chooses the skyline search) for the
    rest of its share, with
    ejection chains (``layout_eject``, ``split.eject``: the buffers above the target moved down by moving
    those in their way) on its best layouts in a thread beside it where there are two cores, else after
@@ -62,6 +63,7 @@ from .layout_bnb import LayoutOptions, SearchStatus, preorder_indices, search_la
 from .layout_eject import Follower, cores, eject_repair
 from .layout_greedy import place_in_order
 from .layout_improve import plain_skyline, squeaky_wheel
+from .layout_skyline import first_priorities, skyline_pass
 from .layout_split import decompose, splittable
 
 __all__ = ["Buffer", "GreedyOrder", "LayoutStatus", "LayoutResult", "LayoutOptions", "validate_layout",
@@ -482,7 +484,7 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
     # squeaky-wheel search (``layout_improve``)
     large = len(bufs) > options.split.max_leaf
     search = large and options.split.improve.enabled
-    best, best_h, how = _greedy_phase(bufs, floor, cap, deadline, options, search)
+    best, best_h, how, skyline = _greedy_phase(bufs, floor, cap, deadline, options, search)
     if large and best_h > cap and options.split.big_first:
         offs = _big_first(bufs, floor, cap, time.monotonic() + 0.5 * (deadline - time.monotonic()), options, say)
         h = max((offs[b.id] + b.size for b in bufs), default=0) if offs is not None else best_h
@@ -502,7 +504,7 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
         if follower is not None:
             follower.offer(start, best_h)
         offs, h, passes = squeaky_wheel(lo, up, sz, al, fl, cap, sw_deadline, options.split.improve, start,
-                                        on_best=None if follower is None else follower.offer)
+                                        on_best=None if follower is None else follower.offer, plain=skyline)
         say(f"layout: leaf of {len(bufs):,} buffers: squeaky wheel {h:,} after {passes} passes (greedy {best_h:,})")
         if h < best_h:
             best, best_h, how = _by_id(bufs, offs), h, "squeaky-wheel"
@@ -531,26 +533,38 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
 
 
 def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, options: LayoutOptions,
-                  search: bool) -> tuple[dict, int, str]:
-    """A leaf's greedy passes: until ``deadline`` without the search after them; with it, the first pass,
-    then the others until ``greedy_share`` of the time, or ``skyline.greedy_share`` where the search will
-    be the skyline one (``plain_skyline``, asked with the first pass as its start, as ``squeaky_wheel``
-    will be: skyline passes are fast, so the greedy ones get less time)."""
+                  search: bool) -> tuple[dict, int, str, bool]:
+    """A leaf's greedy passes and whether its search will be the skyline one. Without the search: the
+    passes until ``deadline``. With it: the first pass; one skyline pass (``ImproveOptions.skyline_start``),
+    kept where it is lower; then the other greedy passes until ``greedy_share`` of the time, or
+    ``skyline.greedy_share`` where the search will be the skyline one: where that pass's excess over
+    ``cap`` is at most ``skyline_switch`` times the first greedy one's, or ``plain_skyline`` says so (asked with the lowest pass as its start, as
+    ``squeaky_wheel`` will be; skyline passes are fast, so the greedy ones get less time)."""
     lowest = options.split.lowest_fit
     if not search:
-        return _leaf_greedy(bufs, floor, cap, deadline, lowest)
+        return (*_leaf_greedy(bufs, floor, cap, deadline, lowest), False)
     now = time.monotonic()
     improve = options.split.improve
     best, best_h, how = _leaf_greedy(bufs, floor, cap, now + improve.greedy_share * (deadline - now), lowest,
                                      count=1)
     if best_h <= cap:
-        return best, best_h, how
-    lo, up, sz = (np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size"))
+        return best, best_h, how, False
+    lo, up, sz, al = (np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size", "alignment"))
+    fl = np.array(floor, np.int64)
+    skyline = False
+    if improve.skyline_start:
+        sky = skyline_pass(lo, up, sz, al, fl, first_priorities(lo, up, sz, improve.skyline), deadline)
+        sky_h = int((sky + sz).max(initial=0)) if sky is not None else best_h
+        if sky_h < best_h:
+            skyline = sky_h - cap <= improve.skyline_switch * (best_h - cap)
+            best, best_h, how = _by_id(bufs, sky), sky_h, "skyline"
+            if best_h <= cap:
+                return best, best_h, how, False
     start = np.array([best[b.id] for b in bufs], np.int64)
-    skyline = plain_skyline(lo, up, sz, np.array(floor, np.int64), cap, improve, start)
+    skyline = skyline or plain_skyline(lo, up, sz, fl, cap, improve, start)
     share = improve.skyline.greedy_share if skyline else improve.greedy_share
     more = _leaf_greedy(bufs, floor, cap, now + share * (deadline - now), lowest, skip=1)
-    return more if more is not None and more[1] < best_h else (best, best_h, how)
+    return (*(more if more is not None and more[1] < best_h else (best, best_h, how)), skyline)
 
 
 def _by_id(bufs: list[Buffer], offs: np.ndarray) -> dict:

@@ -40,7 +40,7 @@ import numpy as np
 
 from .layout_greedy import past
 
-__all__ = ["SkylineOptions", "skyline_pass", "skyline_search"]
+__all__ = ["SkylineOptions", "first_priorities", "skyline_pass", "skyline_search"]
 
 _INF = 1 << 62
 _CHECK = 4096  # placements between two deadline checks
@@ -220,6 +220,13 @@ def skyline_pass(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray,
     return _pass(li, ui, sz, al, floor, np.ascontiguousarray(priority, np.float64), len(pts) - 1, deadline)
 
 
+def first_priorities(lo: np.ndarray, up: np.ndarray, sz: np.ndarray,
+                     options: SkylineOptions = SkylineOptions()) -> np.ndarray:
+    """The search's first priorities, ``log s_i + alpha * log life_i`` (module docstring)."""
+    with np.errstate(divide="ignore"):
+        return np.log(sz.astype(np.float64)) + options.alpha * np.log((up - lo).astype(np.float64))
+
+
 def skyline_search(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, floor: np.ndarray, target: int,
                    deadline: float, options: SkylineOptions = SkylineOptions(), start: np.ndarray | None = None,
                    on_best: Callable[[np.ndarray, int], None] | None = None,
@@ -233,8 +240,7 @@ def skyline_search(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarra
     best_h = int((best + sz).max(initial=0)) if best is not None else 0
     if sz.size == 0 or (best is not None and best_h <= target):
         return best, best_h, 0
-    with np.errstate(divide="ignore"):
-        pri = np.log(sz.astype(np.float64)) + options.alpha * np.log((up - lo).astype(np.float64))
+    pri = first_priorities(lo, up, sz, options)
     step = float(np.log(options.boost))
     pts = np.unique(np.concatenate([lo, up]))
     li, ui = np.searchsorted(pts, lo), np.searchsorted(pts, up)
