@@ -32,6 +32,14 @@ Traces (MiniMalloc CSV, written to ``--dir``):
   ``random-S`` with 4 KiB alignments on 30% of the buffers (alignments that do not divide the sizes).
 - Session 14 (skyline passes): ``wide-1`` and ``wide-3`` chose the skyline search's settings and ``wide-2`` its
   ``focus_share``; ``wide-4``, ``wide-5``, ``random-13`` and ``random-14`` were made after every choice (held out).
+- Session 15, four shapes made before the skyline start (held out from it; ``skyline_switch`` was chosen on
+  ``wide-4`` and the public ``pangu_2.6B``): ``dense-S``: starts uniform over only 2,000 steps, lifetimes
+  exponential (mean 50), sizes uniform 64 B-64 KiB (~1,500 live buffers: a long plateau of near-peak
+  load); ``serving-S``: inference steps of 96 short activations (1-6 steps, up to 512 KiB) and 4 KV-cache
+  buffers (64 KiB-4 MiB, 2,000-40,000 steps); ``pipeline-S``: 120 micro-batches of 40 layers, each layer
+  saving 6 activations for ~4,000 steps beside 6 temporaries; ``hugebytes-S``: sizes uniform up to 10^11
+  bytes (no 64-byte multiple), lifetimes up to 3,000 over 10^6 steps (~60 buffers live); ``sparse-S``: times
+  in steps of 10^7, a third of the buffers empty or of 1-17 bytes, alignments 1 B-4 KiB per buffer.
 
 Each trace runs the CLI in a child process (``--json``); its peak RSS is the child's ``ru_maxrss``
 (``os.wait4``). Writes the section "Memory layout: large traces" of docs/benchmarks.md.
@@ -169,6 +177,58 @@ def synthetic_bimodal(seed: int, n: int = 60_000, horizon: int = 200_000) -> lis
     return rows
 
 
+def synthetic_dense(seed: int, n: int = 60_000, horizon: int = 2_000) -> list[tuple[int, int, int]]:
+    rng = random.Random(seed + 100)
+    rows = []
+    for _ in range(n):
+        lo = rng.randrange(horizon)
+        rows.append((lo, lo + 1 + int(rng.expovariate(1 / 50)), 64 * rng.randint(1, 1024)))
+    return rows
+
+
+def synthetic_serving(seed: int, steps: int = 600) -> list[tuple[int, int, int]]:
+    rng = random.Random(seed + 104)
+    rows, t = [], 0
+    for _ in range(steps):
+        rows += [(t, t + rng.randint(2_000, 40_000), 1 << rng.randint(16, 22)) for _ in range(4)]
+        for _ in range(96):
+            rows.append((t, t + rng.randint(1, 6), 64 * rng.randint(1, 8192)))
+            t += 1
+    return rows
+
+
+def synthetic_pipeline(seed: int, micro: int = 120, layers: int = 40) -> list[tuple[int, int, int]]:
+    rng = random.Random(seed + 105)
+    rows, t = [], 0
+    for _ in range(micro):
+        for _ in range(layers):
+            for _ in range(6):
+                rows.append((t, t + 4_000 + rng.randrange(800), 64 * rng.randint(512, 8192)))
+                rows.append((t, t + rng.randint(1, 4), 64 * rng.randint(64, 8192)))
+            t += 2
+        t += 200
+    return rows
+
+
+def synthetic_hugebytes(seed: int, n: int = 60_000) -> list[tuple[int, int, int]]:
+    rng = random.Random(seed + 102)
+    rows = []
+    for _ in range(n):
+        lo = rng.randrange(10 ** 6)
+        rows.append((lo, lo + 1 + rng.randrange(3_000), rng.randint(1, 10 ** 11)))
+    return rows
+
+
+def synthetic_sparse(seed: int, n: int = 60_000) -> list[tuple[int, int, int, int]]:
+    rng = random.Random(seed + 103)
+    rows = []
+    for _ in range(n):
+        lo, size = rng.randrange(200_000), rng.choice([0, 0, 1, 3, 17, 4096, 65536, 1 << 20, 3 << 20])
+        rows.append((lo * 10 ** 7, (lo + 1 + int(rng.expovariate(1 / 600))) * 10 ** 7, size,
+                     rng.choice([1, 8, 64, 256, 4096])))
+    return rows
+
+
 def synthetic_nested(seed: int, n: int = 60_000) -> list[tuple[int, int, int]]:
     """Every buffer inside the one before (``[i, 2n - i)``): the deepest nesting a trace can have."""
     rng = random.Random(seed)
@@ -244,12 +304,14 @@ def make_trace(name: str, out: Path) -> Path:
         rows = synthetic_pow2(int(arg))
     elif kind == "bimodal":
         rows = synthetic_bimodal(int(arg))
-    elif kind in ("nested", "lifo", "aligned"):
-        rows = {"nested": synthetic_nested, "lifo": synthetic_lifo, "aligned": synthetic_aligned}[kind](int(arg))
+    elif kind in ("nested", "lifo", "aligned", "dense", "serving", "pipeline", "hugebytes", "sparse"):
+        rows = {"nested": synthetic_nested, "lifo": synthetic_lifo, "aligned": synthetic_aligned,
+                "dense": synthetic_dense, "serving": synthetic_serving, "pipeline": synthetic_pipeline,
+                "hugebytes": synthetic_hugebytes, "sparse": synthetic_sparse}[kind](int(arg))
     else:
         raise ValueError(f"unknown trace {name!r}: expected gptN, gpt2xl-xK, train-SEED, random-SEED, wide-SEED, "
-                         f"lognorm-SEED, mixed-SEED, pow2-SEED, bimodal-SEED, nested-SEED, lifo-SEED or "
-                         f"aligned-SEED")
+                         f"lognorm-SEED, mixed-SEED, pow2-SEED, bimodal-SEED, nested-SEED, lifo-SEED, "
+                         f"aligned-SEED, dense-SEED, serving-SEED, pipeline-SEED, hugebytes-SEED or sparse-SEED")
     write_csv(path, rows)
     return path
 
