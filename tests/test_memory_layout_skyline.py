@@ -126,7 +126,8 @@ def test_plain_forces_the_skyline_search_where_the_focus_would_apply():
     fl = np.zeros(len(bufs), np.int64)
     lb = lower_bound(bufs)
     assert not plain_skyline(lo, up, sz, fl, lb)
-    off, h, _ = squeaky_wheel(lo, up, sz, al, fl, lb, time.monotonic() + 600, ImproveOptions(max_passes=4), plain=True)
+    off, h, _ = squeaky_wheel(lo, up, sz, al, fl, lb, time.monotonic() + 600, ImproveOptions(max_passes=4),
+                              plain=True)
     ref, href, _ = skyline_search(lo, up, sz, al, fl, lb, time.monotonic() + 600, max_passes=4)
     assert h == href and (off == ref).all()
 
@@ -153,6 +154,7 @@ def test_a_skyline_pass_far_below_the_greedy_one_starts_the_search():
         improve = ImproveOptions(max_passes=3, skyline_start=start)
         return LayoutOptions(split=SplitOptions(above=0, max_leaf=100, cuts=False, revisit=False, improve=improve,
                                                 eject=EjectOptions(enabled=False)))
-    on, off = solve_layout(bufs, time_limit=10.0, options=opts(True)), solve_layout(bufs, time_limit=10.0, options=opts(False))
+    on = solve_layout(bufs, time_limit=10.0, options=opts(True))
+    off = solve_layout(bufs, time_limit=10.0, options=opts(False))
     assert on.valid and validate_layout(bufs, on.offsets) == [] and on.height <= sky < off.height, \
         (on.height, sky, off.height, off.solver)

@@ -538,8 +538,9 @@ def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: floa
     passes until ``deadline``. With it: the first pass; one skyline pass (``ImproveOptions.skyline_start``),
     kept where it is lower; then the other greedy passes until ``greedy_share`` of the time, or
     ``skyline.greedy_share`` where the search will be the skyline one: where that pass's excess over
-    ``cap`` is at most ``skyline_switch`` times the first greedy one's, or ``plain_skyline`` says so (asked with the lowest pass as its start, as
-    ``squeaky_wheel`` will be; skyline passes are fast, so the greedy ones get less time)."""
+    ``cap`` is at most ``skyline_switch`` times the first greedy one's, or ``plain_skyline`` says so
+    (asked with the lowest pass as its start, as ``squeaky_wheel`` will be; skyline passes are fast, so
+    the greedy ones get less time)."""
     lowest = options.split.lowest_fit
     if not search:
         return (*_leaf_greedy(bufs, floor, cap, deadline, lowest), False)
@@ -549,7 +550,8 @@ def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: floa
                                      count=1)
     if best_h <= cap:
         return best, best_h, how, False
-    lo, up, sz, al = (np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size", "alignment"))
+    lo, up, sz, al = (np.array([getattr(b, f) for b in bufs], np.int64)
+                      for f in ("lower", "upper", "size", "alignment"))
     fl = np.array(floor, np.int64)
     skyline = False
     if improve.skyline_start:

@@ -70,7 +70,7 @@ class ImproveOptions:
     over the target is at most ``skyline_switch`` times the first greedy pass's, the plain (skyline)
     search runs whatever the focus says. Measured (``rhino layout --time-limit 60``): the public
     ``pangu_2.6B`` trace (18,692 buffers, 23% hot) 2.44% with the focus, 0.758% for the skyline pass,
-    0.000% with the skyline search from it (8.6 s; excess ratio 0.23); ``wide-4`` (ratio 0.90) 1.116%
+    0.000% with the skyline search from it (8.8 s; excess ratio 0.23); ``wide-4`` (ratio 0.90) 1.116%
     focused, 1.496% switched, hence 0.5."""
     enabled: bool = True
     greedy_share: float = 0.35
@@ -100,8 +100,8 @@ def squeaky_wheel(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray
     """The lowest layout (offsets in input order) of the squeaky-wheel passes until ``deadline``
     (``time.monotonic``) or a height at most ``target``; ``start``: a layout to beat (kept when no pass
     is lower); ``on_best(offsets, height)`` is called with every lower layout found; ``plain``: the plain
-    search whatever the focus would say (``layout._greedy_phase``: a skyline pass beat the greedy ones). Returns the offsets
-    (None when no pass finished and no ``start``), their height and the
+    search whatever the focus would say (``layout._greedy_phase``: a skyline pass far below the greedy
+    ones). Returns the offsets (None when no pass finished and no ``start``), their height and the
     number of passes finished (with ``focus``: hot passes and completions)."""
     lo, up, sz, al, floor = (np.ascontiguousarray(x, np.int64) for x in (lo, up, sz, al, floor))
     best = None if start is None else np.asarray(start, np.int64)
