@@ -535,10 +535,10 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
 def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, options: LayoutOptions,
                   search: bool) -> tuple[dict, int, str, bool]:
     """A leaf's greedy passes and whether its search will be the skyline one. Without the search: the
-    passes until ``deadline``. With it: the first pass; one skyline pass (``ImproveOptions.skyline_start``),
-    kept where it is lower; then the other greedy passes until ``greedy_share`` of the time, or
-    ``skyline.greedy_share`` where the search will be the skyline one: where that pass's excess over
-    ``cap`` is at most ``skyline_switch`` times the first greedy one's, or ``plain_skyline`` says so
+    passes until ``deadline``. With it: one skyline pass (``ImproveOptions.skyline_start``, dropped if
+    not done in ``skyline_start_share`` of the time), then the first greedy pass; the lower is kept; then the other greedy passes until ``greedy_share`` of the time, or
+    ``skyline.greedy_share`` where the search will be the skyline one: where the skyline pass's excess
+    over ``cap`` is at most ``skyline_switch`` times the first greedy one's, or ``plain_skyline`` says so
     (asked with the lowest pass as its start, as ``squeaky_wheel`` will be; skyline passes are fast, so
     the greedy ones get less time)."""
     lowest = options.split.lowest_fit
@@ -546,22 +546,22 @@ def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: floa
         return (*_leaf_greedy(bufs, floor, cap, deadline, lowest), False)
     now = time.monotonic()
     improve = options.split.improve
+    lo, up, sz, al = (np.array([getattr(b, f) for b in bufs], np.int64)
+                      for f in ("lower", "upper", "size", "alignment"))
+    fl = np.array(floor, np.int64)
+    sky = (skyline_pass(lo, up, sz, al, fl, first_priorities(lo, up, sz, improve.skyline),
+                        now + improve.skyline_start_share * (deadline - now)) if improve.skyline_start else None)
+    sky_h = int((sky + sz).max(initial=0)) if sky is not None else None
+    if sky_h is not None and sky_h <= cap:
+        return _by_id(bufs, sky), sky_h, "skyline", False
     best, best_h, how = _leaf_greedy(bufs, floor, cap, now + improve.greedy_share * (deadline - now), lowest,
                                      count=1)
     if best_h <= cap:
         return best, best_h, how, False
-    lo, up, sz, al = (np.array([getattr(b, f) for b in bufs], np.int64)
-                      for f in ("lower", "upper", "size", "alignment"))
-    fl = np.array(floor, np.int64)
     skyline = False
-    if improve.skyline_start:
-        sky = skyline_pass(lo, up, sz, al, fl, first_priorities(lo, up, sz, improve.skyline), deadline)
-        sky_h = int((sky + sz).max(initial=0)) if sky is not None else best_h
-        if sky_h < best_h:
-            skyline = sky_h - cap <= improve.skyline_switch * (best_h - cap)
-            best, best_h, how = _by_id(bufs, sky), sky_h, "skyline"
-            if best_h <= cap:
-                return best, best_h, how, False
+    if sky_h is not None and sky_h < best_h:
+        skyline = sky_h - cap <= improve.skyline_switch * (best_h - cap)
+        best, best_h, how = _by_id(bufs, sky), sky_h, "skyline"
     start = np.array([best[b.id] for b in bufs], np.int64)
     skyline = skyline or plain_skyline(lo, up, sz, fl, cap, improve, start)
     share = improve.skyline.greedy_share if skyline else improve.greedy_share

@@ -71,7 +71,10 @@ class ImproveOptions:
     search runs whatever the focus says. Measured (``rhino layout --time-limit 60``): the public
     ``pangu_2.6B`` trace (18,692 buffers, 23% hot) 2.44% with the focus, 0.758% for the skyline pass,
     0.000% with the skyline search from it (8.8 s; excess ratio 0.23); ``wide-4`` (ratio 0.90) 1.116%
-    focused, 1.496% switched, hence 0.5."""
+    focused, 1.496% switched, hence 0.5. ``skyline_start_share``: of the leaf's time, the most that pass
+    may take (it is dropped if not done by then): ~0.1-0.4 s on 60,000 buffers of most shapes, but its
+    scan for a buffer that fits the lowest run grows quadratically where most lifetimes overlap (one pass
+    on the whole of ``nested-1`` 13 s, a 60,000-buffer clique 20 s, ``lifo-1`` 3.8 s)."""
     enabled: bool = True
     greedy_share: float = 0.35
     alpha: float = 0.3
@@ -86,6 +89,7 @@ class ImproveOptions:
     skyline: SkylineOptions = SkylineOptions()
     skyline_start: bool = True
     skyline_switch: float = 0.5
+    skyline_start_share: float = 0.1
 
     def __post_init__(self) -> None:
         if self.plain not in ("skyline", "lowest-fit"):
