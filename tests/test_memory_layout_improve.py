@@ -10,24 +10,7 @@ from rhino.memory.layout import Buffer, LayoutOptions, lower_bound, solve_layout
 from rhino.memory.layout_greedy import place_in_order, time_index
 from rhino.memory.layout_improve import ImproveOptions, lifetime_pressure, squeaky_wheel
 from rhino.memory.layout_split import SplitOptions
-
-
-def _trace(seed: int, n: int = 1500, horizon: int = 5000) -> list[Buffer]:
-    """MiniMalloc-style random buffers: log-uniform lifetimes and sizes, starts uniform."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        lo = rng.randrange(horizon)
-        out.append(Buffer(i, lo, lo + max(1, int(2 ** rng.uniform(0, 10))), 64 * max(1, int(2 ** rng.uniform(0, 12)))))
-    return out
-
-
-def _arrays(bufs: list[Buffer]) -> tuple[np.ndarray, ...]:
-    return tuple(np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size", "alignment"))
-
-
-def _offsets(bufs: list[Buffer], off: np.ndarray) -> dict:
-    return {b.id: int(o) for b, o in zip(bufs, off.tolist())}
+from layout_traces import arrays as _arrays, by_id as _offsets, log_uniform as _trace
 
 
 def test_squeaky_wheel_beats_the_plain_greedy_above_the_bound():

@@ -10,6 +10,7 @@ import pytest
 from rhino.memory.layout import Buffer, lower_bound, validate_layout
 from rhino.memory.layout_improve import ImproveOptions, plain_skyline, squeaky_wheel
 from rhino.memory.layout_skyline import skyline_pass, skyline_search
+from layout_traces import arrays as _arrays, by_id as _with, log_uniform as _trace
 
 
 def _wide(seed: int, n: int = 2000, horizon: int = 1000) -> list[Buffer]:
@@ -21,14 +22,6 @@ def _wide(seed: int, n: int = 2000, horizon: int = 1000) -> list[Buffer]:
         lo = rng.randrange(horizon)
         out.append(Buffer(i, lo, lo + 1 + int(rng.expovariate(1 / 100)), 64 * rng.randint(1, 4096)))
     return out
-
-
-def _arrays(bufs: list[Buffer]) -> tuple[np.ndarray, ...]:
-    return tuple(np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size", "alignment"))
-
-
-def _with(bufs: list[Buffer], off: np.ndarray) -> dict:
-    return {b.id: int(o) for b, o in zip(bufs, off.tolist())}
 
 
 def test_a_pass_is_valid_on_floors_alignments_and_empty_buffers():
@@ -108,20 +101,10 @@ def test_an_unknown_plain_search_is_refused():
         ImproveOptions(plain="sky")
 
 
-def _log_uniform(seed: int, n: int = 1500, horizon: int = 5000) -> list[Buffer]:
-    """MiniMalloc-style random buffers: log-uniform lifetimes and sizes, starts uniform (17-30% hot)."""
-    rng = random.Random(seed)
-    out = []
-    for i in range(n):
-        lo = rng.randrange(horizon)
-        out.append(Buffer(i, lo, lo + max(1, int(2 ** rng.uniform(0, 10))), 64 * max(1, int(2 ** rng.uniform(0, 12)))))
-    return out
-
-
 def test_plain_forces_the_skyline_search_where_the_focus_would_apply():
     """Few buffers hot: ``squeaky_wheel`` would focus, but with ``plain=True`` it runs the skyline search
     (the same layout as ``skyline_search``)."""
-    bufs = _log_uniform(1)
+    bufs = _trace(1)
     lo, up, sz, al = _arrays(bufs)
     fl = np.zeros(len(bufs), np.int64)
     lb = lower_bound(bufs)
@@ -142,7 +125,7 @@ def test_a_skyline_pass_far_below_the_greedy_one_starts_the_search():
     from rhino.memory.layout_greedy import place_in_order
     from rhino.memory.layout_skyline import first_priorities
     from rhino.memory.layout_split import SplitOptions
-    bufs = _log_uniform(1)
+    bufs = _trace(1)
     lo, up, sz, al = _arrays(bufs)
     fl = np.zeros(len(bufs), np.int64)
     sky = int((skyline_pass(lo, up, sz, al, fl, first_priorities(lo, up, sz)) + sz).max())

@@ -536,8 +536,9 @@ def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: floa
                   search: bool) -> tuple[dict, int, str, bool]:
     """A leaf's greedy passes and whether its search will be the skyline one. Without the search: the
     passes until ``deadline``. With it: one skyline pass (``ImproveOptions.skyline_start``, dropped if
-    not done in ``skyline_start_share`` of the time), then the first greedy pass; the lower is kept; then the other greedy passes until ``greedy_share`` of the time, or
-    ``skyline.greedy_share`` where the search will be the skyline one: where the skyline pass's excess
+    not done in ``skyline_start_share`` of the time), then the first greedy pass; the lower is kept;
+    then the other greedy passes until ``greedy_share`` of the time, or ``skyline.greedy_share`` where
+    the search will be the skyline one: where the skyline pass's excess
     over ``cap`` is at most ``skyline_switch`` times the first greedy one's, or ``plain_skyline`` says so
     (asked with the lowest pass as its start, as ``squeaky_wheel`` will be; skyline passes are fast, so
     the greedy ones get less time)."""
