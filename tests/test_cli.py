@@ -113,3 +113,20 @@ def test_entry_leaves_at_once_while_a_solver_thread_runs():
                              timeout=60)
         assert out.returncode == 3 and "done" in out.stdout, out.stderr[-1000:]
         assert ("shutdown" in out.stdout) == shutdown, (alive, out.stdout)
+
+
+def test_dtype_choices_name_the_capture_dtypes():
+    from rhino.capture import DTYPES
+    from rhino.cli.common import DTYPE_NAMES
+    assert set(DTYPE_NAMES) == set(DTYPES)
+
+
+def test_layout_starts_without_torch():
+    """``rhino layout`` and ``rhino memory``'s argument parsing import no torch: its ~1.3 s of start-up would
+    come out of ``rhino layout --time-limit``, which counts from the process start."""
+    import subprocess
+    import sys
+    code = ("import sys; from rhino.cli.main import _parser; _parser().parse_args(['layout', 'x.csv']); "
+            "import rhino.memory.layout; print(sorted(m for m in ('torch', 'rhino.capture') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

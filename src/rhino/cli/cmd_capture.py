@@ -1,7 +1,6 @@
 """``rhino capture FILE[:FUNC] [--out graph.json] [--json]``."""
 from __future__ import annotations
 
-from ..capture import capture, load_workload
 from ..ir.summary import summarize
 from .common import emit_json, status, write_atomic
 
@@ -15,6 +14,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from ..capture import capture, load_workload
     status(f"capturing {args.workload} ...", not args.json)
     cap = capture(load_workload(args.workload))
     s = summarize(cap.graph)

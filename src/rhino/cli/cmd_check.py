@@ -1,26 +1,27 @@
 """``rhino check FILE[:FUNC] [--steps N] [--json]``."""
 from __future__ import annotations
 
-from ..capture import DTYPES, capture, default_dtype, load_workload
-from ..check import check_captured
-from .common import emit_json, quiet_warnings, status
+from .common import DTYPE_NAMES, emit_json, quiet_warnings, status
 
 
 def add_parser(sub) -> None:
     p = sub.add_parser("check", help="run N steps through Rhino and plain PyTorch and compare")
     p.add_argument("workload", metavar="FILE[:FUNC]")
     p.add_argument("--steps", type=int, default=2, help="training steps to compare (default 2)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="build the workload under this default dtype")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, help="build the workload under this default dtype")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
 
 def run(args) -> int:
+    from ..capture import DTYPES, default_dtype
     with default_dtype(DTYPES.get(args.dtype)):
         return _run(args)
 
 
 def _run(args) -> int:
+    from ..capture import capture, load_workload
+    from ..check import check_captured
     if args.steps < 1:
         raise ValueError("--steps must be at least 1")
     w = load_workload(args.workload)

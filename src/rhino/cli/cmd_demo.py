@@ -4,8 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..capture import capture, load_workload
-from ..check import check_captured
 from ..ir.summary import summarize
 from .common import emit_json, quiet_warnings, status
 
@@ -22,6 +20,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from ..capture import capture, load_workload
+    from ..check import check_captured
     status(f"capturing {args.workload} ...", not args.json)
     with quiet_warnings():
         cap = capture(load_workload(args.workload))

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..capture import capture, load_workload
 from ..cost.cluster import parse_cluster
 from ..cost.machine_profile import load_profile
 from ..cost.pipeline import Schedule
@@ -31,6 +30,7 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from ..capture import capture, load_workload
     from ..api import estimate
     cluster = parse_cluster(args.cluster)   # a bad cluster or profile fails before the capture
     profile = load_profile(args.profile) if args.profile else None

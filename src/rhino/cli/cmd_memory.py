@@ -19,7 +19,6 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from ..capture import capture, load_workload
 from .common import emit_json, quiet_warnings, status
 
 LEVELS = ("O1", "O2")
@@ -71,6 +70,7 @@ class _Progress:
 
 
 def run(args) -> int:
+    from ..capture import capture, load_workload
     if args.time_limit <= 0:
         raise ValueError("--time-limit must be a positive number of seconds")
     report = Path(args.report) if args.report else None

@@ -7,7 +7,6 @@ import sys
 import time
 from pathlib import Path
 
-from ..capture import capture, load_workload
 from ..cost.cluster import parse_cluster
 from .common import emit_json, quiet_warnings, status, write_atomic
 
@@ -81,6 +80,7 @@ def _describe(event: str, info: dict) -> str | None:
 
 
 def run(args) -> int:
+    from ..capture import capture, load_workload
     from ..api import plan as api_plan
     parse_cluster(args.cluster)   # a bad cluster fails before the capture
     if args.time_limit <= 0:

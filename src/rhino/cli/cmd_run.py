@@ -3,11 +3,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..capture import DTYPES, capture, default_dtype, load_workload
-from ..runtime.launch import RankFailedError
 from ..sharding.plan import resolve
 from ..sharding.presets import parse_strategy, preset_plan
-from .common import emit_json, quiet_warnings, status, write_atomic
+from .common import DTYPE_NAMES, emit_json, quiet_warnings, status, write_atomic
 
 
 def add_parser(sub) -> None:
@@ -24,7 +22,7 @@ def add_parser(sub) -> None:
     p.add_argument("--emit", metavar="DIR", help="write each rank's program as Python to DIR")
     p.add_argument("--save-plan", metavar="FILE", help="write the plan used as JSON")
     p.add_argument("--timeout", type=float, default=60.0, help="seconds before a stuck collective fails")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="build the workload and its reference under this "
+    p.add_argument("--dtype", choices=DTYPE_NAMES, help="build the workload and its reference under this "
                    "default dtype; float64 compares every rank at 1e-9 (float32: rtol 1e-4, atol 1e-5)")
     p.add_argument("--memory-plan", nargs="?", const="O1", choices=("O1", "O2"), metavar="LEVEL",
                    help="each rank runs its planned operator order inside one preallocated arena (memory plan per "
@@ -34,12 +32,14 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from ..capture import DTYPES, default_dtype
     with default_dtype(DTYPES.get(args.dtype)):
         return _run(args)
 
 
 def _run(args) -> int:
-    from ..runtime.launch import in_torchrun
+    from ..capture import capture, load_workload
+    from ..runtime.launch import RankFailedError, in_torchrun
     from ..runtime.trainer import load_plan_file
     plan = load_plan_file(args.plan) if args.plan else None
     if args.nproc is None and plan is not None and not in_torchrun():

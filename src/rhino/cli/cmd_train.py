@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import os
 
-from ..capture import DTYPES
-from ..runtime.launch import RankFailedError, in_torchrun
-from .common import emit_json, status
+from .common import DTYPE_NAMES, emit_json, status
 
 __all__ = ["add_parser", "run"]
 
@@ -26,7 +24,7 @@ def add_parser(sub) -> None:
     p.add_argument("--level", choices=["O1", "O2"], default="O1", help="search level with --cluster (default O1)")
     p.add_argument("--steps", type=int, default=10, help="training steps (default 10)")
     p.add_argument("--log", metavar="FILE", help="append one JSON line per step (step, loss, seconds, samples/s)")
-    p.add_argument("--dtype", choices=sorted(DTYPES), help="default dtype while the workload is built")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, help="default dtype while the workload is built")
     p.add_argument("--no-overlap", action="store_true", help="blocking collectives, one per tensor (for comparison)")
     p.add_argument("--release-memory", action="store_true", help="return freed memory to the OS at once: peak RSS "
                    "follows the live bytes (for models near the memory limit; slower steps)")
@@ -48,6 +46,8 @@ def add_parser(sub) -> None:
 
 
 def run(args) -> int:
+    from ..capture import DTYPES
+    from ..runtime.launch import RankFailedError, in_torchrun
     if args.steps < 1:
         raise ValueError("--steps must be at least 1")
     if args.log and os.path.dirname(args.log) and not os.path.isdir(os.path.dirname(args.log)):
@@ -76,6 +76,8 @@ def run(args) -> int:
 
 def _run_elastic(args) -> int:
     """``--max-restarts``: the job runs under torchrun's elastic agent (``runtime/elastic.py``)."""
+    from ..capture import DTYPES
+    from ..runtime.launch import in_torchrun
     if in_torchrun():
         raise ValueError("--max-restarts starts its own elastic agent; under torchrun, give torchrun --max-restarts "
                          "and rhino train --checkpoint DIR --resume instead")
@@ -117,6 +119,7 @@ def _default_nproc(args) -> int:
 
 def _run_torchrun(args) -> int:
     """One rank of a torchrun job: every rank trains; rank 0 prints the summary."""
+    from ..capture import DTYPES
     from ..runtime.trainer import train_torchrun
     r = train_torchrun(args.workload, plan=args.plan, strategy=args.strategy, cluster=args.cluster,
                        level=args.level, steps=args.steps, dtype=DTYPES.get(args.dtype), overlap=not args.no_overlap,

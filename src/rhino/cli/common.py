@@ -8,7 +8,11 @@ import tempfile
 import warnings
 from pathlib import Path
 
-__all__ = ["emit_json", "write_atomic", "status", "quiet_warnings"]
+__all__ = ["emit_json", "write_atomic", "status", "quiet_warnings", "DTYPE_NAMES"]
+
+#: ``capture.DTYPES``'s names, for ``--dtype`` choices without importing torch before the command runs
+#: (``rhino layout`` and ``rhino memory`` never need it; tests/test_cli.py keeps the two equal)
+DTYPE_NAMES = ("float32", "float64")
 
 
 def emit_json(obj: dict) -> None:

@@ -7,9 +7,6 @@ import os
 import sys
 import threading
 
-from ..capture.workload import WorkloadError
-from ..ir.verify import VerifyError
-
 __all__ = ["entry", "main"]
 
 
@@ -29,7 +26,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         return int(args.run(args) or 0)
-    except (WorkloadError, VerifyError, ValueError, FileNotFoundError) as exc:
+    except (ValueError, FileNotFoundError) as exc:  # WorkloadError and VerifyError are ValueErrors
         message = str(exc).strip() or type(exc).__name__
         if getattr(args, "json", False):
             print(json.dumps({"ok": False, "error": message}))
