@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from enum import Enum
 from typing import Callable, Hashable, Sequence
 
@@ -64,7 +64,7 @@ from .layout_eject import Follower, cores, eject_repair
 from .layout_greedy import place_in_order
 from .layout_improve import plain_skyline, squeaky_wheel
 from .layout_skyline import first_priorities, skyline_pass
-from .layout_split import decompose, splittable
+from .layout_split import decompose, heavy_buffers, splittable
 
 __all__ = ["Buffer", "GreedyOrder", "LayoutStatus", "LayoutResult", "LayoutOptions", "validate_layout",
            "lower_bound", "height", "greedy_layout", "solve_layout"]
@@ -373,28 +373,44 @@ def solve_layout(buffers: Sequence[Buffer], capacity: int | None = None, time_li
                 status = LayoutStatus.UNKNOWN
     else:
         proven = lb  # no layout is lower than this
-        unknown = lb - 1  # the highest capacity left unanswered
-        while exact and proven < h and deadline - time.monotonic() > 0.05:
-            cap = proven if unknown < proven else (max(proven, unknown + 1) + h - 1) // 2
-            if cap >= h:
-                break
-            share = (deadline - time.monotonic()) * (0.5 if cap < h - 1 else 1.0)
-            say(f"layout: best {h:,}, proven >= {proven:,}; trying {cap:,} for up to {share:.0f}s")
-            st, offs, name, n = _fit(buffers, cap, time.monotonic() + share, options, say)
-            nodes += n
-            if st is SearchStatus.FOUND and _accept(buffers, offs, cap, name, say):
-                offsets, h, solver = offs, height(buffers, offs), name
-            elif st is SearchStatus.INFEASIBLE:
-                proven = cap + 1
-            elif cap == h - 1:  # unanswered with all the time left: nothing more to try
-                break
-            else:
-                unknown = cap
+        if exact:
+            offsets, h, name, proven, nodes = _minimize(buffers, None, offsets, h, lb, deadline, options, say)
+            solver = name or solver
         status = LayoutStatus.OPTIMAL if h <= proven else LayoutStatus.FEASIBLE
     fits = status in (LayoutStatus.OPTIMAL, LayoutStatus.FEASIBLE)
     valid = not validate_layout(buffers, offsets, capacity if fits else None)
     say(f"layout: {status.value}, height {h:,} ({solver}){'' if valid else ', INVALID'}")
     return LayoutResult(status, offsets, h, lb, time.perf_counter() - t0, solver, nodes=nodes, valid=valid)
+
+
+def _minimize(buffers: Sequence[Buffer], floor: list[int] | None, offsets: dict, h: int, low: int, deadline: float,
+              options: LayoutOptions, say: Progress) -> tuple[dict, int, str, int, int]:
+    """Lower a layout of height ``h`` with the exact search (``_fit``) at capacities in ``[low, h)``: ``low``
+    first, with half the time left, then halving the gap between the highest capacity left unanswered
+    (or the lowest proven) and the best height (an unanswered capacity keeps the best layout so far).
+    Returns (offsets, height, solver ("" if unchanged), the lowest height not proven impossible, nodes)."""
+    proven = low  # the lowest height not proven impossible (with ``low`` a lower bound: none is lower)
+    unknown = low - 1  # the highest capacity left unanswered
+    solver, nodes = "", 0
+    while proven < h and deadline - time.monotonic() > 0.05:
+        cap = proven if unknown < proven else (max(proven, unknown + 1) + h - 1) // 2
+        if cap >= h:
+            break
+        share = (deadline - time.monotonic()) * (0.5 if cap < h - 1 else 1.0)
+        known = f", none below {proven:,}" if proven > low else ""  # ``low`` itself need not be a bound
+        say(f"layout: best {h:,}{known}; trying {cap:,} for up to {share:.0f}s")
+        st, offs, name, n = _fit(buffers, cap, time.monotonic() + share, options, say, floor)
+        nodes += n
+        if (st is SearchStatus.FOUND and offs is not None and _accept(buffers, offs, cap, name, say)
+                and (floor is None or all(offs[b.id] >= f for b, f in zip(buffers, floor)))):
+            offsets, h, solver = offs, height(buffers, offs), name
+        elif st is SearchStatus.INFEASIBLE:
+            proven = cap + 1
+        elif cap == h - 1:  # unanswered with all the time left: nothing more to try
+            break
+        else:
+            unknown = cap
+    return offsets, h, solver, proven, nodes
 
 
 def _solve_split(buffers: Sequence[Buffer], capacity: int | None, deadline: float, options: LayoutOptions,
@@ -577,27 +593,29 @@ def _by_id(bufs: list[Buffer], offs: np.ndarray) -> dict:
 
 def _big_first(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, options: LayoutOptions,
                say: Progress) -> dict | None:
-    """A leaf where a few large buffers carry the load (``SplitOptions.big_first``): the buffers of at
-    least ``cap / 200`` bytes (at most ``max_leaf / 4`` of them, holding at their peak at least 90% of the
-    leaf's own max load) laid out exactly at ``cap`` (``_fit``, until ``deadline``), then the others lowest fit by size
-    around them (``given``). None when the leaf is not of that shape or the exact search finds nothing."""
+    """A leaf whose load a few buffers carry (``SplitOptions.big_first``): the fewest buffers, largest
+    ``size x lifetime`` first, without which at most ``light_share * cap`` bytes are live at any time
+    (``heavy_buffers``; at most ``max_leaf`` of them), laid out alone: the greedy passes (a tenth of the
+    time), then the exact search at ``cap`` and down from their best height (``_minimize``, until
+    ``deadline``); then the others lowest fit by size around them (``given``). None when the leaf is not
+    of that shape. The others add at most ``light_share * cap`` above the heavy buffers' height (on top,
+    if nowhere lower)."""
     lo, up, sz, al = (np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size", "alignment"))
-    large = np.flatnonzero(sz * 200 >= cap)
-    if not 0 < large.size <= options.split.max_leaf // 4:
+    heavy = heavy_buffers(lo, up, sz, int(options.split.light_share * cap), options.split.max_leaf)
+    if heavy is None:
         return None
-    sub = [bufs[i] for i in large.tolist()]
-    if lower_bound(sub) < 0.9 * lower_bound(bufs):
-        return None
-    sub_floor = [floor[i] for i in large.tolist()]
-    st, offs, name, _ = _fit(sub, cap, deadline, options, say, sub_floor)
-    if st is not SearchStatus.FOUND or offs is None or any(offs[b.id] < f for b, f in zip(sub, sub_floor)):
-        return None
+    sub = [bufs[i] for i in heavy.tolist()]
+    sub_floor = [floor[i] for i in heavy.tolist()]
+    now = time.monotonic()
+    first = _leaf_greedy(sub, sub_floor, cap, now + 0.1 * (deadline - now), options.split.lowest_fit)
+    assert first is not None  # the first greedy pass always finishes
+    offs, h, name, _, _ = _minimize(sub, sub_floor, first[0], first[1], cap, deadline, options, say)
     given = np.full(len(bufs), -1, np.int64)
-    given[large] = [offs[b.id] for b in sub]
+    given[heavy] = [offs[b.id] for b in sub]
     off = place_in_order(lo, up, sz, al, np.array(floor, np.int64), _order(GreedyOrder.SIZE, lo, up, sz),
                          lowest=True, given=given)
-    say(f"layout: leaf of {len(bufs):,} buffers: {len(sub):,} large ones at {cap:,} ({name}), the rest around them: "
-        f"{int((off + sz).max(initial=0)):,}")
+    say(f"layout: leaf of {len(bufs):,} buffers: {len(sub):,} heavy ones at {h:,} ({name or first[2]}), the rest "
+        f"around them: {int((off + sz).max(initial=0)):,}")
     return _by_id(bufs, off)
 
 

@@ -32,7 +32,7 @@ import numpy as np
 from .layout_eject import EjectOptions
 from .layout_improve import ImproveOptions
 
-__all__ = ["SplitOptions", "Leaf", "Decomposition", "decompose", "splittable"]
+__all__ = ["SplitOptions", "Leaf", "Decomposition", "decompose", "splittable", "heavy_buffers"]
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,8 @@ class SplitOptions:
     cut_samples: int = 24    # cut times evaluated per leaf
     lowest_fit: bool = True  # leaves' greedy also tries lowest fit (``layout_greedy``; random-1: 5.6% -> 4.0%)
     improve: ImproveOptions = ImproveOptions()  # leaves above max_leaf: squeaky wheel after the first pass
-    big_first: bool = True  # leaves above max_leaf that a few large buffers dominate: those exactly first
+    big_first: bool = True  # leaves above max_leaf whose load a few buffers carry: those exactly first
+    light_share: float = 0.005  # big_first: the others hold at most this fraction of the target live at once
     revisit: bool = True  # time left after every leaf: the squeaky wheel again on the highest leaf (bimodal-1)
     eject: EjectOptions = EjectOptions()  # leaves above max_leaf: ejection chains after the squeaky wheel
 
@@ -221,3 +222,25 @@ def decompose(lower, upper, size, max_leaf: int = 6000, cuts: bool = True, cut_b
             todo.extend((c, cut or made_cut, base) for c in _runs(rest, lo, up))
     floor[offsets >= 0] = 0
     return Decomposition(offsets, floor, leaves, n_stacked, n_cuts)
+
+
+def heavy_buffers(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, light_bytes: int, most: int) -> np.ndarray | None:
+    """The fewest buffers, taken largest ``size x lifetime`` first, without which at most ``light_bytes`` are
+    live at any time (sorted indices); None when that takes none or more than ``most``. Removing buffers
+    never raises the load, so the count is found by bisection over prefixes of that order."""
+    n = len(sz)
+    order = np.lexsort((np.arange(n), -(sz.astype(np.float64) * (up - lo))))
+    times = np.unique(np.concatenate([lo, up]))
+    l, u = np.searchsorted(times, lo), np.searchsorted(times, up)
+
+    def light_peak(k: int) -> int:
+        rest = order[k:]
+        return int(_profile(l[rest], u[rest], sz[rest], times.size).max(initial=0))
+
+    if light_peak(0) <= light_bytes or light_peak(min(most, n)) > light_bytes:
+        return None
+    a, b = 1, min(most, n)
+    while a < b:
+        k = (a + b) // 2
+        a, b = (a, k) if light_peak(k) <= light_bytes else (k + 1, b)
+    return np.sort(order[:a])
