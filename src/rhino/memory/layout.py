@@ -596,8 +596,9 @@ def _big_first(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, 
     """A leaf whose load a few buffers carry (``SplitOptions.big_first``): the fewest buffers, largest
     ``size x lifetime`` first, without which at most ``light_share * cap`` bytes are live at any time
     (``heavy_buffers``; at most ``max_leaf`` of them), laid out alone: the greedy passes (a tenth of the
-    time), then the exact search at ``cap`` and down from their best height (``_minimize``, until
-    ``deadline``); then the others lowest fit by size around them (``given``). None when the leaf is not
+    time), the squeaky wheel (``split.improve``; until half the time), then the exact search at ``cap``
+    and down from their best height (``_minimize``, until ``deadline``); then the others lowest fit by
+    size around them (``given``). None when the leaf is not
     of that shape. The others add at most ``light_share * cap`` above the heavy buffers' height (on top,
     if nowhere lower)."""
     lo, up, sz, al = (np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size", "alignment"))
@@ -609,12 +610,20 @@ def _big_first(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, 
     now = time.monotonic()
     first = _leaf_greedy(sub, sub_floor, cap, now + 0.1 * (deadline - now), options.split.lowest_fit)
     assert first is not None  # the first greedy pass always finishes
-    offs, h, name, _, _ = _minimize(sub, sub_floor, first[0], first[1], cap, deadline, options, say)
+    offs, h, how = first
+    if h > cap and options.split.improve.enabled:
+        x = heavy
+        start = np.array([offs[b.id] for b in sub], np.int64)
+        sw, sw_h, _ = squeaky_wheel(lo[x], up[x], sz[x], al[x], np.array(sub_floor, np.int64), cap,
+                                    now + 0.5 * (deadline - now), options.split.improve, start)
+        if sw_h < h:
+            offs, h, how = _by_id(sub, sw), sw_h, "squeaky-wheel"
+    offs, h, name, _, _ = _minimize(sub, sub_floor, offs, h, cap, deadline, options, say)
     given = np.full(len(bufs), -1, np.int64)
     given[heavy] = [offs[b.id] for b in sub]
     off = place_in_order(lo, up, sz, al, np.array(floor, np.int64), _order(GreedyOrder.SIZE, lo, up, sz),
                          lowest=True, given=given)
-    say(f"layout: leaf of {len(bufs):,} buffers: {len(sub):,} heavy ones at {h:,} ({name or first[2]}), the rest "
+    say(f"layout: leaf of {len(bufs):,} buffers: {len(sub):,} heavy ones at {h:,} ({name or how}), the rest "
         f"around them: {int((off + sz).max(initial=0)):,}")
     return _by_id(bufs, off)
 
