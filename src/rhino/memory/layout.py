@@ -22,8 +22,9 @@ Solvers (``solve_layout``):
    where the cut's bound stays within ``split.cut_tolerance`` of the lower bound); each leaf is laid
    out on the floors of the buffers stacked below it: greedy first, the portfolio above where greedy
    does not reach the height ``H`` (the bound or the capacity), in a share of the time by its size;
-   a leaf above ``split.max_leaf`` (no exact search) gets the greedy passes, then, where a few large
-   buffers carry its load, those exactly and the rest around them (``split.big_first``), then the
+   a leaf above ``split.max_leaf`` (no exact search) gets the greedy passes, then, where a few buffers
+   carry all but ``split.light_share`` of its load, those first (greedy, squeaky wheel, exact search) and
+   the rest around them (``split.big_first``), then the
    squeaky-wheel search (``layout_improve``, ``split.improve``: lowest-fit passes on the hot buffers
    where few are hot, else skyline passes, ``layout_skyline``, after a shorter greedy phase; a first
    skyline pass joins the greedy ones and, where far lower, chooses the skyline search) for the
