@@ -599,9 +599,7 @@ def _big_first(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, 
     (``heavy_buffers``; at most ``max_leaf`` of them), laid out alone: the greedy passes (a tenth of the
     time), the squeaky wheel (``split.improve``; until half the time), then the exact search at ``cap``
     and down from their best height (``_minimize``, until ``deadline``); then the others lowest fit by
-    size around them (``given``). None when the leaf is not
-    of that shape. The others add at most ``light_share * cap`` above the heavy buffers' height (on top,
-    if nowhere lower)."""
+    size around them (``given``). None when the leaf is not of that shape."""
     lo, up, sz, al = (np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size", "alignment"))
     heavy = heavy_buffers(lo, up, sz, int(options.split.light_share * cap), options.split.max_leaf)
     if heavy is None:
@@ -613,9 +611,8 @@ def _big_first(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, 
     assert first is not None  # the first greedy pass always finishes
     offs, h, how = first
     if h > cap and options.split.improve.enabled:
-        x = heavy
         start = np.array([offs[b.id] for b in sub], np.int64)
-        sw, sw_h, _ = squeaky_wheel(lo[x], up[x], sz[x], al[x], np.array(sub_floor, np.int64), cap,
+        sw, sw_h, _ = squeaky_wheel(lo[heavy], up[heavy], sz[heavy], al[heavy], np.array(sub_floor, np.int64), cap,
                                     now + 0.5 * (deadline - now), options.split.improve, start)
         if sw_h < h:
             offs, h, how = _by_id(sub, sw), sw_h, "squeaky-wheel"
