@@ -219,18 +219,21 @@ def place_in_order(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarra
     """Offsets (input order) of the buffers placed best-fit in ``order`` on their floors. When
     ``deadline`` (``time.monotonic``) passes first: None, or with ``finish`` the buffers left each go
     on top of all placed so far (in order). ``lowest``: the lowest gap that holds a buffer, not the
-    smallest. ``given``: offsets fixed in advance (-1: place it), there for every placement.
+    smallest. ``given``: offsets fixed in advance (-1: place it), there for every placement; ``order``
+    may then list only the others (a buffer in neither keeps -1).
     ``index``: ``time_index(lo, up, sz)`` when the caller has it (its placements are reset here)."""
     n = len(sz)
     lo, up, sz, al, floor = (np.ascontiguousarray(x, np.int64) for x in (lo, up, sz, al, floor))
     order = np.ascontiguousarray(order, np.int64)
+    if order.size and (order.min() < 0 or order.max() >= n):
+        raise ValueError(f"order holds indices outside 0..{n - 1}")
     off = np.full(n, -1, np.int64) if given is None else np.array(given, np.int64)
     if n == 0:
         return off
     ix = time_index(lo, up, sz) if index is None else index
     set_given(off, sz, ix.moff, ix.mend, ix.estart, ix.epos)
     so, se, sid = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
-    for k0 in range(0, n, _CHUNK):
+    for k0 in range(0, order.size, _CHUNK):
         if deadline is not None and k0 and time.monotonic() > deadline:
             if not finish:
                 return None
@@ -241,6 +244,6 @@ def place_in_order(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarra
                     off[i] = top if sz[i] else 0
                     top += int(sz[i])
             return off
-        _place(lo, up, sz, al, floor, order, lowest, k0, min(n, k0 + _CHUNK), ix.b0, ix.b1, ix.start, ix.member,
+        _place(lo, up, sz, al, floor, order, lowest, k0, min(order.size, k0 + _CHUNK), ix.b0, ix.b1, ix.start, ix.member,
                ix.mlo, ix.mup, ix.mb0, ix.moff, ix.mend, ix.estart, ix.epos, off, so, se, sid)
     return off
