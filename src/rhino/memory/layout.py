@@ -66,6 +66,7 @@ from .layout_greedy import place_in_order
 from .layout_improve import plain_skyline, squeaky_wheel
 from .layout_skyline import first_priorities, skyline_pass
 from .layout_split import decompose, heavy_buffers, splittable
+from .layout_window import window_repair, windows_small
 
 __all__ = ["Buffer", "GreedyOrder", "LayoutStatus", "LayoutResult", "LayoutOptions", "validate_layout",
            "lower_bound", "height", "greedy_layout", "solve_layout"]
@@ -512,12 +513,15 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
                                                                                       "alignment"))
         start = np.array([best[b.id] for b in bufs], np.int64)
         fl = np.array(floor, np.int64)
-        eject = options.split.eject
-        # ejection chains: in a thread beside the search where there are two cores, else after it
-        follower = (Follower(lo, up, sz, al, fl, cap, deadline, eject).start()
+        eject, window = options.split.eject, options.split.window
+        # the window repair's share at the end; ejection chains: in a thread beside the search where there
+        # are two cores, else after it
+        repair = window.enabled and windows_small(lo, up, sz, window)
+        search_end = deadline - (window.share * (deadline - time.monotonic()) if repair else 0.0)
+        follower = (Follower(lo, up, sz, al, fl, cap, search_end, eject).start()
                     if eject.enabled and eject.beside and cores() >= 2 else None)
-        sw_deadline = deadline - (eject.share * (deadline - time.monotonic())
-                                  if eject.enabled and follower is None else 0.0)
+        sw_deadline = search_end - (eject.share * (search_end - time.monotonic())
+                                    if eject.enabled and follower is None else 0.0)
         if follower is not None:
             follower.offer(start, best_h)
         offs, h, passes = squeaky_wheel(lo, up, sz, al, fl, cap, sw_deadline, options.split.improve, start,
@@ -532,10 +536,16 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
                 best, best_h, how = _by_id(bufs, offs), h, "squeaky-wheel+eject"
         elif eject.enabled and best_h > cap:
             start = np.array([best[b.id] for b in bufs], np.int64)
-            offs, h, moved = eject_repair(lo, up, sz, al, fl, start, cap, deadline, eject)
+            offs, h, moved = eject_repair(lo, up, sz, al, fl, start, cap, search_end, eject)
             say(f"layout: leaf of {len(bufs):,} buffers: ejection chains {best_h:,} -> {h:,} ({moved} moved)")
             if h < best_h:
                 best, best_h, how = _by_id(bufs, offs), h, how + "+eject"
+        if repair and best_h > cap:
+            start = np.array([best[b.id] for b in bufs], np.int64)
+            offs, h, fixed = window_repair(lo, up, sz, al, fl, start, cap, deadline, window)
+            say(f"layout: leaf of {len(bufs):,} buffers: window repair {best_h:,} -> {h:,} ({fixed} windows fixed)")
+            if h < best_h:
+                best, best_h, how = _by_id(bufs, offs), h, how + "+window"
     if best_h <= cap:
         return best, how
     say(f"layout: leaf of {len(bufs):,} buffers: greedy {best_h:,} ({how}) above {cap:,}; "

@@ -31,6 +31,7 @@ import numpy as np
 
 from .layout_eject import EjectOptions
 from .layout_improve import ImproveOptions
+from .layout_window import WindowOptions
 
 __all__ = ["SplitOptions", "Leaf", "Decomposition", "decompose", "splittable", "heavy_buffers"]
 
@@ -56,6 +57,7 @@ class SplitOptions:
     light_share: float = 0.005  # big_first: the others hold at most this fraction of the target live at once
     revisit: bool = True  # time left after every leaf: the squeaky wheel again on the highest leaf (bimodal-1)
     eject: EjectOptions = EjectOptions()  # leaves above max_leaf: ejection chains after the squeaky wheel
+    window: WindowOptions = WindowOptions()  # leaves above max_leaf: window repair after both (layout_window)
 
 
 @dataclass
