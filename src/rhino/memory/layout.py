@@ -31,8 +31,9 @@ Solvers (``solve_layout``):
    rest of its share, with
    ejection chains (``layout_eject``, ``split.eject``: the buffers above the target moved down by moving
    those in their way) on its best layouts in a thread beside it where there are two cores, else after
-   it in ``split.eject.share`` of the share; identical leaves (repeated layers or steps) share one
-   layout. The branch and bound never sees more than ``split.max_leaf`` buffers there, which bounds its memory (its time-neighbour lists, undo logs
+   it in ``split.eject.share`` of the share, then window repair (``layout_window``, ``split.window``:
+   the top buffers' time windows laid out again around the others, where such windows are small) in
+   ``split.window.share``; identical leaves (repeated layers or steps) share one layout. The branch and bound never sees more than ``split.max_leaf`` buffers there, which bounds its memory (its time-neighbour lists, undo logs
    and candidate pool grow with buffers x live buffers; buffers live over the whole step, such as
    parameters and optimizer state, neighbour every other one and are exactly what the peel removes).
    Revisit (``split.revisit``): leaves that finish early leave time; while some is left and the height
