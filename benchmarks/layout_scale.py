@@ -38,8 +38,11 @@ Traces (MiniMalloc CSV, written to ``--dir``):
   load); ``serving-S``: inference steps of 96 short activations (1-6 steps, up to 512 KiB) and 4 KV-cache
   buffers (64 KiB-4 MiB, 2,000-40,000 steps); ``pipeline-S``: 120 micro-batches of 40 layers, each layer
   saving 6 activations for ~4,000 steps beside 6 temporaries; ``hugebytes-S``: sizes uniform up to 10^11
-  bytes (no 64-byte multiple), lifetimes up to 3,000 over 10^6 steps (~60 buffers live); ``sparse-S``: times
-  in steps of 10^7, a third of the buffers empty or of 1-17 bytes, alignments 1 B-4 KiB per buffer.
+  bytes (no 64-byte multiple), lifetimes up to 3,000 over 10^6 steps (~90-115 buffers live); ``sparse-S``:
+  times in steps of 10^7, a third of the buffers empty or of 1-17 bytes, alignments 1 B-4 KiB per buffer.
+- Session 16: big-first's heavy buffers were chosen on ``serving-1`` and ``serving-3`` (the squeaky wheel
+  before the exact search) and window repair on ``hugebytes-1``; ``serving-2``, ``hugebytes-2`` and
+  ``hugebytes-3`` were made after those choices (held out).
 
 Each trace runs the CLI in a child process (``--json``); its peak RSS is the child's ``ru_maxrss``
 (``os.wait4``). Writes the section "Memory layout: large traces" of docs/benchmarks.md.
