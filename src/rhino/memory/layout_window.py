@@ -63,7 +63,7 @@ def window_repair(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray
     n = len(sz)
     if n == 0:
         return off, 0, 0
-    margin = max(1, int(options.width * float(np.median(up - lo))))
+    margin = _margin(lo, up, options)
     left = np.ones(n, bool)  # buffers not yet given up on
     fixed = 0
     while time.monotonic() < deadline:
@@ -97,10 +97,15 @@ def windows_small(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, options: Windo
     n = len(lo)
     if n == 0:
         return False
-    margin = max(1, int(options.width * float(np.median(up - lo))))
+    margin = _margin(lo, up, options)
     pick = np.argsort(-(sz.astype(np.float64) * (up - lo)), kind="stable")[:samples]
     counts = [int(((lo >= lo[i] - margin) & (up <= up[i] + margin)).sum()) for i in pick.tolist()]
     return float(np.median(counts)) <= options.max_movable / 2
+
+
+def _margin(lo: np.ndarray, up: np.ndarray, options: WindowOptions) -> int:
+    """A first window's margin on each side: ``width`` median lifetimes (at least one step)."""
+    return max(1, int(options.width * float(np.median(up - lo))))
 
 
 def _window(i: int, margin: int, lo, up, sz, al, floor, off, end, target: int, deadline: float,
