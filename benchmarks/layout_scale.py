@@ -43,6 +43,13 @@ Traces (MiniMalloc CSV, written to ``--dir``):
 - Session 16: big-first's heavy buffers were chosen on ``serving-1`` and ``serving-3`` (the squeaky wheel
   before the exact search) and window repair on ``hugebytes-1``; ``serving-2``, ``hugebytes-2`` and
   ``hugebytes-3`` were made after those choices (held out).
+- Session 17, shapes with repeated sizes: ``onesize-S`` (every buffer 1 MiB, lifetimes exponential, mean
+  800, over 100,000 steps: interval colouring, whose optimum is the bound), ``onesizeplus-S`` (the same with
+  one buffer in 100 of 8-32 MiB living 2,000-20,000 steps), ``classes-S`` (sizes 4 KiB, 64 KiB, 1 MiB or
+  4 MiB), ``paged-S`` (a paged KV cache: requests of 2-40 blocks of 2 MiB allocated as they grow and freed
+  at their end, beside one- to three-step activations up to 2 MiB), ``nsaligned-S`` (nanosecond times
+  from 10^15, sizes 1 B-1 MiB, 512-byte alignments that do not divide them). ``onesize`` chose the
+  ``SIZE_START`` pass (``memory.layout``); the others were made before that change.
 
 Each trace runs the CLI in a child process (``--json``); its peak RSS is the child's ``ru_maxrss``
 (``os.wait4``). Writes the section "Memory layout: large traces" of docs/benchmarks.md.
@@ -284,6 +291,63 @@ def repeat_steps(rows: list[tuple[int, int, int]], k: int) -> list[tuple[int, in
     return state + [(lo + i * end, up + i * end, sz) for i in range(k) for lo, up, sz in step]
 
 
+def synthetic_onesize(seed: int, n: int = 60_000, horizon: int = 100_000) -> list[tuple[int, int, int]]:
+    rng = random.Random(seed + 300)
+    rows = []
+    for _ in range(n):
+        lo = rng.randrange(horizon)
+        rows.append((lo, lo + 1 + int(rng.expovariate(1 / 800)), 1 << 20))
+    return rows
+
+
+def synthetic_onesizeplus(seed: int, n: int = 60_000, horizon: int = 100_000) -> list[tuple[int, int, int]]:
+    rng = random.Random(seed + 310)
+    rows = []
+    for k in range(n):
+        lo = rng.randrange(horizon)
+        if k % 100 == 0:
+            rows.append((lo, lo + rng.randint(2_000, 20_000), rng.choice([8, 16, 32]) << 20))
+        else:
+            rows.append((lo, lo + 1 + int(rng.expovariate(1 / 600)), 1 << 20))
+    return rows
+
+
+def synthetic_classes(seed: int, n: int = 60_000, horizon: int = 100_000) -> list[tuple[int, int, int]]:
+    rng = random.Random(seed + 320)
+    rows = []
+    for _ in range(n):
+        lo = rng.randrange(horizon)
+        rows.append((lo, lo + 1 + int(rng.expovariate(1 / 500)), rng.choice([4096, 65536, 1 << 20, 1 << 22])))
+    return rows
+
+
+def synthetic_paged(seed: int, n: int = 60_000) -> list[tuple[int, int, int]]:
+    rng = random.Random(seed + 330)
+    rows, t = [], 0
+    while len(rows) < n:
+        t += 1
+        if rng.random() < 0.3:  # a request: its KV blocks of 2 MiB, allocated as it grows, freed at its end
+            blocks, end = rng.randint(2, 40), t + rng.randint(200, 3_000)
+            rows += [(t + (k * (end - t)) // (blocks + 1), end, 2 << 20) for k in range(blocks)]
+        rows += [(t, t + rng.randint(1, 3), 64 * rng.randint(1, 32_768)) for _ in range(rng.randint(0, 2))]
+    return rows[:n]
+
+
+def synthetic_nsaligned(seed: int, n: int = 60_000) -> list[tuple[int, int, int, int]]:
+    rng = random.Random(seed + 340)
+    rows = []
+    for _ in range(n):
+        lo = 10 ** 15 + rng.randrange(10 ** 12)
+        rows.append((lo, lo + rng.randint(1, 10 ** 10), rng.randint(1, 1 << 20), 512))
+    return rows
+
+
+_MORE = {"nested": synthetic_nested, "lifo": synthetic_lifo, "aligned": synthetic_aligned, "dense": synthetic_dense,
+         "serving": synthetic_serving, "pipeline": synthetic_pipeline, "hugebytes": synthetic_hugebytes,
+         "sparse": synthetic_sparse, "onesize": synthetic_onesize, "onesizeplus": synthetic_onesizeplus,
+         "classes": synthetic_classes, "paged": synthetic_paged, "nsaligned": synthetic_nsaligned}
+
+
 def make_trace(name: str, out: Path) -> Path:
     path = out / f"{name}.csv"
     if path.exists():
@@ -307,14 +371,11 @@ def make_trace(name: str, out: Path) -> Path:
         rows = synthetic_pow2(int(arg))
     elif kind == "bimodal":
         rows = synthetic_bimodal(int(arg))
-    elif kind in ("nested", "lifo", "aligned", "dense", "serving", "pipeline", "hugebytes", "sparse"):
-        rows = {"nested": synthetic_nested, "lifo": synthetic_lifo, "aligned": synthetic_aligned,
-                "dense": synthetic_dense, "serving": synthetic_serving, "pipeline": synthetic_pipeline,
-                "hugebytes": synthetic_hugebytes, "sparse": synthetic_sparse}[kind](int(arg))
+    elif kind in _MORE:
+        rows = _MORE[kind](int(arg))
     else:
         raise ValueError(f"unknown trace {name!r}: expected gptN, gpt2xl-xK, train-SEED, random-SEED, wide-SEED, "
-                         f"lognorm-SEED, mixed-SEED, pow2-SEED, bimodal-SEED, nested-SEED, lifo-SEED, "
-                         f"aligned-SEED, dense-SEED, serving-SEED, pipeline-SEED, hugebytes-SEED or sparse-SEED")
+                         f"lognorm-SEED, mixed-SEED, pow2-SEED, bimodal-SEED or {', '.join(k + '-SEED' for k in _MORE)}")
     write_csv(path, rows)
     return path
 

@@ -7,8 +7,8 @@ import time
 import numpy as np
 import pytest
 
-from rhino.memory.layout import (Buffer, GreedyOrder, LayoutOptions, greedy_layout, height, solve_layout,
-                                 validate_layout)
+from rhino.memory.layout import (Buffer, GreedyOrder, LayoutOptions, LayoutStatus, greedy_layout, height,
+                                 lower_bound, solve_layout, validate_layout)
 from rhino.memory.layout_greedy import place_in_order, time_index
 from rhino.memory.layout_split import SplitOptions
 
@@ -28,7 +28,8 @@ def _arrays(bufs: list[Buffer]) -> tuple[np.ndarray, ...]:
 
 
 _KEYS = {GreedyOrder.SIZE: lambda b: (-b.size, b.lower - b.upper, b.lower),
-         GreedyOrder.LONG_LIVED_FIRST: lambda b: (b.lower - b.upper, -b.size, b.lower)}
+         GreedyOrder.LONG_LIVED_FIRST: lambda b: (b.lower - b.upper, -b.size, b.lower),
+         GreedyOrder.SIZE_START: lambda b: (-b.size, b.lower, b.lower - b.upper)}
 
 
 def test_best_fit_is_the_numpy_greedy_and_lowest_fit_is_valid():
@@ -45,6 +46,45 @@ def test_best_fit_is_the_numpy_greedy_and_lowest_fit_is_valid():
             assert {b.id: int(o) for b, o in zip(bufs, best)} == ref
             low = {b.id: int(o) for b, o in zip(bufs, place_in_order(lo, up, sz, al, fl, idx, lowest=True))}
             assert validate_layout(bufs, low) == [] and all(low[b.id] >= floor[b.id] for b in bufs if b.size)
+
+
+def _one_size(rng: random.Random, n: int, horizon: int, size: int, align: int = 1) -> list[Buffer]:
+    out = []
+    for i in range(n):
+        lo = rng.randrange(horizon)
+        out.append(Buffer(i, lo, lo + 1 + int(rng.expovariate(1 / 40)), size, align))
+    return out
+
+
+def test_size_start_meets_the_bound_where_every_buffer_has_one_size():
+    """One size (alignments dividing it): best fit and lowest fit in ``SIZE_START`` order meet the max-load
+    bound (greedy interval colouring by left ends); the ``SIZE`` order (longest first among equals) does
+    not always, so the tests can tell them apart."""
+    rng = random.Random(11)
+    misses = 0
+    for case in range(12):
+        size, align = rng.choice([(64, 1), (96, 32), (4096, 4096)])
+        bufs = _one_size(rng, rng.randint(50, 600), rng.randint(100, 2000), size, align)
+        lo, up, sz, al = _arrays(bufs)
+        bound = lower_bound(bufs)
+        assert height(bufs, greedy_layout(bufs, GreedyOrder.SIZE_START)) == bound
+        for order in (GreedyOrder.SIZE_START, GreedyOrder.SIZE):
+            idx = np.array(sorted(range(len(bufs)), key=lambda i: _KEYS[order](bufs[i])), np.int64)
+            off = place_in_order(lo, up, sz, al, np.zeros(len(bufs), np.int64), idx, lowest=True)
+            layout = {b.id: int(o) for b, o in zip(bufs, off)}
+            assert validate_layout(bufs, layout) == []
+            if order is GreedyOrder.SIZE_START:
+                assert height(bufs, layout) == bound
+            else:
+                misses += height(bufs, layout) > bound
+    assert misses > 0
+
+
+def test_a_large_leaf_of_one_size_is_optimal_at_once():
+    """Above ``max_leaf`` (no exact search) a one-size trace is solved by the leaves' first lowest-fit pass."""
+    bufs = _one_size(random.Random(2), 8000, 20000, 1 << 20)
+    res = solve_layout(bufs, time_limit=30)
+    assert res.valid and res.status is LayoutStatus.OPTIMAL and res.height == lower_bound(bufs)
 
 
 def test_split_leaves_never_above_the_numpy_greedy():

@@ -112,9 +112,9 @@ def _serving(seed: int, steps: int = 40, kv: int = 4, act: int = 24) -> list[Buf
 
 
 def test_big_first_takes_the_long_lived_buffers_that_carry_the_load():
-    """Serving-shaped leaves above ``max_leaf``: every greedy pass ends 2.2-4.4% above the bound (seeds 0, 1,
-    3); the 150-odd KV caches laid out exactly, the activations around them, end within 0.5% (the
-    activations hold at most ``light_share`` = 0.5% of it live at once)."""
+    """Serving-shaped leaves above ``max_leaf``: the best greedy pass ends 0.56-3.6% above the bound (seeds 0,
+    1, 3; 2.2-4.4% before the ``SIZE_START`` pass); the 150-odd KV caches laid out exactly, the activations
+    around them, end within 0.5% (the activations hold at most ``light_share`` = 0.5% of it live at once)."""
     no_swo = ImproveOptions(enabled=False)
     on = LayoutOptions(split=SplitOptions(above=0, max_leaf=200, cuts=False, improve=no_swo))
     off = LayoutOptions(split=SplitOptions(above=0, max_leaf=200, cuts=False, improve=no_swo, big_first=False))
@@ -122,7 +122,7 @@ def test_big_first_takes_the_long_lived_buffers_that_carry_the_load():
         bufs = _serving(seed)
         a, b = solve_layout(bufs, time_limit=20.0, options=on), solve_layout(bufs, time_limit=20.0, options=off)
         assert a.valid and b.valid and validate_layout(bufs, a.offsets) == []
-        assert b.height > 1.02 * b.lower_bound
+        assert b.height > 1.005 * b.lower_bound
         assert "big-first" in a.solver and a.height <= 1.005 * a.lower_bound, (seed, a.height, a.lower_bound)
 
 
