@@ -87,6 +87,24 @@ def test_a_large_leaf_of_one_size_is_optimal_at_once():
     assert res.valid and res.status is LayoutStatus.OPTIMAL and res.height == lower_bound(bufs)
 
 
+def test_a_large_leaf_of_one_size_and_a_few_large_buffers_reaches_the_bound():
+    """One buffer in 100 larger and long-lived, the rest of one size: not one size, so the ``SIZE`` pass comes
+    first (it ends above the bound here); the ``SIZE_START`` pass after it meets the bound."""
+    rng = random.Random(0)
+    bufs = []
+    for i in range(8000):
+        lo = rng.randrange(12000)
+        big = i % 100 == 0
+        bufs.append(Buffer(i, lo, lo + (rng.randint(300, 3000) if big else 1 + int(rng.expovariate(1 / 80))),
+                           (rng.choice([8, 16, 32]) if big else 1) << 20))
+    lo, up, sz, al = _arrays(bufs)
+    size_pass = place_in_order(lo, up, sz, al, np.zeros(len(bufs), np.int64), np.lexsort((lo, lo - up, -sz)),
+                               lowest=True)
+    assert int((size_pass + sz).max()) > lower_bound(bufs)
+    res = solve_layout(bufs, time_limit=30)
+    assert res.valid and res.status is LayoutStatus.OPTIMAL and "size_start" in res.solver, res.solver
+
+
 def test_split_leaves_never_above_the_numpy_greedy():
     """On random traces (no peel, no cut: one leaf) the leaf's greedy passes include every best-fit order,
     so the result is never above ``greedy_layout``'s best; lowest fit wins on some."""

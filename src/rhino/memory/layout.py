@@ -579,7 +579,8 @@ def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: floa
     passes until ``deadline``. With it: one skyline pass (``ImproveOptions.skyline_start``, dropped if
     not done in ``skyline_start_share`` of the time), then the first greedy pass; the lower is kept;
     then the other greedy passes until ``greedy_share`` of the time, or ``skyline.greedy_share`` where
-    the search will be the skyline one: where the skyline pass's excess
+    the search will be the skyline one (the second, ``SIZE_START``, may run for 1.5 times the first's
+    time, within ``second_share``): where the skyline pass's excess
     over ``cap`` is at most ``skyline_switch`` times the first greedy one's, or ``plain_skyline`` says so
     (asked with the lowest pass as its start, as ``squeaky_wheel`` will be; skyline passes are fast, so
     the greedy ones get less time)."""
@@ -596,10 +597,13 @@ def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: floa
     sky_h = int((sky + sz).max(initial=0)) if sky is not None else None
     if sky_h is not None and sky_h <= cap:
         return _by_id(bufs, sky), sky_h, "skyline", False
+    t_first = time.monotonic()
     best, best_h, how = _leaf_greedy(bufs, floor, cap, now + improve.greedy_share * (deadline - now), lowest,
                                      count=1)
     if best_h <= cap:
         return best, best_h, how, False
+    t_more = time.monotonic()
+    second = min(t_more + 1.5 * (t_more - t_first), now + improve.second_share * (deadline - now))
     skyline = False
     if sky_h is not None and sky_h < best_h:
         skyline = sky_h - cap <= improve.skyline_switch * (best_h - cap)
@@ -607,7 +611,14 @@ def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: floa
     start = np.array([best[b.id] for b in bufs], np.int64)
     skyline = skyline or plain_skyline(lo, up, sz, fl, cap, improve, start)
     share = improve.skyline.greedy_share if skyline else improve.greedy_share
-    more = _leaf_greedy(bufs, floor, cap, now + share * (deadline - now), lowest, skip=1)
+    end = now + share * (deadline - now)
+    skip = 1
+    if lowest:  # the second pass (``SIZE_START``) gets about the first's time
+        more = _leaf_greedy(bufs, floor, cap, max(end, second), lowest, skip=1, count=1)
+        if more is not None and more[1] < best_h:
+            best, best_h, how = more
+        skip = 2
+    more = _leaf_greedy(bufs, floor, cap, end, lowest, skip=skip) if best_h > cap else None
     return (*(more if more is not None and more[1] < best_h else (best, best_h, how)), skyline)
 
 

@@ -74,7 +74,10 @@ class ImproveOptions:
     focused, 1.496% switched, hence 0.5. ``skyline_start_share``: of the leaf's time, the most that pass
     may take (it is dropped if not done by then): ~0.1-0.4 s on 60,000 buffers of most shapes, but its
     scan for a buffer that fits the lowest run grows quadratically where most lifetimes overlap (one pass
-    on the whole of ``nested-1`` 13 s, a 60,000-buffer clique 20 s, ``lifo-1`` 3.8 s)."""
+    on the whole of ``nested-1`` 13 s, a 60,000-buffer clique 20 s, ``lifo-1`` 3.8 s). ``second_share``: the
+    second lowest-fit pass (``GreedyOrder.SIZE_START``) may run past ``greedy_share`` for about as long as the
+    first took, up to this share of the leaf's time (``paged-1``: 0.000% for that pass alone, 0.370% for the
+    search that did not wait for it)."""
     enabled: bool = True
     greedy_share: float = 0.35
     alpha: float = 0.3
@@ -90,6 +93,7 @@ class ImproveOptions:
     skyline_start: bool = True
     skyline_switch: float = 0.5
     skyline_start_share: float = 0.1
+    second_share: float = 0.1
 
     def __post_init__(self) -> None:
         if self.plain not in ("skyline", "lowest-fit"):
