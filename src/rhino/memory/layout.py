@@ -613,7 +613,7 @@ def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: floa
     share = improve.skyline.greedy_share if skyline else improve.greedy_share
     end = now + share * (deadline - now)
     skip = 1
-    if lowest:  # the second pass (``SIZE_START``) gets about the first's time
+    if lowest:  # the second lowest-fit pass (``SIZE_START`` but on one-size leaves) gets about the first's time
         more = _leaf_greedy(bufs, floor, cap, max(end, second), lowest, skip=1, count=1)
         if more is not None and more[1] < best_h:
             best, best_h, how = more
