@@ -375,7 +375,8 @@ def make_trace(name: str, out: Path) -> Path:
         rows = _MORE[kind](int(arg))
     else:
         raise ValueError(f"unknown trace {name!r}: expected gptN, gpt2xl-xK, train-SEED, random-SEED, wide-SEED, "
-                         f"lognorm-SEED, mixed-SEED, pow2-SEED, bimodal-SEED or {', '.join(k + '-SEED' for k in _MORE)}")
+                         f"lognorm-SEED, mixed-SEED, pow2-SEED, bimodal-SEED or "
+                         f"{', '.join(k + '-SEED' for k in _MORE)}")
     write_csv(path, rows)
     return path
 
