@@ -80,7 +80,7 @@ def test_size_start_meets_the_bound_where_every_buffer_has_one_size():
     assert misses > 0
 
 
-def test_a_large_leaf_of_one_size_is_optimal_at_once():
+def test_a_large_leaf_of_one_size_is_optimal():
     """Above ``max_leaf`` (no exact search) a one-size trace is solved by the leaves' first lowest-fit pass."""
     bufs = _one_size(random.Random(2), 8000, 20000, 1 << 20)
     res = solve_layout(bufs, time_limit=30)
