@@ -111,7 +111,7 @@ class GreedyOrder(str, Enum):
     LONG_LIVED_FIRST = "long_lived_first"  # longest lifetime first (ROAM's heuristic baseline)
     AREA = "area"                          # largest size x lifetime first
     START = "start"                        # by start time (an allocator's view, first-fit in time)
-    # largest first, equal sizes by start: with one size, any fit in start order is optimal (module docstring)
+    # largest first, equal sizes by start: one size and no floors, any fit in start order is optimal (module docstring)
     SIZE_START = "size_start"
 
 
