@@ -74,6 +74,7 @@ from .layout_bnb import LayoutOptions, SearchStatus, preorder_indices, search_la
 from .layout_eject import Follower, cores, eject_repair
 from .layout_greedy import place_in_order
 from .layout_improve import plain_skyline, squeaky_wheel
+from .layout_peak import peak_split
 from .layout_skyline import first_priorities, skyline_pass
 from .layout_split import decompose, heavy_buffers, splittable
 from .layout_window import window_repair, windows_small
@@ -379,7 +380,7 @@ def solve_layout(buffers: Sequence[Buffer], capacity: int | None = None, time_li
         elif not exact:
             status = LayoutStatus.UNKNOWN
         else:
-            st, offs, name, nodes = _fit(buffers, capacity, deadline, options, say)
+            st, offs, name, nodes, lower = _fit_then_peak(buffers, capacity, deadline, options, say)
             status = {SearchStatus.INFEASIBLE: LayoutStatus.INFEASIBLE, SearchStatus.LIMIT: LayoutStatus.UNKNOWN,
                       SearchStatus.FOUND: LayoutStatus.FEASIBLE}[st]
             if offs is not None and _accept(buffers, offs, capacity, name, say):
@@ -387,6 +388,8 @@ def solve_layout(buffers: Sequence[Buffer], capacity: int | None = None, time_li
                 status = LayoutStatus.OPTIMAL if h == lb else status
             elif st is SearchStatus.FOUND:
                 status = LayoutStatus.UNKNOWN
+            elif lower is not None and lower[1] < h:  # above the capacity, but below greedy
+                offsets, h, solver = lower[0], lower[1], "peak-split"
     else:
         proven = lb  # no layout is lower than this
         if exact:
@@ -399,6 +402,42 @@ def solve_layout(buffers: Sequence[Buffer], capacity: int | None = None, time_li
     return LayoutResult(status, offsets, h, lb, time.perf_counter() - t0, solver, nodes=nodes, valid=valid)
 
 
+def _peak(buffers: Sequence[Buffer], floor: list[int] | None, cap: int, deadline: float, options: LayoutOptions,
+          say: Progress) -> tuple[dict, int] | None:
+    """The peak split's layout (``layout_peak``) toward ``cap`` until ``deadline``, with its height; None
+    where it does not apply (``PeakOptions``), did not finish or fails the validator."""
+    peak = options.peak
+    if not peak.enabled or len(buffers) < peak.min_buffers:
+        return None
+    lo, up, sz, al = (np.array([getattr(b, f) for b in buffers], np.int64)
+                      for f in ("lower", "upper", "size", "alignment"))
+    fl = np.zeros(len(buffers), np.int64) if floor is None else np.array(floor, np.int64)
+    off, h, passes = peak_split(lo, up, sz, al, fl, cap, deadline, peak)
+    if off is None or (off < fl)[sz > 0].any():  # empty buffers sit at 0 (``place_in_order``)
+        return None
+    say(f"layout: peak split {h:,} after {passes} passes")
+    offs = _by_id(list(buffers), off)
+    return (offs, h) if _accept(buffers, offs, h, "peak-split", say) else None
+
+
+def _fit_then_peak(buffers: Sequence[Buffer], cap: int, deadline: float, options: LayoutOptions, say: Progress,
+                   floor: list[int] | None = None,
+                   peak: bool = True) -> tuple[SearchStatus, dict | None, str, int, tuple | None]:
+    """``_fit`` at ``cap``; where the peak split applies (``peak`` and ``_peak``), the exact search gets
+    ``1 - share`` of the time and, unanswered, the split the rest. Returns ``_fit``'s answer (the split's
+    layout as found where it fits) and the split's layout with its height where it does not fit (else
+    None)."""
+    applies = peak and options.peak.enabled and len(buffers) >= options.peak.min_buffers
+    first = time.monotonic() + (1 - options.peak.share) * (deadline - time.monotonic()) if applies else deadline
+    st, offs, name, nodes = _fit(buffers, cap, first, options, say, floor)
+    if st is not SearchStatus.LIMIT or not applies:
+        return st, offs, name, nodes, None
+    lower = _peak(buffers, floor, cap, deadline, options, say)
+    if lower is not None and lower[1] <= cap:
+        return SearchStatus.FOUND, lower[0], "peak-split", nodes, None
+    return st, offs, name, nodes, lower
+
+
 def _minimize(buffers: Sequence[Buffer], floor: list[int] | None, offsets: dict, h: int, low: int, deadline: float,
               options: LayoutOptions, say: Progress) -> tuple[dict, int, str, int, int]:
     """Lower a layout of height ``h`` with the exact search (``_fit``) at capacities in ``[low, h)``: ``low``
@@ -407,7 +446,7 @@ def _minimize(buffers: Sequence[Buffer], floor: list[int] | None, offsets: dict,
     Returns (offsets, height, solver ("" if unchanged), the lowest height not proven impossible, nodes)."""
     proven = low  # the lowest height not proven impossible (with ``low`` a lower bound: none is lower)
     unknown = low - 1  # the highest capacity left unanswered
-    solver, nodes = "", 0
+    solver, nodes, tries = "", 0, 0
     while proven < h and deadline - time.monotonic() > 0.05:
         cap = proven if unknown < proven else (max(proven, unknown + 1) + h - 1) // 2
         if cap >= h:
@@ -415,8 +454,13 @@ def _minimize(buffers: Sequence[Buffer], floor: list[int] | None, offsets: dict,
         share = (deadline - time.monotonic()) * (0.5 if cap < h - 1 else 1.0)
         known = f", none below {proven:,}" if proven > low else ""  # ``low`` itself need not be a bound
         say(f"layout: best {h:,}{known}; trying {cap:,} for up to {share:.0f}s")
-        st, offs, name, n = _fit(buffers, cap, time.monotonic() + share, options, say, floor)
+        # the first try: where it is unanswered, the peak split gets its share of it (``_fit_then_peak``)
+        st, offs, name, n, lower = _fit_then_peak(buffers, cap, time.monotonic() + share, options, say, floor,
+                                                  peak=tries == 0)
+        tries += 1
         nodes += n
+        if lower is not None and lower[1] < h:
+            offsets, h, solver = lower[0], lower[1], "peak-split"
         if (st is SearchStatus.FOUND and offs is not None and _accept(buffers, offs, cap, name, say)
                 and (floor is None or all(offs[b.id] >= f for b, f in zip(buffers, floor)))):
             offsets, h, solver = offs, height(buffers, offs), name
@@ -565,10 +609,12 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
     say(f"layout: leaf of {len(bufs):,} buffers: greedy {best_h:,} ({how}) above {cap:,}; "
         f"{max(0.0, deadline - time.monotonic()):.0f}s left for it")
     if len(bufs) <= options.split.max_leaf and deadline - time.monotonic() > 0.1:
-        st, offs, name, _ = _fit(bufs, cap, deadline, options, say, floor)
+        st, offs, name, _, lower = _fit_then_peak(bufs, cap, deadline, options, say, floor)
         if (st is SearchStatus.FOUND and offs is not None and all(offs[b.id] >= f for b, f in zip(bufs, floor))
                 and _accept(bufs, offs, cap, name, say)):
             return offs, name
+        if lower is not None and lower[1] < best_h:
+            best, how = lower[0], "peak-split"
     assert best is not None  # the first greedy pass always finishes
     return best, how
 

@@ -64,12 +64,19 @@ from typing import Callable, Sequence
 import numpy as np
 
 from . import layout_bnb_core as core
+from .layout_peak import PeakOptions
 from .layout_split import SplitOptions
 
 __all__ = ["Preorder", "LayoutOptions", "SearchStatus", "SearchResult", "search_layout", "preorder_indices"]
 
 _CACHE_SLOTS = 1 << 19  # nogood cache entries per preorder (16 MB); a full window forgets one
-_CHUNK = 50_000  # nodes between deadline checks (tens of milliseconds)
+# nodes between deadline checks: the compiled search holds the GIL, so one call must be short for the
+# thread that waits on the deadline (``layout._fit``). 50,000 nodes took tens of milliseconds on small
+# problems but ~5 s on a 1,412-buffer window of ``wide-3`` (``solve_layout`` 23.9 s for a 20 s limit;
+# docs/benchmarks.md, session 18), so the count follows the measured node rate to ~_CHUNK_SECONDS a call
+_CHUNK = 5_000  # the first call's nodes
+_CHUNK_SECONDS = 0.05
+_CHUNK_RANGE = (100, 1_000_000)
 
 
 class Preorder(str, Enum):
@@ -99,6 +106,7 @@ class LayoutOptions:
     preorders: tuple[Preorder, ...] = (Preorder.WAT, Preorder.TAW, Preorder.TWA)
     cpsat: bool = True  # solve_layout: also run the CP-SAT portfolio (layout_cpsat.py) alongside
     split: SplitOptions = SplitOptions()  # solve_layout on large problems: leaves (layout_split.py)
+    peak: PeakOptions = PeakOptions()  # after an unanswered exact try: the peak split (layout_peak.py)
 
 
 class SearchStatus(str, Enum):
@@ -305,8 +313,8 @@ def search_layout(lower: Sequence[int], upper: Sequence[int], size: Sequence[int
     limit, ``deadline`` (``time.monotonic()``) or ``stop`` came first. With several preorders and no
     node limit, each independent part runs them round robin with node limits doubling from twice its
     size; otherwise the first preorder runs one complete search (what the option tests count).
-    The compiled search runs in chunks of ``_CHUNK`` nodes, between which the deadline and ``stop``
-    are checked; ``progress(nodes)`` is called about every two seconds. ``floor``: a lowest offset per
+    The compiled search runs in chunks of nodes (about ``_CHUNK_SECONDS`` each at the measured node
+    rate), between which the deadline and ``stop`` are checked; ``progress(nodes)`` is called about every two seconds. ``floor``: a lowest offset per
     buffer (0 if None); the canonical solutions then rest on a neighbour or on their floor."""
     if not options.preorders:
         raise ValueError("LayoutOptions.preorders must name at least one Preorder")
@@ -332,11 +340,17 @@ def search_layout(lower: Sequence[int], upper: Sequence[int], size: Sequence[int
     def halted() -> bool:
         return time.monotonic() > deadline or (stop is not None and stop.is_set())
 
+    chunk = _CHUNK
+
     def run(t: _Tree, budget: float) -> int:
-        nonlocal next_report
+        nonlocal next_report, chunk
         end = t.nodes + budget
         while True:
-            code = t.resume(int(min(end, t.nodes + _CHUNK)))
+            t0, n0 = time.monotonic(), t.nodes
+            code = t.resume(int(min(end, t.nodes + chunk)))
+            took = time.monotonic() - t0
+            if t.nodes > n0 and took > 0:  # the next call: ~_CHUNK_SECONDS at this call's node rate
+                chunk = int(min(max((t.nodes - n0) * _CHUNK_SECONDS / took, _CHUNK_RANGE[0]), _CHUNK_RANGE[1]))
             if code != core.LIMIT or t.nodes >= end or halted():
                 return code
             if progress is not None and time.monotonic() >= next_report:
