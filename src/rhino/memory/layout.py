@@ -24,7 +24,10 @@ Solvers (``solve_layout``):
    a second thread from half a second on); the first to find a layout or prove there is none stops
    the other. Without a capacity the height is minimised by asking it for capacities between the
    lower bound and the best height found (the bound first, then halving the gap); an unanswered
-   capacity leaves the best layout so far (never nothing).
+   capacity leaves the best layout so far (never nothing). On ``LayoutOptions.peak.min_buffers`` buffers
+   or more, the first try gets ``1 - peak.share`` of its time and, unanswered, the peak split
+   (``layout_peak``: the buffers live at the peak stacked in start order, the two sides laid out apart)
+   the rest; its layout is kept where lower (``_fit_then_peak``; leaves of the split below too).
 
 3. Large problems (more than ``LayoutOptions.split.above`` buffers): ``layout_split`` peels the buffers
    that span their window (exact) and cuts leaves larger than ``split.max_leaf`` at key points (only

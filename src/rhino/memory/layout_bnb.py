@@ -73,10 +73,11 @@ _CACHE_SLOTS = 1 << 19  # nogood cache entries per preorder (16 MB); a full wind
 # nodes between deadline checks: the compiled search holds the GIL, so one call must be short for the
 # thread that waits on the deadline (``layout._fit``). 50,000 nodes took tens of milliseconds on small
 # problems but ~5 s on a 1,412-buffer window of ``wide-3`` (``solve_layout`` 23.9 s for a 20 s limit;
-# docs/benchmarks.md, session 18), so the count follows the measured node rate to ~_CHUNK_SECONDS a call
-_CHUNK = 5_000  # the first call's nodes
+# docs/benchmarks.md, session 18), and nodes took ~1 ms each on ``wide-4``'s, so the first call is short
+# and the next ones follow the measured node rate to ~_CHUNK_SECONDS a call
+_CHUNK = 256  # the first call's nodes
 _CHUNK_SECONDS = 0.05
-_CHUNK_RANGE = (100, 1_000_000)
+_CHUNK_RANGE = (16, 1_000_000)
 
 
 class Preorder(str, Enum):

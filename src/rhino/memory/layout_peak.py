@@ -18,8 +18,9 @@ around its peak (1,412 / 2,129 / 2,925 buffers, lifetimes cut to the window), ``
 portfolio (branch and bound and CP-SAT, 20 s) ended 1.695 / 3.474 / 5.290% above the bound and this
 split 0.849 / 1.024 / 0.976% (10 s a side). It does not win everywhere: on ``random-7``'s peak window
 (1,022 buffers, long lifetimes) the branch and bound reached 0.105%, the split 4.185%. So
-``layout.solve_layout`` runs it only after the exact search's first try at a capacity has come back
-unanswered, for ``share`` of the time left, and keeps whichever layout is lower.
+``layout.solve_layout`` splits the time of its first exact try at a capacity: the exact search gets
+``1 - share`` of it and, where it comes back unanswered, the peak split the rest; the lower layout is kept
+and the exact search goes on below it.
 """
 from __future__ import annotations
 
@@ -38,9 +39,9 @@ __all__ = ["PeakOptions", "peak_split"]
 class PeakOptions:
     """When ``layout.solve_layout`` runs the peak split (module docstring): ``enabled``; ``min_buffers``:
     smaller problems are left to the exact search alone (MiniMalloc's instances, up to ~500 buffers,
-    are settled by the branch and bound; ``docs/benchmarks.md``); ``share``: of the time left after the
-    exact search's first try at a capacity came back unanswered, the part the split gets (the exact
-    search then goes on); ``batch``: passes on one side before the sides are compared again. The
+    are settled by the branch and bound; ``docs/benchmarks.md``); ``share``: of the time of the first
+    exact try at a capacity, the part the split gets after the exact search's part came back unanswered
+    (the exact search then goes on); ``batch``: passes on one side before the sides are compared again. The
     squeaky wheel's ``alpha``, ``boost`` and ``max_passes`` (per side) are ``ImproveOptions``'."""
     enabled: bool = True
     min_buffers: int = 600
