@@ -50,6 +50,8 @@ Traces (MiniMalloc CSV, written to ``--dir``):
   at their end, beside one- to three-step activations up to 2 MiB), ``nsaligned-S`` (nanosecond times
   from 10^15, sizes 1 B-1 MiB, 512-byte alignments that do not divide them). ``onesize`` chose the
   ``SIZE_START`` pass (``memory.layout``); the others were made before that change.
+- Session 18: ``bursts-S`` (20 bursts of 3,000 ``wide``-like buffers, 20,000 steps apart: 20 independent
+  mid-sized leaves), made after the peak split (``memory.layout_peak``) was chosen (held out).
 
 Each trace runs the CLI in a child process (``--json``); its peak RSS is the child's ``ru_maxrss``
 (``os.wait4``). Writes the section "Memory layout: large traces" of docs/benchmarks.md.
@@ -342,10 +344,24 @@ def synthetic_nsaligned(seed: int, n: int = 60_000) -> list[tuple[int, int, int,
     return rows
 
 
+def synthetic_bursts(seed: int, bursts: int = 20, per: int = 3_000) -> list[tuple[int, int, int]]:
+    """``wide``'s buffers in separate bursts: ``per`` buffers with starts uniform over 5,000 steps, lifetimes
+    exponential (mean 800, at most 15,000), sizes uniform in 64-byte multiples up to 256 KiB; bursts 20,000
+    steps apart, so the trace splits into ``bursts`` independent mid-sized leaves."""
+    rng = random.Random(seed + 108)
+    rows = []
+    for k in range(bursts):
+        for _ in range(per):
+            lo = 20_000 * k + rng.randrange(5_000)
+            rows.append((lo, lo + 1 + min(14_999, int(rng.expovariate(1 / 800))), 64 * rng.randint(1, 4096)))
+    return rows
+
+
 _MORE = {"nested": synthetic_nested, "lifo": synthetic_lifo, "aligned": synthetic_aligned, "dense": synthetic_dense,
          "serving": synthetic_serving, "pipeline": synthetic_pipeline, "hugebytes": synthetic_hugebytes,
          "sparse": synthetic_sparse, "onesize": synthetic_onesize, "onesizeplus": synthetic_onesizeplus,
-         "classes": synthetic_classes, "paged": synthetic_paged, "nsaligned": synthetic_nsaligned}
+         "classes": synthetic_classes, "paged": synthetic_paged, "nsaligned": synthetic_nsaligned,
+         "bursts": synthetic_bursts}
 
 
 def make_trace(name: str, out: Path) -> Path:

@@ -15,9 +15,9 @@ side's best pass.
 
 Why (``docs/benchmarks.md``, session 18): on windows of ``benchmarks/layout_scale.py``'s ``wide-3``
 around its peak (1,412 / 2,129 / 2,925 buffers, lifetimes cut to the window), ``solve_layout``'s
-portfolio (branch and bound and CP-SAT, 20 s) ended 1.695 / 3.474 / 5.290% above the bound and this
-split 0.849 / 1.024 / 0.976% (10 s a side). It does not win everywhere: on ``random-7``'s peak window
-(1,022 buffers, long lifetimes) the branch and bound reached 0.105%, the split 4.185%. So
+portfolio (branch and bound and CP-SAT, 20 s) ended 1.695 / 3.474 / 4.731% above the bound and this
+split 0.825 / 1.024 / 0.976% (20 s). It does not win everywhere: on ``random-7``'s peak window (1,022
+buffers, long lifetimes) the branch and bound reached 0.093%, the split 4.185%. So
 ``layout.solve_layout`` splits the time of its first exact try at a capacity: the exact search gets
 ``1 - share`` of it and, where it comes back unanswered, the peak split the rest; the lower layout is kept
 and the exact search goes on below it.
@@ -41,7 +41,9 @@ class PeakOptions:
     smaller problems are left to the exact search alone (MiniMalloc's instances, up to ~500 buffers,
     are settled by the branch and bound; ``docs/benchmarks.md``); ``share``: of the time of the first
     exact try at a capacity, the part the split gets after the exact search's part came back unanswered
-    (the exact search then goes on); ``batch``: passes on one side before the sides are compared again. The
+    (the exact search then goes on; on ``wide-3``'s windows of 1,412 / 2,129 / 2,925 buffers, 20 s, 0.3
+    gave 0.956 / 1.177 / 1.517% over the bound and 0.5 gave 0.956 / 1.039 / 1.242%); ``batch``: passes on
+    one side before the sides are compared again (not tuned; a pass on those windows takes ~10 ms). The
     squeaky wheel's ``alpha``, ``boost`` and ``max_passes`` (per side) are ``ImproveOptions``'."""
     enabled: bool = True
     min_buffers: int = 600
