@@ -315,8 +315,9 @@ def search_layout(lower: Sequence[int], upper: Sequence[int], size: Sequence[int
     node limit, each independent part runs them round robin with node limits doubling from twice its
     size; otherwise the first preorder runs one complete search (what the option tests count).
     The compiled search runs in chunks of nodes (about ``_CHUNK_SECONDS`` each at the measured node
-    rate), between which the deadline and ``stop`` are checked; ``progress(nodes)`` is called about every two seconds. ``floor``: a lowest offset per
-    buffer (0 if None); the canonical solutions then rest on a neighbour or on their floor."""
+    rate), between which the deadline and ``stop`` are checked; ``progress(nodes)`` is called about
+    every two seconds. ``floor``: a lowest offset per buffer (0 if None); the canonical solutions then
+    rest on a neighbour or on their floor."""
     if not options.preorders:
         raise ValueError("LayoutOptions.preorders must name at least one Preorder")
     sizes = np.asarray(size, dtype=np.int64)
@@ -351,7 +352,8 @@ def search_layout(lower: Sequence[int], upper: Sequence[int], size: Sequence[int
             code = t.resume(int(min(end, t.nodes + chunk)))
             took = time.monotonic() - t0
             if t.nodes > n0 and took > 0:  # the next call: ~_CHUNK_SECONDS at this call's node rate
-                chunk = int(min(max((t.nodes - n0) * _CHUNK_SECONDS / took, _CHUNK_RANGE[0]), _CHUNK_RANGE[1]))
+                rate_chunk = (t.nodes - n0) * _CHUNK_SECONDS / took  # growing at most 4x a call
+                chunk = int(min(max(rate_chunk, _CHUNK_RANGE[0]), 4 * chunk, _CHUNK_RANGE[1]))
             if code != core.LIMIT or t.nodes >= end or halted():
                 return code
             if progress is not None and time.monotonic() >= next_report:
