@@ -305,6 +305,13 @@ def _flags(opts: LayoutOptions) -> int:
     return sum(bit for name, bit in bits.items() if getattr(opts, name))
 
 
+def _next_chunk(chunk: int, nodes: int, took: float) -> int:
+    """The next call's nodes: ~``_CHUNK_SECONDS`` at the last call's node rate, growing at most 4x a call."""
+    if nodes <= 0 or took <= 0:
+        return chunk
+    return int(min(max(nodes * _CHUNK_SECONDS / took, _CHUNK_RANGE[0]), 4 * chunk, _CHUNK_RANGE[1]))
+
+
 def search_layout(lower: Sequence[int], upper: Sequence[int], size: Sequence[int], alignment: Sequence[int],
                   capacity: int, options: LayoutOptions = LayoutOptions(), deadline: float = float("inf"),
                   node_limit: int | None = None, stop: threading.Event | None = None,
@@ -350,10 +357,7 @@ def search_layout(lower: Sequence[int], upper: Sequence[int], size: Sequence[int
         while True:
             t0, n0 = time.monotonic(), t.nodes
             code = t.resume(int(min(end, t.nodes + chunk)))
-            took = time.monotonic() - t0
-            if t.nodes > n0 and took > 0:  # the next call: ~_CHUNK_SECONDS at this call's node rate
-                rate_chunk = (t.nodes - n0) * _CHUNK_SECONDS / took  # growing at most 4x a call
-                chunk = int(min(max(rate_chunk, _CHUNK_RANGE[0]), 4 * chunk, _CHUNK_RANGE[1]))
+            chunk = _next_chunk(chunk, t.nodes - n0, time.monotonic() - t0)
             if code != core.LIMIT or t.nodes >= end or halted():
                 return code
             if progress is not None and time.monotonic() >= next_report:
