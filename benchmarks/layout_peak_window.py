@@ -50,9 +50,9 @@ def window_row(rows: np.ndarray, a: int, b: int, seconds: float) -> dict:
     lo, up, sz = clip(rows, a, b)
     bufs = [Buffer(i, int(x), int(y), int(s)) for i, (x, y, s) in enumerate(zip(lo, up, sz))]
     t = peak_time(lo, up, sz)
-    bound = int(sz[(lo <= t) & (up > t)].sum())
-    row = {"window": [a, b], "buffers": len(bufs), "peak_time": t, "clique": int(((lo <= t) & (up > t)).sum()),
-           "lower_bound": bound}
+    clique = (lo <= t) & (up > t)
+    bound = int(sz[clique].sum())  # the max-load bound: the bytes live at the peak
+    row = {"window": [a, b], "buffers": len(bufs), "peak_time": t, "clique": int(clique.sum()), "lower_bound": bound}
     for name, opts in (("before", LayoutOptions(peak=PeakOptions(enabled=False))), ("solve_layout", LayoutOptions())):
         res = solve_layout(bufs, time_limit=2 * seconds, options=opts)
         row[name] = {"height": res.height, "gap_pct": _gap(res.height, bound), "solver": res.solver,
@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("trace", help="a CSV (id,lower,upper,size) or a benchmarks/layout_scale.py trace name")
     p.add_argument("--window", action="append", default=[], metavar="A:B",
                    help="a window [A, B) of times (repeatable; default: 750 steps either side of the peak)")
-    p.add_argument("--seconds", type=float, default=10.0, help="per side of the peak split (default 10)")
+    p.add_argument("--seconds", type=float, default=10.0,
+                   help="each of the three runs gets twice this (default 10: 20 s a run)")
     p.add_argument("--dir", type=Path, default=Path("/tmp/rhino_layout_scale"), help="where named traces go")
     args = p.parse_args(argv)
     path = Path(args.trace)
