@@ -127,6 +127,13 @@ def test_csv_errors_name_the_line(tmp_path):
         read_buffers(p)
 
 
+def test_csv_from_a_spreadsheet(tmp_path):
+    # a byte-order mark, capitalised names with spaces and CRLF line ends read as the plain file does
+    p = tmp_path / "x.csv"
+    p.write_bytes(b"\xef\xbb\xbfID, Lower, Upper, Size\r\n0,0,4,8\r\n1,2,6,3\r\n")
+    assert [(b.id, b.lower, b.upper, b.size) for b in read_buffers(p)] == [(0, 0, 4, 8), (1, 2, 6, 3)]
+
+
 def test_cli(tmp_path, capsys):
     example = tmp_path / "input.12.csv"
     example.write_text(INPUT_12)

@@ -18,11 +18,11 @@ def read_buffers(path: str | Path) -> list[Buffer]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
-    with path.open(newline="") as f:
+    with path.open(newline="", encoding="utf-8-sig") as f:  # a spreadsheet's byte-order mark is not a name
         rows = list(csv.reader(f))
     if not rows:
         raise ValueError(f"{path.name} is empty; expected the header id,lower,upper,size")
-    header = [h.strip() for h in rows[0]]
+    header = [h.strip().lower() for h in rows[0]]
     missing = [k for k in _REQUIRED if k not in header]
     if missing:
         raise ValueError(f"{path.name} line 1: the header lacks {', '.join(missing)} (expected id,lower,upper,size)")
