@@ -8,6 +8,7 @@ import random
 import threading
 import time
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,6 +18,7 @@ from rhino.memory import layout_bnb
 from rhino.memory.layout import (Buffer, GreedyOrder, LayoutOptions, LayoutStatus, greedy_layout, height,
                                  lower_bound, solve_layout, validate_layout)
 from rhino.memory.layout_bnb import Preorder, SearchStatus, search_layout
+from rhino.memory.layout_greedy import place_in_order, slot_stack
 from rhino.memory.layout_cpsat import CpsatRun, CpStrategy
 from rhino.memory.layout_io import read_buffers
 
@@ -270,3 +272,28 @@ def test_bnb_large_training_like_chain_within_node_budget():
     r = _search(bufs, lb, node_limit=2 * len(bufs))
     assert r.status is SearchStatus.FOUND and r.nodes <= 2 * len(bufs)
     assert validate_layout(bufs, {b.id: o for b, o in zip(bufs, r.offsets)}, lb) == []
+
+
+def test_an_unfinished_pass_shares_slots_over_time():
+    # a pass out of time places the rest in slots by size class, reused over time, not one stack of all
+    rng = np.random.default_rng(3)
+    n = 3000
+    lo = rng.integers(0, 100_000, n)
+    up = lo + 1 + rng.integers(0, 300, n)
+    sz = 64 * rng.integers(1, 4096, n)
+    bufs = [Buffer(i, int(a), int(b), int(s)) for i, (a, b, s) in enumerate(zip(lo, up, sz))]
+    offs = greedy_layout(bufs, deadline=time.monotonic() - 1, finish=True)
+    assert validate_layout(bufs, offs) == []
+    cls = np.ceil(np.log2(sz)).astype(int)
+    most = 0  # each class's slots: the most of its buffers live at once, 2^class bytes each
+    for c in np.unique(cls).tolist():
+        l, u = lo[cls == c], up[cls == c]
+        most += (1 << c) * max(int(((l <= t) & (u > t)).sum()) for t in l.tolist())
+    assert lower_bound(bufs) < height(bufs, offs) <= most < int(sz.sum()) // 10
+    al = rng.choice([1, 256, 4096], n)
+    fl = rng.integers(0, 1000, n)
+    at = slot_stack(lo, up, sz, al, fl, 12_345)
+    bufs = [Buffer(i, int(a), int(b), int(s), int(g)) for i, (a, b, s, g) in enumerate(zip(lo, up, sz, al))]
+    assert validate_layout(bufs, dict(enumerate(at.tolist()))) == [] and (at >= np.maximum(fl, 12_345)).all()
+    off = place_in_order(lo, up, sz, al, fl, np.argsort(-sz), deadline=time.monotonic() - 1, finish=True)
+    assert validate_layout(bufs, dict(enumerate(off.tolist()))) == []

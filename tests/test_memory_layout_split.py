@@ -86,6 +86,28 @@ def test_cuts_give_valid_layouts_on_their_floors():
     assert "cuts" in res.solver and not res.solver.endswith("/stacked")
 
 
+def test_fine_cuts_find_the_dips_of_a_long_trace():
+    """A long trace of short lifetimes whose load dips: evenly spaced cut times find no cut within the
+    bound, the times of fewest bytes across (``fine``) cut it; the leaves' layouts on their floors are
+    valid."""
+    rng = random.Random(1)
+    bufs = []
+    for i in range(20_000):
+        lo = rng.randrange(40_000)
+        bufs.append(Buffer(i, lo, lo + 1 + int(rng.expovariate(1 / 300)), 64 * rng.randint(1, 4096)))
+    lo, up, sz = [b.lower for b in bufs], [b.upper for b in bufs], [b.size for b in bufs]
+    lb = lower_bound(bufs)
+    assert decompose(lo, up, sz, 3000, max_bound=lb).cuts == 0
+    dec = decompose(lo, up, sz, 3000, max_bound=lb, fine=True)
+    assert dec.cuts >= 4 and max(len(leaf.index) for leaf in dec.leaves) < len(bufs) // 4
+    offsets = {bufs[i].id: int(o) for i, o in enumerate(dec.offsets) if o >= 0}
+    for leaf in dec.leaves:
+        part = [bufs[i] for i in leaf.index]
+        offsets.update(greedy_layout(part, "size", {bufs[i].id: int(dec.floor[i]) for i in leaf.index}))
+    assert validate_layout(bufs, offsets) == []
+    assert all(offsets[bufs[i].id] >= dec.floor[i] for leaf in dec.leaves for i in leaf.index)
+
+
 def test_floors_in_bnb_cpsat_and_greedy():
     """With a lowest offset per buffer, the branch and bound with every rule agrees with it with every
     rule off and with CP-SAT at each capacity from the first feasible one down; layouts respect floors."""

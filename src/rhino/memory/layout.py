@@ -75,7 +75,7 @@ import numpy as np
 from .layout_check import any_overlap
 from .layout_bnb import LayoutOptions, SearchStatus, preorder_indices, search_layout
 from .layout_eject import Follower, cores, eject_repair
-from .layout_greedy import place_in_order
+from .layout_greedy import place_in_order, slot_stack
 from .layout_improve import plain_skyline, squeaky_wheel
 from .layout_peak import peak_split
 from .layout_skyline import first_priorities, skyline_pass
@@ -146,13 +146,13 @@ def height(buffers: Sequence[Buffer], offsets: dict) -> int:
 
 def lower_bound(buffers: Sequence[Buffer]) -> int:
     """The most bytes live at one time (no layout can be lower)."""
-    events = sorted([(b.lower, b.size) for b in buffers] + [(b.upper, -b.size) for b in buffers],
-                    key=lambda e: (e[0], e[1]))  # frees before allocations at equal times
-    live = best = 0
-    for _, d in events:
-        live += d
-        best = max(best, live)
-    return best
+    if not buffers:
+        return 0
+    t = np.array([(b.lower, b.upper) for b in buffers], np.int64).T.ravel()
+    d = np.array([b.size for b in buffers], np.int64)
+    d = np.concatenate([d, -d])
+    live = np.cumsum(d[np.lexsort((d, t))])  # frees before allocations at equal times
+    return max(0, int(live.max()))
 
 
 def validate_layout(buffers: Sequence[Buffer], offsets: dict, capacity: int | None = None) -> list[str]:
@@ -218,28 +218,32 @@ def greedy_layout(buffers: Sequence[Buffer], order: GreedyOrder | str = GreedyOr
     placed that overlap it in time) that holds it, else on top of them; ties go to the lowest gap.
     Each placement is vectorised over the placed buffers (numpy), so n buffers cost n array passes.
     ``floor``: the lowest offset of some buffers (by id). When ``deadline`` (``time.monotonic``) passes
-    first: None, or with ``finish`` the buffers left each go on top of all placed so far."""
+    first: None, or with ``finish`` the buffers left go above all placed so far, in slots by size class
+    (``slot_stack``)."""
     order = GreedyOrder(order)
     floor = floor or {}
     n = len(buffers)
     lo, up = np.empty(n, np.int64), np.empty(n, np.int64)
     off, end = np.empty(n, np.int64), np.empty(n, np.int64)
     count = 0
-    top = None  # set when the deadline passed: the highest end so far
     offsets: dict = {}
-    for b in sorted(buffers, key=_key(order)):
+    ranked = sorted(buffers, key=_key(order))
+    for k, b in enumerate(ranked):
         if b.size == 0:
             offsets[b.id] = 0
             continue
         if deadline is not None and count % 256 == 0 and time.monotonic() > deadline:
             if not finish:
                 return None
-            deadline, top = None, int(end[:count].max(initial=0))
+            rest = [r for r in ranked[k:] if r.size]
+            fields = (np.array([getattr(r, a) for r in rest], np.int64) for a in ("lower", "upper", "size",
+                                                                                  "alignment"))
+            fl = np.array([floor.get(r.id, 0) for r in rest], np.int64)
+            at = slot_stack(*fields, fl, int(end[:count].max(initial=0)))
+            offsets.update((r.id, int(o)) for r, o in zip(rest, at.tolist()))
+            offsets.update((r.id, 0) for r in ranked[k:] if not r.size)
+            return offsets
         f = _align(floor.get(b.id, 0), b.alignment)
-        if top is not None:  # out of time: on top of everything
-            offsets[b.id] = top = _align(max(top, f), b.alignment)
-            top += b.size
-            continue
         live = np.flatnonzero((lo[:count] < b.upper) & (up[:count] > b.lower))
         best = f
         if live.size:
@@ -488,20 +492,20 @@ def _solve_split(buffers: Sequence[Buffer], capacity: int | None, deadline: floa
     lo, up = np.array([b.lower for b in buffers]), np.array([b.upper for b in buffers])
     sz, al = np.array([b.size for b in buffers]), np.array([b.alignment for b in buffers])
     lb = lower_bound(buffers)
+    # for the final validation and height: about as long as reading the buffers took (a loaded machine
+    # slows both alike)
+    reserve = 3 * (time.monotonic() - t0)
     if capacity is not None and lb > capacity:
         return None
     opts = options.split
     target = lb if capacity is None else capacity
     dec = decompose(lo, up, sz, opts.max_leaf, opts.cuts, opts.cut_band, opts.cut_samples,
                     max_bound=int(target * (1 + opts.cut_tolerance)) if capacity is None else capacity,
-                    peel=splittable(sz, al))
+                    peel=splittable(sz, al), fine=len(buffers) > opts.fine_cuts_above)
     say(f"layout: {len(buffers):,} buffers split into {len(dec.leaves):,} leaves ({dec.stacked:,} stacked, "
         f"{dec.cuts} cuts, largest {max((len(leaf.index) for leaf in dec.leaves), default=0):,}); "
         f"lower bound {lb:,}")
     offsets = {b.id: int(o) for b, o in zip(buffers, dec.offsets.tolist()) if o >= 0}
-    # for the final validation and height: about as long as reading the buffers took (a loaded machine
-    # slows both alike)
-    reserve = 3 * (time.monotonic() - t0)
     # identical leaves (the same buffers and floors shifted in time: repeated layers or steps) share a
     # layout; the time left is shared among distinct leaves by their sizes
     leaves = sorted(dec.leaves, key=lambda leaf: -len(leaf.index))
@@ -626,7 +630,7 @@ def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: floa
                   search: bool) -> tuple[dict, int, str, bool]:
     """A leaf's greedy passes and whether its search will be the skyline one. Without the search: the
     passes until ``deadline``. With it: one skyline pass (``ImproveOptions.skyline_start``, dropped if
-    not done in ``skyline_start_share`` of the time), then the first greedy pass; the lower is kept;
+    not done in ``skyline_start_share`` of the time), then the first greedy pass (it may take the whole time: the one layout); the lower is kept;
     then the other greedy passes until ``greedy_share`` of the time, or ``skyline.greedy_share`` where
     the search will be the skyline one (the second, ``SIZE_START``, may run for 1.5 times the first's
     time, within ``second_share``): where the skyline pass's excess
@@ -647,8 +651,7 @@ def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: floa
     if sky_h is not None and sky_h <= cap:
         return _by_id(bufs, sky), sky_h, "skyline", False
     t_first = time.monotonic()
-    best, best_h, how = _leaf_greedy(bufs, floor, cap, now + improve.greedy_share * (deadline - now), lowest,
-                                     count=1)
+    best, best_h, how = _leaf_greedy(bufs, floor, cap, deadline, lowest, count=1)  # the one layout: it may take all
     if best_h <= cap:
         return best, best_h, how, False
     t_more = time.monotonic()

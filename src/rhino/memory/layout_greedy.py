@@ -26,7 +26,7 @@ import numba
 import numpy as np
 
 __all__ = ["TimeIndex", "time_index", "set_offset", "set_given", "gather_placed", "find_gap", "place_in_order",
-           "past"]
+           "past", "slot_stack"]
 
 _CHUNK = 4096  # buffers placed between two deadline checks
 
@@ -217,8 +217,8 @@ def place_in_order(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarra
                    lowest: bool = False, given: np.ndarray | None = None,
                    index: TimeIndex | None = None) -> np.ndarray | None:
     """Offsets (input order) of the buffers placed best-fit in ``order`` on their floors. When
-    ``deadline`` (``time.monotonic``) passes first: None, or with ``finish`` the buffers left each go
-    on top of all placed so far (in order). ``lowest``: the lowest gap that holds a buffer, not the
+    ``deadline`` (``time.monotonic``) passes first: None, or with ``finish`` the buffers left go above
+    all placed so far, in slots by size class (``slot_stack``). ``lowest``: the lowest gap that holds a buffer, not the
     smallest. ``given``: offsets fixed in advance (-1: place it), there for every placement; ``order``
     may then list only the others (a buffer in neither keeps -1).
     ``index``: ``time_index(lo, up, sz)`` when the caller has it (its placements are reset here)."""
@@ -238,12 +238,78 @@ def place_in_order(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarra
             if not finish:
                 return None
             top = int(np.where(off >= 0, off + sz, 0).max(initial=0))
-            for i in order[k0:].tolist():
-                if off[i] < 0:
-                    top = -(-max(top, int(floor[i])) // int(al[i])) * int(al[i]) if sz[i] else top
-                    off[i] = top if sz[i] else 0
-                    top += int(sz[i])
+            rest = order[k0:][off[order[k0:]] < 0]
+            off[rest] = slot_stack(lo[rest], up[rest], sz[rest], al[rest], floor[rest], top)
             return off
         _place(lo, up, sz, al, floor, order, lowest, k0, min(order.size, k0 + _CHUNK), ix.b0, ix.b1, ix.start, ix.member,
                ix.mlo, ix.mup, ix.mb0, ix.moff, ix.mend, ix.estart, ix.epos, off, so, se, sid)
     return off
+
+
+def slot_stack(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, floor: np.ndarray,
+               base: int) -> np.ndarray:
+    """Offsets at or above ``base`` (and each floor) for buffers that a pass had no time left to place,
+    in O(n log n): each buffer takes a slot of its class (its size rounded up to a power of two, and its
+    alignment); within a class, slots are shared over time as in interval partitioning (a buffer takes a
+    slot freed by its start, else a new one: as many slots as the class has buffers live at once); the
+    classes' slot columns are stacked from ``base``. At most twice the bytes live per class, summed over
+    the classes, where one stack of the buffers would hold all of their bytes."""
+    n = len(sz)
+    out = np.zeros(n, np.int64)
+    if n == 0:
+        return out
+    base = max(int(base), int(floor.max()))
+    cls = np.where(sz > 0, np.ceil(np.log2(np.maximum(sz, 1))).astype(np.int64), -1)
+    width = np.where(sz > 0, -(-(np.int64(1) << np.maximum(cls, 0)) // al) * al, 0)
+    for key in np.unique(np.stack([cls, al]), axis=1).T.tolist():
+        c, a = key
+        ix = np.flatnonzero((cls == c) & (al == a))
+        if c < 0:
+            continue  # empty buffers take no room (offset 0)
+        slot = _partition(lo[ix], up[ix])
+        base = -(-base // a) * a
+        out[ix] = base + slot * width[ix[0]]
+        base += int(width[ix[0]]) * (int(slot.max()) + 1)
+    return out
+
+
+@numba.njit(cache=True)
+def _partition(lo, up):
+    """Interval partitioning: a slot per buffer, the fewest slots (a slot free at a buffer's start is reused)."""
+    n = lo.size
+    order = np.argsort(lo, kind="mergesort")
+    slot = np.empty(n, np.int64)
+    free_t, free_s = np.empty(n, np.int64), np.empty(n, np.int64)  # min-heap of (free from, slot)
+    m, slots = 0, 0
+    for i in order:
+        if m > 0 and free_t[0] <= lo[i]:
+            s = free_s[0]
+            m -= 1
+            free_t[0], free_s[0] = free_t[m], free_s[m]
+            k = 0
+            while True:
+                c = 2 * k + 1
+                if c >= m:
+                    break
+                if c + 1 < m and free_t[c + 1] < free_t[c]:
+                    c += 1
+                if free_t[c] < free_t[k]:
+                    free_t[k], free_t[c], free_s[k], free_s[c] = free_t[c], free_t[k], free_s[c], free_s[k]
+                    k = c
+                else:
+                    break
+        else:
+            s = slots
+            slots += 1
+        slot[i] = s
+        free_t[m], free_s[m] = up[i], s
+        k = m
+        m += 1
+        while k > 0:
+            p = (k - 1) // 2
+            if free_t[k] < free_t[p]:
+                free_t[k], free_t[p], free_s[k], free_s[p] = free_t[p], free_t[k], free_s[p], free_s[k]
+                k = p
+            else:
+                break
+    return slot
