@@ -52,6 +52,9 @@ Traces (MiniMalloc CSV, written to ``--dir``):
   ``SIZE_START`` pass (``memory.layout``); the others were made before that change.
 - Session 18: ``bursts-S`` (20 bursts of 3,000 ``wide``-like buffers, 20,000 steps apart: 20 independent
   mid-sized leaves), made after the peak split (``memory.layout_peak``) was chosen (held out).
+- Session 19, 1,000,000 buffers: ``long-S``, ``densehuge-S``, ``randomhuge-S`` (generators below); ``long-5``
+  and ``densehuge-7`` chose ``SplitOptions.fine_cuts_above`` and ``ImproveOptions.huge``, ``randomhuge-7``
+  was made after them (held out).
 
 Each trace runs the CLI in a child process (``--json``); its peak RSS is the child's ``ru_maxrss``
 (``os.wait4``). Writes the section "Memory layout: large traces" of docs/benchmarks.md.
@@ -357,11 +360,46 @@ def synthetic_bursts(seed: int, bursts: int = 20, per: int = 3_000) -> list[tupl
     return rows
 
 
+def synthetic_long(seed: int, n: int = 1_000_000) -> list[tuple[int, int, int]]:
+    """A long trace (session 19): starts uniform over 2,000,000 steps, lifetimes exponential (mean 300),
+    sizes uniform in 64-byte multiples up to 256 KiB (~150 live buffers; the load dips to under half
+    its peak)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        lo = rng.randrange(2_000_000)
+        rows.append((lo, lo + 1 + int(rng.expovariate(1 / 300)), 64 * rng.randint(1, 4096)))
+    return rows
+
+
+def synthetic_densehuge(seed: int, n: int = 1_000_000) -> list[tuple[int, int, int]]:
+    """``dense`` at 1,000,000 buffers (session 19): starts uniform over 40,000 steps, lifetimes
+    exponential (mean 50), sizes uniform in 64-byte multiples up to 64 KiB (~1,250 live: one leaf)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        lo = rng.randrange(40_000)
+        rows.append((lo, lo + 1 + int(rng.expovariate(1 / 50)), 64 * rng.randint(1, 1024)))
+    return rows
+
+
+def synthetic_randomhuge(seed: int, n: int = 1_000_000) -> list[tuple[int, int, int]]:
+    """``random`` at 1,000,000 buffers (session 19): starts uniform over 3,000,000 steps, lifetimes
+    log-uniform 1-16,384, sizes log-uniform 64 B-4 MiB (not 64-byte multiples)."""
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        lo = rng.randrange(3_000_000)
+        rows.append((lo, lo + max(1, int(2 ** rng.uniform(0, 14))), int(2 ** rng.uniform(6, 22))))
+    return rows
+
+
 _MORE = {"nested": synthetic_nested, "lifo": synthetic_lifo, "aligned": synthetic_aligned, "dense": synthetic_dense,
          "serving": synthetic_serving, "pipeline": synthetic_pipeline, "hugebytes": synthetic_hugebytes,
          "sparse": synthetic_sparse, "onesize": synthetic_onesize, "onesizeplus": synthetic_onesizeplus,
          "classes": synthetic_classes, "paged": synthetic_paged, "nsaligned": synthetic_nsaligned,
-         "bursts": synthetic_bursts}
+         "bursts": synthetic_bursts, "long": synthetic_long, "densehuge": synthetic_densehuge,
+         "randomhuge": synthetic_randomhuge}
 
 
 def make_trace(name: str, out: Path) -> Path:
