@@ -55,7 +55,8 @@ class SplitOptions:
     # orders (``_cut_time``'s ``fine``): a 1,000,000-buffer trace 50,586% -> 1.282% over its bound (60 s;
     # as one leaf its first pass ran out of time). Not below: such cuts lost on 60,000 buffers, where the
     # one leaf's search does better (random-7 1.114 -> 2.954%, hugebytes-1 0.672 -> 2.388%, pangu_2.6B
-    # 0.000 -> 0.758%; train-1, Y_1, lognorm-1, bimodal-1 at the bound either way)
+    # 0.000 -> 0.758%; train-1, Y_1, lognorm-1, bimodal-1 at the bound either way; 90,000 buffers of the
+    # long shape: 1.035% as one leaf, 2.064% cut)
     fine_cuts_above: int = 100_000
     lowest_fit: bool = True  # leaves' greedy also tries lowest fit (``layout_greedy``; random-1: 5.6% -> 4.0%)
     improve: ImproveOptions = ImproveOptions()  # leaves above max_leaf: squeaky wheel after the first pass
