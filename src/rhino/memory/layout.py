@@ -498,7 +498,7 @@ def _solve_split(buffers: Sequence[Buffer], capacity: int | None, deadline: floa
     lb = lower_bound(buffers)
     # for the leaves' last steps, the offsets by id, the height and the validation: five times what
     # reading the buffers took (a loaded machine slows both alike; 1,000,000 buffers: 0.8-1.1 s to read,
-    # 3.6-3.9 s for those)
+    # 3.0-3.9 s for those)
     reserve = 5 * (time.monotonic() - t0)
     if capacity is not None and lb > capacity:
         return None
@@ -636,13 +636,14 @@ def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: floa
                   search: bool) -> tuple[dict, int, str, bool]:
     """A leaf's greedy passes and whether its search will be the skyline one. Without the search: the
     passes until ``deadline``. With it: one skyline pass (``ImproveOptions.skyline_start``, dropped if
-    not done in ``skyline_start_share`` of the time), then the first greedy pass (it may take the whole time: the one layout); the lower is kept;
-    then the other greedy passes until ``greedy_share`` of the time, or ``skyline.greedy_share`` where
-    the search will be the skyline one (the second, ``SIZE_START``, may run for 1.5 times the first's
-    time, within ``second_share``): where the skyline pass's excess
-    over ``cap`` is at most ``skyline_switch`` times the first greedy one's, or ``plain_skyline`` says so
-    (asked with the lowest pass as its start, as ``squeaky_wheel`` will be; skyline passes are fast, so
-    the greedy ones get less time)."""
+    not done in ``skyline_start_share`` of the time; ``huge_skyline_share`` above ``huge`` buffers), then
+    the first greedy pass (without a skyline layout it may take the whole time: the one layout; with one,
+    it is dropped if not done in ``greedy_share``); the lower is kept; then the other greedy passes until
+    ``greedy_share`` of the time, or ``skyline.greedy_share`` where the search will be the skyline one
+    (the second, ``SIZE_START``, may run for 1.5 times the first's time, within ``second_share``): where
+    the skyline pass's excess over ``cap`` is at most ``skyline_switch`` times the first greedy one's, or
+    ``plain_skyline`` says so (asked with the lowest pass as its start, as ``squeaky_wheel`` will be;
+    skyline passes are fast, so the greedy ones get less time)."""
     lowest = options.split.lowest_fit
     if not search:
         return (*_leaf_greedy(bufs, floor, cap, deadline, lowest), False)

@@ -218,8 +218,8 @@ def place_in_order(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarra
                    index: TimeIndex | None = None) -> np.ndarray | None:
     """Offsets (input order) of the buffers placed best-fit in ``order`` on their floors. When
     ``deadline`` (``time.monotonic``) passes first: None, or with ``finish`` the buffers left go above
-    all placed so far, in slots by size class (``slot_stack``). ``lowest``: the lowest gap that holds a buffer, not the
-    smallest. ``given``: offsets fixed in advance (-1: place it), there for every placement; ``order``
+    all placed so far, in slots by size class (``slot_stack``). ``lowest``: the lowest gap that holds a
+    buffer, not the smallest. ``given``: offsets fixed in advance (-1: place it), there for every placement; ``order``
     may then list only the others (a buffer in neither keeps -1).
     ``index``: ``time_index(lo, up, sz)`` when the caller has it (its placements are reset here)."""
     n = len(sz)

@@ -52,7 +52,7 @@ class SplitOptions:
     cut_band: float = 0.25   # a cut leaves at least this fraction of the leaf's starts on each side
     cut_samples: int = 24    # cut times evaluated per leaf
     # above this many buffers in all, cut times are those of fewest bytes across, each with three stack
-    # orders (``_cut_time``'s ``fine``): a 1,000,000-buffer trace 50,586% -> 1.282% over its bound (60 s;
+    # orders (``_cut_time``'s ``fine``): a 1,000,000-buffer trace 224,880% -> 1.282% over its bound (60 s;
     # as one leaf its first pass ran out of time). Not below: such cuts lost on 60,000 buffers, where the
     # one leaf's search does better (random-7 1.114 -> 2.954%, hugebytes-1 0.672 -> 2.388%, pangu_2.6B
     # 0.000 -> 0.758%; train-1, Y_1, lognorm-1, bimodal-1 at the bound either way; 90,000 buffers of the
@@ -213,9 +213,9 @@ def decompose(lower, upper, size, max_leaf: int = 6000, cuts: bool = True, cut_b
               fine: bool = False) -> Decomposition:
     """Peel and (with ``cuts``) cut the buffers into leaves (see the module docstring); a cut is made
     only if its bound (``_cut_time``, by its ``fine`` rule with ``fine``) is at most ``max_bound``
-    (None: any). Zero-byte buffers get offset 0 and no leaf. ``peel`` only where ``splittable`` holds; without it the leaves are the
-    components (groups with no buffer crossing between them in time: independent whatever the
-    alignments, each from offset 0)."""
+    (None: any). Zero-byte buffers get offset 0 and no leaf. ``peel`` only where ``splittable`` holds;
+    without it the leaves are the components (groups with no buffer crossing between them in time:
+    independent whatever the alignments, each from offset 0)."""
     lo, up = np.asarray(lower, np.int64), np.asarray(upper, np.int64)
     sz = np.asarray(size, np.int64)
     offsets = np.full(len(sz), -1, np.int64)
@@ -245,7 +245,8 @@ def decompose(lower, upper, size, max_leaf: int = 6000, cuts: bool = True, cut_b
             continue
         if not made_cut:
             x, rest = idx[:k], idx[k:]
-        x = x[_ORDERS[order](lo[x], up[x])] if made_cut else x[np.lexsort((lo[x], -up[x]))]  # peel: longest-lived lowest
+        # a cut: its stack order; a peel: longest-lived (to the right) lowest
+        x = x[_ORDERS[order](lo[x], up[x])] if made_cut else x[np.lexsort((lo[x], -up[x]))]
         end = _stack(x, sz, np.maximum(floor[x], base))
         offsets[x] = end - sz[x]
         n_stacked += len(x)
