@@ -138,13 +138,19 @@ def synthetic_random(seed: int, n: int = 60_000, horizon: int = 200_000) -> list
     return rows
 
 
-def synthetic_wide(seed: int, n: int = 60_000, horizon: int = 100_000) -> list[tuple[int, int, int]]:
-    rng = random.Random(seed)
+def uniform_exponential(rng: random.Random, n: int, horizon: int, mean: float,
+                        units: int) -> list[tuple[int, int, int]]:
+    """``n`` buffers: starts uniform over ``horizon``, lifetimes ``1 +`` exponential (``mean``), sizes
+    uniform in 64-byte multiples up to ``64 * units`` (the ``wide``, ``dense``, ``long`` shapes)."""
     rows = []
     for _ in range(n):
         lo = rng.randrange(horizon)
-        rows.append((lo, lo + 1 + int(rng.expovariate(1 / 800)), 64 * rng.randint(1, 4096)))
+        rows.append((lo, lo + 1 + int(rng.expovariate(1 / mean)), 64 * rng.randint(1, units)))
     return rows
+
+
+def synthetic_wide(seed: int, n: int = 60_000, horizon: int = 100_000) -> list[tuple[int, int, int]]:
+    return uniform_exponential(random.Random(seed), n, horizon, 800, 4096)
 
 
 def synthetic_lognorm(seed: int, n: int = 60_000) -> list[tuple[int, int, int]]:
@@ -193,12 +199,7 @@ def synthetic_bimodal(seed: int, n: int = 60_000, horizon: int = 200_000) -> lis
 
 
 def synthetic_dense(seed: int, n: int = 60_000, horizon: int = 2_000) -> list[tuple[int, int, int]]:
-    rng = random.Random(seed + 100)
-    rows = []
-    for _ in range(n):
-        lo = rng.randrange(horizon)
-        rows.append((lo, lo + 1 + int(rng.expovariate(1 / 50)), 64 * rng.randint(1, 1024)))
-    return rows
+    return uniform_exponential(random.Random(seed + 100), n, horizon, 50, 1024)
 
 
 def synthetic_serving(seed: int, steps: int = 600) -> list[tuple[int, int, int]]:
@@ -364,23 +365,13 @@ def synthetic_long(seed: int, n: int = 1_000_000) -> list[tuple[int, int, int]]:
     """A long trace (session 19): starts uniform over 2,000,000 steps, lifetimes exponential (mean 300),
     sizes uniform in 64-byte multiples up to 256 KiB (~150 live buffers; the load dips to under half
     its peak)."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        lo = rng.randrange(2_000_000)
-        rows.append((lo, lo + 1 + int(rng.expovariate(1 / 300)), 64 * rng.randint(1, 4096)))
-    return rows
+    return uniform_exponential(random.Random(seed), n, 2_000_000, 300, 4096)
 
 
 def synthetic_densehuge(seed: int, n: int = 1_000_000) -> list[tuple[int, int, int]]:
     """``dense`` at 1,000,000 buffers (session 19): starts uniform over 40,000 steps, lifetimes
     exponential (mean 50), sizes uniform in 64-byte multiples up to 64 KiB (~1,250 live: one leaf)."""
-    rng = random.Random(seed)
-    rows = []
-    for _ in range(n):
-        lo = rng.randrange(40_000)
-        rows.append((lo, lo + 1 + int(rng.expovariate(1 / 50)), 64 * rng.randint(1, 1024)))
-    return rows
+    return uniform_exponential(random.Random(seed), n, 40_000, 50, 1024)
 
 
 def synthetic_randomhuge(seed: int, n: int = 1_000_000) -> list[tuple[int, int, int]]:

@@ -286,18 +286,7 @@ def _partition(lo, up):
             s = free_s[0]
             m -= 1
             free_t[0], free_s[0] = free_t[m], free_s[m]
-            k = 0
-            while True:
-                c = 2 * k + 1
-                if c >= m:
-                    break
-                if c + 1 < m and free_t[c + 1] < free_t[c]:
-                    c += 1
-                if free_t[c] < free_t[k]:
-                    free_t[k], free_t[c], free_s[k], free_s[c] = free_t[c], free_t[k], free_s[c], free_s[k]
-                    k = c
-                else:
-                    break
+            _sift(free_t, free_s, 0, m)
         else:
             s = slots
             slots += 1
