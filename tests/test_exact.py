@@ -75,9 +75,10 @@ def test_a_wrong_loss_on_one_rank_is_caught():
 
 @pytest.mark.multiprocess
 def test_run_float64_on_real_processes_compares_every_rank(capsys):
-    code = main(["run", MLP, "--nproc", "2", "--strategy", "tp=2", "--dtype", "float64", "--json"])
+    code = main(["run", MLP, "--strategy", "tp=2", "--dtype", "float64", "--json"])   # --nproc: the strategy's 2
     out = json.loads(capsys.readouterr().out)
     assert code == 0 and out["ok"], out["first_mismatch"]
+    assert out["nproc"] == 2
     assert out["max_abs_diff"] < 1e-12
     assert len(out["state_bytes_per_rank"]) == 2
 

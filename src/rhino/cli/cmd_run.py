@@ -1,4 +1,4 @@
-"""``rhino run FILE[:FUNC] --nproc N (--strategy S | --plan plan.json) [--steps K] [--emit DIR] [--json]``."""
+"""``rhino run FILE[:FUNC] [--nproc N] (--strategy S | --plan plan.json) [--steps K] [--emit DIR] [--json]``."""
 from __future__ import annotations
 
 from pathlib import Path
@@ -12,7 +12,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("run", help="run a sharded plan on N local processes and compare with one device")
     p.add_argument("workload", metavar="FILE[:FUNC]")
     p.add_argument("--nproc", type=int, help="number of processes (devices); under torchrun: its world size; "
-                   "with --plan: the plan's device count by default")
+                   "by default the device count of the plan or strategy")
     g = p.add_mutually_exclusive_group(required=True)
     g.add_argument("--strategy", help="expert preset, e.g. dp=4, dp=2,tp=2,sp=on or dp=2,microbatches=4 (gradient "
                    "accumulation: the reference is PyTorch's accumulation loop); pp=2,microbatches=4[,dp=2|tp=2]"
@@ -42,13 +42,11 @@ def _run(args) -> int:
     from ..runtime.launch import RankFailedError, in_torchrun
     from ..runtime.trainer import load_plan_file
     plan = load_plan_file(args.plan) if args.plan else None
-    if args.nproc is None and plan is not None and not in_torchrun():
-        args.nproc = plan.world
-    if args.nproc is None:
-        if not in_torchrun():
-            raise ValueError("give --nproc N (the number of local processes to start)")
+    if args.nproc is None and in_torchrun():
         import os
         args.nproc = int(os.environ["WORLD_SIZE"])
+    elif args.nproc is None:
+        args.nproc = plan.world if plan is not None else parse_strategy(args.strategy).world
     if args.nproc < 1 or args.steps < 1:
         raise ValueError("--nproc and --steps must be at least 1")
     w = load_workload(args.workload)
