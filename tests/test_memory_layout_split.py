@@ -102,6 +102,7 @@ def test_fine_cuts_find_the_dips_of_a_long_trace():
     assert decompose(lo, up, sz, 3000, max_bound=lb).cuts == 0
     dec = decompose(lo, up, sz, 3000, max_bound=lb, fine=True)
     assert dec.cuts >= 4 and max(len(leaf.index) for leaf in dec.leaves) < len(bufs) // 4
+    assert decompose(lo, up, sz, 3000, max_bound=lb, fine=True, deadline=time.monotonic()).cuts == 0  # past it
     offsets = {bufs[i].id: int(o) for i, o in enumerate(dec.offsets) if o >= 0}
     for leaf in dec.leaves:
         part = [bufs[i] for i in leaf.index]
@@ -153,6 +154,19 @@ def test_time_limit_is_a_limit():
             res = solve_layout(bufs, cap, limit)
             assert time.monotonic() - t0 <= limit + 1.0, (n, cap, res.solver)
             assert validate_layout(bufs, res.offsets) == [] and res.height >= res.lower_bound
+
+
+def test_a_large_leaf_without_time_gets_slots():
+    """A leaf above ``max_leaf`` whose share of the time is below its set-up (``NO_PASS_SECONDS`` per
+    buffer) is laid out by ``slot_stack`` at once (the path of 1,000,000 buffers at a short limit), valid;
+    with time it gets a greedy pass and the search."""
+    rng = random.Random(4)
+    bufs = [Buffer(i, (lo := rng.randrange(20_000)), lo + 1 + int(rng.expovariate(1 / 300)),
+                   64 * rng.randint(1, 4096)) for i in range(8000)]
+    opts = LayoutOptions(split=SplitOptions(above=1000, max_leaf=2000, cuts=False))
+    res = solve_layout(bufs, time_limit=0.01, options=opts)
+    assert res.solver.endswith("/slots") and res.valid and validate_layout(bufs, res.offsets) == []
+    assert solve_layout(bufs, time_limit=3, options=opts).solver.split("/")[-1] != "slots"
 
 
 def test_a_huge_leaf_starts_from_its_skyline_pass():

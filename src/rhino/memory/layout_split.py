@@ -25,6 +25,7 @@ the problem's own lower bound.
 """
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,6 +59,9 @@ class SplitOptions:
     # 0.000 -> 0.758%; train-1, Y_1, lognorm-1, bimodal-1 at the bound either way; 90,000 buffers of the
     # long shape: 1.035% as one leaf, 2.064% cut)
     fine_cuts_above: int = 100_000
+    # cuts stop (the windows left become leaves) past this share of the time left after the reserve:
+    # the fine cuts of a 1,000,000-buffer trace took 7.3 s, so at --time-limit 15 the run ended at 26 s
+    cut_share: float = 0.5
     lowest_fit: bool = True  # leaves' greedy also tries lowest fit (``layout_greedy``; random-1: 5.6% -> 4.0%)
     improve: ImproveOptions = ImproveOptions()  # leaves above max_leaf: squeaky wheel after the first pass
     big_first: bool = True  # leaves above max_leaf whose load a few buffers carry: those exactly first
@@ -210,10 +214,10 @@ def _raise_floors(rest: np.ndarray, x: np.ndarray, end: np.ndarray, lo, up, floo
 
 def decompose(lower, upper, size, max_leaf: int = 6000, cuts: bool = True, cut_band: float = 0.25,
               cut_samples: int = 24, max_bound: int | None = None, peel: bool = True,
-              fine: bool = False) -> Decomposition:
+              fine: bool = False, deadline: float | None = None) -> Decomposition:
     """Peel and (with ``cuts``) cut the buffers into leaves (see the module docstring); a cut is made
     only if its bound (``_cut_time``, by its ``fine`` rule with ``fine``) is at most ``max_bound``
-    (None: any). Zero-byte buffers get offset 0 and no leaf. ``peel`` only where ``splittable`` holds;
+    (None: any), and none after ``deadline`` (``time.monotonic()``). Zero-byte buffers get offset 0 and no leaf. ``peel`` only where ``splittable`` holds;
     without it the leaves are the components (groups with no buffer crossing between them in time:
     independent whatever the alignments, each from offset 0)."""
     lo, up = np.asarray(lower, np.int64), np.asarray(upper, np.int64)
@@ -231,7 +235,7 @@ def decompose(lower, upper, size, max_leaf: int = 6000, cuts: bool = True, cut_b
         idx, cut, base = todo.pop()
         k = _peel_count(idx, up) if peel else 0
         made_cut = False
-        if k == 0 and peel and cuts and len(idx) > max_leaf:
+        if k == 0 and peel and cuts and len(idx) > max_leaf and (deadline is None or time.monotonic() < deadline):
             floor[idx] = np.maximum(floor[idx], base)
             base = 0
             t, bound, order = _cut_time(idx, lo, up, sz, floor, cut_band, cut_samples, fine)
