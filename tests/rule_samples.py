@@ -325,6 +325,8 @@ def samples() -> list[tuple[str, tuple, dict]]:
     add("split.Tensor", x, 4, 1)
     add("split.Tensor", x, 3, 1)
     add("split_with_sizes.default", x, [3, 5], 1)
+    add("unsafe_split.Tensor", x, 4, 1)
+    add("unsafe_split_with_sizes.default", x, [3, 5], 1)
     add("unbind.int", x3, 1)
     add("cat.default", [x, y], 1)
     add("cat.default", [x, r(4, 4)], 1)

@@ -231,7 +231,10 @@ def _quiet_logger(name: str):
 
 def _trace(step, flat, workload: Workload) -> torch.fx.GraphModule:
     try:
-        with autocast_on("cpu"):  # tracing runs on fake CPU tensors: a CUDA autocast region acts on them
+        # tracing runs on fake CPU tensors: a CUDA autocast region acts on them. Without oneDNN, RNNs trace
+        # to their aten cells (mm, sigmoid, ...): the oneDNN RNN op returns its backward's workspace only
+        # under grad mode, which the lowered step (run under no_grad) does not have
+        with autocast_on("cpu"), torch.backends.mkldnn.flags(enabled=False):
             return make_fx(step, tracing_mode="fake")(*flat)
     except _DATA_DEPENDENT as exc:
         raise CaptureError(f"tracing stopped at {_user_frame(exc, workload)}: Python control flow or a "

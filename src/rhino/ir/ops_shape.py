@@ -253,6 +253,10 @@ register("aten.select.int", V, select_rule)
 register("aten.split.Tensor", V, split_rule, size_args=(SizeArg(1, SizeRule.SPLIT_SIZE),), family=Family.SPLIT)
 register("aten.split_with_sizes.default", V, split_rule, size_args=(SizeArg(1, SizeRule.SPLIT_SIZES),),
          family=Family.SPLIT)
+# the unsafe variants (RNN cells' gate chunks) differ only in autograd's view tracking: the same rule
+register("aten.unsafe_split.Tensor", V, split_rule, size_args=(SizeArg(1, SizeRule.SPLIT_SIZE),), family=Family.SPLIT)
+register("aten.unsafe_split_with_sizes.default", V, split_rule, size_args=(SizeArg(1, SizeRule.SPLIT_SIZES),),
+         family=Family.SPLIT)
 register("aten.unbind.int", V, unbind_rule)
 register("aten.cat.default", D, cat_rule, linear=Linear.ALL, family=Family.CAT)
 register("aten.stack.default", D, stack_rule)
