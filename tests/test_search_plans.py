@@ -200,15 +200,15 @@ def test_rhino_plan_json_and_rhino_run_with_the_plan(capsys, tmp_path):
     out = tmp_path / "plan.json"
     mlp = str(ROOT / "examples" / "mlp.py")
     code = main(["plan", mlp, "--cluster", "cpu:2", "--level", "O1", "--time-limit", "5", "--out", str(out),
-                 "--report", str(tmp_path / "rep"), "--json"])
+                 "--report", str(tmp_path / "rep"), "--dtype", "float64", "--json"])
     d = json.loads(capsys.readouterr().out)
     assert code == 0
     assert set(d["mesh"].values()) <= {1, 2} and d["step_seconds"] > 0 and d["memory_bytes"]["peak"] > 0
     assert d["search_seconds"] > 0 and d["best_preset"]["strategy"] and d["best_preset"]["step_seconds"] > 0
     assert {"report.txt", "report.json", "plan.json"} <= {p.name for p in (tmp_path / "rep").iterdir()}
-    code = main(["run", mlp, "--plan", str(out), "--json"])
+    code = main(["run", mlp, "--plan", str(out), "--dtype", "float64", "--json"])  # planned under float64
     r = json.loads(capsys.readouterr().out)
-    assert code == 0 and r["ok"] and r["nproc"] == 2
+    assert code == 0 and r["ok"] and r["nproc"] == 2 and r["max_abs_diff"] <= 1e-9
 
 
 def test_rhino_plan_prints_the_plan_and_errors_are_one_sentence(capsys, tmp_path):

@@ -1,4 +1,5 @@
-"""``rhino plan FILE[:FUNC] --cluster C [--level O1|O2] [--time-limit S] [--out plan.json] [--report DIR] [--json]``:
+"""``rhino plan FILE[:FUNC] --cluster C [--level O1|O2] [--time-limit S] [--dtype D] [--out plan.json] [--report DIR]
+[--json]``:
 search the fastest plan that fits, show it next to the best expert preset, write it for ``rhino run``."""
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import time
 from pathlib import Path
 
 from ..cost.cluster import parse_cluster
-from .common import emit_json, quiet_warnings, status, write_atomic
+from .common import DTYPE_NAMES, emit_json, quiet_warnings, status, write_atomic
 
 __all__ = ["add_parser", "run"]
 
@@ -26,6 +27,8 @@ def add_parser(sub) -> None:
                    help="fit check: program (the cost model's program-order peak, default) or planned (a plan "
                         "over capacity fits when its rank program's memory plan, as rhino run --memory-plan "
                         "runs it, plus the state does)")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, help="capture the workload under this default dtype (a plan "
+                   "applies to the graph it was made for: plan with float64 to check it with rhino run --dtype float64)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 
@@ -80,13 +83,13 @@ def _describe(event: str, info: dict) -> str | None:
 
 
 def run(args) -> int:
-    from ..capture import capture, load_workload
+    from ..capture import DTYPES, capture, default_dtype, load_workload
     from ..api import plan as api_plan
     parse_cluster(args.cluster)   # a bad cluster fails before the capture
     if args.time_limit <= 0:
         raise ValueError("--time-limit must be a positive number of seconds")
     status(f"capturing {args.workload} ...", not args.json)
-    with quiet_warnings():
+    with quiet_warnings(), default_dtype(DTYPES.get(args.dtype)):
         cap = capture(load_workload(args.workload))
     progress = _Progress(not args.json)
     try:

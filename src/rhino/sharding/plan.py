@@ -162,7 +162,7 @@ def resolve(graph: Graph, plan: ShardingPlan, *, fingerprint: str | None = None)
         mine = fingerprint or graph.fingerprint()
         if plan.fingerprint != mine:
             raise PlanError(f"the plan was made for another workload (fingerprint {plan.fingerprint}, this "
-                            f"workload has {mine}); plan this workload again")
+                            f"workload has {mine}); plan this workload again (under the same --dtype)")
     value: dict[int, Sharding] = {}
     for inp in graph.inputs:
         sh = plan.inputs.get(inp.name, replicated(mesh))
