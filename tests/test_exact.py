@@ -83,6 +83,15 @@ def test_run_float64_on_real_processes_compares_every_rank(capsys):
     assert len(out["state_bytes_per_rank"]) == 2
 
 
+@pytest.mark.multiprocess
+def test_a_mismatch_from_random_ops_says_so(capsys):
+    """Dropout in a data-parallel run: the ranks draw their own masks; the mismatch names the random op."""
+    variants = str(ROOT / "tests" / "workloads" / "variants.py")
+    code = main(["run", f"{variants}:dropout", "--strategy", "dp=2", "--dtype", "float64", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code != 0 and not out["ok"] and "draws random numbers (aten." in out["first_mismatch"]
+
+
 def test_check_float64(capsys):
     code = main(["check", MLP, "--dtype", "float64", "--json"])
     out = json.loads(capsys.readouterr().out)

@@ -205,3 +205,10 @@ def adagrad():
     net = Net()
     opt = torch.optim.Adagrad(_net_groups(net), lr=0.1, lr_decay=0.01, initial_accumulator_value=0.1)
     return net, opt, _loss, _data()
+
+
+def dropout():
+    """Dropout at p = 0.2: each rank of a data-parallel run draws its own masks."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 4))
+    return net, torch.optim.SGD(net.parameters(), lr=0.1), _loss, _data()

@@ -9,6 +9,7 @@ import torch.distributed as dist
 
 from ..capture import Captured
 from ..ir.graph import Graph, Role
+from ..ir.registry import draws_rng
 from ..lower.spmd_ops import set_context
 from ..sharding.plan import ResolvedPlan, ShardingPlan, resolve
 from .collectives import TORCH_COLLECTIVES, shard_tensor
@@ -160,6 +161,11 @@ def compare_results(cap: Captured, rp: ResolvedPlan, prog0, results: dict[int, d
                        peak_live_bytes=[results[r].get("peak", 0) for r in ranks])
     cmp = compare_ranks(rp, results, ref, tol)
     result.ok, result.max_abs_diff, result.first_mismatch = cmp.ok, cmp.max_abs_diff, cmp.first_mismatch
+    drawn = sorted({n.op for n in cap.graph.nodes if draws_rng(n.op)})
+    if not cmp.ok and drawn and plan.mesh.world > 1:  # each rank draws its own masks over its own shard
+        result.first_mismatch += (f"; the step draws random numbers ({', '.join(drawn)}), which each rank draws "
+                                  f"for itself, so a sharded run need not equal single-device training: check "
+                                  f"exactness with dropout 0")
     result.memory_plan = [{"rank": r, "arena_bytes": results[r]["arena_bytes"], "plan_bytes": results[r]["plan_bytes"]}
                           for r in ranks if "arena_bytes" in results[r]]
     result.seconds = time.perf_counter() - start
