@@ -98,6 +98,8 @@ def test_search_shards_autocast_weights():
     ("examples/gpt.py:gpt_autocast", "dp=2,tp=2"), ("examples/gpt.py:gpt_autocast", "dp=4,zero=3"),
     ("tests/workloads/mixed_precision.py:mlp_autocast", "tp=4"),
     ("tests/workloads/mixed_precision.py:mlp_bf16_adamw", "dp=2,tp=2"),
+    ("tests/workloads/mixed_precision.py:bn_autocast", "dp=2,tp=2"),
+    ("tests/workloads/mixed_precision.py:bn_autocast", "dp=4,zero=3"),
 ])
 def test_sharded_autocast_matches_single_device_within_bf16_tolerance(spec, strategy):
     """Every rank's loss and state shards after 2 steps against single-device autocast (or bf16) training, at

@@ -125,3 +125,23 @@ def mlp_autocast_cuda():
         return F.cross_entropy(logits.float(), y)
 
     return m, torch.optim.AdamW(m.parameters(), lr=1e-2), loss, _data()
+
+
+class BNNet(nn.Module):
+    """Linear (no bias: a bias before batch norm has no gradient but noise) -> BatchNorm1d -> GELU -> Linear."""
+
+    def __init__(self, d_in=16, hidden=32, d_out=8):
+        super().__init__()
+        self.up = nn.Linear(d_in, hidden, bias=False)
+        self.bn = nn.BatchNorm1d(hidden)
+        self.down = nn.Linear(hidden, d_out)
+
+    def forward(self, x):
+        return self.down(F.gelu(self.bn(self.up(x))))
+
+
+def bn_autocast():
+    """Batch norm under bf16 autocast: a bf16 input with fp32 parameters (the CPU kernel's mixed dtype)."""
+    torch.manual_seed(0)
+    m = BNNet()
+    return m, torch.optim.AdamW(m.parameters(), lr=1e-2), _autocast_loss, _data()

@@ -117,7 +117,11 @@ def _running(fg, r, s, momentum: float):
 def _backward(fg, node: Node, args: list, axes, rank: int, count: int, acc, graph, all_reduce) -> dict:
     call = fg.call_function
     dy, x, w, rm, rv, mean, invstd, _train, eps, mask = args[:10]
-    local = call(aten.native_batch_norm_backward.default, (dy, x, w, rm, rv, mean, invstd, True, eps,
+    # the CPU kernel takes a reduced-precision input with float32 parameters only if the saved statistics
+    # are float32 too (one device's kernel returns them so; the graph may type them as the input)
+    param = next((_dtype(graph, node.args[i]) for i in (2, 3) if args[i] is not None), None)
+    saved = [_cast(fg, args[i], _dtype(graph, node.args[i]), param) for i in (5, 6)]
+    local = call(aten.native_batch_norm_backward.default, (dy, x, w, rm, rv, *saved, True, eps,
                                                            [False, True, True]))
     dotp_l, sum_l = (_cast(fg, call(operator.getitem, (local, i)), _dtype(graph, node.args[5]), acc) for i in (1, 2))
     stats = all_reduce(fg, call(aten.stack.default, ([dotp_l, sum_l],)), axes, ReduceOp.SUM)
