@@ -28,7 +28,8 @@ def add_parser(sub) -> None:
                         "over capacity fits when its rank program's memory plan, as rhino run --memory-plan "
                         "runs it, plus the state does)")
     p.add_argument("--dtype", choices=DTYPE_NAMES, help="capture the workload under this default dtype (a plan "
-                   "applies to the graph it was made for: plan with float64 to check it with rhino run --dtype float64)")
+                   "applies to the graph it was made for: plan with float64 to check it with rhino run --dtype "
+                   "float64)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(run=run)
 

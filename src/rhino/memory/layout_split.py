@@ -217,9 +217,9 @@ def decompose(lower, upper, size, max_leaf: int = 6000, cuts: bool = True, cut_b
               fine: bool = False, deadline: float | None = None) -> Decomposition:
     """Peel and (with ``cuts``) cut the buffers into leaves (see the module docstring); a cut is made
     only if its bound (``_cut_time``, by its ``fine`` rule with ``fine``) is at most ``max_bound``
-    (None: any), and none after ``deadline`` (``time.monotonic()``). Zero-byte buffers get offset 0 and no leaf. ``peel`` only where ``splittable`` holds;
-    without it the leaves are the components (groups with no buffer crossing between them in time:
-    independent whatever the alignments, each from offset 0)."""
+    (None: any), and none after ``deadline`` (``time.monotonic()``). Zero-byte buffers get offset 0 and
+    no leaf. ``peel`` only where ``splittable`` holds; without it the leaves are the components (groups
+    with no buffer crossing between them in time: independent whatever the alignments, each from offset 0)."""
     lo, up = np.asarray(lower, np.int64), np.asarray(upper, np.int64)
     sz = np.asarray(size, np.int64)
     offsets = np.full(len(sz), -1, np.int64)

@@ -128,7 +128,8 @@ class Trainer:
             loaded = ShardingPlan.from_json(path.read_text())
             if loaded.fingerprint and graph.fingerprint() != loaded.fingerprint:
                 raise ValueError(f"plan file {str(plan)!r} was made for another workload (fingerprint "
-                                 f"{loaded.fingerprint[:12]}, this one {graph.fingerprint()[:12]}); plan again")
+                                 f"{loaded.fingerprint[:12]}, this one {graph.fingerprint()[:12]}); plan again "
+                                 f"(under the same --dtype)")
             return loaded
         if strategy is not None:
             return preset_plan(graph, parse_strategy(strategy))
