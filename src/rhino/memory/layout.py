@@ -527,17 +527,17 @@ def _solve_split(buffers: Sequence[Buffer], capacity: int | None, deadline: floa
     left_n = sum(dict(zip(keys, (len(leaf.index) for leaf in leaves))).values())
     H, solvers, done = target, {}, {}
     for leaf, key in zip(leaves, keys):
-        bufs = [buffers[i] for i in leaf.index]
+        x = leaf.index
         if key not in done:
-            share = max(0.0, deadline - reserve - time.monotonic()) * len(bufs) / max(left_n, 1)
-            left_n -= len(bufs)
-            if share <= (NO_PASS_SECONDS * len(bufs) if len(bufs) > opts.max_leaf else 0.0):  # no time: slots
-                x = leaf.index
+            share = max(0.0, deadline - reserve - time.monotonic()) * len(x) / max(left_n, 1)
+            left_n -= len(x)
+            if share <= (NO_PASS_SECONDS * len(x) if len(x) > opts.max_leaf else 0.0):  # no time: slots
                 done[key] = (slot_stack(lo[x], up[x], sz[x], al[x], dec.floor[x], 0).tolist(), "slots")
             else:
-                offs, name = _leaf(bufs, dec.floor[leaf.index].tolist(), H, time.monotonic() + share, options, say)
+                bufs = [buffers[i] for i in x]
+                offs, name = _leaf(bufs, dec.floor[x].tolist(), H, time.monotonic() + share, options, say)
                 done[key] = ([offs[b.id] for b in bufs], name)
-        H = max(H, max(o + b.size for o, b in zip(done[key][0], bufs)))
+        H = max(H, int((np.array(done[key][0], np.int64) + sz[x]).max(initial=0)))
     if opts.revisit and opts.improve.enabled and H > target:
         _revisit(dict(zip(keys, (leaf.index for leaf in leaves))), done, lo, up, sz, al, dec.floor, target,
                  deadline - reserve, options, say)

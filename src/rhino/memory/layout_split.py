@@ -250,7 +250,7 @@ def decompose(lower, upper, size, max_leaf: int = 6000, cuts: bool = True, cut_b
         if not made_cut:
             x, rest = idx[:k], idx[k:]
         # a cut: its stack order; a peel: longest-lived (to the right) lowest
-        x = x[_ORDERS[order](lo[x], up[x])] if made_cut else x[np.lexsort((lo[x], -up[x]))]
+        x = x[_ORDERS[order if made_cut else 0](lo[x], up[x])]
         end = _stack(x, sz, np.maximum(floor[x], base))
         offsets[x] = end - sz[x]
         n_stacked += len(x)
