@@ -15,7 +15,7 @@ def run_json(capsys, *argv):
     return code, json.loads(out)
 
 
-@pytest.mark.parametrize("strategy", ["dp=4", "dp=4,zero=3", "tp=4", "dp=2,tp=2", "dp=2,tp=2,sp=on"])
+@pytest.mark.parametrize("strategy", ["dp=4", "dp=4,zero=3", "tp=4", "dp=2,tp=2", "dp=2,tp=2,sp=on,zero=1"])
 @pytest.mark.multiprocess
 def test_gpt_presets_on_four_processes(capsys, strategy):
     code, d = run_json(capsys, GPT, "--nproc", "4", "--strategy", strategy)

@@ -106,6 +106,28 @@ def test_zero3_holds_a_quarter_of_parameters_and_optimizer_state():
         assert res["held"][role] <= single[role] / 4 * 1.02, (role, res["held"][role], single[role])
 
 
+@pytest.mark.parametrize("name, preset", [("gpt", "dp=2,tp=2,zero=1"), ("llama", "dp=2,tp=2,zero=3"),
+                                          ("moe", "dp=2,tp=2,zero=2,sp=on"), ("resnet", "dp=2,tp=2,zero=3")])
+def test_zero_beside_tensor_parallelism_halves_the_state_over_dp(name, preset):
+    """ZeRO over dp on top of Megatron-style tp (``Propagator.zero_axis``): every rank matches one device, and
+    holds half the optimizer state of ``dp=2,tp=2`` (zero=3: half its parameters too, but where sp=on keeps an
+    embedding whole on tp). The tp split of each weight is the one without ZeRO."""
+    cap = captured(name)
+    base = preset_plan(cap.graph, parse_strategy("dp=2,tp=2" + (",sp=on" if "sp=on" in preset else "")))
+    plan = preset_plan(cap.graph, parse_strategy(preset))
+    for inp in cap.graph.inputs:
+        if inp.name in plan.inputs:
+            assert plan.inputs[inp.name][1] == base.inputs[inp.name][1], inp.name
+    r, res = simulate(cap, plan, steps=2)
+    assert r.ok, r.first_mismatch
+    _, held = simulate(cap, base, steps=1)
+    assert res["held"]["opt_state"] <= held["held"]["opt_state"] / 2 * 1.02
+    if "zero=3" in preset:
+        assert res["held"]["param"] <= held["held"]["param"] / 2 * 1.02
+    else:
+        assert res["held"]["param"] == held["held"]["param"]
+
+
 def test_plan_file_round_trip_and_fingerprint(tmp_path):
     cap = captured("mlp")
     plan = preset_plan(cap.graph, parse_strategy("dp=2,tp=2"))

@@ -3,7 +3,8 @@ each priced by ``cost.estimate.estimate_strategy`` -- what the searched plan is 
 
 Grid: tensor parallelism ``tp`` over the divisors of the devices per node (Megatron keeps it inside a
 node), data parallelism over the rest; with ``tp = 1`` also ZeRO stages 1 and 3; with ``tp > 1`` also
-sequence parallelism. When none of these fits, the same grid with full recomputation.
+sequence parallelism, and with it ZeRO-1 over ``dp`` (Megatron-LM's distributed optimizer beside tensor and
+sequence parallelism). When none of these fits, the same grid with full recomputation.
 """
 from __future__ import annotations
 
@@ -46,6 +47,8 @@ def preset_grid(cluster: Cluster, recompute: Recompute | str = Recompute.NONE) -
                 out += [f"dp={dp},zero=1{suffix}", f"dp={dp},zero=3{suffix}"]
         else:
             out += [f"dp={dp},tp={tp}{suffix}", f"dp={dp},tp={tp},sp=on{suffix}"]
+            if dp > 1:
+                out.append(f"dp={dp},tp={tp},sp=on,zero=1{suffix}")
     return out
 
 

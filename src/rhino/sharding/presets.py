@@ -151,11 +151,10 @@ def preset_plan(graph: Graph, spec: StrategySpec, *, fingerprint: str | None = N
             at_rest[inp.name] = _split_first_divisible(shape, mesh.sizes[dp], dp, mesh.ndim)
         if inp.role is Role.OPT_STATE:
             by_param[inp.name] = inp.name.split("/")[1]
-    if tp is not None and spec.zero:
-        raise ValueError("zero together with tp is not supported by the presets yet; use zero with dp only")
     rule = _megatron_rule(tp, spec.sp) if tp is not None else None
     follows = {name: by_param[name] for name in lazy if name in by_param}
-    prop = Propagator(graph, mesh, fixed, lazy, rule, follows, at_rest)
+    prop = Propagator(graph, mesh, fixed, lazy, rule, follows, at_rest,
+                      zero_axis=dp if spec.zero and lazy else None, zero_level=spec.zero)
     plan = prop.run()
     plan.fingerprint = fingerprint or graph.fingerprint()
     plan.strategy_string = str(spec)

@@ -64,6 +64,13 @@ class Propagator:
     # before it, not passed through (under autocast the row-parallel matmul's bf16 output is all-reduced,
     # as Megatron-LM does, instead of the fp32 sum it is added to: half the bytes); see ``_widens``
     reduce_before_widening: bool = True
+    #: ZeRO over the mesh axis ``zero_axis`` for lazy inputs (tensor parallelism beside ZeRO, as Megatron-LM's
+    #: distributed optimizer runs): once a lazy input's sharding is decided, ``_zero_sharding`` adds a split
+    #: along that axis; an optimizer state (``zero_level`` >= 1) is then stored and used split, so its update
+    #: runs on the shard; a parameter (``zero_level`` 3) is stored split and used as decided (gathered before
+    #: use). Non-lazy inputs take ZeRO from ``fixed`` and ``at_rest``.
+    zero_axis: int | None = None
+    zero_level: int = 0
     #: Remember each decision by what it depends on (``_decision_key``: the call signature, the strategy
     #: options, and the shardings, availability and laziness of the inputs and the wanted state outputs),
     #: so that identical layers are scored once (exact: the same key gives the same scores). Off: every node
@@ -316,8 +323,10 @@ class Propagator:
         if any(isinstance(p, Partial) for p in want):
             want = tuple(Replicate() if isinstance(p, Partial) else p for p in want)
         if lz.input_name is not None:
-            self.inputs[lz.input_name] = want
-            self.actual[vid] = want
+            role = self.state_input[lz.input_name].role if lz.input_name in self.state_input else None
+            stored = self._zero_sharding(vid, want, role)
+            self.inputs[lz.input_name] = stored
+            self.actual[vid] = stored if role is Role.OPT_STATE else want
             return
         node = lz.node
         call = call_of(self.graph, node)
@@ -332,6 +341,25 @@ class Propagator:
         self.strategies[node.name] = strategy
         self._resolve(node.input_refs()[0].id, ns.inputs[0])
         self.actual[vid] = ns.outputs[0]
+
+    def _zero_sharding(self, vid: int, want: Sharding, role: Role | None) -> Sharding:
+        """``want`` split along ``zero_axis`` too (the first dim whose local size it divides) where ZeRO
+        shards an input of this role and ``want`` leaves that axis replicated; else ``want``."""
+        axis = self.zero_axis
+        level = {Role.OPT_STATE: 1, Role.PARAM: 3}.get(role)
+        if axis is None or level is None or self.zero_level < level or not isinstance(want[axis], Replicate):
+            return want
+        n = self.mesh.sizes[axis]
+        local = list(self.graph.types[vid].shape)
+        for a, p in enumerate(want):
+            if isinstance(p, Shard) and p.dim < len(local):
+                local[p.dim] //= self.mesh.sizes[a]
+        split = {p.dim: p.blocks for p in want if isinstance(p, Shard)}
+        # a dim no other axis splits first, then one split in plain (not strided) parts
+        for d in sorted(range(len(local)), key=lambda d: d in split):
+            if local[d] >= n and local[d] % n == 0 and split.get(d, 1) == 1:
+                return tuple(Shard(d) if a == axis else p for a, p in enumerate(want))
+        return want
 
     def _strategy_producing(self, ann, sizes: dict, want: Sharding) -> tuple:
         """The view's strategy whose output sharding is ``want`` (a strided shard gives ``"x/k"``)."""
