@@ -147,6 +147,43 @@ def test_construction_features_bitwise(dtype):
     assert plain.model.emb.weight[3].abs().sum() == 0 and plain.model.a.weight.abs().max() <= 0.4
 
 
+def _loss_tensors_workload():
+    """A loss that reaches tensors made by the workload function outside the model and the batch."""
+    import functools
+    torch.manual_seed(5)
+    model = nn.Linear(6, 4)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(8, 6, generator=g), torch.randint(4, (8,), generator=g)
+    class_weight = torch.rand(4, generator=g) + 0.5                     # a closure cell
+    crit = nn.CrossEntropyLoss(weight=torch.rand(4, generator=g) + 0.5)  # a loss module's buffer
+    offsets = [torch.randn(4, generator=g)]                              # a list in a closure
+
+    def penalty(out, scale=torch.rand(1, generator=g) + 1.0):           # a default argument
+        return (out * scale).pow(2).mean()
+
+    def loss(m, x, y, shift):
+        out = m(x) + offsets[0]
+        return nn.functional.cross_entropy(out, y, weight=class_weight) + crit(out, y) + penalty(out) * shift
+    return model, opt, functools.partial(loss, shift=torch.tensor(0.3)), (x, y)   # a partial's argument
+
+
+def test_loss_tensors_outside_the_model_get_their_values():
+    """``rhino train`` captures from the deferred build: tensors the loss reaches must be real (they become the
+    graph's constants), equal to the plain build's; the model keeps its meta tensors."""
+    w, d, plain, _ = _load_both(lambda: load_deferred(_loss_tensors_workload), _loss_tensors_workload)
+    plain = validate_workload(plain, Path("losst"), "losst")
+    assert all(p.is_meta for p in w.model.parameters())
+    params = {n: d.materialize(p) for n, p in w.model.named_parameters()}
+    batch = tuple(d.materialize(b) for b in w.batch)
+    got = w.loss_fn(lambda x: torch.func.functional_call(w.model, params, (x,)), *batch)
+    assert torch.equal(got, plain.loss_fn(plain.model, *plain.batch))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        graph = capture(w).graph
+    assert graph.constants, "the loss's tensors are graph constants"
+
+
 def test_meta_built_workload_gets_the_cpu_values():
     w, d, plain, _ = _load_both(lambda: load_deferred(lambda: _odd_workload(device="meta")),
                                 lambda: _odd_workload(device="cpu"))

@@ -32,6 +32,8 @@ values its CPU build would have); random ops must draw from a CPU generator.
 from __future__ import annotations
 
 import contextlib
+import functools
+import types
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -461,4 +463,76 @@ def _to_meta(w: Workload, log: _Log) -> tuple[Workload, Deferred]:
     opt.state.clear()
     opt.state.update(state)
     w.batch = tuple(meta(b) for b in w.batch)
+    skip = {id(m) for m in w.model.modules()} | {id(opt)}
+    _Realiser(log, skip).realise(w.loss_fn)
     return w, deferred
+
+
+class _Realiser:
+    """Real values for the fake tensors a loss function reaches outside the model: class weights in a closure
+    (``F.cross_entropy(..., weight=w)``), a loss module's buffers (``nn.CrossEntropyLoss(weight=w)``), default
+    arguments, ``functools.partial`` arguments, a bound method's object, the file's globals it names, and
+    lists, tuples and dicts of those. Holders are changed in place (closure cells, defaults, attributes);
+    the model and the optimizer (``skip``) keep their meta tensors."""
+
+    def __init__(self, log: _Log, skip: set[int]) -> None:
+        self.log, self.skip, self.seen = log, skip, set()
+
+    def realise(self, x):
+        """``x`` itself, or (a fake tensor, a tuple holding one) its replacement."""
+        if isinstance(x, FakeTensor):
+            real = _fake_value(self.log, x)
+            return torch.nn.Parameter(real, requires_grad=x.requires_grad) if isinstance(x, torch.nn.Parameter) \
+                else real
+        if id(x) in self.skip or id(x) in self.seen or isinstance(x, (str, bytes, int, float, type, torch.Tensor)):
+            return x
+        self.seen.add(id(x))
+        if isinstance(x, tuple):
+            items = [self.realise(v) for v in x]
+            return x if all(a is b for a, b in zip(items, x)) else type(x)(items) if type(x) is tuple else x
+        if isinstance(x, list):
+            x[:] = [self.realise(v) for v in x]
+        elif isinstance(x, dict):
+            for k in list(x):
+                x[k] = self.realise(x[k])
+        elif isinstance(x, functools.partial):
+            func, args, kw = self.realise(x.func), self.realise(x.args), dict(x.keywords)
+            self.realise(kw)
+            x.__setstate__((func, args, kw, x.__dict__ or None))
+        elif isinstance(x, types.MethodType):
+            self.realise(x.__self__)
+        elif isinstance(x, types.FunctionType):
+            self._function(x)
+        elif isinstance(x, torch.nn.Module):
+            for m in x.modules():
+                for store in (m._parameters, m._buffers):
+                    self.realise(store)
+                self._attributes(m)
+        elif hasattr(x, "__dict__") and not isinstance(x, types.ModuleType):
+            self._attributes(x)
+        return x
+
+    def _function(self, fn: types.FunctionType) -> None:
+        for cell in fn.__closure__ or ():
+            try:
+                value = cell.cell_contents
+            except ValueError:   # a cell not yet filled
+                continue
+            new = self.realise(value)
+            if new is not value:
+                cell.cell_contents = new
+        if fn.__defaults__:
+            fn.__defaults__ = self.realise(fn.__defaults__)
+        if fn.__kwdefaults__:
+            self.realise(fn.__kwdefaults__)
+        for name in fn.__code__.co_names:   # the file's globals it names (set by the workload function)
+            value = fn.__globals__.get(name)
+            if isinstance(value, (FakeTensor, types.FunctionType)):
+                fn.__globals__[name] = self.realise(value)
+
+    def _attributes(self, obj) -> None:
+        for k, v in list(vars(obj).items()):
+            if not isinstance(v, torch.nn.Module) or id(v) not in self.skip:
+                new = self.realise(v)
+                if new is not v:
+                    setattr(obj, k, new)
