@@ -79,6 +79,7 @@ def _keepable(graph, mode, cuts):
     root = _root_of(graph)
     made = {v: i for i, n in enumerate(graph.nodes[:b + 1]) for v in n.outputs if v is not None}
     ok = {root[o.value] for o in graph.outputs}
+    ok |= {i.value for i in graph.inputs} | set(graph.constants)   # views of these alias what lives all step
     for i, node in enumerate(graph.nodes[:b + 1]):
         d = lookup(node.op)
         if seg(i) == len(cuts) or d is None or is_random(node.op) or (mode == "selective" and d.kind in KEEP_KINDS):
@@ -129,6 +130,16 @@ def test_transform_keeps_only_what_the_mode_keeps(name, mode):
         node = new.nodes[position[cname]]
         assert all(min(readers.get(v, [len(new.nodes)])) > position[cname] for v in node.outputs if v is not None)
     assert len(set(origin.values())) == len(origin)
+
+
+@pytest.mark.parametrize("strategy", ["dp=1,recompute=full", "dp=2,recompute=selective"])
+def test_a_view_of_a_weight_read_across_a_cut_is_not_recomputed(strategy):
+    """A weight's transpose made in one segment and read by a later segment's matmul aliases the weight: it
+    is kept, not dropped (it was dropped, and the later segment's copy had no copy of it to read)."""
+    cap = captured("im2col_net")
+    r, _, new, _ = run_recompute(cap, strategy, steps=2)
+    assert r.ok, r.first_mismatch
+    assert new.meta["recompute"]["segments"] > 1
 
 
 def test_random_outputs_are_never_recomputed():

@@ -54,3 +54,28 @@ def dropout_mlp():
     g = torch.Generator().manual_seed(1)
     batch = (torch.randn(64, 16, generator=g), torch.randint(0, 4, (64,), generator=g))
     return model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, x, y: F.cross_entropy(m(x), y), batch
+
+
+class Im2colNet(nn.Module):
+    """A linear layer over ``F.unfold`` columns: its weight's transpose is made before the (opaque) im2col, so
+    a recomputation cut can fall between the transpose and the matmul reading it (held-out, session 21)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = nn.Linear(3 * 9, 8)
+        self.dec = nn.Conv2d(8, 3, 3, padding=1)
+        self.bn = nn.BatchNorm2d(8)
+
+    def forward(self, x):
+        b, _, h, w = x.shape
+        cols = F.unfold(x, 3, padding=1).transpose(1, 2)
+        y = self.w(cols).transpose(1, 2).reshape(b, 8, h, w)
+        y = F.interpolate(F.avg_pool2d(F.relu(self.bn(y)), 2), scale_factor=2, mode="bilinear", align_corners=False)
+        return self.dec(y)
+
+
+def im2col_net():
+    torch.manual_seed(0)
+    model = Im2colNet()
+    x = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(7))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3), lambda m, x: F.l1_loss(m(x), x), (x,)

@@ -273,7 +273,9 @@ def _remat_at(graph: Graph, mode: Recompute, b: int, seg: Segments) -> tuple[Gra
     keep = _kept(graph, mode, b, cuts, root, made)
 
     def dropped(v: int) -> bool:
-        return v in made and root[v] not in keep
+        # a view of an input or a constant (a weight's transpose) aliases what is live anyway: never dropped,
+        # so a later segment's copy never needs one made in an earlier segment
+        return v in made and root[v] in made and root[v] not in keep
 
     # which values to recompute: those readers need, and transitively what their producers need
     want: set[int] = set()
