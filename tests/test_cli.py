@@ -70,6 +70,14 @@ def test_bad_input_is_one_clear_sentence(capsys, func, phrase):
     assert "Traceback" not in err and len(errors) == 1 and err.strip().splitlines()[-1] == errors[0]
 
 
+@pytest.mark.parametrize("strategy", ["dp=2,microbatches=2", "pp=2,microbatches=2"])
+def test_a_batch_that_does_not_split_into_micro_batches_is_one_sentence(capsys, strategy):
+    """Refused before any process starts (the ranks used to fail with a bare IndexError)."""
+    code, _, err = run(capsys, "run", f"{BAD}:graph_batch", "--strategy", strategy)
+    assert code == 2 and "the loss fails on a micro-batch (IndexError" in err and "use microbatches=1" in err
+    assert "Traceback" not in err
+
+
 def test_missing_file(capsys):
     code, _, err = run(capsys, "capture", "does/not/exist.py")
     assert code == 2 and "does not exist" in err

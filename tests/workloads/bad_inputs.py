@@ -60,3 +60,18 @@ def foreign_optimizer():
 def unsupported_optimizer():  # LBFGS needs a closure: no single step to capture
     m = _mlp()
     return m, torch.optim.LBFGS(m.parameters(), lr=0.1), lambda m, x: m(x).sum(), (torch.randn(2, 8),)
+
+
+def graph_batch():
+    """A graph's node features and an edge list indexing them: its rows along dim 0 are not independent
+    samples, so micro-batches (the first B/m rows of every batch tensor) index past the nodes they hold."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(8, 4, generator=g)
+    edges = torch.tensor([7, 6, 5, 4, 3, 2, 1, 0])
+    y = torch.randint(0, 3, (8,), generator=g)
+
+    def loss(m, x, edges, y):
+        return nn.functional.cross_entropy(m(x).index_select(0, edges), y)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), loss, (x, edges, y)

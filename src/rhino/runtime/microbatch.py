@@ -17,6 +17,7 @@ refuses with its message.
 """
 from __future__ import annotations
 
+import copy
 import dataclasses
 import math
 import warnings
@@ -27,7 +28,7 @@ from ..capture import Captured, capture, default_dtype
 from ..ir.graph import Graph, Ref
 from ..ir.types import TensorType
 
-__all__ = ["microbatch_graph"]
+__all__ = ["check_microbatch_loss", "microbatch_graph"]
 
 _FIT_UNITS = (3, 4)        # k of the two captures every number is fitted on
 _CHECK_UNIT = 2            # k of a third capture each fit must reproduce exactly (as must the whole batch, k = m)
@@ -48,6 +49,22 @@ def microbatch_graph(cap: Captured, microbatches: int) -> Graph:
         pass
     derived = _derived(cap, microbatches, direct)
     return direct if derived is None else derived
+
+
+def check_microbatch_loss(cap: Captured, microbatches: int) -> None:
+    """The workload's loss on its first micro-batch (the first B/m rows of every batch tensor), in plain
+    PyTorch on a copy of the model, before any process starts: a batch whose rows are not independent samples
+    (a graph's edge list indexing its node rows) fails here with a sentence instead of inside every rank. The
+    capture cannot see this: it runs on fake tensors, which do not check index values."""
+    w = cap.workload
+    micro = tuple(b[:b.shape[0] // microbatches] for b in w.batch)
+    try:
+        with torch.no_grad():
+            w.loss_fn(copy.deepcopy(w.model), *micro)
+    except (IndexError, RuntimeError, ValueError) as exc:
+        raise ValueError(f"the loss fails on a micro-batch ({type(exc).__name__}: {exc}); microbatches={microbatches} "
+                         f"takes 1/{microbatches} of the rows along dim 0 of every batch tensor, so each must hold "
+                         f"independent samples along dim 0; use microbatches=1 for this workload") from None
 
 
 def _capture_units(cap: Captured, microbatches: int, units: int) -> Graph:
