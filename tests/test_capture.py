@@ -12,7 +12,8 @@ from rhino.ir.verify import is_inplace_op
 from rhino.lower import StepProgram
 
 VARIANTS = ["sgd_dampening", "sgd_nesterov_maximize", "sgd_plain", "adam_amsgrad", "adamw_stepped",
-            "sgd_stepped", "convs", "inplace_clamps", "routing", "rmsprop_centered", "rmsprop_plain", "adagrad"]
+            "sgd_stepped", "convs", "inplace_clamps", "routing", "rmsprop_centered", "rmsprop_plain", "adagrad",
+            "user_checkpoint"]
 
 
 def _capture(spec: str):

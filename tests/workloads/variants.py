@@ -212,3 +212,26 @@ def dropout():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(0.2), nn.Linear(16, 4))
     return net, torch.optim.SGD(net.parameters(), lr=0.1), _loss, _data()
+
+
+class _Checkpointed(nn.Module):
+    """Blocks under ``torch.utils.checkpoint`` (non-reentrant): their backward reruns the blocks' forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 8)) for _ in range(3))
+        self.head = nn.Linear(8, 4)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+        for block in self.blocks:
+            x = x + checkpoint(block, x, use_reentrant=False)
+        return self.head(x)
+
+
+def user_checkpoint():
+    """A user's own activation checkpointing: captured, the rerun must read the step's parameters (it read the
+    initial ones as constants, so steps after the first went wrong)."""
+    torch.manual_seed(0)
+    net = _Checkpointed()
+    return net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), _loss, _data()

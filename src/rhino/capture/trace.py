@@ -74,8 +74,15 @@ class _LossModule(torch.nn.Module):
         self.model = model
         self.loss_fn = loss_fn
 
-    def forward(self, *batch):
-        return self.loss_fn(self.model, *batch)
+    def forward(self, *batch, grad_of: list | None = None, spec: str = ""):
+        """The user's loss and its gradients with respect to ``grad_of``, taken inside ``functional_call``: a
+        backward that reruns forward code (``torch.utils.checkpoint``) must see the swapped-in tensors, not
+        the module's own (outside, it read them as constants: right at the first step only)."""
+        loss = self.loss_fn(self.model, *batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
+            raise CaptureError(f"{spec}: loss_fn must return a scalar floating-point tensor, got {got}")
+        return loss, (torch.autograd.grad(loss, grad_of, allow_unused=True) if grad_of else [])
 
 
 def capture(workload: Workload, verify_graph: bool = True) -> Captured:
@@ -191,12 +198,9 @@ def _make_step(wrapper, workload, updates, param_names, frozen_names, buffer_nam
         tensors = dict(zip(all_names, flat[:n_p + n_f + n_b]))
         opt = dict(zip(opt_names, flat[n_p + n_f + n_b:n_p + n_f + n_b + n_o]))
         batch = flat[n_p + n_f + n_b + n_o:]
-        loss = torch.func.functional_call(wrapper, tensors, tuple(batch), tie_weights=True, strict=False)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
-            got = f"a tensor of shape {list(loss.shape)}" if isinstance(loss, torch.Tensor) else type(loss).__name__
-            raise CaptureError(f"{workload.spec}: loss_fn must return a scalar floating-point tensor, got {got}")
         params = list(flat[:n_p])
-        grads = torch.autograd.grad(loss, params, allow_unused=True) if params else []
+        loss, grads = torch.func.functional_call(wrapper, tensors, tuple(batch), {"grad_of": params,
+                                                 "spec": workload.spec}, tie_weights=True, strict=False)
         new_params, new_opt = [], dict(opt)
         scalars: dict = {}
         shared = _shared_step(updates, grads, opt) if share_steps else None
