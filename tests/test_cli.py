@@ -78,6 +78,14 @@ def test_a_batch_that_does_not_split_into_micro_batches_is_one_sentence(capsys, 
     assert "Traceback" not in err
 
 
+@pytest.mark.multiprocess
+def test_train_on_a_batch_that_does_not_split_into_micro_batches_says_why(capsys):
+    """``rhino train`` builds the model deferred, so the loss is not tried first: the ranks' IndexError is
+    turned into the same sentence."""
+    code, _, err = run(capsys, "train", f"{BAD}:graph_batch", "--strategy", "dp=2,microbatches=2", "--steps", "1")
+    assert code == 2 and "the loss fails on a micro-batch (IndexError" in err and "use microbatches=1" in err
+
+
 def test_missing_file(capsys):
     code, _, err = run(capsys, "capture", "does/not/exist.py")
     assert code == 2 and "does not exist" in err

@@ -17,6 +17,7 @@ refuses with its message.
 """
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import math
@@ -28,7 +29,7 @@ from ..capture import Captured, capture, default_dtype
 from ..ir.graph import Graph, Ref
 from ..ir.types import TensorType
 
-__all__ = ["check_microbatch_loss", "microbatch_graph"]
+__all__ = ["check_microbatch_loss", "explain_microbatch_errors", "microbatch_error", "microbatch_graph"]
 
 _FIT_UNITS = (3, 4)        # k of the two captures every number is fitted on
 _CHECK_UNIT = 2            # k of a third capture each fit must reproduce exactly (as must the whole batch, k = m)
@@ -62,9 +63,27 @@ def check_microbatch_loss(cap: Captured, microbatches: int) -> None:
         with torch.no_grad():
             w.loss_fn(copy.deepcopy(w.model), *micro)
     except (IndexError, RuntimeError, ValueError) as exc:
-        raise ValueError(f"the loss fails on a micro-batch ({type(exc).__name__}: {exc}); microbatches={microbatches} "
-                         f"takes 1/{microbatches} of the rows along dim 0 of every batch tensor, so each must hold "
-                         f"independent samples along dim 0; use microbatches=1 for this workload") from None
+        raise microbatch_error(exc, microbatches) from None
+
+
+@contextlib.contextmanager
+def explain_microbatch_errors(microbatches: int):
+    """An IndexError inside (an index into rows another micro-batch holds) becomes ``microbatch_error``'s
+    sentence where there are micro-batches (``rhino train``, whose deferred model cannot try the loss first)."""
+    try:
+        yield
+    except IndexError as exc:
+        if microbatches == 1:
+            raise
+        raise microbatch_error(exc, microbatches) from None
+
+
+def microbatch_error(exc: Exception, microbatches: int) -> ValueError:
+    """The sentence for a step that fails on a micro-batch's rows (``exc``)."""
+    first = (str(exc).strip().splitlines() or [""])[0]   # the fx interpreter appends the node's lines
+    return ValueError(f"the loss fails on a micro-batch ({type(exc).__name__}: {first}); microbatches={microbatches} "
+                      f"takes 1/{microbatches} of the rows along dim 0 of every batch tensor, so each must hold "
+                      f"independent samples along dim 0; use microbatches=1 for this workload")
 
 
 def _capture_units(cap: Captured, microbatches: int, units: int) -> Graph:

@@ -35,6 +35,7 @@ from .collectives import TORCH_COLLECTIVES, gather_tensor
 from .data import batch_stream, check_batch, rank_batch, samples_in
 from .groups import build_groups
 from .launch import current_context, in_torchrun, init_from_env, launch, shutdown
+from .microbatch import explain_microbatch_errors
 from .pipeline import PIPELINE_MEMORY_PLAN
 from ..lower.spmd_ops import set_context
 
@@ -191,7 +192,8 @@ class Trainer:
                             f"the batch of step {self.steps_done + 1}")
         local = rank_batch(batch, self.rp, self.mesh_rank, self.microbatches, self.device)
         set_context(self.plan.mesh, self.mesh_rank, self.groups, TORCH_COLLECTIVES)   # another trainer in this process may have set its own
-        loss = self.program.run(self.state, local)
+        with explain_microbatch_errors(self.microbatches):
+            loss = self.program.run(self.state, local)
         self.steps_done += 1
         return float(loss)
 
@@ -437,9 +439,10 @@ def train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, over
             samples = samples_in(batch)
             t0 = time.perf_counter()
             if measure_live and step == first:
-                loss, peak_live = trainer.program.run_measured(trainer.state, rank_batch(
-                    check_batch(trainer.cap.graph, batch, f"the batch of step {step + 1}"), trainer.rp,
-                    trainer.rank, trainer.microbatches, trainer.device))
+                with explain_microbatch_errors(trainer.microbatches):
+                    loss, peak_live = trainer.program.run_measured(trainer.state, rank_batch(
+                        check_batch(trainer.cap.graph, batch, f"the batch of step {step + 1}"), trainer.rp,
+                        trainer.rank, trainer.microbatches, trainer.device))
                 trainer.steps_done += 1
             else:
                 loss = trainer.step(batch)
