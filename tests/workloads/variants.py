@@ -235,3 +235,27 @@ def user_checkpoint():
     torch.manual_seed(0)
     net = _Checkpointed()
     return net, torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), _loss, _data()
+
+
+class _GaussianHead(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(8, 16), nn.ELU(), nn.Linear(16, 4))
+
+    def forward(self, x):
+        mu, log_std = self.net(x).chunk(2, dim=-1)
+        return mu, log_std.clamp(-5, 2)
+
+
+def distribution_nll():
+    """``torch.distributions.Normal(...).log_prob``: the distribution checks its arguments by default, which
+    stopped tracing at a ``bool`` of a tensor; the capture runs without the checks."""
+    torch.manual_seed(0)
+    net = _GaussianHead()
+    g = torch.Generator().manual_seed(4)
+    x, t = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
+
+    def loss(m, x, t):
+        mu, log_std = m(x)
+        return -torch.distributions.Normal(mu, log_std.exp()).log_prob(t).mean()
+    return net, torch.optim.RMSprop(net.parameters(), lr=1e-3), loss, (x, t)

@@ -233,12 +233,25 @@ def _quiet_logger(name: str):
         logger.setLevel(old)
 
 
+@contextlib.contextmanager
+def _distributions_unchecked():
+    """``torch.distributions`` checks its arguments by default (``bool`` of a tensor comparison), which stops
+    tracing; the checks only raise on invalid values and change no result, so the capture runs without them
+    (the workload's own eager run, the reference, keeps them)."""
+    before = torch.distributions.Distribution._validate_args
+    torch.distributions.Distribution.set_default_validate_args(False)
+    try:
+        yield
+    finally:
+        torch.distributions.Distribution.set_default_validate_args(before)
+
+
 def _trace(step, flat, workload: Workload) -> torch.fx.GraphModule:
     try:
         # tracing runs on fake CPU tensors: a CUDA autocast region acts on them. Without oneDNN, RNNs trace
         # to their aten cells (mm, sigmoid, ...): the oneDNN RNN op returns its backward's workspace only
         # under grad mode, which the lowered step (run under no_grad) does not have
-        with autocast_on("cpu"), torch.backends.mkldnn.flags(enabled=False):
+        with autocast_on("cpu"), torch.backends.mkldnn.flags(enabled=False), _distributions_unchecked():
             return make_fx(step, tracing_mode="fake")(*flat)
     except _DATA_DEPENDENT as exc:
         raise CaptureError(f"tracing stopped at {_user_frame(exc, workload)}: Python control flow or a "
