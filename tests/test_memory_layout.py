@@ -129,6 +129,37 @@ def test_csv_errors_name_the_line(tmp_path):
         read_buffers(p)
 
 
+def test_csv_beyond_int64_is_one_sentence(tmp_path):
+    """The solvers work in int64: a value beyond 2**62 or 2**60 bytes live at once is refused at reading (they
+    crashed with an OverflowError; a capacity past the branch and bound's range killed its thread with a
+    traceback). 2,000 buffers of 1e15 B one after another stay fine."""
+    p = tmp_path / "x.csv"
+    p.write_text("id,lower,upper,size\n0,0,5,99999999999999999999\n")
+    with pytest.raises(ValueError, match="line 2: size 99999999999999999999 is beyond 2\\*\\*62"):
+        read_buffers(p)
+    p.write_text("id,lower,upper,size\n" + "".join(f"{i},{i % 7},{100 + i % 5},{10 ** 16}\n" for i in range(2000)))
+    with pytest.raises(ValueError, match="most bytes live at once \\(about 2e\\+19\\) must stay below 2\\*\\*60"):
+        read_buffers(p)
+    p.write_text("id,lower,upper,size\n" + "".join(f"{i},{10 * i},{10 * i + 5},{10 ** 15}\n" for i in range(2000)))
+    bufs = read_buffers(p)
+    res = solve_layout(bufs, time_limit=5)
+    assert res.height == res.lower_bound == 10 ** 15 and validate_layout(bufs, res.offsets) == []
+
+
+def test_exact_search_skips_capacities_beyond_its_range(monkeypatch):
+    """A capacity whose sums overflow the branch and bound's int64 arithmetic leaves it out (CP-SAT and the
+    heuristics remain) instead of ending its thread with a traceback."""
+    import random
+    import threading
+    raised = []
+    monkeypatch.setattr(threading, "excepthook", lambda args: raised.append(args.exc_value))
+    rng = random.Random(1)
+    starts = [rng.randint(0, 1000) for _ in range(1000)]
+    bufs = [Buffer(i, a, a + rng.randint(1, 300), rng.randint(1, 10 ** 16)) for i, a in enumerate(starts)]
+    res = solve_layout(bufs, time_limit=3)
+    assert validate_layout(bufs, res.offsets) == [] and raised == []
+
+
 def test_csv_from_a_spreadsheet(tmp_path):
     # a byte-order mark, capitalised names with spaces and CRLF line ends read as the plain file does
     p = tmp_path / "x.csv"

@@ -73,7 +73,7 @@ from typing import Callable, Hashable, Sequence
 import numpy as np
 
 from .layout_check import any_overlap
-from .layout_bnb import LayoutOptions, SearchStatus, preorder_indices, search_layout
+from .layout_bnb import LayoutOptions, SearchStatus, capacity_in_range, preorder_indices, search_layout
 from .layout_eject import Follower, cores, eject_repair
 from .layout_greedy import place_in_order, slot_stack
 from .layout_improve import plain_skyline, squeaky_wheel
@@ -303,7 +303,7 @@ def _fit(buffers: Sequence[Buffer], capacity: int, deadline: float, options: Lay
     found: list[tuple[SearchStatus, list[int] | None, str]] = []
     runs: list[CpsatRun] = []
     t0 = time.monotonic()
-    bnb = len(buffers) <= _BNB_MAX_BUFFERS
+    bnb = len(buffers) <= _BNB_MAX_BUFFERS and capacity_in_range(sz, al, capacity)
 
     def portfolio() -> None:
         if bnb and stop.wait(0.5):  # small instances are settled by the branch and bound alone

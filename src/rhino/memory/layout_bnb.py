@@ -67,7 +67,8 @@ from . import layout_bnb_core as core
 from .layout_peak import PeakOptions
 from .layout_split import SplitOptions
 
-__all__ = ["Preorder", "LayoutOptions", "SearchStatus", "SearchResult", "search_layout", "preorder_indices"]
+__all__ = ["Preorder", "LayoutOptions", "SearchStatus", "SearchResult", "capacity_in_range", "search_layout",
+           "preorder_indices"]
 
 _CACHE_SLOTS = 1 << 19  # nogood cache entries per preorder (16 MB); a full window forgets one
 # nodes between deadline checks: the compiled search holds the GIL, so one call must be short for the
@@ -312,6 +313,18 @@ def _next_chunk(chunk: int, nodes: int, took: float) -> int:
     return int(min(max(nodes * _CHUNK_SECONDS / took, _CHUNK_RANGE[0]), 4 * chunk, _CHUNK_RANGE[1]))
 
 
+def _unit(sizes: np.ndarray, aligns: np.ndarray, nz: np.ndarray) -> int:
+    """Canonical offsets are sums of sizes rounded up to alignments: the search works in units of their gcd."""
+    return int(np.gcd.reduce(np.concatenate([sizes[nz], aligns[nz]]))) if nz.size else 1
+
+
+def capacity_in_range(size, alignment, capacity: int) -> bool:
+    """Whether ``search_layout`` can take this capacity: its sums of offsets stay below 2**62 in int64."""
+    sizes, aligns = np.asarray(size, dtype=np.int64), np.asarray(alignment, dtype=np.int64)
+    nz = np.flatnonzero(sizes > 0)
+    return int(capacity) // _unit(sizes, aligns, nz) * (len(nz) + 1) < 2 ** 62
+
+
 def search_layout(lower: Sequence[int], upper: Sequence[int], size: Sequence[int], alignment: Sequence[int],
                   capacity: int, options: LayoutOptions = LayoutOptions(), deadline: float = float("inf"),
                   node_limit: int | None = None, stop: threading.Event | None = None,
@@ -331,11 +344,10 @@ def search_layout(lower: Sequence[int], upper: Sequence[int], size: Sequence[int
     aligns = np.asarray(alignment, dtype=np.int64)
     offsets = np.zeros(len(sizes), np.int64)
     nz = np.flatnonzero(sizes > 0)
-    # canonical offsets are sums of sizes rounded up to alignments: work in units of their gcd
-    unit = int(np.gcd.reduce(np.concatenate([sizes[nz], aligns[nz]]))) if nz.size else 1
+    unit = _unit(sizes, aligns, nz)
+    if not capacity_in_range(size, alignment, capacity):
+        raise ValueError(f"capacity {capacity} is too large for the exact search")
     capacity = int(capacity) // unit
-    if capacity * (len(nz) + 1) >= 2 ** 62:
-        raise ValueError(f"capacity {capacity * unit} is too large for the exact search")
     al_u = aligns[nz] // unit
     fl = np.zeros(nz.size, np.int64) if floor is None else np.asarray(floor, dtype=np.int64)[nz]
     fl = -(-fl // (unit * al_u)) * al_u  # in units, rounded up to each alignment

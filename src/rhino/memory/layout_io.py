@@ -6,11 +6,16 @@ import os
 import tempfile
 from pathlib import Path
 
+import numpy as np
+
 from .layout import Buffer
 
 __all__ = ["read_buffers", "write_offsets"]
 
 _REQUIRED = ("id", "lower", "upper", "size")
+# the solvers work in int64: every time, size and alignment below 2**62, the bytes live at once below 2**60
+_BIG = 2 ** 62
+_LIVE_MAX = 2 ** 60
 
 
 def read_buffers(path: str | Path) -> list[Buffer]:
@@ -34,7 +39,7 @@ def _read_rows(name: str, rows) -> list[Buffer]:
     if missing:
         raise ValueError(f"{name} line 1: the header lacks {', '.join(missing)} (expected id,lower,upper,size)")
     col = {k: header.index(k) for k in header}
-    out, seen = [], set()
+    out, seen, total = [], set(), 0
     for line, row in enumerate(rows, start=2):
         if not row or all(not c.strip() for c in row):
             continue
@@ -50,6 +55,9 @@ def _read_rows(name: str, rows) -> list[Buffer]:
                 vals[k] = int(text)
             except ValueError:
                 raise ValueError(f"{name} line {line}: {k} {text!r} is not an integer") from None
+            if not -_BIG < vals[k] < _BIG:
+                raise ValueError(f"{name} line {line}: {k} {text} is beyond 2**62; the layout works in 64-bit "
+                                 f"integers: give times and sizes in larger units")
         if vals["size"] < 0:
             raise ValueError(f"{name} line {line}: size ({vals['size']}) must not be negative")
         if vals["upper"] <= vals["lower"]:
@@ -60,8 +68,22 @@ def _read_rows(name: str, rows) -> list[Buffer]:
         if vals["id"] in seen:
             raise ValueError(f"{name} line {line}: id {vals['id']} appears twice")
         seen.add(vals["id"])
+        total += vals["size"]
         out.append(Buffer(vals["id"], vals["lower"], vals["upper"], vals["size"], vals.get("alignment", 1)))
+    if total >= _LIVE_MAX:
+        _check_live(name, out)
     return out
+
+
+def _check_live(name: str, buffers: list[Buffer]) -> None:
+    """The most bytes live at once below ``_LIVE_MAX``, so that heights of several times it fit in int64
+    (computed in floats, which cannot overflow)."""
+    lo, up, sz = (np.array([float(getattr(b, f)) for b in buffers]) for f in ("lower", "upper", "size"))
+    t, d = np.concatenate([lo, up]), np.concatenate([sz, -sz])
+    load = float(np.cumsum(d[np.lexsort((d, t))]).max())
+    if load >= _LIVE_MAX:
+        raise ValueError(f"{name}: the most bytes live at once (about {load:.3g}) must stay below 2**60, as the "
+                         f"layout works in 64-bit integers; give sizes in larger units (e.g. KiB)")
 
 
 def write_offsets(path: str | Path, buffers: list[Buffer], offsets: dict) -> None:
