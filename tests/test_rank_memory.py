@@ -63,6 +63,24 @@ def test_rank_plans_valid_and_arena_equals_plain(example, strategy):
     assert ex["arena_equals_plan"] and ex["arena_bytes"] == ex["plan_bytes"]
 
 
+def test_an_out_overload_that_writes_past_its_slot_is_not_used():
+    """``huber_loss.out`` (mean) writes the unreduced loss through its scalar out tensor before reducing; each
+    out= overload is tried once beside its op (``ArenaProgram._out_safe``), so it runs as the op here and every
+    rank's arena equals the plain program bitwise (it differed by 0.02 in the loss)."""
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        cap = capture(load_workload("tests/workloads/variants.py:huber_head"))
+    finally:
+        torch.set_default_dtype(old)
+    rp = resolve(cap.graph, preset_plan(cap.graph, parse_strategy("dp=4")))
+    mems = rank_memories(rp)
+    report = plan_rank_memory([(m.rank, m.problem, m.mapping) for m in mems], level="O1", time_limit=20)
+    ex = compare_arena_ranks(rp, mems, report, cap.initial_state(), tuple(b.detach() for b in cap.workload.batch),
+                             rtol=1e-12, atol=0.0, steps=2)
+    assert ex["equal"] and ex["bitwise"], ex
+
+
 def test_rank_graph_is_the_rank_program():
     """The graph has one node per aten call of the fx program (getitems folded) and one communication node
     per redistribute call, with this rank's local input shapes; the comm nodes are chained in program order."""

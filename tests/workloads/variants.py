@@ -259,3 +259,15 @@ def distribution_nll():
         mu, log_std = m(x)
         return -torch.distributions.Normal(mu, log_std.exp()).log_prob(t).mean()
     return net, torch.optim.RMSprop(net.parameters(), lr=1e-3), loss, (x, t)
+
+
+def huber_head():
+    """``F.huber_loss`` (opaque) with its default mean: aten's ``huber_loss.out`` resizes its out tensor to the
+    unreduced shape and writes the elementwise loss there before reducing, so in an arena it wrote past its
+    8-byte slot over other tensors (``lower.arena.ArenaProgram._out_safe``)."""
+    torch.manual_seed(0)
+    net = _GaussianHead()
+    g = torch.Generator().manual_seed(4)
+    x, t = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
+    return net, torch.optim.RMSprop(net.parameters(), lr=1e-3), lambda m, x, t: F.huber_loss(m(x)[0], t, delta=0.5), \
+        (x, t)

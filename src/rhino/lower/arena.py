@@ -10,7 +10,10 @@ in the planned order:
   the views that follow behave exactly as in the plain program.
 - A non-view node writes its outputs into their slots: through the op's ``out=`` overload when aten has
   one with the same arguments (``torch.ops.aten.add.out`` for ``add.Tensor``), otherwise the op runs
-  normally and its result is copied into the slot (``ArenaStats.out_variant`` / ``copied``).
+  normally and its result is copied into the slot (``ArenaStats.out_variant`` / ``copied``). Each out=
+  overload is first tried once per call signature beside the op, into guarded scratch copies of its slots,
+  and used only where it wrote exactly its slots' bytes and the op's values (``_out_safe``: ``huber_loss.out``
+  with a reduction writes the unreduced loss through its scalar out tensor first).
 - View nodes run on the slot tensors (they alias the arena); a registered view that copies after all
   (``reshape`` of a non-viewable input) is counted in ``view_copies``.
 - Batch inputs are copied into their slots at the start. State inputs and constants stay outside the
@@ -33,13 +36,14 @@ changes the results instead of passing silently.
 """
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
 from ..ir.graph import Graph, Role
-from ..ir.registry import OpKind, lookup
+from ..ir.registry import OpKind, draws_rng, lookup
 from ..memory.from_graph import GraphMemory
 from ..memory.problem import MemProblem, TensorKind, lifetimes
 from ..memory.simulate import check_order
@@ -83,6 +87,15 @@ def out_overload(op: str) -> tuple[torch._ops.OpOverload, tuple[str, ...]] | Non
         if outs and rest == sig and len(outs) == n_ret:
             return ovl, tuple(a.name for a in outs)
     return None
+
+
+def _same_values(got: torch.Tensor, want) -> bool:
+    """Bitwise-equal values (NaN where NaN) of one output."""
+    if not isinstance(want, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
+        return False
+    if got.is_floating_point() or got.is_complex():
+        return torch.equal(got.isnan(), want.isnan()) and torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
+    return torch.equal(got, want)
 
 
 def _dense(shape, stride) -> bool:
@@ -131,6 +144,7 @@ class ArenaProgram:
         self._fns = [None if is_comm(n.op) else resolve_op(n.op) for n in graph.nodes]
         self._strides = self._natural_strides()
         self._no_out: set[int] = set()   # nodes whose out= call failed once: copy from then on
+        self._out_checked: dict[tuple, bool] = {}   # out_signature -> out= overload equals the op (_out_safe)
         self._constants = {v: constant_tensor(graph, v, self.device) for v in graph.constants}
         self._arena: torch.Tensor | None = None
         self._slots: dict[int, torch.Tensor] = {}
@@ -302,6 +316,9 @@ class ArenaProgram:
         use_out = ov is not None and all(s is not None for s in slots) and len(ov[1]) == len(slots)
         if use_out and state_out:
             use_out = self._alias_ok(node, env, [s for v, s in zip(node.outputs, slots) if v in inplace_slot])
+        elif use_out and not self._out_safe(i, node, ov, args, kwargs, slots):
+            self._no_out.add(i)
+            use_out = False
         if use_out:
             fn, names = ov
             try:
@@ -321,6 +338,42 @@ class ArenaProgram:
         for v, slot in zip(node.outputs, slots):
             if v is not None:
                 env[v] = slot
+
+    def _out_safe(self, i, node, ov, args, kwargs, slots: list[torch.Tensor]) -> bool:
+        """Whether the out= overload writes exactly its slots' bytes, and the op's values: tried once per call
+        signature on the step's inputs, into guarded scratch copies of the slots, against the op itself. An out=
+        overload may differ: ``huber_loss.out`` with a reduction resizes its out tensor to the unreduced shape,
+        writes the elementwise loss there (past a scalar slot, over its neighbours in the arena), then reduces.
+        Sampling ops are trusted (a second run would draw other numbers and move the generator's stream)."""
+        if draws_rng(node.op):
+            return True
+        key = (node.op, tuple((tuple(a.shape), a.dtype, a.stride()) if isinstance(a, torch.Tensor) else repr(a)
+                              for a in (*args, *kwargs.values())),
+               tuple((tuple(t.shape), t.dtype, t.stride()) for t in slots))
+        if key not in self._out_checked:
+            with warnings.catch_warnings():   # the resize warning of an out= that differs
+                warnings.simplefilter("ignore")
+                self._out_checked[key] = self._out_equal(i, node, ov, args, kwargs, slots)
+        return self._out_checked[key]
+
+    def _out_equal(self, i, node, ov, args, kwargs, slots: list[torch.Tensor]) -> bool:
+        """``_out_safe``'s trial: the op, then its out= overload into scratch copies of the slots with guard
+        bytes on both sides; equal when no guard byte changed, no slot moved or changed shape, and the values
+        are bitwise the op's."""
+        ref = self._fns[i](*args, **kwargs)
+        refs = list(ref) if node.multi else [ref]
+        pad = 256
+        bufs = [torch.full((2 * pad + t.numel() * t.element_size(),), 0xA5, dtype=torch.uint8, device=t.device)
+                for t in slots]
+        views = [b[pad:b.numel() - pad].view(t.dtype).as_strided(t.shape, t.stride()) for b, t in zip(bufs, slots)]
+        ptrs = [v.data_ptr() for v in views]
+        try:
+            ov[0](*args, **kwargs, **dict(zip(ov[1], views)))
+        except RuntimeError:
+            return False
+        return all(v.data_ptr() == q and v.shape == t.shape and v.stride() == t.stride() and
+                   bool((b[:pad] == 0xA5).all()) and bool((b[b.numel() - pad:] == 0xA5).all()) and
+                   _same_values(v, r) for v, q, t, b, r in zip(views, ptrs, slots, bufs, refs))
 
     def _alias_ok(self, node, env, outs: list[torch.Tensor]) -> bool:
         """out= may write into a state tensor the op also reads only for elementwise ops and exact aliases."""
