@@ -76,6 +76,9 @@ def test_a_batch_that_does_not_split_into_micro_batches_is_one_sentence(capsys, 
     code, _, err = run(capsys, "run", f"{BAD}:graph_batch", "--strategy", strategy)
     assert code == 2 and "the loss fails on a micro-batch (IndexError" in err and "use microbatches=1" in err
     assert "Traceback" not in err
+    code, _, err = run(capsys, "run", f"{BAD}:sequence_first", "--strategy", strategy)
+    assert code == 2 and "the step does not trace on a micro-batch" in err and "use microbatches=1" in err
+    assert "Traceback" not in err and len([line for line in err.splitlines() if "error:" in line]) == 1
 
 
 @pytest.mark.multiprocess

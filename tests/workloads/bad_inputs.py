@@ -75,3 +75,14 @@ def graph_batch():
     def loss(m, x, edges, y):
         return nn.functional.cross_entropy(m(x).index_select(0, edges), y)
     return model, torch.optim.SGD(model.parameters(), lr=0.1), loss, (x, edges, y)
+
+
+def sequence_first():
+    """A (time, batch, features) input beside per-sample labels: a micro-batch takes time steps of one and
+    samples of the other, so the step does not even trace on it."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 3)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(6, 4, 4, generator=g), torch.randint(0, 3, (4,), generator=g)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), \
+        lambda m, x, y: nn.functional.cross_entropy(m(x).mean(0), y), (x, y)

@@ -25,7 +25,7 @@ import warnings
 
 import torch
 
-from ..capture import Captured, capture, default_dtype
+from ..capture import Captured, CaptureError, capture, default_dtype
 from ..ir.graph import Graph, Ref
 from ..ir.types import TensorType
 
@@ -101,7 +101,14 @@ def _capture_units(cap: Captured, microbatches: int, units: int) -> Graph:
     dtypes = {p.dtype for p in cap.workload.model.parameters() if p.is_floating_point()}
     with warnings.catch_warnings(), default_dtype(torch.float64 if dtypes == {torch.float64} else None):
         warnings.simplefilter("ignore")
-        return capture(dataclasses.replace(cap.workload, batch=tuple(micro))).graph
+        try:
+            return capture(dataclasses.replace(cap.workload, batch=tuple(micro))).graph
+        except CaptureError as exc:   # e.g. a sequence-first tensor: its rows are time steps, not samples
+            inner = str(exc).split(". Check that the batch fits")[0]
+            raise ValueError(f"the step does not trace on a micro-batch (1/{microbatches} of the rows along dim 0 of "
+                             f"every batch tensor): {inner}; micro-batches need independent samples along dim 0 of "
+                             f"each batch tensor (a sequence-first tensor holds time steps there); use "
+                             f"microbatches=1 for this workload") from None
 
 
 def _derived(cap: Captured, m: int, direct: Graph) -> Graph | None:
