@@ -13,7 +13,7 @@ from rhino.lower import StepProgram
 
 VARIANTS = ["sgd_dampening", "sgd_nesterov_maximize", "sgd_plain", "adam_amsgrad", "adamw_stepped",
             "sgd_stepped", "convs", "inplace_clamps", "routing", "rmsprop_centered", "rmsprop_plain", "adagrad",
-            "user_checkpoint", "distribution_nll"]
+            "user_checkpoint", "distribution_nll", "maxnorm_embedding"]
 
 
 def _capture(spec: str):

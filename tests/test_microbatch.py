@@ -99,6 +99,17 @@ def test_the_step_splits_into_gradients_and_one_update(mlp):
     assert s.grad_state_outputs == [] and set(s.update_state_outputs) >= set(mlp.param_names)
 
 
+def test_a_parameter_changed_in_the_forward_refuses_micro_batches():
+    """The update reads the embedding's renormalised rows (made in the forward from the batch): averaging them
+    over micro-batches, as a gradient, was wrong (the loss 4.4e-4 off at step 2); now one sentence."""
+    from rhino.cost.accumulate import SplitError, split_step
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cap = capture(load_workload(str(ROOT / "tests" / "workloads" / "variants.py:maxnorm_embedding")))
+    with pytest.raises(SplitError, match="embedding_renorm.*max_norm.*use microbatches=1"):
+        split_step(cap.graph)
+
+
 def test_batchnorm_buffers_are_updated_per_micro_batch():
     from rhino.cost.accumulate import split_step
     cap = _mb("resnet")

@@ -271,3 +271,25 @@ def huber_head():
     x, t = torch.randn(16, 8, generator=g), torch.randn(16, 2, generator=g)
     return net, torch.optim.RMSprop(net.parameters(), lr=1e-3), lambda m, x, t: F.huber_loss(m(x)[0], t, delta=0.5), \
         (x, t)
+
+
+class _MaxNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(40, 16, max_norm=1.0)
+        self.out = nn.Linear(16, 40)
+
+    def forward(self, t):
+        return self.out(self.emb(t).mean(1))
+
+
+def maxnorm_embedding():
+    """``nn.Embedding(max_norm=...)`` renormalises the rows it looks up in place, in the forward: the update reads
+    that batch-dependent value. One step is exact; micro-batches cannot carry it (``cost.accumulate``)."""
+    torch.manual_seed(0)
+    net = _MaxNorm()
+    with torch.no_grad():
+        net.emb.weight.mul_(3.0)
+    g = torch.Generator().manual_seed(3)
+    t, y = torch.randint(0, 40, (8, 5), generator=g), torch.randint(0, 40, (8,), generator=g)
+    return net, torch.optim.SGD(net.parameters(), lr=0.1), lambda m, t, y: F.cross_entropy(m(t), y), (t, y)

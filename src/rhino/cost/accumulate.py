@@ -85,6 +85,11 @@ def split_step(graph: Graph) -> StepSplit:
         raise SplitError(f"node {clash[0]} is needed by both the gradients and the optimizer update; gradient "
                          f"accumulation cannot cut this step")
     for vid in boundary:
+        if producer[vid] <= a.boundary:   # not a gradient: made in the forward, from the batch
+            node = nodes[producer[vid]]
+            raise SplitError(f"the optimizer update reads {node.name} ({node.op}), a forward value computed from the "
+                             f"batch (a parameter changed in the forward, as nn.Embedding(max_norm=...) renormalises "
+                             f"its rows), which micro-batches cannot carry from one to the next; use microbatches=1")
         if not graph.types[vid].dtype.is_floating:
             raise SplitError(f"the optimizer update reads a {graph.types[vid].dtype.value} value computed from "
                              f"the batch; only floating-point gradients can be accumulated")
