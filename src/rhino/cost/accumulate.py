@@ -85,7 +85,7 @@ def split_step(graph: Graph) -> StepSplit:
         raise SplitError(f"node {clash[0]} is needed by both the gradients and the optimizer update; gradient "
                          f"accumulation cannot cut this step")
     for vid in boundary:
-        if producer[vid] <= a.boundary:   # not a gradient: made in the forward, from the batch
+        if a.at_or_before_loss(producer[vid]):   # not a gradient: made in the forward, from the batch
             node = nodes[producer[vid]]
             raise SplitError(f"the optimizer update reads {node.name} ({node.op}), a forward value computed from the "
                              f"batch (a parameter changed in the forward, as nn.Embedding(max_norm=...) renormalises "
