@@ -328,3 +328,26 @@ def test_an_unfinished_pass_shares_slots_over_time():
     assert validate_layout(bufs, dict(enumerate(at.tolist()))) == [] and (at >= np.maximum(fl, 12_345)).all()
     off = place_in_order(lo, up, sz, al, fl, np.argsort(-sz), deadline=time.monotonic() - 1, finish=True)
     assert validate_layout(bufs, dict(enumerate(off.tolist()))) == []
+
+
+def test_alignments_larger_than_sizes_raise_the_bound_and_it_holds():
+    """``layout_bound.aligned_bound``: ten 64-byte buffers live together, each at a multiple of 4096, need
+    9 x 4096 + 64 B, not 640 (the layout meets it: optimal); on random small instances with alignments above
+    their sizes the branch and bound proves that nothing fits one byte below the bound."""
+    from rhino.memory.layout_bnb import SearchStatus, search_layout
+    bufs = [Buffer(i, 0, 5, 64, 4096) for i in range(10)]
+    res = solve_layout(bufs, time_limit=5)
+    assert res.lower_bound == 9 * 4096 + 64 == res.height and res.status.value == "optimal"
+    rng = random.Random(21)
+    raised = 0
+    for _ in range(30):
+        bufs = []
+        for i in range(9):
+            a = rng.randint(0, 6)
+            bufs.append(Buffer(i, a, a + rng.randint(1, 5), rng.choice([8, 24, 40, 100]), rng.choice([1, 16, 64, 128])))
+        lb = lower_bound(bufs)
+        raised += lb > max(sum(b.size for b in bufs if b.lower <= t < b.upper) for t in range(12))
+        res = search_layout([b.lower for b in bufs], [b.upper for b in bufs], [b.size for b in bufs],
+                            [b.alignment for b in bufs], lb - 1)
+        assert res.status is SearchStatus.INFEASIBLE
+    assert raised >= 10

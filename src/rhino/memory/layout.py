@@ -59,7 +59,8 @@ has not reached on top when it passes), and the exact search runs in threads tha
 deadline (their set-up cannot be interrupted; they stop at their next check), so ``solve_layout``
 returns about when its limit is up (plus validating the result).
 
-``lower_bound``: the most bytes live at one time; a height equal to it is optimal.
+``lower_bound``: the most bytes live at one time, raised where alignments exceed sizes
+(``layout_bound.aligned_bound``); a height equal to it is optimal.
 ``validate_layout`` is the independent checker every result goes through.
 """
 from __future__ import annotations
@@ -72,6 +73,7 @@ from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
+from .layout_bound import aligned_bound, max_load
 from .layout_check import any_overlap
 from .layout_bnb import LayoutOptions, SearchStatus, capacity_in_range, preorder_indices, search_layout
 from .layout_eject import Follower, cores, eject_repair
@@ -83,7 +85,7 @@ from .layout_split import decompose, heavy_buffers, splittable
 from .layout_window import window_repair, windows_small
 
 __all__ = ["Buffer", "GreedyOrder", "LayoutStatus", "LayoutResult", "LayoutOptions", "validate_layout",
-           "lower_bound", "max_load", "height", "greedy_layout", "solve_layout"]
+           "lower_bound", "aligned_bound", "max_load", "height", "greedy_layout", "solve_layout"]
 
 Progress = Callable[[str], None]
 # above this CP-SAT only (with the split off; with it, leaves hold at most split.max_leaf buffers).
@@ -148,18 +150,11 @@ def height(buffers: Sequence[Buffer], offsets: dict) -> int:
 
 
 def lower_bound(buffers: Sequence[Buffer]) -> int:
-    """The most bytes live at one time (no layout can be lower)."""
-    return max_load(*(np.array([getattr(b, f) for b in buffers], np.int64) for f in ("lower", "upper", "size")))
-
-
-def max_load(lo: np.ndarray, up: np.ndarray, sz: np.ndarray) -> int:
-    """``lower_bound`` of the buffers' arrays (half-open lifetimes)."""
-    if not len(sz):
-        return 0
-    t = np.concatenate([lo, up])
-    d = np.concatenate([sz, -sz]).astype(np.int64)
-    live = np.cumsum(d[np.lexsort((d, t))])  # frees before allocations at equal times
-    return max(0, int(live.max()))
+    """No layout is lower: the most bytes live at one time, or more where alignments exceed sizes
+    (``aligned_bound``)."""
+    lo, up, sz, al = (np.array([getattr(b, f) for b in buffers], np.int64) for f in ("lower", "upper", "size",
+                                                                                   "alignment"))
+    return aligned_bound(lo, up, sz, al)
 
 
 def validate_layout(buffers: Sequence[Buffer], offsets: dict, capacity: int | None = None) -> list[str]:
@@ -502,7 +497,7 @@ def _solve_split(buffers: Sequence[Buffer], capacity: int | None, deadline: floa
     t0 = time.monotonic()
     lo, up = np.array([b.lower for b in buffers]), np.array([b.upper for b in buffers])
     sz, al = np.array([b.size for b in buffers]), np.array([b.alignment for b in buffers])
-    lb = max_load(lo, up, sz)
+    lb = aligned_bound(lo, up, sz, al)
     # for the leaves' last steps, the offsets by id, the height and the validation: five times what
     # reading the buffers took (a loaded machine slows both alike; 1,000,000 buffers: 0.8-1.1 s to read,
     # 3.0-3.9 s for those)
