@@ -73,6 +73,14 @@ def test_batches_come_from_the_workload_file_or_repeat_the_example():
     assert next(it)[0] is m.batch[0] and next(it)[0] is m.batch[0]
 
 
+def test_a_workload_function_the_processes_cannot_receive_is_one_sentence():
+    """``rhino.train(lambda: ..., nproc=2)``: the processes cannot unpickle a lambda; refused before any starts
+    (it was a PicklingError traceback from inside multiprocessing)."""
+    from rhino.runtime.trainer import train
+    with pytest.raises(ValueError, match="cannot receive the arguments.*'FILE\\[:FUNC\\]' spec"):
+        train(lambda: None, 2, strategy="dp=2", steps=1)
+
+
 def test_the_pure_packages_load_without_torch():
     code = ("import sys, rhino, rhino.ir, rhino.sharding, rhino.cost, rhino.search, rhino.search.planning, "
             "rhino.memory; assert 'torch' not in sys.modules, 'torch was imported'")

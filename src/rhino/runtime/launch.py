@@ -175,6 +175,11 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 60
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
         raise ValueError(f"launch needs a picklable fn (a module-level function, not a lambda or a "
                          f"local function): {exc}") from exc
+    try:   # a workload function among the arguments (a lambda or a local function cannot be sent); tensors
+        pickle.dumps([a for a in args if callable(a) and not isinstance(a, torch.nn.Module)])   # not copied
+    except (pickle.PicklingError, AttributeError, TypeError) as exc:
+        raise ValueError(f"the processes cannot receive the arguments ({exc}); give the workload as a "
+                         f"'FILE[:FUNC]' spec or a module-level function of an importable module") from None
 
     store = dist.TCPStore("127.0.0.1", 0, nproc, True, timeout=timedelta(seconds=timeout_s),
                           wait_for_workers=False)
