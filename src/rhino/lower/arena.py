@@ -89,6 +89,17 @@ def out_overload(op: str) -> tuple[torch._ops.OpOverload, tuple[str, ...]] | Non
     return None
 
 
+def _signature(x):
+    """A hashable stand-in for a call's arguments: tensors by geometry and dtype, containers item by item."""
+    if isinstance(x, torch.Tensor):
+        return tuple(x.shape), x.dtype, x.stride()
+    if isinstance(x, (list, tuple)):
+        return tuple(_signature(v) for v in x)
+    if isinstance(x, dict):
+        return tuple((k, _signature(v)) for k, v in x.items())
+    return repr(x)
+
+
 def _same_values(got: torch.Tensor, want) -> bool:
     """Bitwise-equal values (NaN where NaN) of one output."""
     if not isinstance(want, torch.Tensor) or got.shape != want.shape or got.dtype != want.dtype:
@@ -347,9 +358,7 @@ class ArenaProgram:
         Sampling ops are trusted (a second run would draw other numbers and move the generator's stream)."""
         if draws_rng(node.op):
             return True
-        key = (node.op, tuple((tuple(a.shape), a.dtype, a.stride()) if isinstance(a, torch.Tensor) else repr(a)
-                              for a in (*args, *kwargs.values())),
-               tuple((tuple(t.shape), t.dtype, t.stride()) for t in slots))
+        key = (node.op, _signature((args, kwargs)), _signature(slots))
         if key not in self._out_checked:
             with warnings.catch_warnings():   # the resize warning of an out= that differs
                 warnings.simplefilter("ignore")
