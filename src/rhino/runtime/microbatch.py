@@ -59,8 +59,8 @@ def check_microbatch_loss(cap: Captured, microbatches: int) -> None:
     capture cannot see this: it runs on fake tensors, which do not check index values."""
     w = cap.workload
     micro = tuple(b[:b.shape[0] // microbatches] for b in w.batch)
-    try:
-        with torch.no_grad():
+    try:   # the caller's random stream stays where it was (dropout would draw from it)
+        with torch.no_grad(), torch.random.fork_rng():
             w.loss_fn(copy.deepcopy(w.model), *micro)
     except (IndexError, RuntimeError, ValueError) as exc:
         raise microbatch_error(exc, microbatches) from None
