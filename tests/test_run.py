@@ -10,7 +10,11 @@ GPT = str(ROOT / "examples" / "gpt.py")
 
 
 def run_json(capsys, *argv):
-    code = main(["run", *argv, "--json"])
+    """``rhino run --json``, in float64 unless the test names a dtype: float32 rounding differs between CPUs'
+    kernels (tp=4 was 1.19e-5 off on one machine and within 1e-5 on another), and float64 neither fails a
+    right rule nor hides a wrong one."""
+    dtype = () if "--dtype" in argv else ("--dtype", "float64")
+    code = main(["run", *argv, *dtype, "--json"])
     out = capsys.readouterr().out
     return code, json.loads(out)
 
@@ -20,7 +24,7 @@ def run_json(capsys, *argv):
 def test_gpt_presets_on_four_processes(capsys, strategy):
     code, d = run_json(capsys, GPT, "--nproc", "4", "--strategy", strategy)
     assert code == 0 and d["ok"], d.get("first_mismatch") or d.get("error")
-    assert d["max_abs_diff"] < 1e-4 and d["comm_bytes_per_step"] > 0
+    assert d["max_abs_diff"] < 1e-9 and d["comm_bytes_per_step"] > 0
     assert d["mesh"] == {"dp=4": "dp4", "dp=4,zero=3": "dp4", "tp=4": "tp4"}.get(strategy, "dp2xtp2")
 
 
