@@ -11,6 +11,10 @@ afterwards, so nothing outside capture changes): it computes the output's shape 
 the refusing check. The op stays in the graph as it is, so execution runs the real kernel, which
 raises its own error for inputs it does not support; in the IR an op with no sharding rule runs
 replicated. Adding an op is one function registered with ``@fallback("aten::name.overload")``.
+
+One composite op is traced through an equivalent composition instead: ``torch.ctc_loss`` with the mean
+reduction builds a tensor from the list of target lengths in C++ (``at::tensor``), which fake tensors
+cannot hold; ``_ctc_mean`` takes the per-sequence losses and divides as that C++ code does.
 """
 from __future__ import annotations
 
@@ -43,6 +47,8 @@ def fake_fallbacks() -> Iterator[None]:
     The fallback is added to that registry directly (no dispatcher registration, so the meta kernel
     itself is untouched) and removed on exit, with the fake-tensor cache of outputs it produced."""
     added = []
+    ctc = torch.ctc_loss
+    torch.ctc_loss = _ctc_mean(ctc)
     try:
         for qualname, fn in FALLBACKS.items():
             holder = singleton.find(qualname).fake_impl
@@ -53,6 +59,7 @@ def fake_fallbacks() -> Iterator[None]:
             added.append((holder, kernel))
         yield
     finally:
+        torch.ctc_loss = ctc
         for holder, kernel in added:
             holder.kernels.remove(kernel)
         if added:
@@ -76,3 +83,27 @@ def _grouped_mm(mat_a, mat_b, offs=None, bias=None, out_dtype=None):
     torch._check(mat_a.size(-1) == mat_b.size(-2),
                  lambda: f"grouped_mm: contraction sizes differ ({list(mat_a.shape)} x {list(mat_b.shape)})")
     return mat_a.new_empty(shape, dtype=out_dtype or mat_a.dtype)
+
+
+@fallback("aten::_ctc_loss")
+def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_infinity=False):
+    """Shapes of ``_ctc_loss`` with the lengths as lists of ints (``F.ctc_loss(..., [T] * N, [S] * N)``):
+    the loss per sequence ``(N,)`` and the forward variables ``(N, T, 2 * max(target_lengths) + 1)``, as
+    the CPU kernel allocates them. Torch's fake kernel calls every form of the op dynamic, as it is where
+    the lengths are tensors (their values give the shape), which stay refused."""
+    batch = log_probs.size(1) if log_probs.dim() == 3 else 1
+    states = 2 * max(target_lengths, default=0) + 1
+    return (log_probs.new_empty([batch]), log_probs.new_empty([batch, log_probs.size(0), states]))
+
+
+def _ctc_mean(ctc: Callable) -> Callable:
+    """``torch.ctc_loss`` whose mean reduction with lengths as lists of ints is ``(losses /
+    clamp_min(lengths, 1)).mean()`` over the per-sequence losses, the reduction ATen computes (LossCTC.cpp,
+    ``ctc_loss_impl``) on a tensor it makes from the list; every other call goes to ``ctc`` as it is."""
+    def ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, reduction=1, zero_infinity=False):
+        if reduction != 1 or isinstance(input_lengths, torch.Tensor) or isinstance(target_lengths, torch.Tensor):
+            return ctc(log_probs, targets, input_lengths, target_lengths, blank, reduction, zero_infinity)
+        losses = ctc(log_probs, targets, input_lengths, target_lengths, blank, 0, zero_infinity)
+        lengths = torch.tensor(list(target_lengths), dtype=losses.dtype, device=losses.device).clamp_min(1)
+        return (losses / lengths).mean()
+    return ctc_loss

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.modules.transformer as transformer_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                            FakeTensorMode)
@@ -233,17 +234,34 @@ def _quiet_logger(name: str):
         logger.setLevel(old)
 
 
+def _mask_as_given(mask, is_causal=None, size=None) -> bool:
+    """``nn.modules.transformer._detect_is_causal_mask`` without reading the mask: the hint as given."""
+    return is_causal is True
+
+
 @contextlib.contextmanager
-def _distributions_unchecked():
-    """``torch.distributions`` checks its arguments by default (``bool`` of a tensor comparison), which stops
-    tracing; the checks only raise on invalid values and change no result, so the capture runs without them
-    (the workload's own eager run, the reference, keeps them)."""
+def _value_checks_off():
+    """Checks inside torch that read a tensor's value (``bool`` of a comparison) stop tracing, and change no
+    result; the capture runs without them (the workload's own eager run, the reference, keeps them):
+
+    - ``torch.distributions`` validates its arguments by default, which only raises on invalid values;
+    - ``nn.TransformerEncoder``/``TransformerDecoder``/``Transformer`` compare a given mask with the causal
+      one to use a causal kernel instead; without the comparison the mask is applied as given, which is
+      right for every mask (a causal hint passed by the user is kept)."""
     before = torch.distributions.Distribution._validate_args
+    detect = transformer_module._detect_is_causal_mask
     torch.distributions.Distribution.set_default_validate_args(False)
+    transformer_module._detect_is_causal_mask = _mask_as_given
     try:
         yield
     finally:
         torch.distributions.Distribution.set_default_validate_args(before)
+        transformer_module._detect_is_causal_mask = detect
+
+
+# ops whose output shape depends on a tensor argument's values, and the form of the call that does not
+_VALUE_SHAPE_FIXES = {"aten._ctc_loss.Tensor": "pass input_lengths and target_lengths to F.ctc_loss as lists "
+                                               "of ints (tensors of lengths make the shapes depend on values)"}
 
 
 def _trace(step, flat, workload: Workload) -> torch.fx.GraphModule:
@@ -251,13 +269,13 @@ def _trace(step, flat, workload: Workload) -> torch.fx.GraphModule:
         # tracing runs on fake CPU tensors: a CUDA autocast region acts on them. Without oneDNN, RNNs trace
         # to their aten cells (mm, sigmoid, ...): the oneDNN RNN op returns its backward's workspace only
         # under grad mode, which the lowered step (run under no_grad) does not have
-        with autocast_on("cpu"), torch.backends.mkldnn.flags(enabled=False), _distributions_unchecked():
+        with autocast_on("cpu"), torch.backends.mkldnn.flags(enabled=False), _value_checks_off():
             return make_fx(step, tracing_mode="fake")(*flat)
     except _DATA_DEPENDENT as exc:
+        fix = _VALUE_SHAPE_FIXES.get(str(getattr(exc, "func", "")), "use tensor ops such as torch.where instead")
         raise CaptureError(f"tracing stopped at {_user_frame(exc, workload)}: Python control flow or a "
                            f"shape depends on a tensor's value (.item(), bool(tensor), boolean indexing), "
-                           f"which a training-step graph cannot hold; use tensor ops such as torch.where "
-                           f"instead") from None
+                           f"which a training-step graph cannot hold; {fix}") from None
     except CaptureError:
         raise
     except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as exc:

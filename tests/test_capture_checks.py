@@ -1,0 +1,40 @@
+"""Library calls that read tensor values while tracing (tests/workloads/torch_checks.py): captured steps
+equal PyTorch's in float64, or one sentence saying what to change."""
+import warnings
+
+import pytest
+import torch
+
+from conftest import ROOT
+from rhino.capture import CaptureError, capture, default_dtype, load_workload
+from rhino.check import check_captured
+
+CHECKS = str(ROOT / "tests" / "workloads" / "torch_checks.py")
+
+
+def _capture(name: str):
+    with warnings.catch_warnings(), default_dtype(torch.float64):
+        warnings.simplefilter("ignore")
+        return capture(load_workload(f"{CHECKS}:{name}", dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name", ["causal_encoder", "ctc_lists"])
+def test_steps_equal_pytorch_in_float64(name):
+    cap = _capture(name)
+    with default_dtype(torch.float64):
+        r = check_captured(cap, steps=3)
+    assert r.ok and r.max_abs_diff <= 1e-12, r.first_mismatch
+    assert r.losses[0] != r.losses[2]
+
+
+def test_ctc_lengths_as_tensors_are_one_sentence():
+    with pytest.raises(CaptureError, match="pass input_lengths and target_lengths to F.ctc_loss as lists of ints"):
+        _capture("ctc_tensor_lengths")
+
+
+def test_the_causal_hint_is_left_to_torch_outside_capture():
+    """The capture's stand-in for the causal-mask test is removed after tracing."""
+    import torch.nn.modules.transformer as tm
+    _capture("causal_encoder")
+    mask = torch.nn.Transformer.generate_square_subsequent_mask(4)
+    assert tm._detect_is_causal_mask(mask) is True

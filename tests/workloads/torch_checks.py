@@ -1,0 +1,66 @@
+"""Models whose torch code reads tensor values inside library calls (held out in session 22).
+
+- ``causal_encoder``: ``nn.TransformerEncoder`` given a causal mask compares it with the causal mask
+  (``_detect_is_causal_mask``), a ``bool`` of a tensor: tracing stopped there.
+- ``ctc_lists``: ``F.ctc_loss`` with lengths as lists of ints and the mean reduction: torch's fake kernel
+  of ``_ctc_loss`` calls every form dynamic, and the mean builds a tensor from the list in C++.
+- ``ctc_tensor_lengths``: the lengths as tensors (their values give the shapes): refused, saying to pass
+  lists.
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class CausalEncoder(nn.Module):
+    def __init__(self, vocab=32, d=16, seq=8):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.pos = nn.Parameter(torch.randn(seq, d) * 0.02)
+        layer = nn.TransformerEncoderLayer(d, 2, 32, dropout=0.0, batch_first=True)
+        self.enc = nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+        self.head = nn.Linear(d, vocab)
+
+    def forward(self, t):
+        mask = nn.Transformer.generate_square_subsequent_mask(t.shape[1], dtype=self.pos.dtype)
+        return self.head(self.enc(self.emb(t) + self.pos[: t.shape[1]], mask=mask))
+
+
+def causal_encoder():
+    torch.manual_seed(0)
+    model = CausalEncoder()
+    t = torch.randint(0, 32, (4, 9), generator=torch.Generator().manual_seed(1))
+    return (model, torch.optim.Adam(model.parameters(), lr=1e-3),
+            lambda m, x, y: F.cross_entropy(m(x).flatten(0, 1), y.flatten()), (t[:, :-1].clone(), t[:, 1:].clone()))
+
+
+class GruCtc(nn.Module):
+    def __init__(self, feats=6, hidden=12, classes=5):
+        super().__init__()
+        self.gru = nn.GRU(feats, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.head(self.gru(x)[0]).log_softmax(-1).transpose(0, 1)  # (time, batch, classes)
+
+
+def _ctc_lists(m, x, targets):
+    return F.ctc_loss(m(x), targets, [x.shape[1]] * x.shape[0], [3, 4, 2, 4], zero_infinity=True)
+
+
+def _ctc_tensors(m, x, targets):
+    n, t = x.shape[0], x.shape[1]
+    return F.ctc_loss(m(x), targets, torch.full((n,), t), torch.full((n,), targets.shape[1]))
+
+
+def ctc_lists():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    model = GruCtc()
+    x, targets = torch.randn(4, 10, 6, generator=g), torch.randint(1, 5, (4, 4), generator=g)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), _ctc_lists, (x, targets)
+
+
+def ctc_tensor_lengths():
+    model, opt, _, batch = ctc_lists()
+    return model, opt, _ctc_tensors, batch
