@@ -18,7 +18,7 @@ def _capture(name: str):
         return capture(load_workload(f"{CHECKS}:{name}", dtype=torch.float64))
 
 
-@pytest.mark.parametrize("name", ["causal_encoder", "ctc_lists"])
+@pytest.mark.parametrize("name", ["causal_encoder", "ctc_lists", "gaussian_head"])
 def test_steps_equal_pytorch_in_float64(name):
     cap = _capture(name)
     with default_dtype(torch.float64):
@@ -32,9 +32,12 @@ def test_ctc_lengths_as_tensors_are_one_sentence():
         _capture("ctc_tensor_lengths")
 
 
-def test_the_causal_hint_is_left_to_torch_outside_capture():
-    """The capture's stand-in for the causal-mask test is removed after tracing."""
+def test_the_checks_are_back_after_capture():
+    """The capture's stand-ins for the causal-mask test and the variance check are removed after tracing."""
     import torch.nn.modules.transformer as tm
     _capture("causal_encoder")
+    _capture("gaussian_head")
     mask = torch.nn.Transformer.generate_square_subsequent_mask(4)
     assert tm._detect_is_causal_mask(mask) is True
+    with pytest.raises(ValueError, match="var has negative"):
+        torch.nn.functional.gaussian_nll_loss(torch.zeros(2), torch.zeros(2), -torch.ones(2))

@@ -4,6 +4,7 @@
   (``_detect_is_causal_mask``), a ``bool`` of a tensor: tracing stopped there.
 - ``ctc_lists``: ``F.ctc_loss`` with lengths as lists of ints and the mean reduction: torch's fake kernel
   of ``_ctc_loss`` calls every form dynamic, and the mean builds a tensor from the list in C++.
+- ``gaussian_head``: ``nn.GaussianNLLLoss`` checks ``torch.any(var < 0)`` (a ``bool`` of a tensor).
 - ``ctc_tensor_lengths``: the lengths as tensors (their values give the shapes): refused, saying to pass
   lists.
 """
@@ -64,3 +65,28 @@ def ctc_lists():
 def ctc_tensor_lengths():
     model, opt, _, batch = ctc_lists()
     return model, opt, _ctc_tensors, batch
+
+
+class GaussianHead(nn.Module):
+    """Mean and variance heads (heteroscedastic regression)."""
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(6, 16), nn.Tanh())
+        self.mean, self.logvar = nn.Linear(16, 2), nn.Linear(16, 2)
+
+    def forward(self, x):
+        h = self.body(x)
+        return self.mean(h), self.logvar(h).exp()
+
+
+def _gaussian(m, x, y):
+    mean, var = m(x)
+    return nn.GaussianNLLLoss(full=True)(mean, y, var)
+
+
+def gaussian_head():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    model = GaussianHead()
+    x, y = torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2), _gaussian, (x, y)

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 import torch.nn.modules.transformer as transformer_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
@@ -247,16 +248,34 @@ def _value_checks_off():
     - ``torch.distributions`` validates its arguments by default, which only raises on invalid values;
     - ``nn.TransformerEncoder``/``TransformerDecoder``/``Transformer`` compare a given mask with the causal
       one to use a causal kernel instead; without the comparison the mask is applied as given, which is
-      right for every mask (a causal hint passed by the user is kept)."""
+      right for every mask (a causal hint passed by the user is kept);
+    - ``F.gaussian_nll_loss`` (and ``nn.GaussianNLLLoss``) raises if ``torch.any(var < 0)``."""
     before = torch.distributions.Distribution._validate_args
-    detect = transformer_module._detect_is_causal_mask
+    detect, gaussian = transformer_module._detect_is_causal_mask, F.gaussian_nll_loss
     torch.distributions.Distribution.set_default_validate_args(False)
     transformer_module._detect_is_causal_mask = _mask_as_given
+    F.gaussian_nll_loss = _without_any(gaussian)
     try:
         yield
     finally:
         torch.distributions.Distribution.set_default_validate_args(before)
-        transformer_module._detect_is_causal_mask = detect
+        transformer_module._detect_is_causal_mask, F.gaussian_nll_loss = detect, gaussian
+
+
+def _without_any(fn):
+    """``fn`` with ``torch.any`` answering False while it runs: its one use there is the value check."""
+    def call(*args, **kwargs):
+        any_ = torch.any
+        torch.any = _false
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            torch.any = any_
+    return call
+
+
+def _false(*args, **kwargs) -> bool:
+    return False
 
 
 # ops whose output shape depends on a tensor argument's values, and the form of the call that does not
