@@ -41,3 +41,12 @@ def test_the_checks_are_back_after_capture():
     assert tm._detect_is_causal_mask(mask) is True
     with pytest.raises(ValueError, match="var has negative"):
         torch.nn.functional.gaussian_nll_loss(torch.zeros(2), torch.zeros(2), -torch.ones(2))
+
+
+def test_rank_memory_plans_hold_an_op_without_a_meta_kernel(capsys):
+    """``_ctc_loss_backward`` has no meta kernel: the rank graph learns its shapes on fake tensors."""
+    import json
+    from rhino.cli.main import main
+    code = main(["memory", f"{CHECKS}:ctc_lists", "--strategy", "dp=2,tp=2", "--time-limit", "5", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert code == 0 and len(d["ranks"]) == 4 and all(r["valid"] for r in d["ranks"])

@@ -289,6 +289,18 @@ def test_unpicklable_result_names_the_rank():
     assert info.value.rank == 1
 
 
+def sum_of_tensors(ctx, tensors):
+    return float(sum(t.sum() for t in tensors))
+
+
+@pytest.mark.multiprocess
+def test_arguments_of_hundreds_of_tensors_reach_every_rank():
+    """A fork server takes at most ~250 file descriptors per process; tensors shared as descriptors (the
+    start method's own pickler) failed with 'too many fds' for a 274-tensor model."""
+    tensors = [torch.full((3,), float(i)) for i in range(600)]
+    assert launch(sum_of_tensors, 2, tensors, timeout_s=30) == [3.0 * sum(range(600))] * 2
+
+
 def test_unpicklable_function_is_rejected_before_starting():
     with pytest.raises(ValueError, match="picklable"):
         launch(lambda ctx: None, 2)

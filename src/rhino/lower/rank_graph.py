@@ -29,6 +29,8 @@ from dataclasses import dataclass
 
 import torch
 import torch.fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
 
 from ..ir.graph import STATE_ROLES, Graph, GraphInput, GraphOutput, Node, Ref, Role
 from ..ir.types import TensorType
@@ -140,7 +142,7 @@ class _Converter:
                              f"accumulation over micro-batches is not supported with a memory plan)")
         margs = torch.fx.node.map_arg(n.args, lambda a: self.meta[a])
         mkwargs = torch.fx.node.map_arg(n.kwargs, lambda a: self.meta[a])
-        res = n.target(*margs, **mkwargs)
+        res = _meta_call(n.target, margs, mkwargs)
         if isinstance(res, (tuple, list)):
             node = Node(n.name, _op_name(n.target), args, kwargs, [None] * len(res), multi=True)
             self.g.nodes.append(node)
@@ -155,6 +157,22 @@ class _Converter:
             src = inputs.get(name)
             role = src.role if src is not None and src.role in STATE_ROLES else Role.LOSS
             self.g.outputs.append(GraphOutput(name, role, self.ref[r].id))
+
+
+def _meta_call(op, args, kwargs):
+    """``op`` on meta tensors; where it has no meta kernel (``_ctc_loss_backward``), on fake CPU tensors,
+    for which FakeTensorMode runs the CPU kernel on zeros to learn the outputs' shapes; the outputs as meta
+    tensors either way."""
+    try:
+        return op(*args, **kwargs)
+    except NotImplementedError:
+        pass
+    with FakeTensorMode():
+        fake = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype) if isinstance(t, torch.Tensor) else t,
+                        (args, kwargs))
+        out = op(*fake[0], **fake[1])
+    return tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor)
+                    else t, out)
 
 
 def rank_graph(rp: ResolvedPlan, rank: int) -> Graph:

@@ -175,8 +175,10 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 60
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
         raise ValueError(f"launch needs a picklable fn (a module-level function, not a lambda or a "
                          f"local function): {exc}") from exc
-    try:   # a workload function among the arguments (a lambda or a local function cannot be sent); tensors
-        pickle.dumps([a for a in args if callable(a) and not isinstance(a, torch.nn.Module)])   # not copied
+    try:   # the arguments go as one plain pickle (tensors by value): the start method's own pickler shares
+        # each tensor's storage as a file descriptor, and a fork server takes at most ~250 of them per process
+        # (a 274-tensor model's state failed with "too many fds")
+        blob = pickle.dumps(args)
     except (pickle.PicklingError, AttributeError, TypeError) as exc:
         raise ValueError(f"the processes cannot receive the arguments ({exc}); give the workload as a "
                          f"'FILE[:FUNC]' spec or a module-level function of an importable module") from None
@@ -190,7 +192,7 @@ def launch(fn: Callable[..., Any], nproc: int, *args: Any, timeout_s: float = 60
         for rank in range(nproc):
             parent_end, child_end = spawn.Pipe(duplex=False)
             p = spawn.Process(target=_worker, name=f"rhino-rank{rank}",
-                              args=(rank, nproc, store.port, backend, timeout_s, fn, args, child_end, env))
+                              args=(rank, nproc, store.port, backend, timeout_s, fn, blob, child_end, env))
             p.start()
             child_end.close()
             procs.append(p)
@@ -312,8 +314,9 @@ def _stop(procs: list, wait_s: float) -> None:
 
 
 def _worker(rank: int, world: int, port: int, backend: Backend, timeout_s: float,
-            fn: Callable[..., Any], args: tuple, conn: Connection, env: dict[str, str]) -> None:
-    """One rank: join the group, run ``fn``, report the result or the error, then tear down."""
+            fn: Callable[..., Any], blob: bytes, conn: Connection, env: dict[str, str]) -> None:
+    """One rank: join the group, run ``fn`` on the arguments pickled in ``blob``, report the result or the
+    error, then tear down."""
     failed = False
     if os.environ != env:       # the fork server's environment is the one it started with: take the caller's
         os.environ.clear()
@@ -324,7 +327,7 @@ def _worker(rank: int, world: int, port: int, backend: Backend, timeout_s: float
         store = dist.TCPStore("127.0.0.1", port, world, False, timeout=timedelta(seconds=timeout_s))
         dist.init_process_group(backend.value, store=store, rank=rank, world_size=world,
                                 timeout=timedelta(seconds=timeout_s))
-        result = fn(RankContext(rank, world, device, backend, rank), *args)
+        result = fn(RankContext(rank, world, device, backend, rank), *pickle.loads(blob))
         message = (True, pickle.dumps(result), time.time(), "")
     except BaseException as exc:  # noqa: BLE001 -- reported to the parent, which re-raises it
         failed = True
