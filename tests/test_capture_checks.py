@@ -43,6 +43,18 @@ def test_the_checks_are_back_after_capture():
         torch.nn.functional.gaussian_nll_loss(torch.zeros(2), torch.zeros(2), -torch.ones(2))
 
 
+@pytest.mark.multiprocess
+def test_an_opaque_op_runs_in_its_planned_arena_slot(capsys):
+    """``_embedding_bag``'s outputs have the shapes capture saw (meta gave ``max_indices`` no elements)."""
+    import json
+    from rhino.cli.main import main
+    code = main(["run", f"{CHECKS}:embedding_bag", "--nproc", "2", "--strategy", "dp=2", "--memory-plan",
+                 "--dtype", "float64", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert code == 0 and d["ok"], d.get("first_mismatch") or d.get("error")
+    assert all(m["arena_bytes"] == m["plan_bytes"] for m in d["memory_plan"])
+
+
 def test_rank_memory_plans_hold_an_op_without_a_meta_kernel(capsys):
     """``_ctc_loss_backward`` has no meta kernel: the rank graph learns its shapes on fake tensors."""
     import json

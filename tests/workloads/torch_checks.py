@@ -1,10 +1,12 @@
-"""Models whose torch code reads tensor values inside library calls (held out in session 22).
+"""Models whose library calls needed care in tracing or planning (held out in session 22).
 
 - ``causal_encoder``: ``nn.TransformerEncoder`` given a causal mask compares it with the causal mask
   (``_detect_is_causal_mask``), a ``bool`` of a tensor: tracing stopped there.
 - ``ctc_lists``: ``F.ctc_loss`` with lengths as lists of ints and the mean reduction: torch's fake kernel
   of ``_ctc_loss`` calls every form dynamic, and the mean builds a tensor from the list in C++.
 - ``gaussian_head``: ``nn.GaussianNLLLoss`` checks ``torch.any(var < 0)`` (a ``bool`` of a tensor).
+- ``embedding_bag``: ``nn.EmbeddingBag(mode="mean")``, whose meta kernel gives ``max_indices`` no elements on
+  the meta device and one per bag on CPU (rank graphs ran ops on meta: the arena's slot was empty).
 - ``ctc_tensor_lengths``: the lengths as tensors (their values give the shapes): refused, saying to pass
   lists.
 """
@@ -90,3 +92,21 @@ def gaussian_head():
     model = GaussianHead()
     x, y = torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)
     return model, torch.optim.Adam(model.parameters(), lr=1e-2), _gaussian, (x, y)
+
+
+class Bag(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.EmbeddingBag(40, 8, mode="mean")
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, idx):
+        return self.fc(self.emb(idx))
+
+
+def embedding_bag():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    model = Bag()
+    idx, y = torch.randint(0, 40, (8, 5), generator=g), torch.randint(0, 3, (8,), generator=g)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2), lambda m, i, y: F.cross_entropy(m(i), y), (idx, y)

@@ -33,10 +33,12 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from ..ir.graph import STATE_ROLES, Graph, GraphInput, GraphOutput, Node, Ref, Role
+from ..ir.registry import is_known
 from ..ir.types import TensorType
 from ..memory.from_graph import GraphMemory, problem_from_graph
 from ..memory.problem import MemProblem
 from ..sharding.plan import ResolvedPlan
+from ..capture.fallbacks import fake_fallbacks
 from ..capture.to_ir import fx_arg, ir_dtype
 from ..sharding.steps import after_step
 from .spmd import lower_rank
@@ -160,19 +162,18 @@ class _Converter:
 
 
 def _meta_call(op, args, kwargs):
-    """``op`` on meta tensors; where it has no meta kernel (``_ctc_loss_backward``), on fake CPU tensors,
-    for which FakeTensorMode runs the CPU kernel on zeros to learn the outputs' shapes; the outputs as meta
-    tensors either way."""
-    try:
+    """``op``'s outputs as meta tensors. An op with a sharding rule (``ir.registry.is_known``) runs on meta
+    tensors (its rule is checked against torch). An opaque op runs on fake CPU tensors, as capture ran it:
+    its meta kernel may answer for the meta device (``_embedding_bag``'s ``max_indices``: empty on meta, one
+    per bag on CPU) or be missing (``_ctc_loss_backward``: FakeTensorMode runs the CPU kernel on zeros)."""
+    if is_known(_op_name(op)):
         return op(*args, **kwargs)
-    except NotImplementedError:
-        pass
     with FakeTensorMode():
-        fake = tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype) if isinstance(t, torch.Tensor) else t,
-                        (args, kwargs))
+        fake = tree_map(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
+                        if isinstance(t, torch.Tensor) else t, (args, kwargs))
         out = op(*fake[0], **fake[1])
-    return tree_map(lambda t: torch.empty(t.shape, dtype=t.dtype, device="meta") if isinstance(t, torch.Tensor)
-                    else t, out)
+    return tree_map(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+                    if isinstance(t, torch.Tensor) else t, out)
 
 
 def rank_graph(rp: ResolvedPlan, rank: int) -> Graph:
@@ -180,7 +181,7 @@ def rank_graph(rp: ResolvedPlan, rank: int) -> Graph:
     if rp.plan.microbatches > 1:
         raise ValueError(f"a memory plan per rank needs one micro-batch; the plan has "
                          f"microbatches={rp.plan.microbatches}")
-    with torch.no_grad():
+    with torch.no_grad(), fake_fallbacks():   # opaque ops run on fake tensors, as in capture (``_meta_call``)
         prog = lower_rank(rp, rank, "meta")
         return _Converter(rp, rank).convert(prog)
 
