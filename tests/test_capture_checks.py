@@ -18,7 +18,7 @@ def _capture(name: str):
         return capture(load_workload(f"{CHECKS}:{name}", dtype=torch.float64))
 
 
-@pytest.mark.parametrize("name", ["causal_encoder", "ctc_lists", "gaussian_head"])
+@pytest.mark.parametrize("name", ["causal_encoder", "ctc_lists", "gaussian_head", "compiled"])
 def test_steps_equal_pytorch_in_float64(name):
     cap = _capture(name)
     with default_dtype(torch.float64):
@@ -62,3 +62,9 @@ def test_rank_memory_plans_hold_an_op_without_a_meta_kernel(capsys):
     code = main(["memory", f"{CHECKS}:ctc_lists", "--strategy", "dp=2,tp=2", "--time-limit", "5", "--json"])
     d = json.loads(capsys.readouterr().out)
     assert code == 0 and len(d["ranks"]) == 4 and all(r["valid"] for r in d["ranks"])
+
+
+def test_a_compiled_model_is_its_module():
+    with default_dtype(torch.float64):
+        w = load_workload(f"{CHECKS}:compiled", dtype=torch.float64)
+    assert type(w.model).__name__ == "Bag"

@@ -7,6 +7,7 @@
 - ``gaussian_head``: ``nn.GaussianNLLLoss`` checks ``torch.any(var < 0)`` (a ``bool`` of a tensor).
 - ``embedding_bag``: ``nn.EmbeddingBag(mode="mean")``, whose meta kernel gives ``max_indices`` no elements on
   the meta device and one per bag on CPU (rank graphs ran ops on meta: the arena's slot was empty).
+- ``compiled``: a model wrapped by ``torch.compile`` (FX cannot trace the wrapper; its module is traced).
 - ``ctc_tensor_lengths``: the lengths as tensors (their values give the shapes): refused, saying to pass
   lists.
 """
@@ -110,3 +111,8 @@ def embedding_bag():
     model = Bag()
     idx, y = torch.randint(0, 40, (8, 5), generator=g), torch.randint(0, 3, (8,), generator=g)
     return model, torch.optim.Adam(model.parameters(), lr=1e-2), lambda m, i, y: F.cross_entropy(m(i), y), (idx, y)
+
+
+def compiled():
+    model, opt, loss_fn, batch = embedding_bag()
+    return torch.compile(model), opt, loss_fn, batch

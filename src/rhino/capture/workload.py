@@ -110,6 +110,16 @@ def _where(exc: BaseException, path: Path) -> str:
     return f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}{loc}"
 
 
+def _uncompiled(model: torch.nn.Module) -> torch.nn.Module:
+    """The module ``torch.compile(module)`` wraps (the same parameters): its program is what capture traces
+    (a compiled wrapper cannot be traced), and the eager reference runs it without compiling."""
+    if "torch._dynamo.eval_frame" in sys.modules:   # loaded by torch.compile: no compiled module without it
+        from torch._dynamo.eval_frame import OptimizedModule
+        while isinstance(model, OptimizedModule):
+            model = model._orig_mod
+    return model
+
+
 def validate_workload(result, path: Path, func: str) -> Workload:
     """What a workload function returned -> ``Workload``; a ``WorkloadError`` sentence for each mistake."""
     where = f"{path}:{func}()"
@@ -119,6 +129,7 @@ def validate_workload(result, path: Path, func: str) -> Workload:
     model, optimizer, loss_fn, batch = result
     if not isinstance(model, torch.nn.Module):
         raise WorkloadError(f"{where} returned a {type(model).__name__} as model; it must be a torch.nn.Module")
+    model = _uncompiled(model)
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise WorkloadError(f"{where} returned a {type(optimizer).__name__} as optimizer; it must be a "
                             f"torch.optim optimizer over the model's parameters")
