@@ -2,9 +2,13 @@
 
 Each mirrors the single-tensor implementation of ``torch.optim`` (2.13) op for
 op, with the optimizer's real hyper-parameters read from its param groups, so
-a captured step matches ``optimizer.step()``. The step counters of Adam(W)
-are state tensors; bias corrections are computed in float64 0-dim tensors as
-torch computes them in Python doubles.
+a captured step matches ``optimizer.step()``: SGD, Adam, AdamW, RMSprop, Adagrad,
+NAdam, RAdam, Adamax and Adadelta (``foreach`` and ``fused`` are ignored: the
+same math in another rounding order). Step counters and NAdam's ``mu_product``
+are 0-dim state tensors; the scalars torch computes from them in Python doubles
+(bias corrections, RAdam's rectification, NAdam's momentum schedule) are
+float64 0-dim tensors here, and torch's Python branch on the step (RAdam's
+``rho_t > 5``) is a ``torch.where``.
 """
 from __future__ import annotations
 
@@ -15,7 +19,8 @@ import torch
 
 from .workload import WorkloadError
 
-__all__ = ["ParamUpdate", "plan_updates", "initial_state", "apply_update"]
+__all__ = ["ParamUpdate", "SCALAR_KEYS", "plan_updates", "initial_state", "lazy_value", "scalar_dtype",
+           "state_meta", "apply_update", "state_name"]
 
 
 @dataclass
@@ -23,7 +28,7 @@ class ParamUpdate:
     """How one parameter is updated: the algorithm, its hyper-parameters, its state keys."""
 
     name: str
-    kind: str                      # "sgd" | "adam" | "rmsprop" | "adagrad"
+    kind: str                      # a value of _KINDS: "sgd", "adam", "nadam", ...
     hp: dict[str, Any]
     state_keys: list[str] = field(default_factory=list)
     torch_keys: list[str] = field(default_factory=list)  # keys torch keeps in optimizer.state
@@ -43,48 +48,113 @@ def plan_updates(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> lis
                 continue
             if p.is_complex():
                 raise WorkloadError("complex parameters are not supported; use real tensors")
-            if kind == "sgd":
-                hp = {k: _scalar(group[k]) for k in ("lr", "momentum", "dampening", "weight_decay")}
-                hp.update(nesterov=bool(group["nesterov"]), maximize=bool(group.get("maximize", False)))
-                keys, tkeys = [], []
-                if hp["momentum"] != 0:
-                    keys, tkeys = ["momentum_buffer"], ["momentum_buffer"]
-                    if hp["dampening"] != 0:  # torch's first step copies the gradient: track it
-                        keys.append("started")
-            elif kind == "rmsprop":
-                hp = {k: _scalar(group[k]) for k in ("lr", "alpha", "eps", "weight_decay", "momentum")}
-                hp.update(centered=bool(group["centered"]), maximize=bool(group.get("maximize", False)))
-                keys = ["step", "square_avg"] + (["momentum_buffer"] if hp["momentum"] > 0 else []) + \
-                    (["grad_avg"] if hp["centered"] else [])
-                tkeys = list(keys)
-            elif kind == "adagrad":
-                hp = {k: _scalar(group[k]) for k in ("lr", "lr_decay", "weight_decay", "eps",
-                                                      "initial_accumulator_value")}
-                hp.update(maximize=bool(group.get("maximize", False)))
-                keys, tkeys = ["step", "sum"], ["step", "sum"]
-            else:
-                beta1, beta2 = (_scalar(b) for b in group["betas"])
-                hp = {"lr": _scalar(group["lr"]), "beta1": beta1, "beta2": beta2, "eps": _scalar(group["eps"]),
-                      "weight_decay": _scalar(group["weight_decay"]), "amsgrad": bool(group["amsgrad"]),
-                      "maximize": bool(group.get("maximize", False)),
-                      "decoupled": bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))}
-                keys = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if hp["amsgrad"] else [])
-                tkeys = list(keys)
+            hp, keys, tkeys = _PLANNERS[kind](group, kind, optimizer)
+            if kind == "nadam":
+                hp["mu_product_dtype"] = _mu_product_dtype(optimizer.state.get(p, {}).get("mu_product"))
             plans.append(ParamUpdate(names[id(p)], kind, hp, keys, tkeys))
     return plans
 
 
+def _mu_product_dtype(held) -> torch.dtype:
+    """NAdam's mu_product: the held tensor's dtype, else what torch creates at the first step (float64 under a
+    float64 default dtype, as ``torch.optim.optimizer._get_scalar_dtype``)."""
+    if isinstance(held, torch.Tensor):
+        return held.dtype
+    return torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+
+
+def _plan_sgd(group: dict, kind: str, optimizer) -> tuple[dict, list[str], list[str]]:
+    hp = {k: _scalar(group[k]) for k in ("lr", "momentum", "dampening", "weight_decay")}
+    hp.update(nesterov=bool(group["nesterov"]), maximize=bool(group.get("maximize", False)))
+    keys, tkeys = [], []
+    if hp["momentum"] != 0:
+        keys, tkeys = ["momentum_buffer"], ["momentum_buffer"]
+        if hp["dampening"] != 0:  # torch's first step copies the gradient: track it
+            keys.append("started")
+    return hp, keys, tkeys
+
+
+def _plan_rmsprop(group: dict, kind: str, optimizer) -> tuple[dict, list[str], list[str]]:
+    hp = {k: _scalar(group[k]) for k in ("lr", "alpha", "eps", "weight_decay", "momentum")}
+    hp.update(centered=bool(group["centered"]), maximize=bool(group.get("maximize", False)))
+    keys = ["step", "square_avg"] + (["momentum_buffer"] if hp["momentum"] > 0 else []) + \
+        (["grad_avg"] if hp["centered"] else [])
+    return hp, keys, list(keys)
+
+
+def _plan_adagrad(group: dict, kind: str, optimizer) -> tuple[dict, list[str], list[str]]:
+    hp = {k: _scalar(group[k]) for k in ("lr", "lr_decay", "weight_decay", "eps", "initial_accumulator_value")}
+    hp.update(maximize=bool(group.get("maximize", False)))
+    return hp, ["step", "sum"], ["step", "sum"]
+
+
+def _plan_adam_family(group: dict, kind: str, optimizer) -> tuple[dict, list[str], list[str]]:
+    """Adam(W), NAdam, RAdam and Adamax: betas, eps, weight decay, maximize, and each one's extras."""
+    beta1, beta2 = (_scalar(b) for b in group["betas"])
+    hp = {"lr": _scalar(group["lr"]), "beta1": beta1, "beta2": beta2, "eps": _scalar(group["eps"]),
+          "weight_decay": _scalar(group["weight_decay"]), "maximize": bool(group.get("maximize", False)),
+          "decoupled": bool(group.get("decoupled_weight_decay", isinstance(optimizer, torch.optim.AdamW)))}
+    if kind == "adam":
+        hp["amsgrad"] = bool(group["amsgrad"])
+        keys = ["step", "exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if hp["amsgrad"] else [])
+    elif kind == "nadam":
+        hp["momentum_decay"] = _scalar(group["momentum_decay"])
+        keys = ["step", "mu_product", "exp_avg", "exp_avg_sq"]
+    elif kind == "radam":
+        keys = ["step", "exp_avg", "exp_avg_sq"]
+    else:
+        keys = ["step", "exp_avg", "exp_inf"]
+    return hp, keys, list(keys)
+
+
+def _plan_adadelta(group: dict, kind: str, optimizer) -> tuple[dict, list[str], list[str]]:
+    hp = {k: _scalar(group[k]) for k in ("lr", "rho", "eps", "weight_decay")}
+    hp.update(maximize=bool(group.get("maximize", False)))
+    return hp, ["step", "square_avg", "acc_delta"], ["step", "square_avg", "acc_delta"]
+
+
+_PLANNERS = {"sgd": _plan_sgd, "adam": _plan_adam_family, "rmsprop": _plan_rmsprop, "adagrad": _plan_adagrad,
+             "nadam": _plan_adam_family, "radam": _plan_adam_family, "adamax": _plan_adam_family,
+             "adadelta": _plan_adadelta}
+
+# The optimizer classes mirrored (by exact type: a subclass may change the update) and their kinds.
+_KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "adam",
+          torch.optim.RMSprop: "rmsprop", torch.optim.Adagrad: "adagrad", torch.optim.NAdam: "nadam",
+          torch.optim.RAdam: "radam", torch.optim.Adamax: "adamax", torch.optim.Adadelta: "adadelta"}
+
+# State keys held as 0-dim tensors, not parameter-shaped (torch's counters and mu_product; rhino's ``started``).
+SCALAR_KEYS = ("step", "started", "mu_product")
+
+
 def _kind(optimizer: torch.optim.Optimizer) -> str:
-    if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW):
-        return "adam"
-    if type(optimizer) is torch.optim.SGD:
-        return "sgd"
-    if type(optimizer) is torch.optim.RMSprop:
-        return "rmsprop"
-    if type(optimizer) is torch.optim.Adagrad:
-        return "adagrad"
-    raise WorkloadError(f"optimizer {type(optimizer).__name__} is not supported yet; use torch.optim.SGD, Adam, "
-                        f"AdamW, RMSprop or Adagrad")
+    kind = _KINDS.get(type(optimizer))
+    if kind is None:
+        raise WorkloadError(f"optimizer {type(optimizer).__name__} is not supported yet; use torch.optim.SGD, "
+                            f"Adam, AdamW, RMSprop, Adagrad, NAdam, RAdam, Adamax or Adadelta")
+    return kind
+
+
+def lazy_value(plan: ParamUpdate, key: str, held: dict) -> float:
+    """The fill value of state ``key`` that torch creates at the first step (``held``: what it holds now)."""
+    if key == "started":
+        return 1.0 if held.get("momentum_buffer") is not None else 0.0
+    if key == "sum":
+        return plan.hp["initial_accumulator_value"]
+    return 1.0 if key == "mu_product" else 0.0
+
+
+def scalar_dtype(plan: ParamUpdate, key: str) -> torch.dtype:
+    """The dtype of 0-dim state ``key`` (one of ``SCALAR_KEYS``): float32 for step counters (exact integers
+    either way), torch's own for NAdam's ``mu_product`` (float64 under a float64 default dtype), whose
+    rounding enters the update."""
+    return plan.hp["mu_product_dtype"] if key == "mu_product" else torch.float32
+
+
+def state_meta(plan: ParamUpdate, key: str, param: torch.Tensor) -> torch.Tensor:
+    """An empty meta tensor shaped and typed as state ``key`` of ``param`` (capture without memory)."""
+    if key in SCALAR_KEYS:
+        return torch.empty((), dtype=scalar_dtype(plan, key), device="meta")
+    return torch.empty_like(param, device="meta")
 
 
 def initial_state(optimizer: torch.optim.Optimizer, plans: list[ParamUpdate],
@@ -97,15 +167,13 @@ def initial_state(optimizer: torch.optim.Optimizer, plans: list[ParamUpdate],
         for key in plan.state_keys:
             existing = state.get(key)
             if key == "started":
-                value = torch.tensor(1.0 if state.get("momentum_buffer") is not None else 0.0, device=p.device)
-            elif key == "step":
-                value = existing.detach().clone().float() if isinstance(existing, torch.Tensor) else \
-                    torch.tensor(float(existing or 0.0), dtype=torch.float32, device=p.device)
-                value = value.to(p.device)
-            elif existing is None and key == "sum":
-                value = torch.full_like(p, plan.hp["initial_accumulator_value"], memory_format=torch.preserve_format)
+                value = torch.tensor(lazy_value(plan, key, state), device=p.device)
+            elif key in SCALAR_KEYS:   # step counters and NAdam's mu_product, on the parameter's device
+                value = existing.detach().clone() if isinstance(existing, torch.Tensor) else \
+                    torch.tensor(float(lazy_value(plan, key, state) if existing is None else existing))
+                value = value.to(device=p.device, dtype=scalar_dtype(plan, key))
             elif existing is None:
-                value = torch.zeros_like(p, memory_format=torch.preserve_format)
+                value = torch.full_like(p, lazy_value(plan, key, state), memory_format=torch.preserve_format)
             else:
                 value = existing.detach().clone()
             out[state_name(plan.name, key)] = value
@@ -124,7 +192,8 @@ def apply_update(plan: ParamUpdate, param: torch.Tensor, grad: torch.Tensor,
     ``scalars`` caches step-derived scalars (step + 1, bias corrections) by the identity of the step
     tensor and the hyper-parameters, so parameters sharing one step counter compute them once.
     """
-    update = {"sgd": _sgd, "adam": _adam, "rmsprop": _rmsprop, "adagrad": _adagrad}[plan.kind]
+    update = {"sgd": _sgd, "adam": _adam, "rmsprop": _rmsprop, "adagrad": _adagrad, "nadam": _nadam,
+              "radam": _radam, "adamax": _adamax, "adadelta": _adadelta}[plan.kind]
     return update(plan.hp, param, grad, state, {} if scalars is None else scalars)
 
 
@@ -234,3 +303,108 @@ def _adagrad(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, sca
     std = state_sum.sqrt().add(hp["eps"])
     # torch: param.addcdiv_(grad, std, value=-clr)
     return _addcdiv(param, grad, std, neg_clr), {"step": step, "sum": state_sum}
+
+
+def _rdiv(num: float, t: torch.Tensor) -> torch.Tensor:
+    """Python's ``num / t`` with one rounding (``num / tensor`` is ``tensor.reciprocal() * num``: two)."""
+    return torch.full_like(t, num) / t
+
+
+def _nadam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalars: dict) -> tuple[torch.Tensor, dict]:
+    grad = -grad if hp["maximize"] else grad
+    lr, beta1, beta2, wd, decay = hp["lr"], hp["beta1"], hp["beta2"], hp["weight_decay"], hp["momentum_decay"]
+
+    def step_scalars():   # torch: Python doubles from the step count
+        step = state["step"] + 1
+        step64 = step.to(torch.float64)
+        bias_correction2 = 1 - torch.pow(beta2, step64)
+        mu = beta1 * (1.0 - 0.5 * torch.pow(0.96, step64 * decay))
+        mu_next = beta1 * (1.0 - 0.5 * torch.pow(0.96, (step64 + 1) * decay))
+        return step, bias_correction2.to(_opmath(param.dtype)), mu, mu_next
+
+    step, bias_correction2, mu, mu_next = _cached(
+        scalars, ("nadam", id(state["step"]), beta1, beta2, decay, param.dtype), step_scalars)
+    if wd != 0:
+        if hp["decoupled"]:
+            param = param.mul(1 - lr * wd)
+        else:
+            grad = grad.add(param, alpha=wd)
+    # torch: mu_product *= mu on a float32 tensor (mu rounded to float32), then read back as a double
+    mu_product = state["mu_product"].mul(mu.to(state["mu_product"].dtype))
+    product64 = mu_product.to(torch.float64)
+    value = ((1.0 - mu) * -lr) / (1.0 - product64)
+    value_next = (mu_next * -lr) / (1.0 - product64 * mu_next)
+    exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
+    exp_avg_sq = state["exp_avg_sq"].mul(beta2).addcmul(grad, grad, value=1 - beta2)
+    denom = exp_avg_sq.div(bias_correction2).sqrt().add(hp["eps"])
+    opmath = _opmath(param.dtype)
+    param = _addcdiv(param, grad, denom, value.to(opmath))
+    param = _addcdiv(param, exp_avg, denom, value_next.to(opmath))
+    return param, {"step": step, "mu_product": mu_product, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
+def _radam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalars: dict) -> tuple[torch.Tensor, dict]:
+    grad = -grad if hp["maximize"] else grad
+    lr, beta1, beta2, wd = hp["lr"], hp["beta1"], hp["beta2"], hp["weight_decay"]
+
+    def step_scalars():
+        # torch branches in Python on rho_t > 5 (a function of the step count); here one torch.where
+        step = state["step"] + 1
+        step64 = step.to(torch.float64)
+        beta2_power = torch.pow(beta2, step64)
+        bias_correction1 = 1 - torch.pow(beta1, step64)
+        bias_correction2 = 1 - beta2_power
+        rho_inf = 2 / (1 - beta2) - 1
+        rho_t = rho_inf - 2 * step64 * beta2_power / bias_correction2
+        rectified = rho_t > 5.0
+        rect = ((rho_t - 4) * (rho_t - 2) * rho_inf / (rho_t * ((rho_inf - 4) * (rho_inf - 2)))).sqrt()
+        rect = torch.where(rectified, rect, 1.0)   # no NaN in the branch not taken (rho_t in (2, 4))
+        opmath = _opmath(param.dtype)
+        return step, rectified, bias_correction1.to(opmath), bias_correction2.sqrt().to(opmath), rect.to(opmath)
+
+    step, rectified, bias_correction1, bias_correction2_sqrt, rect = _cached(
+        scalars, ("radam", id(state["step"]), beta1, beta2, param.dtype), step_scalars)
+    if wd != 0:
+        if hp["decoupled"]:
+            param = param.mul(1 - lr * wd)
+        else:
+            grad = grad.add(param, alpha=wd)
+    exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
+    exp_avg_sq = state["exp_avg_sq"].mul(beta2).addcmul(grad, grad, value=1 - beta2)
+    scaled = exp_avg / bias_correction1 * lr
+    # torch: (bias_correction2 ** 0.5) / (exp_avg_sq.sqrt() + eps), a float over a tensor: reciprocal, times
+    adaptive_lr = exp_avg_sq.sqrt().add(hp["eps"]).reciprocal() * bias_correction2_sqrt
+    update = torch.where(rectified, scaled * adaptive_lr * rect, scaled)
+    return param.add(update, alpha=-1.0), {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
+
+
+def _adamax(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalars: dict) -> tuple[torch.Tensor, dict]:
+    lr, beta1 = hp["lr"], hp["beta1"]
+
+    def step_and_lr():
+        step = state["step"] + 1
+        bias_correction = 1 - torch.pow(beta1, step.to(torch.float64))
+        return step, (-_rdiv(lr, bias_correction)).to(_opmath(param.dtype))
+
+    step, neg_clr = _cached(scalars, ("adamax", id(state["step"]), lr, beta1, param.dtype), step_and_lr)
+    grad = -grad if hp["maximize"] else grad
+    if hp["weight_decay"] != 0:
+        grad = grad.add(param, alpha=hp["weight_decay"])
+    exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
+    exp_inf = torch.maximum(state["exp_inf"].mul(hp["beta2"]), grad.abs().add(hp["eps"]))
+    # torch: param.addcdiv_(exp_avg, exp_inf, value=-clr)
+    return _addcdiv(param, exp_avg, exp_inf, neg_clr), {"step": step, "exp_avg": exp_avg, "exp_inf": exp_inf}
+
+
+def _adadelta(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalars: dict
+              ) -> tuple[torch.Tensor, dict]:
+    step = _cached(scalars, ("step", id(state["step"])), lambda: state["step"] + 1)
+    grad = -grad if hp["maximize"] else grad
+    if hp["weight_decay"] != 0:
+        grad = grad.add(param, alpha=hp["weight_decay"])
+    rho, eps = hp["rho"], hp["eps"]
+    square_avg = state["square_avg"].mul(rho).addcmul(grad, grad, value=1 - rho)
+    std = square_avg.add(eps).sqrt()
+    delta = state["acc_delta"].add(eps).sqrt().div(std).mul(grad)
+    acc_delta = state["acc_delta"].mul(rho).addcmul(delta, delta, value=1 - rho)
+    return param.add(delta, alpha=-hp["lr"]), {"step": step, "square_avg": square_avg, "acc_delta": acc_delta}

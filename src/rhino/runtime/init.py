@@ -23,7 +23,7 @@ import torch
 
 from ..capture import Captured, capture, default_dtype
 from ..capture.deferred import Deferred, load_deferred
-from ..capture.optim import state_name
+from ..capture.optim import SCALAR_KEYS, lazy_value, state_name
 from ..ir.graph import Role
 from ..sharding.mesh import Mesh
 from ..sharding.placement import Partial, ReduceOp, Replicate, Sharding, local_shape
@@ -37,9 +37,6 @@ __all__ = ["RankState", "build_rank_state", "example_batch", "local_batch", "loc
 # least 64 KiB (about a 128x128 fp32 tensor) get their own mapping, unmapped when freed.
 _M_MMAP_THRESHOLD = -3
 MMAP_THRESHOLD_BYTES = 64 * 1024
-
-# Optimizer state keys torch creates as 0-dim float32 counters, and the value of the lazily created state.
-_SCALAR_KEYS = ("step", "started")
 
 
 def _tensor_of(cap: Captured, name: str) -> torch.Tensor:
@@ -88,8 +85,8 @@ def local_state(cap: Captured, rp: ResolvedPlan, rank: int, source: Deferred | N
                 out[inp.name] = _lazy_state(cap, inp, u, key, held, sharding, mesh, rank, device)
                 continue
             full = _value(held[key], source) if isinstance(held[key], torch.Tensor) else torch.tensor(held[key])
-            if key in _SCALAR_KEYS:
-                full = full.to(torch.float32)
+            if key in SCALAR_KEYS:     # 0-dim state in the captured step's dtype (float32 step counters)
+                full = full.to(getattr(torch, cap.graph.types[inp.value].dtype.value))
         else:
             full = _value(_tensor_of(cap, inp.name), source)
         whole = all(isinstance(p, Replicate) for p in sharding)   # kept as materialised: no second copy
@@ -102,13 +99,7 @@ def _lazy_state(cap: Captured, inp, u, key: str, held: dict, sharding, mesh, ran
     """State torch creates at the first step, as ``capture.optim.initial_state`` gives it, at local shape."""
     t = cap.graph.types[inp.value]
     dtype = getattr(torch, t.dtype.value)
-    if key == "started":
-        value = 1.0 if held.get("momentum_buffer") is not None else 0.0
-    elif key == "sum":
-        value = u.hp["initial_accumulator_value"]
-    else:
-        value = 0.0
-    return _local_constant(value, t.shape, dtype, sharding, mesh, rank, device)
+    return _local_constant(lazy_value(u, key, held), t.shape, dtype, sharding, mesh, rank, device)
 
 
 def example_batch(source: Deferred | None, cap_or_workload=None) -> tuple[torch.Tensor, ...]:
