@@ -125,10 +125,7 @@ def test_local_state_equals_shards_of_the_initial_state(name):
                         (strategy, rank, inp.name)
 
 
-@pytest.mark.parametrize("name", [
-    pytest.param("nadam", marks=pytest.mark.xfail(strict=True, reason="capture/trace.py's meta path makes "
-                 "mu_product parameter-shaped: it should call capture.optim.state_meta")),
-    "radam", "adamax", "adadelta"])
+@pytest.mark.parametrize("name", ["nadam", "radam", "adamax", "adadelta"])
 def test_deferred_capture_is_the_plain_capture(name):
     """Capture of the deferred (meta) workload, as ``rhino train`` does it, gives the plain capture's graph."""
     with warnings.catch_warnings(), default_dtype(torch.float64):

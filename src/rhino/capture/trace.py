@@ -31,7 +31,7 @@ from ..ir.graph import Graph, Role
 from ..ir.verify import verify
 from .amp import autocast_on
 from .fallbacks import fake_fallbacks
-from .optim import ParamUpdate, apply_update, initial_state, plan_updates, state_name
+from .optim import ParamUpdate, apply_update, initial_state, plan_updates, state_meta, state_name
 from .to_ir import fx_to_ir
 from .workload import Workload, WorkloadError
 
@@ -145,9 +145,7 @@ def initial_state_meta(optimizer, updates, params) -> dict[str, torch.Tensor]:
         for u in updates:
             p = params[u.name]
             for key in u.state_keys:
-                scalar = key in ("step", "started")
-                out[state_name(u.name, key)] = torch.empty((), dtype=torch.float32, device="meta") if scalar \
-                    else torch.empty_like(p, device="meta")
+                out[state_name(u.name, key)] = state_meta(u, key, p)
         return out
     return initial_state(optimizer, updates, params)
 
