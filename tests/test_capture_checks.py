@@ -43,6 +43,27 @@ def test_the_checks_are_back_after_capture():
         torch.nn.functional.gaussian_nll_loss(torch.zeros(2), torch.zeros(2), -torch.ones(2))
 
 
+def test_a_channels_last_step_runs_in_its_arena():
+    """``as_strided`` and ``as_strided_scatter`` of slots: offsets from the slot's start, the layouts capture saw."""
+    from rhino.api import memory_report
+    cap = _capture("channels_last")
+    assert any(n.op == "aten.as_strided_scatter.default" for n in cap.graph.nodes)
+    with default_dtype(torch.float64):
+        rep = memory_report(cap, time_limit=5, execute=True, name="channels_last").to_dict()
+    ex = rep["execute"]
+    assert ex["equal"] and ex["max_abs_diff"] <= 1e-12 and ex["arena_equals_plan"], ex
+
+
+@pytest.mark.multiprocess
+def test_channels_last_ranks_run_in_their_arenas(capsys):
+    import json
+    from rhino.cli.main import main
+    code = main(["run", f"{CHECKS}:channels_last", "--nproc", "2", "--strategy", "dp=2", "--memory-plan",
+                 "--dtype", "float64", "--json"])
+    d = json.loads(capsys.readouterr().out)
+    assert code == 0 and d["ok"], d.get("first_mismatch") or d.get("error")
+
+
 @pytest.mark.multiprocess
 def test_an_opaque_op_runs_in_its_planned_arena_slot(capsys):
     """``_embedding_bag``'s outputs have the shapes capture saw (meta gave ``max_indices`` no elements)."""

@@ -8,6 +8,8 @@
 - ``embedding_bag``: ``nn.EmbeddingBag(mode="mean")``, whose meta kernel gives ``max_indices`` no elements on
   the meta device and one per bag on CPU (rank graphs ran ops on meta: the arena's slot was empty).
 - ``compiled``: a model wrapped by ``torch.compile`` (FX cannot trace the wrapper; its module is traced).
+- ``channels_last``: a channels-last conv net; its graph reads the pooled gradient through ``as_strided`` with
+  explicit strides and storage offsets, which the arena ran against the arena's storage (wrong gradients).
 - ``ctc_tensor_lengths``: the lengths as tensors (their values give the shapes): refused, saying to pass
   lists.
 """
@@ -116,3 +118,14 @@ def embedding_bag():
 def compiled():
     model, opt, loss_fn, batch = embedding_bag()
     return torch.compile(model), opt, loss_fn, batch
+
+
+def channels_last():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    model = nn.Sequential(nn.Conv2d(3, 8, 3, padding=1), nn.BatchNorm2d(8), nn.ReLU(), nn.AdaptiveAvgPool2d(1),
+                          nn.Flatten(), nn.Linear(8, 4)).to(memory_format=torch.channels_last)
+    x = torch.randn(8, 3, 8, 8, generator=g).to(memory_format=torch.channels_last)
+    y = torch.randint(0, 4, (8,), generator=g)
+    return (model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
+            lambda m, x, y: F.cross_entropy(m(x), y), (x, y))

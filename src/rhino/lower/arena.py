@@ -109,6 +109,10 @@ def _same_values(got: torch.Tensor, want) -> bool:
     return torch.equal(got, want)
 
 
+# ops whose storage offset is counted from their first argument's storage start: its position among the args
+_OFFSET_ARG = {"aten.as_strided.default": 3, "aten.as_strided_copy.default": 3, "aten.as_strided_scatter.default": 4}
+
+
 def _dense(shape, stride) -> bool:
     """Non-overlapping and dense: the elements fill exactly ``numel`` consecutive slots."""
     dims = sorted((st, sz) for sz, st in zip(shape, stride) if sz != 1)
@@ -153,7 +157,8 @@ class ArenaProgram:
         self._check_layout()
         self.communicate = communicate or redistribute
         self._fns = [None if is_comm(n.op) else resolve_op(n.op) for n in graph.nodes]
-        self._strides = self._natural_strides()
+        self._strides: dict[int, tuple[int, ...]] = {}   # set with the arena, from the first step's inputs
+        self._input_offsets: dict[int, int] = {}           # graph input -> its tensor's storage offset this step
         self._no_out: set[int] = set()   # nodes whose out= call failed once: copy from then on
         self._out_checked: dict[tuple, bool] = {}   # out_signature -> out= overload equals the op (_out_safe)
         self._constants = {v: constant_tensor(graph, v, self.device) for v in graph.constants}
@@ -173,17 +178,25 @@ class ArenaProgram:
             raise ValueError(f"the plan's layout cannot run in an arena of {self.height} bytes: {errors[0]}{more}")
 
     # -- strides each op produces on its own ------------------------------------------------------
-    def _natural_strides(self) -> dict[int, tuple[int, ...]]:
+    def _natural_strides(self, inputs: dict[int, tuple[int, ...]]) -> dict[int, tuple[int, ...]]:
+        """Each value's strides when the graph runs on meta tensors whose inputs have this run's strides
+        (``inputs``; capture saw the same): slots then have the layouts the captured program assumes, which its
+        ``as_strided`` views read (those of a channels-last convolution's output)."""
         graph = self.graph
         meta = torch.device("meta")
         env: dict[int, torch.Tensor] = {}
+        strides: dict[int, tuple[int, ...]] = {}
         for inp in graph.inputs:
             t = graph.types[inp.value]
-            env[inp.value] = torch.empty(t.shape, dtype=getattr(torch, t.dtype.value), device=meta)
+            st = inputs.get(inp.value)
+            dense = st is not None and _dense(t.shape, st)
+            env[inp.value] = torch.empty_strided(t.shape, st if dense else _contiguous_strides(t.shape),
+                                                 dtype=getattr(torch, t.dtype.value), device=meta)
+            if dense:
+                strides[inp.value] = st
         for v in graph.constants:
             t = graph.types[v]
             env[v] = torch.empty(t.shape, dtype=getattr(torch, t.dtype.value), device=meta)
-        strides: dict[int, tuple[int, ...]] = {}
         with torch.no_grad():
             for i, node in enumerate(graph.nodes):
                 conv = lambda a: convert_arg(a, lambda r: env[r.id], meta)  # noqa: E731
@@ -206,7 +219,8 @@ class ArenaProgram:
         return strides
 
     # -- the arena and its slots ---------------------------------------------------------------------
-    def _make_arena(self) -> None:
+    def _make_arena(self, inputs: dict[int, tuple[int, ...]]) -> None:
+        self._strides = self._natural_strides(inputs)
         self._arena = torch.empty(self.height, dtype=torch.uint8, device=self.device)
         assert self._arena.numel() == self.height
         types = self.graph.types
@@ -241,8 +255,10 @@ class ArenaProgram:
         n_batch = sum(1 for i in graph.inputs if i.role is Role.BATCH)
         if len(batch) != n_batch:
             raise ValueError(f"the step takes {n_batch} batch tensors, got {len(batch)}")
+        given = self._given_inputs(state, batch)
+        self._input_offsets = {v: t.storage_offset() for v, t in given.items()}
         if self._arena is None:
-            self._make_arena()
+            self._make_arena({v: tuple(t.stride()) for v, t in given.items()})
         stats = self.stats = ArenaStats(arena_bytes=self._arena.numel())
         env: dict[int, torch.Tensor] = dict(self._constants)
         inplace_slot: dict[int, torch.Tensor] = {}
@@ -299,7 +315,32 @@ class ArenaProgram:
             raise ValueError("the graph has no loss output")
         return loss
 
+    def _given_inputs(self, state: dict[str, torch.Tensor], batch: tuple) -> dict[int, torch.Tensor]:
+        """The tensors this step gives the graph's inputs (the batch's, the state's)."""
+        b = iter(batch)
+        return {inp.value: next(b) if inp.role is Role.BATCH else state[inp.name]
+                for inp in self.graph.inputs if inp.role is Role.BATCH or inp.name in state}
+
+    def _storage_offset(self, node, args: list, kwargs: dict, env) -> tuple[list, dict]:
+        """``as_strided`` (and its scatter and copy) count the storage offset from the start of the input's
+        storage (``as_strided_scatter`` clones it with its offset): capture's was the root tensor's own
+        (offset 0 for an intermediate, the given tensor's for an input); here the root may be a slot in the
+        arena, so the offset moves by where the root now starts."""
+        at = _OFFSET_ARG.get(node.op)
+        if at is None:
+            return args, kwargs
+        given = args[at] if len(args) > at else kwargs.get("storage_offset")
+        if given is None:
+            return args, kwargs
+        first = node.args[0].id
+        root = self.mapping.root.get(first, first)
+        delta = env[root].storage_offset() - self._input_offsets.get(root, 0)
+        if len(args) > at:
+            return [*args[:at], given + delta, *args[at + 1:]], kwargs
+        return args, {**kwargs, "storage_offset": given + delta}
+
     def _run_view(self, i, node, args, kwargs, env, stats) -> None:
+        args, kwargs = self._storage_offset(node, args, kwargs, env)
         res = self._fns[i](*args, **kwargs)
         vals = list(res) if node.multi else [res]
         base = env[node.input_refs()[0].id]
@@ -323,6 +364,8 @@ class ArenaProgram:
                 state_out = True
             else:
                 slots.append(self._slots.get(v))
+        if result is None:
+            args, kwargs = self._storage_offset(node, args, kwargs, env)
         ov = None if i in self._no_out or result is not None else out_overload(node.op)
         use_out = ov is not None and all(s is not None for s in slots) and len(ov[1]) == len(slots)
         if use_out and state_out:
