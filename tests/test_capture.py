@@ -148,3 +148,15 @@ def _build_meta_llama():
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod.workload(device="meta")
+
+
+@pytest.mark.parametrize("name", ["adam_amsgrad", "adamw_stepped", "adagrad"])
+def test_adam_and_adagrad_steps_are_bitwise_pytorch_in_float64(name):
+    """The learning rate over a bias correction is one division, as torch's Python floats compute it
+    (``lr / tensor`` is a reciprocal and a product: one unit in the last place apart on ~1 step in 5)."""
+    from rhino.capture import default_dtype
+    with warnings.catch_warnings(), default_dtype(torch.float64):
+        warnings.simplefilter("ignore")
+        cap = capture(load_workload(str(ROOT / "tests" / "workloads" / f"variants.py:{name}"), dtype=torch.float64))
+        r = check_captured(cap, steps=10)
+    assert r.ok and r.max_abs_diff == 0.0, r.max_abs_diff

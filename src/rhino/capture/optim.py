@@ -227,7 +227,7 @@ def _adam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalar
         step64 = step.to(torch.float64)
         bias_correction1 = 1 - torch.pow(beta1, step64)
         bias_correction2 = 1 - torch.pow(beta2, step64)
-        step_size = lr / bias_correction1
+        step_size = _rdiv(lr, bias_correction1)
         # in the parameter's compute type: torch divides by a Python float, which never promotes (a float64
         # 0-dim tensor would promote a 0-dim parameter such as CLIP's logit_scale to float64)
         return step, (-step_size).to(_opmath(param.dtype)), bias_correction2.sqrt().to(_opmath(param.dtype))
@@ -291,7 +291,7 @@ def _rmsprop(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, sca
 def _adagrad(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalars: dict) -> tuple[torch.Tensor, dict]:
     def step_and_lr():
         step = state["step"] + 1
-        clr = hp["lr"] / (1 + (step.to(torch.float64) - 1) * hp["lr_decay"])
+        clr = _rdiv(hp["lr"], 1 + (step.to(torch.float64) - 1) * hp["lr_decay"])
         return step, (-clr).to(_opmath(param.dtype))
 
     step, neg_clr = _cached(scalars, ("adagrad", id(state["step"]), hp["lr"], hp["lr_decay"], param.dtype),
