@@ -277,8 +277,9 @@ def _false(*args, **kwargs) -> bool:
 
 
 # ops whose output shape depends on a tensor argument's values, and the form of the call that does not
-_VALUE_SHAPE_FIXES = {"aten._ctc_loss.Tensor": "pass input_lengths and target_lengths to F.ctc_loss as lists "
-                                               "of ints (tensors of lengths make the shapes depend on values)"}
+_VALUE_SHAPE_FIXES = {torch.ops.aten._ctc_loss.Tensor: "pass input_lengths and target_lengths to F.ctc_loss as "
+                                                       "lists of ints (tensors of lengths make the shapes depend on "
+                                                       "values)"}
 
 
 def _trace(step, flat, workload: Workload) -> torch.fx.GraphModule:
@@ -289,7 +290,7 @@ def _trace(step, flat, workload: Workload) -> torch.fx.GraphModule:
         with autocast_on("cpu"), torch.backends.mkldnn.flags(enabled=False), _value_checks_off():
             return make_fx(step, tracing_mode="fake")(*flat)
     except _DATA_DEPENDENT as exc:
-        fix = _VALUE_SHAPE_FIXES.get(str(getattr(exc, "func", "")), "use tensor ops such as torch.where instead")
+        fix = _VALUE_SHAPE_FIXES.get(getattr(exc, "func", None), "use tensor ops such as torch.where instead")
         raise CaptureError(f"tracing stopped at {_user_frame(exc, workload)}: Python control flow or a "
                            f"shape depends on a tensor's value (.item(), bool(tensor), boolean indexing), "
                            f"which a training-step graph cannot hold; {fix}") from None

@@ -31,7 +31,7 @@ from .types import TensorType
 
 __all__ = ["OpKind", "OpDef", "OpCall", "Linear", "SizeRule", "SizeArg", "Lowering", "OutputRule", "Family",
            "Values", "register", "lookup", "is_known", "annotate", "call_signature", "flops_of", "bytes_of",
-           "is_random", "draws_rng", "REGISTRY"]
+           "is_random", "draws_rng", "storage_offset_arg", "REGISTRY"]
 
 
 class OpKind(str, Enum):
@@ -232,6 +232,19 @@ def draws_rng(op: str) -> bool:
     ``_`` forms included). A rule on names, not the ``values`` fact of ``is_random``, because the memory
     planner must keep the order of unregistered (opaque) sampling ops too."""
     return _RNG_NAME.search(op.split(".", 1)[-1]) is not None
+
+
+# ops whose storage offset argument counts from the start of their first argument's storage (registered or
+# not): its position among the args; ``storage_offset_arg``
+_STORAGE_OFFSET_ARG = {"aten.as_strided.default": 3, "aten.as_strided_copy.default": 3,
+                       "aten.as_strided_scatter.default": 4}
+
+
+def storage_offset_arg(op: str) -> int | None:
+    """The position of ``op``'s ``storage_offset`` argument where it counts from the start of the first
+    argument's storage (``as_strided`` and its copy; ``as_strided_scatter``, which clones its input with the
+    input's offset), else None. An executor that places tensors inside a larger storage moves it."""
+    return _STORAGE_OFFSET_ARG.get(op)
 
 
 def call_of(graph: Graph, node: Node) -> OpCall:

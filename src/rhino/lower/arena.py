@@ -43,7 +43,7 @@ from functools import lru_cache
 import torch
 
 from ..ir.graph import Graph, Role
-from ..ir.registry import OpKind, draws_rng, lookup
+from ..ir.registry import OpKind, draws_rng, lookup, storage_offset_arg
 from ..memory.from_graph import GraphMemory
 from ..memory.problem import MemProblem, TensorKind, lifetimes
 from ..memory.simulate import check_order
@@ -107,10 +107,6 @@ def _same_values(got: torch.Tensor, want) -> bool:
     if got.is_floating_point() or got.is_complex():
         return torch.equal(got.isnan(), want.isnan()) and torch.equal(torch.nan_to_num(got), torch.nan_to_num(want))
     return torch.equal(got, want)
-
-
-# ops whose storage offset is counted from their first argument's storage start: its position among the args
-_OFFSET_ARG = {"aten.as_strided.default": 3, "aten.as_strided_copy.default": 3, "aten.as_strided_scatter.default": 4}
 
 
 def _dense(shape, stride) -> bool:
@@ -326,7 +322,7 @@ class ArenaProgram:
         storage (``as_strided_scatter`` clones it with its offset): capture's was the root tensor's own
         (offset 0 for an intermediate, the given tensor's for an input); here the root may be a slot in the
         arena, so the offset moves by where the root now starts."""
-        at = _OFFSET_ARG.get(node.op)
+        at = storage_offset_arg(node.op)
         if at is None:
             return args, kwargs
         given = args[at] if len(args) > at else kwargs.get("storage_offset")
