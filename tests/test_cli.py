@@ -149,3 +149,24 @@ def test_layout_starts_without_torch():
             "import rhino.memory.layout; print(sorted(m for m in ('torch', 'rhino.capture') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"
+
+
+def test_written_files_are_atomic_with_plain_permissions(tmp_path):
+    """``rhino.atomic``: a write that fails leaves the old file; a new file gets open()'s permissions, an
+    existing file keeps its own (mkstemp's were 0600: a plan another user's job reads was unreadable)."""
+    import os
+    import stat
+    from rhino.atomic import atomic_path, write_atomic
+    target = tmp_path / "plan.json"
+    write_atomic(target, "first")
+    umask = os.umask(0)
+    os.umask(umask)
+    assert target.read_text() == "first" and stat.S_IMODE(target.stat().st_mode) == 0o666 & ~umask
+    os.chmod(target, 0o640)
+    with pytest.raises(RuntimeError):
+        with atomic_path(target) as tmp:
+            tmp.write_text("half")
+            raise RuntimeError("interrupted")
+    assert target.read_text() == "first" and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
+    write_atomic(target, "second")
+    assert target.read_text() == "second" and stat.S_IMODE(target.stat().st_mode) == 0o640

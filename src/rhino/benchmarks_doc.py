@@ -2,8 +2,9 @@
 from __future__ import annotations
 
 import os
-import tempfile
 from pathlib import Path
+
+from .atomic import write_atomic
 
 __all__ = ["replace_section", "priority_note"]
 
@@ -21,10 +22,7 @@ def replace_section(path: str | Path, title: str, body: str) -> None:
         lines[start:end] = [head, "", *body.strip("\n").splitlines(), ""]
     except StopIteration:
         lines += ["", head, "", *body.strip("\n").splitlines(), ""]
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    with os.fdopen(fd, "w") as f:
-        f.write("\n".join(lines).rstrip("\n") + "\n")
-    os.replace(tmp, path)
+    write_atomic(path, "\n".join(lines).rstrip("\n") + "\n")
 
 
 def priority_note() -> str:

@@ -2,11 +2,11 @@
 from __future__ import annotations
 
 import json
-import os
 import sys
-import tempfile
 import warnings
 from pathlib import Path
+
+from .. import atomic
 
 __all__ = ["emit_json", "write_atomic", "status", "quiet_warnings", "DTYPE_NAMES"]
 
@@ -20,18 +20,11 @@ def emit_json(obj: dict) -> None:
 
 
 def write_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file and rename: never half-written."""
+    """Write ``text`` to ``path`` via a temporary file and rename: never half-written (``rhino.atomic``)."""
     path = Path(path)
     if path.parent and not path.parent.exists():
         raise FileNotFoundError(f"directory {str(path.parent)!r} does not exist; create it or choose another --out")
-    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    atomic.write_atomic(path, text)
 
 
 def status(message: str, enabled: bool = True) -> None:

@@ -2,12 +2,11 @@
 from __future__ import annotations
 
 import csv
-import os
-import tempfile
 from pathlib import Path
 
 import numpy as np
 
+from ..atomic import atomic_path
 from .layout import Buffer
 
 __all__ = ["read_buffers", "write_offsets"]
@@ -88,15 +87,8 @@ def _check_live(name: str, buffers: list[Buffer]) -> None:
 
 def write_offsets(path: str | Path, buffers: list[Buffer], offsets: dict) -> None:
     """The instance with an ``offset`` column, written atomically."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", newline="") as f:
-            w = csv.writer(f)
-            w.writerow(["id", "lower", "upper", "size", "offset"])
-            for b in buffers:
-                w.writerow([b.id, b.lower, b.upper, b.size, offsets[b.id]])
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_path(path) as tmp, tmp.open("w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["id", "lower", "upper", "size", "offset"])
+        for b in buffers:
+            w.writerow([b.id, b.lower, b.upper, b.size, offsets[b.id]])

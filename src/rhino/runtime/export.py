@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from ..atomic import atomic_path
 from .checkpoint import read_meta
 
 __all__ = ["load_full", "export_checkpoint", "write_export"]
@@ -86,7 +87,8 @@ def write_export(path: str | os.PathLike, out: str | os.PathLike, optimizer: boo
     if out.parent and not out.parent.is_dir():
         raise ValueError(f"the directory of --out {str(out)!r} does not exist; create it or choose another path")
     exported, meta = export_checkpoint(path, optimizer)
-    torch.save(exported, out)
+    with atomic_path(out) as tmp:   # an interrupted export leaves no half-written file (nor loses an old one)
+        torch.save(exported, tmp)
     model = exported["model"] if optimizer else exported
     unique = {id(t): t for t in model.values()}
     return {"checkpoint": meta["path"], "step": meta["step"], "out": str(out), "keys": len(model),
