@@ -178,4 +178,7 @@ def test_rhino_run_pipeline_on_four_processes(capsys):
     p = d["pipeline"]
     assert (p["stages"], p["microbatches"], p["schedule"]) == (2, 4, "1f1b")
     assert len(p["busy_s"]) == 2 and all(len(b) == 2 and min(b) > 0 for b in p["busy_s"])
+    # point-to-point: per micro-batch of each dp rank (32 / 2 / 4 = 4 rows), one 64-wide float64 activation
+    # forward and its gradient back (collectives alone, comm_bytes_per_step, miss these)
+    assert p["p2p_bytes_per_step"] == 4 * 2 * 2 * (4 * 64 * 8)
     assert 0 < p["idle_fraction"] < 1

@@ -78,7 +78,8 @@ def _run(args) -> int:
     elif r.ok:
         print(f"run OK: nproc={r.nproc} mesh={r.mesh} steps={r.steps} max_abs_diff={r.max_abs_diff:.3g} "
               f"comm_bytes_per_step={r.comm_bytes_per_step}"
-              + (f" idle_fraction={r.pipeline['idle_fraction']}" if r.pipeline else ""))
+              + (f" p2p_bytes_per_step={r.pipeline['p2p_bytes_per_step']} idle_fraction={r.pipeline['idle_fraction']}"
+                 if r.pipeline else ""))
         for m in r.memory_plan:
             print(f"  rank {m['rank']}: arena {m['arena_bytes']} bytes "
                   f"({'=' if m['arena_bytes'] == m['plan_bytes'] else '!='} plan {m['plan_bytes']})")

@@ -345,6 +345,7 @@ class StepTimes:
     idle: float
     waiting: float = 0.0
     posting: float = 0.0
+    sent_bytes: int = 0     # point-to-point bytes this rank sent (boundary values and their gradients)
 
 
 def _part(spec: ProgramSpec, rp: ResolvedPlan, first: bool, state_in: dict[str, int], batch_values: list[int]) -> Part:
@@ -506,7 +507,7 @@ class PipelineStep:
     def run(self, local_state: dict, local_batch: tuple) -> float:
         """One step with ``torch.distributed`` point-to-point messages (every rank of the job calls it);
         returns the loss (broadcast from the last stage) and appends this rank's ``StepTimes``."""
-        W, busy, waiting, posting, pending = self.plan.mesh.world, 0.0, 0.0, 0.0, []
+        W, busy, waiting, posting, pending, sent = self.plan.mesh.world, 0.0, 0.0, 0.0, [], 0
         start = time.perf_counter()
         gen = self.schedule(local_state, local_batch)
         reply = None
@@ -526,6 +527,7 @@ class PipelineStep:
                     t0 = time.perf_counter()
                     t = _wire_tensor(act.tensor.contiguous())
                     pending.append((dist.isend(t, act.dst * W + self.local, tag=act.tag), t))
+                    sent += t.numel() * t.element_size()
                     posting += time.perf_counter() - t0
                 else:
                     t0 = time.perf_counter()
@@ -544,7 +546,7 @@ class PipelineStep:
             waiting += time.perf_counter() - t0
         wall = time.perf_counter() - start
         busy += getattr(self, "divide_seconds", 0.0)
-        self.times.append(StepTimes(busy, max(wall - busy, 0.0), waiting, posting))
+        self.times.append(StepTimes(busy, max(wall - busy, 0.0), waiting, posting, sent))
         return float(out[0])
 
 

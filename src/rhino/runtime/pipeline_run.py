@@ -49,7 +49,7 @@ def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, 
     held = bytes_by_role(graph, local)
     losses = [step_fn.run(local, batch_local) for _ in range(steps)]
     return {"losses": losses, "local": {n: t.detach().cpu() for n, t in local.items()}, "held": held,
-            "stage_times": [(t.busy, t.idle) for t in step_fn.times]}
+            "stage_times": [(t.busy, t.idle) for t in step_fn.times], "sent_bytes": [t.sent_bytes for t in step_fn.times]}
 
 
 def run_pipeline(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, timeout_s: float = 60.0,
@@ -113,5 +113,9 @@ def _stage_times(plan: ShardingPlan, results: dict[int, dict]) -> dict:
         busy.append(b)
         idle.append(i)
     total = sum(map(sum, busy)) + sum(map(sum, idle))
+    # point-to-point bytes of the last step over the ranks reporting (all in a local run; ``comm_bytes_per_step``
+    # counts collectives only)
+    p2p = sum(r["sent_bytes"][-1] for r in results.values() if r.get("sent_bytes"))
     return {"stages": plan.stages, "microbatches": plan.microbatches, "schedule": plan.schedule,
-            "busy_s": busy, "idle_s": idle, "idle_fraction": round(sum(map(sum, idle)) / total, 4) if total else 0.0}
+            "busy_s": busy, "idle_s": idle, "idle_fraction": round(sum(map(sum, idle)) / total, 4) if total else 0.0,
+            "p2p_bytes_per_step": p2p}
