@@ -54,22 +54,14 @@ def test_a_channels_last_step_runs_in_its_arena():
     assert ex["equal"] and ex["max_abs_diff"] <= 1e-12 and ex["arena_equals_plan"], ex
 
 
+@pytest.mark.parametrize("name", ["channels_last", "embedding_bag"])
 @pytest.mark.multiprocess
-def test_channels_last_ranks_run_in_their_arenas(capsys):
+def test_ranks_run_in_their_planned_arenas(capsys, name):
+    """Channels-last ``as_strided`` views of slots; ``_embedding_bag``'s outputs with the shapes capture saw
+    (meta gave ``max_indices`` no elements)."""
     import json
     from rhino.cli.main import main
-    code = main(["run", f"{CHECKS}:channels_last", "--nproc", "2", "--strategy", "dp=2", "--memory-plan",
-                 "--dtype", "float64", "--json"])
-    d = json.loads(capsys.readouterr().out)
-    assert code == 0 and d["ok"], d.get("first_mismatch") or d.get("error")
-
-
-@pytest.mark.multiprocess
-def test_an_opaque_op_runs_in_its_planned_arena_slot(capsys):
-    """``_embedding_bag``'s outputs have the shapes capture saw (meta gave ``max_indices`` no elements)."""
-    import json
-    from rhino.cli.main import main
-    code = main(["run", f"{CHECKS}:embedding_bag", "--nproc", "2", "--strategy", "dp=2", "--memory-plan",
+    code = main(["run", f"{CHECKS}:{name}", "--nproc", "2", "--strategy", "dp=2", "--memory-plan",
                  "--dtype", "float64", "--json"])
     d = json.loads(capsys.readouterr().out)
     assert code == 0 and d["ok"], d.get("first_mismatch") or d.get("error")

@@ -234,13 +234,7 @@ def _adam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalar
 
     step, neg_step_size, bias_correction2_sqrt = _cached(
         scalars, ("adam", id(state["step"]), lr, beta1, beta2, param.dtype), bias_corrections)
-    if wd != 0:
-        if hp["decoupled"]:
-            param = param.mul(1 - lr * wd)
-        else:
-            grad = grad.add(param, alpha=wd)
-    exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
-    exp_avg_sq = state["exp_avg_sq"].mul(beta2).addcmul(grad, grad, value=1 - beta2)
+    param, exp_avg, exp_avg_sq = _moments(hp, param, grad, state, lr, beta1, beta2)
     new_state = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     second = exp_avg_sq
     if hp["amsgrad"]:
@@ -250,6 +244,21 @@ def _adam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalar
     # torch: param.addcdiv_(exp_avg, denom, value=-step_size), i.e. param + (value * exp_avg) / denom,
     # computed in float32 for bf16/fp16 tensors and rounded once (the CPU kernel's opmath type)
     return _addcdiv(param, exp_avg, denom, neg_step_size), new_state
+
+
+def _moments(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, lr: float, beta1: float,
+             beta2: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Adam's and RAdam's weight decay (decoupled: the parameter shrinks by ``lr * wd``; else added to the
+    gradient) and their two moments: the parameter and the new ``exp_avg`` and ``exp_avg_sq``."""
+    wd = hp["weight_decay"]
+    if wd != 0:
+        if hp["decoupled"]:
+            param = param.mul(1 - lr * wd)
+        else:
+            grad = grad.add(param, alpha=wd)
+    exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
+    exp_avg_sq = state["exp_avg_sq"].mul(beta2).addcmul(grad, grad, value=1 - beta2)
+    return param, exp_avg, exp_avg_sq
 
 
 def _opmath(dtype: torch.dtype) -> torch.dtype:
@@ -364,13 +373,7 @@ def _radam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scala
 
     step, rectified, bias_correction1, bias_correction2_sqrt, rect = _cached(
         scalars, ("radam", id(state["step"]), beta1, beta2, param.dtype), step_scalars)
-    if wd != 0:
-        if hp["decoupled"]:
-            param = param.mul(1 - lr * wd)
-        else:
-            grad = grad.add(param, alpha=wd)
-    exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
-    exp_avg_sq = state["exp_avg_sq"].mul(beta2).addcmul(grad, grad, value=1 - beta2)
+    param, exp_avg, exp_avg_sq = _moments(hp, param, grad, state, lr, beta1, beta2)
     scaled = exp_avg / bias_correction1 * lr
     # torch: (bias_correction2 ** 0.5) / (exp_avg_sq.sqrt() + eps), a float over a tensor: reciprocal, times
     adaptive_lr = exp_avg_sq.sqrt().add(hp["eps"]).reciprocal() * bias_correction2_sqrt
