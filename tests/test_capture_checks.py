@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import ROOT
-from rhino.capture import CaptureError, capture, default_dtype, load_workload
+from rhino.capture import CaptureError, WorkloadError, capture, default_dtype, load_workload
 from rhino.check import check_captured
 
 CHECKS = str(ROOT / "tests" / "workloads" / "torch_checks.py")
@@ -25,6 +25,13 @@ def test_steps_equal_pytorch_in_float64(name):
         r = check_captured(cap, steps=3)
     assert r.ok and r.max_abs_diff <= 1e-12, r.first_mismatch
     assert r.losses[0] != r.losses[2]
+
+
+def test_packed_sequences_and_sparse_embeddings_are_one_sentence():
+    with pytest.raises(CaptureError, match="run the RNN on the padded batch and mask"):
+        _capture("packed_lstm")
+    with pytest.raises(WorkloadError, match="'emb' has sparse=True.*use sparse=False"):
+        _capture("sparse_embedding")
 
 
 def test_ctc_lengths_as_tensors_are_one_sentence():

@@ -10,6 +10,8 @@
 - ``compiled``: a model wrapped by ``torch.compile`` (FX cannot trace the wrapper; its module is traced).
 - ``channels_last``: a channels-last conv net; its graph reads the pooled gradient through ``as_strided`` with
   explicit strides and storage offsets, which the arena ran against the arena's storage (wrong gradients).
+- ``packed_lstm`` (``pack_padded_sequence``: shapes from the lengths' values) and ``sparse_embedding``
+  (``nn.Embedding(sparse=True)``: a sparse gradient): refused in one sentence each, saying what to use.
 - ``ctc_tensor_lengths``: the lengths as tensors (their values give the shapes): refused, saying to pass
   lists.
 """
@@ -129,3 +131,29 @@ def channels_last():
     y = torch.randint(0, 4, (8,), generator=g)
     return (model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9),
             lambda m, x, y: F.cross_entropy(m(x), y), (x, y))
+
+
+class PackedLstm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lstm = nn.LSTM(6, 8, batch_first=True)
+        self.fc = nn.Linear(8, 3)
+
+    def forward(self, x):
+        packed = nn.utils.rnn.pack_padded_sequence(x, [5, 4, 4, 2], batch_first=True)
+        out, _ = nn.utils.rnn.pad_packed_sequence(self.lstm(packed)[0], batch_first=True)
+        return self.fc(out.mean(1))
+
+
+def packed_lstm():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(1)
+    model = PackedLstm()
+    x, y = torch.randn(4, 5, 6, generator=g), torch.randint(0, 3, (4,), generator=g)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, x, y: F.cross_entropy(m(x), y), (x, y)
+
+
+def sparse_embedding():
+    model, _, loss_fn, batch = embedding_bag()
+    model.emb = nn.EmbeddingBag(40, 8, mode="mean", sparse=True)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), loss_fn, batch

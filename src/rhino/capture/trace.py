@@ -277,9 +277,11 @@ def _false(*args, **kwargs) -> bool:
 
 
 # ops whose output shape depends on a tensor argument's values, and the form of the call that does not
-_VALUE_SHAPE_FIXES = {torch.ops.aten._ctc_loss.Tensor: "pass input_lengths and target_lengths to F.ctc_loss as "
-                                                       "lists of ints (tensors of lengths make the shapes depend on "
-                                                       "values)"}
+_VALUE_SHAPE_FIXES = {
+    torch.ops.aten._ctc_loss.Tensor: "pass input_lengths and target_lengths to F.ctc_loss as lists of ints "
+                                     "(tensors of lengths make the shapes depend on values)",
+    torch.ops.aten._pack_padded_sequence.default: "run the RNN on the padded batch and mask what it returns past "
+                                                  "each length (a packed sequence's shapes depend on the lengths)"}
 
 
 def _trace(step, flat, workload: Workload) -> torch.fx.GraphModule:

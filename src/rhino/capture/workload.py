@@ -130,6 +130,12 @@ def validate_workload(result, path: Path, func: str) -> Workload:
     if not isinstance(model, torch.nn.Module):
         raise WorkloadError(f"{where} returned a {type(model).__name__} as model; it must be a torch.nn.Module")
     model = _uncompiled(model)
+    sparse = next((name for name, m in model.named_modules()
+                   if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse), None)
+    if sparse is not None:
+        raise WorkloadError(f"{where}: the embedding {sparse!r} has sparse=True, whose gradient is a sparse tensor "
+                            f"(its shape depends on the indices' values), which a training-step graph cannot hold; "
+                            f"use sparse=False (a dense gradient, zero in the rows the batch does not index)")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise WorkloadError(f"{where} returned a {type(optimizer).__name__} as optimizer; it must be a "
                             f"torch.optim optimizer over the model's parameters")
