@@ -192,9 +192,7 @@ def apply_update(plan: ParamUpdate, param: torch.Tensor, grad: torch.Tensor,
     ``scalars`` caches step-derived scalars (step + 1, bias corrections) by the identity of the step
     tensor and the hyper-parameters, so parameters sharing one step counter compute them once.
     """
-    update = {"sgd": _sgd, "adam": _adam, "rmsprop": _rmsprop, "adagrad": _adagrad, "nadam": _nadam,
-              "radam": _radam, "adamax": _adamax, "adadelta": _adadelta}[plan.kind]
-    return update(plan.hp, param, grad, state, {} if scalars is None else scalars)
+    return _UPDATES[plan.kind](plan.hp, param, grad, state, {} if scalars is None else scalars)
 
 
 def _cached(scalars: dict, key: tuple, make):
@@ -220,7 +218,7 @@ def _sgd(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalars
 
 def _adam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalars: dict) -> tuple[torch.Tensor, dict]:
     grad = -grad if hp["maximize"] else grad
-    lr, beta1, beta2, eps, wd = hp["lr"], hp["beta1"], hp["beta2"], hp["eps"], hp["weight_decay"]
+    lr, beta1, beta2, eps = hp["lr"], hp["beta1"], hp["beta2"], hp["eps"]
 
     def bias_corrections():
         step = state["step"] + 1
@@ -234,7 +232,7 @@ def _adam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalar
 
     step, neg_step_size, bias_correction2_sqrt = _cached(
         scalars, ("adam", id(state["step"]), lr, beta1, beta2, param.dtype), bias_corrections)
-    param, exp_avg, exp_avg_sq = _moments(hp, param, grad, state, lr, beta1, beta2)
+    param, _, exp_avg, exp_avg_sq = _moments(hp, param, grad, state, lr, beta1, beta2)
     new_state = {"step": step, "exp_avg": exp_avg, "exp_avg_sq": exp_avg_sq}
     second = exp_avg_sq
     if hp["amsgrad"]:
@@ -247,9 +245,9 @@ def _adam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalar
 
 
 def _moments(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, lr: float, beta1: float,
-             beta2: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Adam's and RAdam's weight decay (decoupled: the parameter shrinks by ``lr * wd``; else added to the
-    gradient) and their two moments: the parameter and the new ``exp_avg`` and ``exp_avg_sq``."""
+             beta2: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Adam's, NAdam's and RAdam's weight decay (decoupled: the parameter shrinks by ``lr * wd``; else added
+    to the gradient) and their two moments: the parameter, the gradient, ``exp_avg`` and ``exp_avg_sq``."""
     wd = hp["weight_decay"]
     if wd != 0:
         if hp["decoupled"]:
@@ -258,7 +256,7 @@ def _moments(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, lr:
             grad = grad.add(param, alpha=wd)
     exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
     exp_avg_sq = state["exp_avg_sq"].mul(beta2).addcmul(grad, grad, value=1 - beta2)
-    return param, exp_avg, exp_avg_sq
+    return param, grad, exp_avg, exp_avg_sq
 
 
 def _opmath(dtype: torch.dtype) -> torch.dtype:
@@ -321,7 +319,7 @@ def _rdiv(num: float, t: torch.Tensor) -> torch.Tensor:
 
 def _nadam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalars: dict) -> tuple[torch.Tensor, dict]:
     grad = -grad if hp["maximize"] else grad
-    lr, beta1, beta2, wd, decay = hp["lr"], hp["beta1"], hp["beta2"], hp["weight_decay"], hp["momentum_decay"]
+    lr, beta1, beta2, decay = hp["lr"], hp["beta1"], hp["beta2"], hp["momentum_decay"]
 
     def step_scalars():   # torch: Python doubles from the step count
         step = state["step"] + 1
@@ -333,18 +331,12 @@ def _nadam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scala
 
     step, bias_correction2, mu, mu_next = _cached(
         scalars, ("nadam", id(state["step"]), beta1, beta2, decay, param.dtype), step_scalars)
-    if wd != 0:
-        if hp["decoupled"]:
-            param = param.mul(1 - lr * wd)
-        else:
-            grad = grad.add(param, alpha=wd)
+    param, grad, exp_avg, exp_avg_sq = _moments(hp, param, grad, state, lr, beta1, beta2)
     # torch: mu_product *= mu on a float32 tensor (mu rounded to float32), then read back as a double
     mu_product = state["mu_product"].mul(mu.to(state["mu_product"].dtype))
     product64 = mu_product.to(torch.float64)
     value = ((1.0 - mu) * -lr) / (1.0 - product64)
     value_next = (mu_next * -lr) / (1.0 - product64 * mu_next)
-    exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
-    exp_avg_sq = state["exp_avg_sq"].mul(beta2).addcmul(grad, grad, value=1 - beta2)
     denom = exp_avg_sq.div(bias_correction2).sqrt().add(hp["eps"])
     opmath = _opmath(param.dtype)
     param = _addcdiv(param, grad, denom, value.to(opmath))
@@ -354,7 +346,7 @@ def _nadam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scala
 
 def _radam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalars: dict) -> tuple[torch.Tensor, dict]:
     grad = -grad if hp["maximize"] else grad
-    lr, beta1, beta2, wd = hp["lr"], hp["beta1"], hp["beta2"], hp["weight_decay"]
+    lr, beta1, beta2 = hp["lr"], hp["beta1"], hp["beta2"]
 
     def step_scalars():
         # torch branches in Python on rho_t > 5 (a function of the step count); here one torch.where
@@ -373,7 +365,7 @@ def _radam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scala
 
     step, rectified, bias_correction1, bias_correction2_sqrt, rect = _cached(
         scalars, ("radam", id(state["step"]), beta1, beta2, param.dtype), step_scalars)
-    param, exp_avg, exp_avg_sq = _moments(hp, param, grad, state, lr, beta1, beta2)
+    param, _, exp_avg, exp_avg_sq = _moments(hp, param, grad, state, lr, beta1, beta2)
     scaled = exp_avg / bias_correction1 * lr
     # torch: (bias_correction2 ** 0.5) / (exp_avg_sq.sqrt() + eps), a float over a tensor: reciprocal, times
     adaptive_lr = exp_avg_sq.sqrt().add(hp["eps"]).reciprocal() * bias_correction2_sqrt
@@ -411,3 +403,7 @@ def _adadelta(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, sc
     delta = state["acc_delta"].add(eps).sqrt().div(std).mul(grad)
     acc_delta = state["acc_delta"].mul(rho).addcmul(delta, delta, value=1 - rho)
     return param.add(delta, alpha=-hp["lr"]), {"step": step, "square_avg": square_avg, "acc_delta": acc_delta}
+
+
+_UPDATES = {"sgd": _sgd, "adam": _adam, "rmsprop": _rmsprop, "adagrad": _adagrad, "nadam": _nadam,
+            "radam": _radam, "adamax": _adamax, "adadelta": _adadelta}

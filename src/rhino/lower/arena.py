@@ -258,21 +258,14 @@ class ArenaProgram:
         stats = self.stats = ArenaStats(arena_bytes=self._arena.numel())
         env: dict[int, torch.Tensor] = dict(self._constants)
         inplace_slot: dict[int, torch.Tensor] = {}
-        b = iter(batch)
         for inp in graph.inputs:
-            if inp.role is Role.BATCH:
-                x = next(b)
-                slot = self._slots.get(inp.value)
-                if slot is None:
-                    env[inp.value] = x
-                else:
-                    slot.copy_(x)
-                    env[inp.value] = slot
-                    stats.input_copies += 1
+            slot = self._slots.get(inp.value) if inp.role is Role.BATCH else None
+            if slot is None:
+                env[inp.value] = given[inp.value]
             else:
-                if inp.name not in state:
-                    raise ValueError(f"the state has no tensor {inp.name!r}; pass Captured.initial_state()")
-                env[inp.value] = state[inp.name]
+                slot.copy_(given[inp.value])
+                env[inp.value] = slot
+                stats.input_copies += 1
         for r, name in mapping.inplace.items():
             t = state[name]
             if tuple(t.shape) != graph.types[r].shape:
@@ -313,9 +306,11 @@ class ArenaProgram:
 
     def _given_inputs(self, state: dict[str, torch.Tensor], batch: tuple) -> dict[int, torch.Tensor]:
         """The tensors this step gives the graph's inputs (the batch's, the state's)."""
+        missing = next((i.name for i in self.graph.inputs if i.role is not Role.BATCH and i.name not in state), None)
+        if missing is not None:
+            raise ValueError(f"the state has no tensor {missing!r}; pass Captured.initial_state()")
         b = iter(batch)
-        return {inp.value: next(b) if inp.role is Role.BATCH else state[inp.name]
-                for inp in self.graph.inputs if inp.role is Role.BATCH or inp.name in state}
+        return {inp.value: next(b) if inp.role is Role.BATCH else state[inp.name] for inp in self.graph.inputs}
 
     def _storage_offset(self, node, args: list, kwargs: dict, env) -> tuple[list, dict]:
         """``as_strided`` (and its scatter and copy) count the storage offset from the start of the input's
