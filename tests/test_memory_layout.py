@@ -20,7 +20,7 @@ from rhino.memory.layout import (Buffer, GreedyOrder, LayoutOptions, LayoutStatu
 from rhino.memory.layout_bnb import Preorder, SearchStatus, search_layout
 from rhino.memory.layout_greedy import place_in_order, slot_stack
 from rhino.memory.layout_cpsat import CpsatRun, CpStrategy
-from rhino.memory.layout_io import read_buffers
+from rhino.memory.layout_io import read_buffers, write_offsets
 
 # MiniMalloc's examples/input.12.csv (github google/minimalloc, Apache-2.0): five buffers, height 12
 INPUT_12 = "id,lower,upper,size\nb1,0,3,4\nb2,3,9,4\nb3,0,9,4\nb4,9,21,4\nb5,0,21,4\n"
@@ -127,6 +127,18 @@ def test_csv_errors_name_the_line(tmp_path):
     p.write_text("id,lower,size\n")
     with pytest.raises(ValueError, match="header lacks upper"):
         read_buffers(p)
+
+
+def test_csv_without_ids_and_alignments_round_trip(tmp_path):
+    """A trace without an ``id`` column numbers its rows from 0 (it was refused); a layout written with
+    ``write_offsets`` keeps the alignments, so it reads back as the same instance."""
+    p = tmp_path / "x.csv"
+    p.write_text("lower,upper,size,alignment\n0,4,8,16\n2,6,3,1\n")
+    bufs = read_buffers(p)
+    assert [(b.id, b.lower, b.upper, b.size, b.alignment) for b in bufs] == [(0, 0, 4, 8, 16), (1, 2, 6, 3, 1)]
+    out = tmp_path / "out.csv"
+    write_offsets(out, bufs, {0: 0, 1: 16})
+    assert read_buffers(out) == bufs and out.read_text().splitlines()[0] == "id,lower,upper,size,alignment,offset"
 
 
 def test_csv_beyond_int64_is_one_sentence(tmp_path):

@@ -9,7 +9,7 @@ from .common import emit_json, status
 
 def add_parser(sub) -> None:
     p = sub.add_parser("layout", help="lay out buffers with fixed lifetimes in one arena (MiniMalloc CSV)")
-    p.add_argument("csv", metavar="FILE.csv", help="id,lower,upper,size rows (half-open lifetimes)")
+    p.add_argument("csv", metavar="FILE.csv", help="id,lower,upper,size[,alignment] rows (half-open lifetimes; without id, rows are numbered from 0)")
     p.add_argument("--capacity", type=int, help="find a layout within this many bytes (else minimise the height)")
     p.add_argument("--time-limit", type=float, default=60.0,
                    help="seconds for the whole run, from the process start (default 60)")

@@ -1,4 +1,5 @@
-"""MiniMalloc CSV instances: ``id,lower,upper,size[,alignment][,offset]`` with half-open lifetimes."""
+"""MiniMalloc CSV instances: ``id,lower,upper,size[,alignment][,offset]`` with half-open lifetimes; without an
+``id`` column the buffers are numbered by row from 0."""
 from __future__ import annotations
 
 import csv
@@ -11,7 +12,7 @@ from .layout import Buffer
 
 __all__ = ["read_buffers", "write_offsets"]
 
-_REQUIRED = ("id", "lower", "upper", "size")
+_REQUIRED = ("lower", "upper", "size")
 # the solvers work in int64: every time, size and alignment below 2**62, the bytes live at once below 2**60
 _BIG = 2 ** 62
 _LIVE_MAX = 2 ** 60
@@ -38,13 +39,14 @@ def _read_rows(name: str, rows) -> list[Buffer]:
     if missing:
         raise ValueError(f"{name} line 1: the header lacks {', '.join(missing)} (expected id,lower,upper,size)")
     col = {k: header.index(k) for k in header}
+    numbered = "id" not in col
     out, seen, total = [], set(), 0
     for line, row in enumerate(rows, start=2):
         if not row or all(not c.strip() for c in row):
             continue
         if len(row) < len(header):
             raise ValueError(f"{name} line {line}: {len(row)} fields, expected {len(header)}")
-        ident = row[col["id"]].strip()
+        ident = str(len(out)) if numbered else row[col["id"]].strip()
         if not ident:
             raise ValueError(f"{name} line {line}: the id is empty")
         vals = {"id": int(ident) if ident.lstrip("-").isdigit() else ident}
@@ -86,9 +88,11 @@ def _check_live(name: str, buffers: list[Buffer]) -> None:
 
 
 def write_offsets(path: str | Path, buffers: list[Buffer], offsets: dict) -> None:
-    """The instance with an ``offset`` column, written atomically."""
+    """The instance with an ``offset`` column (and ``alignment`` where a buffer has one above 1, so that the
+    file reads back as the same instance), written atomically."""
+    aligned = any(b.alignment != 1 for b in buffers)
     with atomic_path(path) as tmp, tmp.open("w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["id", "lower", "upper", "size", "offset"])
+        w.writerow(["id", "lower", "upper", "size"] + (["alignment"] if aligned else []) + ["offset"])
         for b in buffers:
-            w.writerow([b.id, b.lower, b.upper, b.size, offsets[b.id]])
+            w.writerow([b.id, b.lower, b.upper, b.size] + ([b.alignment] if aligned else []) + [offsets[b.id]])
