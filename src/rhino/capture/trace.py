@@ -41,7 +41,12 @@ _DATA_DEPENDENT = (DataDependentOutputException, DynamicOutputShapeException, Gu
 
 
 class CaptureError(WorkloadError):
-    """The training step cannot be captured; the message says why and where."""
+    """The training step cannot be captured; the message says why and where. ``reason``: the message
+    without its advice to the user (for callers that give their own)."""
+
+    def __init__(self, message: str, reason: str | None = None) -> None:
+        super().__init__(message)
+        self.reason = message if reason is None else reason
 
 
 @dataclass
@@ -300,9 +305,9 @@ def _trace(step, flat, workload: Workload) -> torch.fx.GraphModule:
         raise
     except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as exc:
         first = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else type(exc).__name__
-        raise CaptureError(f"tracing the training step failed at {_user_frame(exc, workload)}: {first}. "
-                           f"Check that the batch fits the model (shapes, dtypes) and that loss_fn(model, "
-                           f"*batch) runs in plain PyTorch") from None
+        reason = f"tracing the training step failed at {_user_frame(exc, workload)}: {first}"
+        raise CaptureError(f"{reason}. Check that the batch fits the model (shapes, dtypes) and that "
+                           f"loss_fn(model, *batch) runs in plain PyTorch", reason) from None
 
 
 def _user_frame(exc: BaseException, workload: Workload) -> str:

@@ -29,7 +29,7 @@ from ..capture import Captured, CaptureError, capture, default_dtype
 from ..ir.graph import Graph, Ref
 from ..ir.types import TensorType
 
-__all__ = ["check_microbatch_loss", "explain_microbatch_errors", "microbatch_error", "microbatch_graph"]
+__all__ = ["check_microbatch_loss", "checked_microbatch_graph", "explain_microbatch_errors", "microbatch_error", "microbatch_graph"]
 
 _FIT_UNITS = (3, 4)        # k of the two captures every number is fitted on
 _CHECK_UNIT = 2            # k of a third capture each fit must reproduce exactly (as must the whole batch, k = m)
@@ -50,6 +50,16 @@ def microbatch_graph(cap: Captured, microbatches: int) -> Graph:
         pass
     derived = _derived(cap, microbatches, direct)
     return direct if derived is None else derived
+
+
+def checked_microbatch_graph(cap: Captured, microbatches: int) -> Graph | None:
+    """For a run with processes: ``microbatch_graph`` (None for one micro-batch), after
+    ``check_microbatch_loss``'s check."""
+    if microbatches == 1:
+        return None
+    micro = microbatch_graph(cap, microbatches)
+    check_microbatch_loss(cap, microbatches)
+    return micro
 
 
 def check_microbatch_loss(cap: Captured, microbatches: int) -> None:
@@ -104,9 +114,8 @@ def _capture_units(cap: Captured, microbatches: int, units: int) -> Graph:
         try:
             return capture(dataclasses.replace(cap.workload, batch=tuple(micro))).graph
         except CaptureError as exc:   # e.g. a sequence-first tensor: its rows are time steps, not samples
-            inner = str(exc).split(". Check that the batch fits")[0]
             raise ValueError(f"the step does not trace on a micro-batch (1/{microbatches} of the rows along dim 0 of "
-                             f"every batch tensor): {inner}; micro-batches need independent samples along dim 0 of "
+                             f"every batch tensor): {exc.reason}; micro-batches need independent samples along dim 0 of "
                              f"each batch tensor (a sequence-first tensor holds time steps there); use "
                              f"microbatches=1 for this workload") from None
 

@@ -22,8 +22,7 @@ from .compare import Tolerance, reference_run, tolerance_for
 from .groups import build_stage_groups
 from .launch import in_torchrun, launch, run_from_env
 from .pipeline import PipelineStep, compare_stages
-from .microbatch import check_microbatch_loss
-from .rank_step import microbatch_graph
+from .microbatch import checked_microbatch_graph
 from .run import RunResult, bytes_by_role
 
 __all__ = ["run_pipeline", "pipeline_rank_state"]
@@ -59,9 +58,7 @@ def run_pipeline(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, 
     if plan.world != nproc:
         raise ValueError(f"the plan has {plan.stages} stages of mesh {plan.mesh}: {plan.world} devices, but --nproc "
                          f"is {nproc}; pass --nproc {plan.world} or another strategy")
-    micro = microbatch_graph(cap, plan.microbatches) if plan.microbatches > 1 else None
-    if micro is not None:
-        check_microbatch_loss(cap, plan.microbatches)
+    micro = checked_microbatch_graph(cap, plan.microbatches)
     step0 = PipelineStep(cap.graph, plan, 0, micro_graph=micro)   # checks the plan before processes start
     args = (cap.graph.to_json(), plan.to_json(), cap.initial_state(),
             tuple(b.detach() for b in cap.workload.batch), steps, timeout_s,

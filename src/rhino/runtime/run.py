@@ -16,8 +16,8 @@ from .collectives import TORCH_COLLECTIVES, shard_tensor
 from .compare import Tolerance, compare_ranks, reference_run, tolerance_for
 from .groups import build_groups
 from .launch import in_torchrun, launch, run_from_env
-from .microbatch import check_microbatch_loss
-from .rank_step import RankStep, microbatch_graph
+from .microbatch import checked_microbatch_graph
+from .rank_step import RankStep
 
 __all__ = ["RunResult", "run_plan", "compare_results", "bytes_by_role"]
 
@@ -133,9 +133,7 @@ def run_plan(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, time
     if memory_plan:
         from .arena_step import check_memory_plan_supported
         check_memory_plan_supported(plan)
-    micro = microbatch_graph(cap, plan.microbatches) if plan.microbatches > 1 else None
-    if micro is not None:
-        check_microbatch_loss(cap, plan.microbatches)
+    micro = checked_microbatch_graph(cap, plan.microbatches)
     prog0 = RankStep(graph, plan, 0, micro_graph=micro).programs[0]  # checks the plan before processes start
     state = cap.initial_state()
     batch = tuple(b.detach() for b in cap.workload.batch)
