@@ -1,4 +1,5 @@
 """Gradient accumulation (``microbatches``) and the plan fields it travels in (issue #11)."""
+import dataclasses
 import json
 import warnings
 
@@ -204,3 +205,27 @@ def test_numbers_are_fitted_linear_or_reciprocal_and_checked():
         _at_one(9, 16, {2: 4, 8: 64})
     with pytest.raises(_NotAFunctionOfK):
         _at_one("mean", "sum", {2: "mean", 8: "mean"})
+
+
+def test_strided_splits_counting_batch_rows_are_scaled_for_the_micro_batch():
+    """nn.MultiheadAttention's ``(batch heads)`` dims: the dp=2,tp=2 preset splits them strided by the batch
+    size (``x/8`` at batch 8), which at 4-row micro-batches is ``x/4``; the whole-batch entry was refused
+    ("letter of local size 8 does not divide by 16"). A sequence-first ``(time batch)`` dim's strided split
+    (``m/6``) counts time steps and stays. The micro-batch plan reads every input as the whole-batch plan does
+    (no redistribution added), and every rank matches PyTorch's accumulation loop."""
+    from rhino.runtime.rank_step import microbatch_graph
+    from rhino.sharding.rebatch import rebatch_plan
+    cap = _cap(str(ROOT / "tests" / "workloads" / "heldout23.py") + ":seq_first_decoder")
+    plan = preset_plan(cap.graph, parse_strategy("dp=2,tp=2,microbatches=2"))
+    full = resolve(cap.graph, plan)
+    micro = microbatch_graph(cap, 2)
+    rebatched = rebatch_plan(full, micro)
+    changed = {k: (v, rebatched.strategies[k]) for k, v in plan.strategies.items() if rebatched.strategies[k] != v}
+    assert changed and all(old[0].endswith("/8") and new[0].endswith("/4") for old, new in changed.values())
+    assert any(e and e.endswith("/6") for s in rebatched.strategies.values() for e in s)   # time steps: kept
+
+    def redistributions(rp):
+        return sum(rp.value[r.id] != req for n in rp.graph.nodes for r, req in zip(n.input_refs(), rp.node[n.name].inputs))
+    assert redistributions(resolve(micro, dataclasses.replace(rebatched, fingerprint=""))) == redistributions(full)
+    r, _ = simulate_plan(cap, plan)
+    assert r.ok and r.max_abs_diff < 1e-12, r.first_mismatch

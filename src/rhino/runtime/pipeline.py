@@ -57,6 +57,7 @@ from ..ir.stages import StageAssignment, assign_stages, contiguous_cut, schedule
 from ..lower.spmd import Part, SpmdProgram, lower_rank
 from ..sharding.placement import Partial, ReduceOp, replicated
 from ..sharding.plan import PlanError, ResolvedPlan, ShardingPlan, resolve
+from ..sharding.rebatch import rebatch_plan
 from ..sharding.vocab import Recompute
 
 __all__ = ["Run", "Send", "Recv", "StageSpec", "PipelineSpec", "pipeline_spec", "PipelineStep", "stage_order",
@@ -382,7 +383,7 @@ class PipelineStep:
             raise ValueError("PipelineStep runs plans with two or more stages; RankStep runs the others")
         if not 0 <= rank < plan.world:
             raise ValueError(f"rank {rank} is not in the pipeline's {plan.world} ranks")
-        resolve(full, plan)  # the plan is for this workload (fingerprint), every sharding checks
+        full_rp = resolve(full, plan)  # the plan is for this workload (fingerprint), every sharding checks
         m = plan.microbatches
         if m > 1 and micro_graph is None:
             if cap is None:
@@ -391,7 +392,7 @@ class PipelineStep:
         g = micro_graph if m > 1 else full
         if m > 1:
             same_structure(full, g, m)
-        g, p = staged_recompute(g, plan, full)
+        g, p = staged_recompute(g, rebatch_plan(full_rp, g) if m > 1 else plan, full)
         try:
             self.rp = rp = resolve(g, dataclasses.replace(p, fingerprint=""))
         except PlanError as exc:

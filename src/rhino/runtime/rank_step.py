@@ -46,6 +46,7 @@ from ..cost.accumulate import split_step
 from ..cost.remat import remat, remat_plan
 from ..sharding.placement import Partial, ReduceOp, replicated
 from ..sharding.plan import PlanError, ResolvedPlan, ShardingPlan, resolve
+from ..sharding.rebatch import rebatch_plan
 from ..sharding.vocab import Recompute
 from .microbatch import microbatch_graph
 
@@ -120,7 +121,7 @@ class RankStep:
         if plan.stages > 1:
             raise ValueError(f"the plan has {plan.stages} pipeline stages; RankStep runs one stage's step, "
                              f"runtime.pipeline runs pipelines")
-        resolve(graph, plan)  # the plan is for this workload (fingerprint), every sharding checks
+        full_rp = resolve(graph, plan)  # the plan is for this workload (fingerprint), every sharding checks
         self.plan, self.rank, self.device, self.overlap = plan, rank, torch.device(device), overlap
         self.microbatches = m = plan.microbatches
         self._released: dict[int, object] = {}   # id(program) -> its release_inputs form (``run``)
@@ -136,7 +137,7 @@ class RankStep:
                                  f"micro_graph=microbatch_graph(cap, {m}))")
             micro_graph = microbatch_graph(cap, m)
         same_structure(graph, micro_graph, m)
-        g, p = with_recompute(micro_graph, plan)
+        g, p = with_recompute(micro_graph, rebatch_plan(full_rp, micro_graph))
         try:
             self.rp = rp = resolve(g, dataclasses.replace(p, fingerprint=""))
         except PlanError as exc:

@@ -1,0 +1,39 @@
+"""Held-out models of session 23's bug hunt (each named where it is used)."""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class SeqFirstDecoder(nn.Module):
+    """A sequence-first nn.MultiheadAttention with kdim/vdim (its (time batch) rows split strided by the
+    time steps), then a pre-norm nn.TransformerDecoderLayer whose cross-attention reads the first tokens:
+    the dp=2,tp=2 preset splits its ``(batch heads)`` dims strided by the batch size (``x/8``), a block count
+    that a micro-batch of B/m rows must scale (``sharding.rebatch``)."""
+
+    def __init__(self, d=8, mem_d=6, vocab=12):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.mem = nn.Linear(4, mem_d)
+        self.cross = nn.MultiheadAttention(d, 4, kdim=mem_d, vdim=mem_d)
+        self.dec = nn.TransformerDecoderLayer(d, 2, 16, dropout=0.0, batch_first=True, norm_first=True)
+        self.out = nn.Linear(d, vocab)
+
+    def forward(self, ids, memory):
+        x = self.emb(ids)
+        m = self.mem(memory).transpose(0, 1)
+        a, _ = self.cross(x.transpose(0, 1), m, m)
+        x = x + a.transpose(0, 1)
+        x = self.dec(x, torch.tanh(x[:, :3]))
+        return self.out(x)
+
+
+def seq_first_decoder(batch=8):
+    torch.manual_seed(0)
+    model = SeqFirstDecoder()
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 12, (batch, 6), generator=g)
+    memory = torch.randn(batch, 5, 4, generator=g)
+
+    def loss(m, ids, memory, tgt):
+        return F.cross_entropy(m(ids, memory).flatten(0, 1), tgt.flatten())
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), loss, (ids, memory, ids.roll(-1, 1))
