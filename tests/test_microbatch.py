@@ -150,8 +150,15 @@ def test_micro_batch_errors_are_one_clear_sentence(mlp):
     cap = _mb("mlp")  # batch 8
     with pytest.raises(ValueError, match="micro-batch of the batch cannot be split"):
         RankStep(cap, preset_plan(cap.graph, parse_strategy("dp=4,microbatches=4")), 0)
-    with pytest.raises(ValueError, match="does not split into 3 micro-batches"):
+    with pytest.raises(ValueError, match="the batch of 8 rows does not split into 3 micro-batches"):
         RankStep(cap, preset_plan(cap.graph, parse_strategy("dp=2,microbatches=3")), 0)
+    heldout = str(ROOT / "tests" / "workloads" / "heldout23.py")
+    for func, match in [("constants_in_batch", "batch tensor 2 has 5 rows along dim 0 where the others have 8; "
+                                               "microbatches=2 cuts every batch tensor along dim 0"),
+                        ("constants_in_batch_even", "batch tensor 3 is a 0-dim tensor;.* or use microbatches=1")]:
+        c = _cap(f"{heldout}:{func}")   # per-step constants in the batch: named, not "choose microbatches dividing"
+        with pytest.raises(ValueError, match=match):
+            RankStep(c, preset_plan(c.graph, parse_strategy("dp=2,microbatches=2")), 0)
     with pytest.raises(ValueError, match="give RankStep the Captured step"):
         RankStep(cap.graph, preset_plan(cap.graph, parse_strategy("dp=2,microbatches=4")), 0)
     with pytest.raises(ValueError, match="differs from the whole-batch step"):

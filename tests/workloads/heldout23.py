@@ -37,3 +37,22 @@ def seq_first_decoder(batch=8):
     def loss(m, ids, memory, tgt):
         return F.cross_entropy(m(ids, memory).flatten(0, 1), tgt.flatten())
     return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), loss, (ids, memory, ids.roll(-1, 1))
+
+
+def constants_in_batch(classes=5):
+    """Per-step constants passed in the batch beside the samples: class weights ``[classes]`` and a 0-dim
+    temperature. Data parallelism replicates them; micro-batches, which cut every batch tensor along dim 0,
+    refuse them by name (``classes=4``: the weights split evenly, so the 0-dim temperature is named)."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, classes)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 6, generator=g), torch.randint(0, classes, (8,), generator=g)
+
+    def loss(m, x, y, weight, temperature):
+        return F.cross_entropy(m(x) / temperature, y, weight=weight, label_smoothing=0.1)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), loss, \
+        (x, y, torch.linspace(0.5, 2.0, classes), torch.tensor(0.7))
+
+
+def constants_in_batch_even():
+    return constants_in_batch(classes=4)

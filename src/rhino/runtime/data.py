@@ -19,7 +19,7 @@ from ..ir.graph import Graph, Role
 from ..sharding.plan import ResolvedPlan
 from .collectives import shard_tensor
 
-__all__ = ["batch_inputs", "check_batch", "rank_batch", "batch_stream", "samples_in"]
+__all__ = ["batch_inputs", "check_batch", "check_microbatch_rows", "rank_batch", "batch_stream", "samples_in"]
 
 
 def batch_inputs(graph: Graph) -> list:
@@ -53,17 +53,34 @@ def rank_batch(batch: tuple, rp: ResolvedPlan, rank: int, microbatches: int = 1,
     """This rank's rows of every micro-batch of the global ``batch``, concatenated in micro-batch order."""
     mesh = rp.plan.mesh
     out = []
+    if microbatches > 1:
+        check_microbatch_rows(batch, microbatches)
     for b, inp in zip(batch, batch_inputs(rp.graph)):
         sharding = rp.value[inp.value]
         if microbatches == 1:
             out.append(shard_tensor(b, sharding, mesh, rank).to(device))
             continue
-        if b.dim() == 0 or b.shape[0] % microbatches:
-            raise ValueError(f"the batch's dim 0 ({b.shape[0] if b.dim() else 'a scalar'}) does not split into "
-                             f"{microbatches} micro-batches; choose microbatches dividing the batch size")
         pieces = [shard_tensor(mb, sharding, mesh, rank) for mb in b.chunk(microbatches, 0)]
         out.append(torch.cat(pieces, 0).to(device))
     return tuple(out)
+
+
+def check_microbatch_rows(batch: tuple, microbatches: int) -> None:
+    """ValueError (one sentence) unless ``microbatches`` divides dim 0 of every tensor of ``batch``: micro-batches
+    cut every batch tensor along dim 0, so a tensor that is not per-sample (a 0-dim temperature, class
+    weights) is named as such rather than as a batch size to change."""
+    rows = [b.shape[0] if b.dim() else None for b in batch]
+    most = max(set(rows) - {None}, key=rows.count, default=None)
+    for i, n in enumerate(rows):
+        if n is not None and n % microbatches == 0:
+            continue
+        if n is not None and n == most:
+            raise ValueError(f"the batch of {n} rows does not split into {microbatches} micro-batches; "
+                             f"choose microbatches dividing the batch size")
+        what = "is a 0-dim tensor" if n is None else f"has {n} rows along dim 0 where the others have {most}"
+        raise ValueError(f"batch tensor {i} {what}; microbatches={microbatches} cuts every batch tensor along "
+                         f"dim 0 into micro-batches of samples, so each must hold one row per sample (pass "
+                         f"per-step constants another way, e.g. as a buffer), or use microbatches=1")
 
 
 def batch_stream(example: tuple, batches: Callable[[], Iterable] | None) -> Iterator[tuple]:

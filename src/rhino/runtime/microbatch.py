@@ -28,6 +28,7 @@ import torch
 from ..capture import Captured, CaptureError, capture, default_dtype
 from ..ir.graph import Graph, Ref
 from ..ir.types import TensorType
+from .data import check_microbatch_rows
 
 __all__ = ["check_microbatch_loss", "checked_microbatch_graph", "explain_microbatch_errors", "microbatch_error", "microbatch_graph"]
 
@@ -99,11 +100,8 @@ def microbatch_error(exc: Exception, microbatches: int) -> ValueError:
 def _capture_units(cap: Captured, microbatches: int, units: int) -> Graph:
     """The step captured on ``units`` x B/m rows of every batch tensor (rows past B repeat the batch)."""
     micro = []
-    for i, b in enumerate(cap.workload.batch):
-        if not isinstance(b, torch.Tensor) or b.dim() == 0 or b.shape[0] % microbatches:
-            size = b.shape[0] if isinstance(b, torch.Tensor) and b.dim() else "no batch dim"
-            raise ValueError(f"batch tensor {i} has dim 0 of size {size}, which does not split into "
-                             f"{microbatches} micro-batches; choose microbatches dividing the batch size")
+    check_microbatch_rows(cap.workload.batch, microbatches)
+    for b in cap.workload.batch:
         rows = b.shape[0] // microbatches * units
         if rows > b.shape[0]:
             b = torch.cat([b] * math.ceil(rows / b.shape[0]))
