@@ -236,3 +236,17 @@ def test_strided_splits_counting_batch_rows_are_scaled_for_the_micro_batch():
     assert redistributions(resolve(micro, dataclasses.replace(rebatched, fingerprint=""))) == redistributions(full)
     r, _ = simulate_plan(cap, plan)
     assert r.ok and r.max_abs_diff < 1e-12, r.first_mismatch
+
+
+def test_adamax_accumulates_the_gradient_not_its_absolute_value():
+    """Adamax's ``max(beta2 * u, |g| + eps)`` reads ``|g| + eps``, a node of no optimizer state: it was a
+    BACKWARD node, so ``|g_k| + eps`` was summed over micro-batches instead of ``|sum_k g_k|`` (loss of step 2
+    off by 1e-2). Rule 4 of ``ir.analysis`` makes it update arithmetic: the gradients are the parameters'."""
+    from rhino.ir.analysis import NodeRole, analyze
+    cap = _cap(str(ROOT / "tests" / "workloads" / "optimizers.py") + ":adamax")
+    a = analyze(cap.graph)
+    assert len(a.gradients) == len(cap.param_names) - 2     # two parameters are unused: no gradient, no step
+    absolute = [i for i, n in enumerate(cap.graph.nodes) if n.op.endswith(".abs.default")]
+    assert absolute and all(a.roles[i] is NodeRole.OPTIMIZER for i in absolute)
+    r, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy("dp=2,microbatches=2")))
+    assert r.ok and r.max_abs_diff < 1e-12, r.first_mismatch

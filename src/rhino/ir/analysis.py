@@ -37,6 +37,13 @@ Definitions (``n`` nodes in program order, ``graph.nodes[0..n-1]``):
      made at or before the loss (no activation), and every storage it makes is read by optimizer
      nodes only and by at least one (weight decay: ``g + wd * p``, ``p * (1 - lr * wd)``), decided
      in reverse program order;
+  4. *non-linear use of gradients*: it is not a view, reads no batch input and no storage made at or
+     before the loss, and either is an elementwise op without a ``linear`` fact (``registry.Linear``)
+     reading a storage made after the boundary by a non-optimizer node (Adamax's ``|g| + eps``), or reads
+     a storage made by such a node; and every storage it makes is read by optimizer nodes (rules 1-4)
+     only, and by at least one, decided in reverse program order. A backward is linear in the gradient
+     it propagates, so such a node is the update's arithmetic: the gradient it reads is what gradient
+     accumulation may sum, not ``|g|``;
 
   every other node after the boundary is BACKWARD. ``optimizer`` is the set of OPTIMIZER nodes.
 - **Activations**: storages made at or before the boundary and live after it (``is_activation``).
@@ -53,7 +60,7 @@ from dataclasses import dataclass
 from enum import Enum
 
 from .graph import STATE_ROLES, Graph, Role
-from .registry import OpKind, lookup
+from .registry import OpKind, Values, lookup
 
 __all__ = ["NodeRole", "GraphAnalysis", "analyze", "update_feeders", "batch_dependent"]
 
@@ -248,6 +255,7 @@ def _optimizer_nodes(graph: Graph, boundary: int, root, born, is_view, node_root
             opt.add(i)
             if not is_view[i]:
                 made.update(outs)
+    _nonlinear_uses(graph, boundary, born, is_view, node_roots, batch, opt)
     opt_read: set[int] = set()        # storages read by optimizer nodes
     other_read: set[int] = set()      # storages read by other non-view nodes
     for i in range(n - 1, boundary, -1):  # rule 3, reverse program order
@@ -261,6 +269,57 @@ def _optimizer_nodes(graph: Graph, boundary: int, root, born, is_view, node_root
                 opt.add(i)
         (opt_read if i in opt else other_read).update(rr)
     return opt
+
+
+def _nonlinear_uses(graph: Graph, boundary: int, born, is_view, node_roots, batch, opt: set[int]) -> None:
+    """Rule 4 of the module docstring: adds its nodes to ``opt`` (rules 1 and 2 given)."""
+    nodes = graph.nodes
+    from_loss = {s for s, b in born.items() if b == boundary}   # the loss's storage, then the backward's
+    seeds: set[int] = set()           # the non-linear elementwise nodes
+    candidates: set[int] = set()      # and the nodes computed from them
+    for i in range(boundary + 1, len(nodes)):  # program order
+        rr = node_roots[i]
+        made = [s for s in rr if born[s] > boundary and born[s] not in opt]
+        if i not in opt and any(s in from_loss for s in rr):
+            from_loss.update(_made(nodes[i], born, i))
+        if i in opt or is_view[i] or any(s in batch or 0 <= born[s] <= boundary for s in rr) or \
+                not all(s in from_loss for s in made):   # an activation recomputed in the backward
+            continue
+        if _nonlinear(nodes[i].op) and made:
+            seeds.add(i)
+        if i in seeds or any(born[s] in candidates for s in made):
+            candidates.add(i)
+    readers: dict[int, set[int]] = {}
+    for i in range(boundary + 1, len(nodes)):
+        if candidates and not is_view[i]:
+            for s in node_roots[i]:
+                readers.setdefault(s, set()).add(i)
+    while candidates:   # shrinks to the nodes read only by the update, each computed from a seed kept
+        read_by_update: set[int] = set()
+        for i in sorted(candidates, reverse=True):  # readers come later: decided first
+            outs = _made(nodes[i], born, i)
+            if outs and all(readers.get(s) and readers[s] <= opt | read_by_update for s in outs):
+                read_by_update.add(i)
+        kept: set[int] = set()
+        for i in sorted(read_by_update):
+            if i in seeds or any(born[s] in kept for s in node_roots[i]):
+                kept.add(i)
+        if kept == candidates:
+            break
+        candidates = kept
+    opt.update(candidates)
+
+
+def _made(node, born, i: int) -> list[int]:
+    """The storages node ``i`` makes (its outputs that are not views)."""
+    return [v for v in node.outputs if v is not None and born.get(v) == i]
+
+
+def _nonlinear(op: str) -> bool:
+    """An elementwise op computing its values from its inputs without a ``linear`` fact (``abs``, ``sqrt``)."""
+    opdef = lookup(op)
+    return opdef is not None and opdef.kind is OpKind.ELEMENTWISE and opdef.linear is None and \
+        opdef.values is Values.COMPUTED
 
 
 def _view_reach(graph: Graph, is_view) -> dict[int, int]:
