@@ -141,3 +141,30 @@ def test_a_skyline_pass_far_below_the_greedy_one_starts_the_search():
     off = solve_layout(bufs, time_limit=10.0, options=opts(False))
     assert on.valid and validate_layout(bufs, on.offsets) == [] and on.height <= sky < off.height, \
         (on.height, sky, off.height, off.solver)
+
+
+def test_the_skyline_pass_beside_the_first_greedy_pass_stops_and_yields():
+    """``SkylineRace`` (the skyline pass in a thread beside the first greedy pass, ``layout._greedy_phase``)
+    gives skyline_pass's offsets, and stops at once when told (its deadline is an array the caller moves);
+    ``place_in_order``'s ``stop`` drops a pass (None) and, never true, changes nothing."""
+    from rhino.memory.layout_greedy import place_in_order
+    from rhino.memory.layout_skyline import SkylineRace, first_priorities
+    bufs = _wide(0)
+    lo, up, sz, al = _arrays(bufs)
+    fl = np.zeros(len(bufs), np.int64)
+    pri = first_priorities(lo, up, sz)
+    race = SkylineRace(lo, up, sz, al, fl, pri, time.monotonic() + 60)
+    assert (race.result() == skyline_pass(lo, up, sz, al, fl, pri)).all()
+    assert race.height == int((race.offsets + sz).max())
+    big = _wide(1, n=60_000, horizon=30_000)
+    blo, bup, bsz, bal = _arrays(big)
+    race = SkylineRace(blo, bup, bsz, bal, np.zeros(len(big), np.int64), first_priorities(blo, bup, bsz),
+                       time.monotonic() + 600)
+    t = time.monotonic()
+    assert race.result(stop=True) is None and race.height is None and time.monotonic() - t < 5
+    asked = []
+    assert place_in_order(blo, bup, bsz, bal, np.zeros(len(big), np.int64), np.lexsort((blo, blo - bup, -bsz)),
+                          lowest=True, stop=lambda: asked.append(1) or True) is None and asked == [1]
+    order = np.lexsort((lo, lo - up, -sz))
+    assert (place_in_order(lo, up, sz, al, fl, order, lowest=True, stop=lambda: False)
+            == place_in_order(lo, up, sz, al, fl, order, lowest=True)).all()

@@ -221,20 +221,76 @@ def test_revisit_lowers_the_highest_leaf_from_its_layout():
     assert max(offs[x.id] + x.size for x in bufs[300:]) <= top_b
 
 
-def test_nested_lifetimes_peel_in_one_pass(monkeypatch):
-    """Fully nested lifetimes (each buffer inside the one before) are all peeled by one pass over the
-    window, not one pass per nesting level (quadratic: 54 s for 60,000 buffers before); a LIFO trace
-    (a random stack of allocations) peels completely too, and both stacks are optimal and valid."""
+def _peel_by_levels(lo: list[int], up: list[int], sz: list[int]) -> tuple[dict, dict, list]:
+    """The peel as the module docstring states it, one level at a time (a reference for the compiled one):
+    a window's components; in each, the buffers live over its whole span stacked at its base (latest end
+    lowest; equal ends by start, then index), the rest a window on their top, until none spans: a leaf
+    (its buffers' floor: the base). Returns offsets, floors and leaves (sorted index tuples)."""
+    offsets, floors, leaves = {}, {}, []
+    todo = [(sorted(range(len(lo)), key=lambda i: (lo[i], -up[i], i)), 0)]
+    while todo:
+        ids, base = todo.pop()
+        comps, reach = [], None
+        for i in ids:  # components: runs in start order with no buffer crossing between them
+            if reach is None or lo[i] >= reach:
+                comps.append([])
+                reach = up[i]
+            comps[-1].append(i)
+            reach = max(reach, up[i])
+        for comp in comps:
+            a, b = min(lo[i] for i in comp), max(up[i] for i in comp)
+            span = [i for i in comp if lo[i] == a and up[i] == b]
+            if not span:
+                floors.update((i, base) for i in comp)
+                leaves.append(tuple(sorted(comp)))
+                continue
+            top = base
+            for i in span:
+                offsets[i], top = top, top + sz[i]
+            todo.append(([i for i in comp if i not in set(span)], top))
+    return offsets, floors, sorted(leaves)
+
+
+def _stacks(seed: int, parts: int = 10, m: int = 30) -> tuple[list[int], list[int], list[int]]:
+    """Random stacks of allocations in ``parts`` separate stretches of time, a few ends moved past their
+    parent's (crossings), under one buffer live throughout."""
+    r = random.Random(seed)
+    lo, up = [0], [parts * 100 + 1]
+    for part in range(parts):
+        stack, t, first = [], part * 100, len(lo)
+        for _ in range(m):
+            t += 1
+            if stack and r.random() < 0.5:
+                up[stack.pop()] = t
+            lo.append(t)
+            up.append(-1)
+            stack.append(len(lo) - 1)
+        for j in reversed(stack):
+            t += 1
+            up[j] = t
+        for j in range(first, len(lo)):
+            up[j] += r.randint(1, 3) if r.random() < 0.03 else 0
+    return lo, up, [r.randint(1, 9) * 8 for _ in lo]
+
+
+def test_nested_lifetimes_peel_in_one_pass():
+    """Fully nested lifetimes (each buffer inside the one before) are all peeled, optimal; the compiled
+    peel (a random stack of 60,000 buffers: 45,000 windows, 4.4 s in numpy before, 54 s one pass per
+    level before that) gives the offsets, floors and leaves of the peel level by level on random traces
+    and on random stacks (LIFO traces, which it peels completely: optimal and valid)."""
     import numpy as np
-    import rhino.memory.layout_split as split
-    calls = []
-    count = split._peel_count
-    monkeypatch.setattr(split, "_peel_count", lambda idx, up: calls.append(len(idx)) or count(idx, up))
     n = 5000
     rng = np.random.default_rng(0)
     sz = rng.integers(1, 100, n) * 64
     dec = decompose(np.arange(n), 2 * n - np.arange(n), sz)
-    assert calls == [n] and dec.stacked == n and not dec.leaves and dec.offsets.max() + sz.max() >= sz.sum()
+    assert dec.stacked == n and not dec.leaves and dec.offsets.max() + sz.max() >= sz.sum()
+    for seed in range(4):  # 166-267 of 301 buffers stacked, 2-7 leaves with 2-7 distinct floors
+        lo, up, z = _stacks(seed)
+        offsets, floors, leaves = _peel_by_levels(lo, up, z)
+        dec = decompose(lo, up, z, cuts=False)
+        assert {i: int(o) for i, o in enumerate(dec.offsets.tolist()) if o >= 0} == offsets, seed
+        assert sorted(tuple(sorted(leaf.index.tolist())) for leaf in dec.leaves) == leaves, seed
+        assert {i: int(dec.floor[i]) for leaf in dec.leaves for i in leaf.index.tolist()} == floors, seed
     lo, up, stack, t = [], [], [], 0
     for _ in range(n):
         t += 1

@@ -80,7 +80,7 @@ from .layout_eject import Follower, cores, eject_repair
 from .layout_greedy import place_in_order, slot_stack
 from .layout_improve import plain_skyline, squeaky_wheel
 from .layout_peak import peak_split
-from .layout_skyline import first_priorities, skyline_pass
+from .layout_skyline import SkylineRace, first_priorities
 from .layout_split import decompose, heavy_buffers, splittable
 from .layout_window import window_repair, windows_small
 
@@ -642,10 +642,11 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
 def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, options: LayoutOptions,
                   search: bool) -> tuple[dict, int, str, bool]:
     """A leaf's greedy passes and whether its search will be the skyline one. Without the search: the
-    passes until ``deadline``. With it: one skyline pass (``ImproveOptions.skyline_start``, dropped if
-    not done in ``skyline_start_share`` of the time; ``huge_skyline_share`` above ``huge`` buffers), then
-    the first greedy pass (without a skyline layout it may take the whole time: the one layout; with one,
-    it is dropped if not done in ``greedy_share``); the lower is kept; then the other greedy passes until
+    passes until ``deadline``. With it: one skyline pass (``ImproveOptions.skyline_start``, in a thread,
+    ``SkylineRace``; dropped if not done in ``skyline_start_share`` of the time, ``huge_skyline_share``
+    above ``huge`` buffers) beside the first greedy pass (without a skyline layout it may take the whole
+    time: the one layout; with one, it is dropped at ``cap`` or once past ``greedy_share``); the lower is
+    kept; then the other greedy passes until
     ``greedy_share`` of the time, or ``skyline.greedy_share`` where the search will be the skyline one
     (the second, ``SIZE_START``, may run for 1.5 times the first's time, within ``second_share``): where
     the skyline pass's excess over ``cap`` is at most ``skyline_switch`` times the first greedy one's, or
@@ -659,19 +660,22 @@ def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: floa
     lo, up, sz, al = (np.array([getattr(b, f) for b in bufs], np.int64)
                       for f in ("lower", "upper", "size", "alignment"))
     fl = np.array(floor, np.int64)
-    sky = (skyline_pass(lo, up, sz, al, fl, first_priorities(lo, up, sz, improve.skyline),
+    race = (SkylineRace(lo, up, sz, al, fl, first_priorities(lo, up, sz, improve.skyline),
                         now + (improve.huge_skyline_share if len(bufs) > improve.huge else improve.skyline_start_share)
                         * (deadline - now)) if improve.skyline_start else None)
-    sky_h = int((sky + sz).max(initial=0)) if sky is not None else None
-    if sky_h is not None and sky_h <= cap:
-        return _by_id(bufs, sky), sky_h, "skyline", False
+    share_end = now + improve.greedy_share * (deadline - now)
+
+    def stop() -> bool:  # the skyline pass has a layout at ``cap``, or one and the first pass's share is over
+        return race.height is not None and (race.height <= cap or time.monotonic() > share_end)
+
     t_first = time.monotonic()
     # without a skyline layout, the first pass is the one layout: it may take all the time; with one, its
     # share (a 1,000,000-buffer leaf of 1,250 live buffers: a lowest-fit pass 44 s, a skyline pass 3.6 s)
-    first = _leaf_greedy(bufs, floor, cap, deadline if sky is None else now + improve.greedy_share * (deadline - now),
-                         lowest, count=1, finish=sky is None)
-    if first is None:  # not done in its share: the skyline pass starts the search, a skyline one
-        return _by_id(bufs, sky), sky_h, "skyline", True
+    first = _leaf_greedy(bufs, floor, cap, deadline, lowest, count=1, stop=None if race is None else stop)
+    sky = None if race is None else race.result(stop=first is not None and first[1] <= cap)
+    sky_h = None if sky is None else race.height
+    if first is None or (sky_h is not None and sky_h <= cap):  # dropped: the skyline pass starts a skyline search
+        return _by_id(bufs, sky), sky_h, "skyline", sky_h > cap
     best, best_h, how = first
     if best_h <= cap:
         return best, best_h, how, False
@@ -752,13 +756,13 @@ def _order(order: GreedyOrder, lo: np.ndarray, up: np.ndarray, sz: np.ndarray) -
 
 def _leaf_greedy(bufs: list[Buffer], floor: list[int], cap: int, deadline: float,
                  lowest_fit: bool, skip: int = 0, count: int | None = None,
-                 finish: bool = True) -> tuple[dict, int, str] | None:
+                 finish: bool = True, stop: Callable[[], bool] | None = None) -> tuple[dict, int, str] | None:
     """The lowest of the compiled greedy passes (``layout_greedy``): every order best fit (as
     ``greedy_layout``) and, with ``lowest_fit``, lowest fit (size first: the best pass on random traces;
     then size with equal sizes by start; that first where every buffer has one size, where it is optimal);
     stops at ``cap`` or the deadline (the first pass always finishes, unless not ``finish``). ``skip``:
     passes already run (then none is forced to finish: None when none did); ``count``: at most this
-    many passes."""
+    many passes; ``stop``: ``place_in_order``'s (a pass it stops is dropped)."""
     lo, up = np.array([b.lower for b in bufs], np.int64), np.array([b.upper for b in bufs], np.int64)
     sz, al = np.array([b.size for b in bufs], np.int64), np.array([b.alignment for b in bufs], np.int64)
     fl = np.array(floor, np.int64)
@@ -771,7 +775,7 @@ def _leaf_greedy(bufs: list[Buffer], floor: list[int], cap: int, deadline: float
     best, best_h, how = None, 0, ""
     for order, low in passes[skip:None if count is None else skip + count]:
         offs = place_in_order(lo, up, sz, al, fl, _order(order, lo, up, sz), deadline,
-                              finish=finish and best is None and not skip, lowest=low)
+                              finish=finish and best is None and not skip, lowest=low, stop=stop)
         if offs is None:
             break
         h = int((offs + sz).max(initial=0))
@@ -780,7 +784,7 @@ def _leaf_greedy(bufs: list[Buffer], floor: list[int], cap: int, deadline: float
         if best_h <= cap:
             break
     if best is None:
-        assert skip or not finish  # else the first pass always finishes
+        assert skip or not finish or stop is not None  # else the first pass always finishes
         return None
     return {b.id: int(o) for b, o in zip(bufs, best.tolist())}, best_h, how
 

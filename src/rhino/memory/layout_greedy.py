@@ -20,7 +20,7 @@ same layout (lowest fit pops the placed intervals off a heap by offset until a g
 from __future__ import annotations
 
 import time
-from typing import NamedTuple
+from typing import Callable, NamedTuple
 
 import numba
 import numpy as np
@@ -215,10 +215,12 @@ def _place(lo, up, sz, al, floor, order, lowest, k0, k1, b0, b1, start, member, 
 def place_in_order(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, floor: np.ndarray,
                    order: np.ndarray, deadline: float | None = None, finish: bool = False,
                    lowest: bool = False, given: np.ndarray | None = None,
-                   index: TimeIndex | None = None) -> np.ndarray | None:
+                   index: TimeIndex | None = None,
+                   stop: Callable[[], bool] | None = None) -> np.ndarray | None:
     """Offsets (input order) of the buffers placed best-fit in ``order`` on their floors. When
     ``deadline`` (``time.monotonic``) passes first: None, or with ``finish`` the buffers left go above
-    all placed so far, in slots by size class (``slot_stack``). ``lowest``: the lowest gap that holds a
+    all placed so far, in slots by size class (``slot_stack``); when ``stop()`` says so (asked as often
+    as the clock): None. ``lowest``: the lowest gap that holds a
     buffer, not the smallest. ``given``: offsets fixed in advance (-1: place it), there for every placement; ``order``
     may then list only the others (a buffer in neither keeps -1).
     ``index``: ``time_index(lo, up, sz)`` when the caller has it (its placements are reset here)."""
@@ -234,6 +236,8 @@ def place_in_order(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarra
     set_given(off, sz, ix.moff, ix.mend, ix.estart, ix.epos)
     so, se, sid = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
     for k0 in range(0, order.size, _CHUNK):
+        if stop is not None and k0 and stop():
+            return None
         if deadline is not None and k0 and time.monotonic() > deadline:
             if not finish:
                 return None

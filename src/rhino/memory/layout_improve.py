@@ -72,9 +72,14 @@ class ImproveOptions:
     ``pangu_2.6B`` trace (18,692 buffers, 23% hot) 2.44% with the focus, 0.758% for the skyline pass,
     0.000% with the skyline search from it (8.8 s; excess ratio 0.23); ``wide-4`` (ratio 0.90) 1.116%
     focused, 1.496% switched, hence 0.5. ``skyline_start_share``: of the leaf's time, the most that pass
-    may take (it is dropped if not done by then): ~0.1-0.4 s on 60,000 buffers of most shapes, but its
-    scan for a buffer that fits the lowest run grows quadratically where most lifetimes overlap (one pass
-    on the whole of ``nested-1`` 13 s, a 60,000-buffer clique 20 s, ``lifo-1`` 3.8 s). ``second_share``: the
+    may take (it is dropped if not done by then; it runs in a thread beside the first greedy pass, which
+    it stops once it has a layout and that pass is past ``greedy_share``): ~0.1-0.4 s on 60,000 buffers of
+    most shapes (1.6 s on ``dense-1``, whose lowest-fit pass takes 17 s), but its scan for a buffer that
+    fits the lowest run grows quadratically where most lifetimes overlap (one pass on the whole of
+    ``nested-1`` 13 s, a 60,000-buffer clique 20 s, ``lifo-1`` 3.8 s). It was 0.1 with the passes one
+    after the other: at ``--time-limit 5`` on ``dense-1`` the skyline pass was dropped and the lowest-fit
+    pass, cut at the deadline, stacked the rest (12.650% over the bound; 3.195% now; at 60 s unchanged
+    on 12 traces, ``docs/benchmarks.md`` session 23). ``second_share``: the
     second lowest-fit pass (``GreedyOrder.SIZE_START``) may run past ``greedy_share`` for 1.5 times the
     first's time, up to this share of the leaf's time (``onesizeplus-1``: at the bound in 3.3 s against 26.8 s
     without; ``paged-1``'s passes take 15-19 s, beyond it, so it stays 0.370% where that pass alone is at
@@ -93,7 +98,7 @@ class ImproveOptions:
     skyline: SkylineOptions = SkylineOptions()
     skyline_start: bool = True
     skyline_switch: float = 0.5
-    skyline_start_share: float = 0.1
+    skyline_start_share: float = 0.5
     second_share: float = 0.1
     # above this many buffers the skyline pass may take ``huge_skyline_share`` of the leaf's time: on a
     # 1,000,000-buffer leaf of ~1,250 live buffers it took 14 s and came 3.99% above the bound, where the

@@ -31,6 +31,7 @@ traces the focused lowest-fit search stays better (``random-7``: 3.3% here again
 """
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -40,7 +41,7 @@ import numpy as np
 
 from .layout_greedy import past
 
-__all__ = ["SkylineOptions", "first_priorities", "skyline_pass", "skyline_search"]
+__all__ = ["SkylineOptions", "SkylineRace", "first_priorities", "skyline_pass", "skyline_search"]
 
 _INF = 1 << 62
 _CHECK = 4096  # placements between two deadline checks
@@ -151,7 +152,7 @@ def _level(s, e, h, seg_end, seg_h, alive, sofe, K):
 @numba.njit(cache=True, nogil=True)
 def _pass(li, ui, sz, al, floor, pri, K, deadline):
     """One skyline pass (module docstring) over compressed time ``[0, K)``: offsets in input order, or
-    None when ``deadline`` (``time.monotonic``) passes first."""
+    None when ``deadline[0]`` (``time.monotonic``; an array, so another thread may move it) passes first."""
     n = li.size
     order = np.argsort(li, kind="mergesort")
     posof = np.empty(n, np.int64)
@@ -179,7 +180,7 @@ def _pass(li, ui, sz, al, floor, pri, K, deadline):
         if not alive[a] or seg_h[a] != y:
             continue  # stale entry
         steps += 1
-        if steps % _CHECK == 0 and past(deadline):
+        if steps % _CHECK == 0 and past(deadline[0]):
             return None
         b = seg_end[a]
         ceiling = min(seg_h[sofe[a]] if a > 0 else _INF, seg_h[b] if b < K else _INF)
@@ -209,15 +210,44 @@ def _pass(li, ui, sz, al, floor, pri, K, deadline):
 
 
 def skyline_pass(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, floor: np.ndarray,
-                 priority: np.ndarray, deadline: float = float("inf")) -> np.ndarray | None:
+                 priority: np.ndarray, deadline: float | np.ndarray = float("inf")) -> np.ndarray | None:
     """Offsets (input order) of one skyline pass with ``priority`` (higher first among the buffers that
-    fit a segment), or None when ``deadline`` (``time.monotonic``) passes first."""
+    fit a segment), or None when ``deadline`` (``time.monotonic``) passes first; as a one-element float64
+    array, another thread may move it while the pass runs (to 0: stop it)."""
     lo, up, sz, al, floor = (np.ascontiguousarray(x, np.int64) for x in (lo, up, sz, al, floor))
     if sz.size == 0:
         return np.zeros(0, np.int64)
     pts = np.unique(np.concatenate([lo, up]))
     li, ui = np.searchsorted(pts, lo), np.searchsorted(pts, up)
-    return _pass(li, ui, sz, al, floor, np.ascontiguousarray(priority, np.float64), len(pts) - 1, deadline)
+    when = deadline if isinstance(deadline, np.ndarray) else np.array([deadline], np.float64)
+    return _pass(li, ui, sz, al, floor, np.ascontiguousarray(priority, np.float64), len(pts) - 1, when)
+
+
+class SkylineRace:
+    """One skyline pass in a thread beside the caller's work (the compiled pass releases the GIL), until
+    ``deadline`` (``time.monotonic``) at the latest: ``layout._greedy_phase`` runs its first greedy pass
+    meanwhile."""
+
+    def __init__(self, lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, floor: np.ndarray,
+                 priority: np.ndarray, deadline: float) -> None:
+        self._when = np.array([deadline], np.float64)
+        self.offsets: np.ndarray | None = None
+        self.height: int | None = None
+        self._thread = threading.Thread(target=self._run, args=(lo, up, sz, al, floor, priority), daemon=True)
+        self._thread.start()
+
+    def _run(self, lo, up, sz, al, floor, priority) -> None:
+        off = skyline_pass(lo, up, sz, al, floor, priority, self._when)
+        if off is not None:
+            self.height = int((off + sz).max(initial=0))
+        self.offsets = off  # last: ``height`` is set when this is
+
+    def result(self, stop: bool = False) -> np.ndarray | None:
+        """The pass's offsets (None when its deadline came first), after it ends; ``stop``: at once."""
+        if stop:
+            self._when[0] = 0.0
+        self._thread.join()
+        return self.offsets
 
 
 def first_priorities(lo: np.ndarray, up: np.ndarray, sz: np.ndarray,
@@ -246,7 +276,7 @@ def skyline_search(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarra
     li, ui = np.searchsorted(pts, lo), np.searchsorted(pts, up)
     passes = 0
     while time.monotonic() < deadline and (max_passes <= 0 or passes < max_passes):
-        off = _pass(li, ui, sz, al, floor, pri, len(pts) - 1, deadline)
+        off = _pass(li, ui, sz, al, floor, pri, len(pts) - 1, np.array([deadline], np.float64))
         if off is None:
             break
         passes += 1

@@ -1,4 +1,4 @@
-"""Decomposition of a large layout problem into independent leaves (pure numpy; no torch).
+"""Decomposition of a large layout problem into independent leaves (numpy and numba; no torch).
 
 Peel (exact while no cut was made). Let a window be a set of buffers with time span ``[A, B)`` (the
 lowest start, the highest end). A buffer live over all of ``[A, B)`` ("spanning") overlaps every other buffer of the
@@ -28,6 +28,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import numba
 import numpy as np
 
 from .layout_eject import EjectOptions
@@ -98,22 +99,71 @@ def splittable(size: np.ndarray, alignment: np.ndarray) -> bool:
     return bool((size % lcm == 0).all())
 
 
-def _runs(idx: np.ndarray, lo: np.ndarray, up: np.ndarray) -> list[np.ndarray]:
-    """The components (groups with no buffer crossing between them in time) of ``idx``, which is sorted
-    by start: its contiguous runs, as views of it."""
-    reach = np.maximum.accumulate(up[idx])
-    return np.split(idx, np.flatnonzero(lo[idx][1:] >= reach[:-1]) + 1)
+@numba.njit(cache=True)
+def _push_runs(arr, lo, up, s, e, base, ws, top):
+    """Push the components of ``arr[s:e]`` (sorted by start; groups with no buffer crossing between them
+    in time: its contiguous runs) onto the window stack ``ws`` as ``(start, end, base)``."""
+    r, reach = s, up[arr[s]]
+    for p in range(s + 1, e):
+        if lo[arr[p]] >= reach:
+            ws[top, 0], ws[top, 1], ws[top, 2] = r, p, base
+            top += 1
+            r, reach = p, up[arr[p]]
+        else:
+            reach = max(reach, up[arr[p]])
+    ws[top, 0], ws[top, 1], ws[top, 2] = r, e, base
+    return top + 1
 
 
-def _peel_count(idx: np.ndarray, up: np.ndarray) -> int:
-    """How many buffers repeated peels of this window (sorted by start, longest first among equal
-    starts) stack before it splits or becomes a leaf: a buffer spans what follows it when its end is
-    the largest from it on, and the peels take the longest prefix of such buffers (each spans the rest,
-    so the rest stays one component). Peeling level by level costs a pass per level instead: quadratic
-    on deeply nested lifetimes."""
-    ends = up[idx]
-    spans = ends >= np.maximum.accumulate(ends[::-1])[::-1]
-    return spans.size if spans.all() else int(np.argmin(spans))
+@numba.njit(cache=True)
+def _peel_windows(arr, lo, up, sz, floor, offsets, base0, peel, big):
+    """The peels of ``arr``'s components (``arr``: buffer indices sorted by start, longest first among
+    equal starts; each component on ``base0``): the spanning buffers of a window are its longest prefix
+    whose every end is the largest from it on (each spans the rest, so the rest stays one component);
+    they are stacked latest end lowest on the window's base (``offsets``), and the rest's components are
+    windows on that stack's top. A window with no spanning buffer is a leaf (its buffers' ``floor``
+    raised to its base), or, above ``big`` buffers, left to the caller (a cut). Returns the leaves
+    ``[start, end)`` in ``arr``, the windows left ``[start, end, base]`` and the buffers stacked. In
+    compiled code: on deeply nested lifetimes (a random stack of 60,000 buffers: 45,000 windows) the
+    numpy version took 4.4 s."""
+    n = arr.size
+    ws = np.empty((n + 1, 3), np.int64)
+    leaves, left = np.empty((n, 2), np.int64), np.empty((n, 3), np.int64)
+    suf = np.empty(n, np.int64)
+    nl = nleft = stacked = 0
+    top = _push_runs(arr, lo, up, 0, n, base0, ws, 0) if n else 0
+    while top > 0:
+        top -= 1
+        s, e, base = ws[top, 0], ws[top, 1], ws[top, 2]
+        k = 0
+        if peel:
+            m = up[arr[e - 1]]
+            for p in range(e - 1, s - 1, -1):
+                m = max(m, up[arr[p]])
+                suf[p] = m
+            while s + k < e and up[arr[s + k]] >= suf[s + k]:
+                k += 1
+        if k == 0:
+            if peel and e - s > big:
+                left[nleft, 0], left[nleft, 1], left[nleft, 2] = s, e, base
+                nleft += 1
+            else:
+                for p in range(s, e):
+                    floor[arr[p]] = max(floor[arr[p]], base)
+                leaves[nl, 0], leaves[nl, 1] = s, e
+                nl += 1
+            continue
+        sub = arr[s:s + k]
+        t = h = base
+        for q in np.argsort(-up[sub], kind="mergesort"):  # latest end lowest, then by start (stable)
+            i = sub[q]
+            offsets[i] = max(t, floor[i])
+            t = offsets[i] + sz[i]
+            h = max(h, t)
+        stacked += k
+        if s + k < e:
+            top = _push_runs(arr, lo, up, s + k, e, h, ws, top)
+    return leaves[:nl], left[:nleft], stacked
 
 
 def _profile(l: np.ndarray, u: np.ndarray, z: np.ndarray, times: int) -> np.ndarray:
@@ -229,40 +279,38 @@ def decompose(lower, upper, size, max_leaf: int = 6000, cuts: bool = True, cut_b
     n_stacked = n_cuts = 0
     live = np.flatnonzero(sz > 0)
     live = live[np.lexsort((-up[live], lo[live]))]  # windows stay sorted by start, longest first
-    # a window: (its buffers, below a cut?, base: the stack top under all of them, not yet in ``floor``)
-    todo = [(idx, False, 0) for idx in _runs(live, lo, up)] if live.size else []
+    # buffers whose components are to be peeled (sorted by start), below a cut?, the base they rest on
+    todo = [(live, False, 0)] if live.size else []
     while todo:
-        idx, cut, base = todo.pop()
-        k = _peel_count(idx, up) if peel else 0
-        made_cut = False
-        if k == 0 and peel and cuts and len(idx) > max_leaf and (deadline is None or time.monotonic() < deadline):
-            floor[idx] = np.maximum(floor[idx], base)
-            base = 0
-            t, bound, order = _cut_time(idx, lo, up, sz, floor, cut_band, cut_samples, fine)
-            if max_bound is None or bound <= max_bound:
-                span = (lo[idx] < t) & (up[idx] > t)
-                x, rest = idx[span], idx[~span]
-                made_cut = True
-        if k == 0 and not made_cut:  # (a cut always has buffers across it: a window is one component)
-            floor[idx] = np.maximum(floor[idx], base)
-            leaves.append(Leaf(idx[np.lexsort((idx, lo[idx]))], cut))
-            continue
-        if not made_cut:
-            x, rest = idx[:k], idx[k:]
-        # a cut: its stack order; a peel: longest-lived (to the right) lowest
-        x = x[_ORDERS[order if made_cut else 0](lo[x], up[x])]
-        end = _stack(x, sz, np.maximum(floor[x], base))
-        offsets[x] = end - sz[x]
-        n_stacked += len(x)
-        n_cuts += made_cut
-        if rest.size:
-            if made_cut:
-                _raise_floors(rest, x, end, lo, up, floor)
-            else:  # a peel: every buffer left lies inside all of ``x``
-                base = max(base, int(end.max()))
-            todo.extend((c, cut or made_cut, base) for c in _runs(rest, lo, up))
+        arr, cut, base = todo.pop()
+        spans, left, k = _peel_windows(arr, lo, up, sz, floor, offsets, base, peel, max_leaf if cuts else arr.size)
+        n_stacked += k
+        leaves.extend(Leaf(_by_start(arr[s:e], lo), cut) for s, e in spans.tolist())
+        for s, e, b in left.tolist():  # a window above max_leaf with no spanning buffer: a cut, if one fits
+            idx = arr[s:e]
+            floor[idx] = np.maximum(floor[idx], b)
+            t, bound = None, None
+            if deadline is None or time.monotonic() < deadline:
+                t, bound, order = _cut_time(idx, lo, up, sz, floor, cut_band, cut_samples, fine)
+            if t is None or (max_bound is not None and bound > max_bound):
+                leaves.append(Leaf(_by_start(idx, lo), cut))
+                continue
+            span = (lo[idx] < t) & (up[idx] > t)
+            x, rest = idx[span], idx[~span]
+            x = x[_ORDERS[order](lo[x], up[x])]
+            end = _stack(x, sz, floor[x])
+            offsets[x] = end - sz[x]
+            n_stacked += len(x)
+            n_cuts += 1
+            _raise_floors(rest, x, end, lo, up, floor)
+            todo.append((rest, True, 0))  # (a cut always has buffers on both sides)
     floor[offsets >= 0] = 0
     return Decomposition(offsets, floor, leaves, n_stacked, n_cuts)
+
+
+def _by_start(idx: np.ndarray, lo: np.ndarray) -> np.ndarray:
+    """A leaf's buffers by start, then index."""
+    return idx[np.lexsort((idx, lo[idx]))]
 
 
 def heavy_buffers(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, light_bytes: int, most: int) -> np.ndarray | None:

@@ -14,6 +14,7 @@ from .layout_eject import eject_repair
 from .layout_greedy import place_in_order
 from .layout_improve import ImproveOptions, lifetime_pressure, squeaky_wheel
 from .layout_skyline import skyline_pass
+from .layout_split import decompose
 
 
 def warm() -> None:
@@ -30,6 +31,7 @@ def warm() -> None:
         off = place_in_order(lo, up, sz, al, fl, order, lowest=lowest)
     lifetime_pressure(lo, up, sz, fl + 8)
     skyline_pass(lo, up, sz, al, fl, sz.astype(np.float64))
+    decompose(lo, up, sz)
     # targets below the bound, so that every compiled step runs (and fails)
     squeaky_wheel(lo, up, sz, al, fl, lb - 1, time.monotonic() + 5, ImproveOptions(max_passes=3), start=off)
     eject_repair(lo, up, sz, al, fl, off, lb - 1, time.monotonic() + 5)
