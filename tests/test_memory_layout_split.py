@@ -251,13 +251,13 @@ def _peel_by_levels(lo: list[int], up: list[int], sz: list[int]) -> tuple[dict, 
     return offsets, floors, sorted(leaves)
 
 
-def _stacks(seed: int, parts: int = 10, m: int = 30) -> tuple[list[int], list[int], list[int]]:
-    """Random stacks of allocations in ``parts`` separate stretches of time, a few ends moved past their
-    parent's (crossings), under one buffer live throughout."""
+def _stacks(seed: int, parts: int = 10, m: int = 30, cross: float = 0.03) -> tuple[list[int], list[int], list[int]]:
+    """Random stacks of allocations in ``parts`` separate stretches of time, ends moved past their parent's
+    with probability ``cross`` (crossings), under one buffer live throughout."""
     r = random.Random(seed)
-    lo, up = [0], [parts * 100 + 1]
+    lo, up = [0], [parts * (m + 1) * 3 + 1]
     for part in range(parts):
-        stack, t, first = [], part * 100, len(lo)
+        stack, t, first = [], part * (m + 1) * 3, len(lo)
         for _ in range(m):
             t += 1
             if stack and r.random() < 0.5:
@@ -269,7 +269,7 @@ def _stacks(seed: int, parts: int = 10, m: int = 30) -> tuple[list[int], list[in
             t += 1
             up[j] = t
         for j in range(first, len(lo)):
-            up[j] += r.randint(1, 3) if r.random() < 0.03 else 0
+            up[j] += r.randint(1, 3) if r.random() < cross else 0
     return lo, up, [r.randint(1, 9) * 8 for _ in lo]
 
 
@@ -291,18 +291,10 @@ def test_nested_lifetimes_peel_in_one_pass():
         assert {i: int(o) for i, o in enumerate(dec.offsets.tolist()) if o >= 0} == offsets, seed
         assert sorted(tuple(sorted(leaf.index.tolist())) for leaf in dec.leaves) == leaves, seed
         assert {i: int(dec.floor[i]) for leaf in dec.leaves for i in leaf.index.tolist()} == floors, seed
-    lo, up, stack, t = [], [], [], 0
-    for _ in range(n):
-        t += 1
-        if stack and rng.random() < 0.5:
-            up[stack.pop()] = t
-        lo.append(t)
-        up.append(-1)
-        stack.append(len(lo) - 1)
-    for j in stack:
-        up[j] = t + 1
-    dec = decompose(lo, up, sz)
-    bufs = [Buffer(i, lo[i], up[i], int(sz[i])) for i in range(n)]
+    lo, up, z = _stacks(0, parts=1, m=n, cross=0.0)
+    dec = decompose(lo, up, z)
+    n = len(z)
+    bufs = [Buffer(i, lo[i], up[i], z[i]) for i in range(n)]
     offs = {i: int(dec.offsets[i]) for i in range(n)}
     assert dec.stacked == n and not dec.leaves and validate_layout(bufs, offs) == []
     assert max(offs[i] + bufs[i].size for i in range(n)) == lower_bound(bufs)
