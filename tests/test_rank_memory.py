@@ -10,13 +10,14 @@ greedy layout) so the arena runs an order other than the program's. Multi-proces
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 import torch
 
 from rhino.capture import capture, load_workload
-from rhino.lower.arena import ArenaProgram
-from rhino.lower.arena_ranks import compare_arena_ranks, local_inputs, lockstep_arenas
+from rhino.lower.arena import ArenaProgram, out_overload
+from rhino.lower.arena_ranks import compare_arena_ranks, local_inputs, lockstep_arenas, rank_arena
 from rhino.lower.rank_graph import COMM_OP, rank_graph, rank_memories, rank_problem
 from rhino.lower.simulate_spmd import simulate_ranks
 from rhino.lower.spmd import lower_rank
@@ -150,3 +151,60 @@ def test_recompute_plan_per_rank_runs_exactly():
     plain = rank_memory_report(cap, strategy="dp=2", level="O1")
     assert rep.ok and rep.execute["bitwise"] and rep.execute["arena_equals_plan"]
     assert rep.reports[0].problem.ops != plain.reports[0].problem.ops   # the recomputing program was planned
+
+
+def _tied_autoencoder(strategy: str = "dp=2,tp=2"):
+    import warnings
+    from conftest import ROOT
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")   # affine_grid / grid_sample run as opaque ops
+            cap = capture(load_workload(str(ROOT / "tests" / "workloads" / "heldout23.py") + ":tied_autoencoder"))
+    finally:
+        torch.set_default_dtype(old)
+    rp = resolve(cap.graph, preset_plan(cap.graph, parse_strategy(strategy)))
+    mems = rank_memories(rp)
+    report = plan_rank_memory([(m.rank, m.problem, m.mapping) for m in mems], level="O1", time_limit=20)
+    return cap, rp, mems, report
+
+
+def test_an_out_overload_that_resizes_its_out_tensor_is_not_used(capfd):
+    """``mse_loss.out`` (mean) resizes its scalar out tensor to the unreduced [4, 8] before reducing into it
+    (PyTorch's C++ "An output with one or more elements was resized" warning on stderr): in the arena that
+    resize claims the bytes after the loss's slot, or reallocates the whole arena when the slot is at its end.
+    The out= trial (``ArenaProgram._out_safe``) sees the growth with empty out tensors, so the op runs plainly:
+    no resize on any rank, arena = plain program bitwise, arena bytes = plan."""
+    cap, rp, mems, report = _tied_autoencoder()
+    capfd.readouterr()
+    ex = compare_arena_ranks(rp, mems, report, cap.initial_state(), tuple(b.detach() for b in cap.workload.batch),
+                             rtol=1e-12, atol=0.0, steps=2)
+    err = capfd.readouterr().err
+    assert "was resized" not in err, err
+    assert ex["equal"] and ex["bitwise"], ex
+    assert ex["arena_equals_plan"], ex
+    a = torch.randn(4, 8, dtype=torch.float64)
+    ov = out_overload("aten.mse_loss.default")
+    assert ArenaProgram._grows_out(ov, [a, a.flip(0), 1], {}, [torch.empty((), dtype=torch.float64)])
+    assert not ArenaProgram._grows_out(out_overload("aten.add.Tensor"), [a, a], {}, [torch.empty_like(a)])
+
+
+@pytest.mark.parametrize("trial", [True, False])
+def test_a_slot_of_the_wrong_shape_is_an_error_naming_the_node(trial):
+    """A graph type that is not what the op returns (a 0-dim slot where a matmul writes a matrix) is refused with
+    the node named, whether the op runs through out= (the trial skipped: PyTorch would resize the slot off its
+    planned bytes) or is copied into its slot (``copy_`` would broadcast or fail far from the cause)."""
+    cap, rp, mems, report = _tied_autoencoder()
+    arenas = [rank_arena(m, report) for m in mems]
+    inputs = local_inputs(rp, cap.initial_state(), tuple(b.detach() for b in cap.workload.batch))
+    prog, g = arenas[0], mems[0].graph
+    prog._make_arena({v: tuple(t.stride()) for v, t in prog._given_inputs(*inputs[0]).items()})
+    i, v = next((i, n.outputs[0]) for i, n in enumerate(g.nodes) if n.op == "aten.mm.default")
+    shape = list(g.types[v].shape)
+    assert len(shape) == 2 and v in prog._slots
+    prog._slots[v] = prog._slots[v].view(-1)[0]     # the slot of a value typed () in a wrong graph
+    if not trial:
+        prog._out_safe = lambda *a, **k: True
+    with pytest.raises(RuntimeError, match=rf"node {i} \(aten\.mm\.default\) .*{re.escape(str(shape))}"):
+        lockstep_arenas(arenas, [s for s, _ in inputs], [b for _, b in inputs], rp.plan.mesh)

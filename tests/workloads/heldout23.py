@@ -56,3 +56,42 @@ def constants_in_batch(classes=5):
 
 def constants_in_batch_even():
     return constants_in_batch(classes=4)
+
+
+class TiedAutoencoder(nn.Module):
+    """A tied autoencoder (W and W.t()) whose reconstruction is warped by a spatial transformer (affine_grid +
+    grid_sample, opaque ops), trained with a mean-reduced ``F.mse_loss``: ``mse_loss.out`` resizes its scalar
+    out tensor to the unreduced ``[B, 16]`` shape before reducing into it (PyTorch's "An output with one or
+    more elements was resized" warning), which in the arena claims the bytes after the loss's slot."""
+
+    def __init__(self):
+        super().__init__()
+        self.W = nn.Parameter(torch.randn(12, 16) * 0.2)      # code x input
+        self.b_enc = nn.Parameter(torch.zeros(12))
+        self.b_dec = nn.Parameter(torch.zeros(16))
+        self.loc = nn.Linear(16, 6)
+        nn.init.zeros_(self.loc.weight)
+        with torch.no_grad():
+            self.loc.bias.copy_(torch.tensor([1.0, 0.1, 0.0, -0.1, 1.0, 0.0]))
+        self.pix = nn.Linear(4, 4)
+
+    def forward(self, x):                       # x [B, 16]
+        h = torch.sigmoid(x @ self.W.t() + self.b_enc)
+        rec = h @ self.W + self.b_dec
+        img = rec.reshape(-1, 1, 4, 4)
+        theta = self.loc(x).reshape(-1, 2, 3)
+        grid = F.affine_grid(theta, img.shape, align_corners=False)
+        warped = F.grid_sample(img, grid, align_corners=False)
+        return self.pix(warped).reshape(x.shape[0], 16), h
+
+
+def tied_autoencoder(batch=8):
+    torch.manual_seed(0)
+    model = TiedAutoencoder()
+    g = torch.Generator().manual_seed(0)
+
+    def loss(m, x):
+        out, h = m(x)
+        return F.mse_loss(out, x) + 1e-2 * h.abs().mean()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9), loss, \
+        (torch.randn(batch, 16, generator=g),)

@@ -13,7 +13,10 @@ in the planned order:
   normally and its result is copied into the slot (``ArenaStats.out_variant`` / ``copied``). Each out=
   overload is first tried once per call signature beside the op, into guarded scratch copies of its slots,
   and used only where it wrote exactly its slots' bytes and the op's values (``_out_safe``: ``huber_loss.out``
-  with a reduction writes the unreduced loss through its scalar out tensor first).
+  with a reduction writes the unreduced loss through its scalar out tensor first; ``mse_loss.out`` only resizes
+  it to the unreduced shape first, which an empty out tensor shows without PyTorch's resize warning). After an
+  out= call every slot must be unmoved and the arena its planned size, and a result copied into a slot must
+  have the slot's shape: otherwise an error names the node (a wrong graph type never runs outside the arena).
 - View nodes run on the slot tensors (they alias the arena); a registered view that copies after all
   (``reshape`` of a non-viewable input) is counted in ``view_copies``.
 - Batch inputs are copied into their slots at the start. State inputs and constants stay outside the
@@ -366,6 +369,7 @@ class ArenaProgram:
             use_out = False
         if use_out:
             fn, names = ov
+            where = [(s.data_ptr(), s.shape) for s in slots]
             try:
                 fn(*args, **kwargs, **dict(zip(names, slots)))
             except RuntimeError:
@@ -373,16 +377,32 @@ class ArenaProgram:
                 use_out = False
             else:
                 stats.out_variant += 1
+                self._check_out_slots(i, node, slots, where)
         if not use_out:
             res = result if result is not None else self._fns[i](*args, **kwargs)
             vals = list(res) if node.multi else [res]
-            for slot, t in zip(slots, vals):
+            for v, slot, t in zip(node.outputs, slots, vals):
                 if slot is not None and isinstance(t, torch.Tensor):
+                    if t.shape != slot.shape:
+                        raise RuntimeError(f"node {i} ({node.op}) returned shape {list(t.shape)} for value {v}, but "
+                                           f"the graph gives it {list(slot.shape)} (its arena slot): the graph's type "
+                                           f"of that value is wrong, so the plan's bytes are not what runs")
                     slot.copy_(t)
             stats.copied += 1
         for v, slot in zip(node.outputs, slots):
             if v is not None:
                 env[v] = slot
+
+    def _check_out_slots(self, i, node, slots: list[torch.Tensor], where: list) -> None:
+        """After an out= call: every out tensor is still its slot (same address and shape) and the arena was not
+        grown. An out= kernel that resizes its out tensor (PyTorch's "An output with one or more elements was
+        resized" warning) moves it off its planned bytes, or reallocates the whole arena past its planned height."""
+        arena = self._arena.untyped_storage()
+        for v, s, (ptr, shape) in zip(node.outputs, slots, where):
+            if s.data_ptr() != ptr or s.shape != shape or arena.nbytes() != self.height:
+                raise RuntimeError(f"node {i} ({node.op}) resized its out= tensor for value {v} from the slot's "
+                                   f"shape {list(shape)} to {list(s.shape)}: it no longer lies at its planned "
+                                   f"offset in the arena ({arena.nbytes()} bytes, planned {self.height})")
 
     def _out_safe(self, i, node, ov, args, kwargs, slots: list[torch.Tensor]) -> bool:
         """Whether the out= overload writes exactly its slots' bytes, and the op's values: tried once per call
@@ -400,23 +420,44 @@ class ArenaProgram:
         return self._out_checked[key]
 
     def _out_equal(self, i, node, ov, args, kwargs, slots: list[torch.Tensor]) -> bool:
-        """``_out_safe``'s trial: the op, then its out= overload into scratch copies of the slots with guard
-        bytes on both sides; equal when no guard byte changed, no slot moved or changed shape, and the values
-        are bitwise the op's."""
+        """``_out_safe``'s trial: the op, then its out= overload into scratch copies of the slots, each at the very
+        end of its own buffer behind guard bytes; equal when no guard byte changed, no slot moved or changed shape,
+        no buffer grew, and the values are bitwise the op's. A slot ends where its buffer ends, so an out= kernel
+        that grows its out tensor even for a moment reallocates the buffer and is seen: ``mse_loss.out`` with a
+        reduction resizes its scalar out tensor to the unreduced shape before reducing into it (no write past the
+        slot, but in the arena that resize claims the bytes after the slot, or reallocates the arena at its end).
+        That is probed first with empty out tensors (``_grows_out``), which PyTorch resizes without its warning."""
+        if self._grows_out(ov, args, kwargs, slots):
+            return False
         ref = self._fns[i](*args, **kwargs)
         refs = list(ref) if node.multi else [ref]
         pad = 256
-        bufs = [torch.full((2 * pad + t.numel() * t.element_size(),), 0xA5, dtype=torch.uint8, device=t.device)
+        bufs = [torch.full((pad + t.numel() * t.element_size(),), 0xA5, dtype=torch.uint8, device=t.device)
                 for t in slots]
-        views = [b[pad:b.numel() - pad].view(t.dtype).as_strided(t.shape, t.stride()) for b, t in zip(bufs, slots)]
+        views = [b[pad:].view(t.dtype).as_strided(t.shape, t.stride()) for b, t in zip(bufs, slots)]
         ptrs = [v.data_ptr() for v in views]
         try:
             ov[0](*args, **kwargs, **dict(zip(ov[1], views)))
         except RuntimeError:
             return False
         return all(v.data_ptr() == q and v.shape == t.shape and v.stride() == t.stride() and
-                   bool((b[:pad] == 0xA5).all()) and bool((b[b.numel() - pad:] == 0xA5).all()) and
+                   b.untyped_storage().nbytes() == b.numel() and bool((b[:pad] == 0xA5).all()) and
                    _same_values(v, r) for v, q, t, b, r in zip(views, ptrs, slots, bufs, refs))
+
+    @staticmethod
+    def _grows_out(ov, args, kwargs, slots: list[torch.Tensor]) -> bool:
+        """Whether the out= overload, given empty out tensors, grows any of them past its slot's bytes or leaves it
+        in another shape: a kernel that sizes its out tensor for an intermediate result (``mse_loss.out``'s
+        unreduced loss) before the final one. An empty out tensor is resized silently, a slot with PyTorch's
+        "An output with one or more elements was resized" warning; storage never shrinks, so its final size is
+        the largest the kernel asked for. A kernel that refuses empty out tensors is left to the slot trial."""
+        outs = [torch.empty(0, dtype=t.dtype, device=t.device) for t in slots]
+        try:
+            ov[0](*args, **kwargs, **dict(zip(ov[1], outs)))
+        except RuntimeError:
+            return False
+        return any(o.shape != t.shape or o.untyped_storage().nbytes() > t.numel() * t.element_size()
+                   for o, t in zip(outs, slots))
 
     def _alias_ok(self, node, env, outs: list[torch.Tensor]) -> bool:
         """out= may write into a state tensor the op also reads only for elementwise ops and exact aliases."""
