@@ -1,6 +1,7 @@
 """The peak split (memory.layout_peak) and where solve_layout runs it."""
 import random
 import time
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -93,6 +94,29 @@ def test_an_expired_deadline_gives_nothing():
     n = len(sz)
     off, h, _ = peak_split(lo, up, sz, np.ones(n, np.int64), np.zeros(n, np.int64), 0, time.monotonic() - 1)
     assert off is None and h == 0
+
+
+def test_no_side_pass_starts_after_the_deadline(monkeypatch):
+    """A side below ``place_in_order``'s 4,096-buffer chunk is one pass with no look at the clock: once the
+    deadline has passed, no further pass starts (a 5,000-buffer staircase ran a batch of four 0.27 s passes
+    after it: wall 3.3 s at ``--time-limit 2``). Here the clock moves 10 s per pass."""
+    import rhino.memory.layout_peak as peak_mod
+    clock = [0.0]
+    passes = []
+
+    def fake_place(*a, **k):
+        passes.append(k.get("given") is not None)
+        clock[0] += 10.0
+        return place_in_order(*a, **k)
+
+    monkeypatch.setattr(peak_mod, "place_in_order", fake_place)
+    monkeypatch.setattr(peak_mod, "time", SimpleNamespace(monotonic=lambda: clock[0]))
+    n = 300
+    lo = np.arange(n, dtype=np.int64)
+    up, sz = lo + 100, np.full(n, 64, np.int64)
+    off, h, done = peak_split(lo, up, sz, np.ones(n, np.int64), np.zeros(n, np.int64), 0, 5.0)
+    assert passes == [False]  # the clique's pass, then no side pass
+    assert off is None and done == 0
 
 
 def test_options_are_checked():
