@@ -171,3 +171,15 @@ def test_written_files_are_atomic_with_plain_permissions(tmp_path):
     assert target.read_text() == "first" and sorted(p.name for p in tmp_path.iterdir()) == ["plan.json"]
     write_atomic(target, "second")
     assert target.read_text() == "second" and stat.S_IMODE(target.stat().st_mode) == 0o640
+
+
+def test_an_out_path_that_is_a_directory_is_one_sentence(capsys, tmp_path):
+    """``--out DIR`` (export, capture, plan): one sentence and exit 2, not the rename's IsADirectoryError after
+    the work was done; export refuses before reading the checkpoint, and no temporary file is left."""
+    target = tmp_path / "here"
+    target.mkdir()
+    code, _, err = run(capsys, "export", str(tmp_path / "no-checkpoint"), "--out", str(target))
+    assert code == 2 and f"'{target}' is a directory; give the path of a file to write" in err, err
+    code, _, err = run(capsys, "capture", str(ROOT / "examples" / "mlp.py"), "--out", str(target))
+    assert code == 2 and "is a directory" in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["here"] and not list(target.iterdir())

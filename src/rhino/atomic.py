@@ -14,16 +14,14 @@ import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
-__all__ = ["atomic_path", "write_atomic"]
+__all__ = ["atomic_path", "check_file_target", "write_atomic"]
 
 
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     """A temporary path beside ``path`` to write; renamed over ``path`` when the block ends without an
     exception, removed otherwise."""
-    path = Path(path)
-    if path.parent and not path.parent.is_dir():
-        raise FileNotFoundError(f"directory {str(path.parent)!r} does not exist; create it or choose another path")
+    path = check_file_target(path)
     fd, name = tempfile.mkstemp(dir=path.parent or ".", prefix=f".{path.name}.", suffix=".tmp")
     os.close(fd)
     tmp = Path(name)
@@ -34,6 +32,17 @@ def atomic_path(path: str | os.PathLike) -> Iterator[Path]:
     finally:
         if tmp.exists():
             tmp.unlink()
+
+
+def check_file_target(path: str | os.PathLike) -> Path:
+    """``path`` as a file that may be (over)written: a FileNotFoundError when its directory does not exist, a
+    ValueError when it is a directory (the rename would fail only after the file was written)."""
+    path = Path(path)
+    if path.parent and not path.parent.is_dir():
+        raise FileNotFoundError(f"directory {str(path.parent)!r} does not exist; create it or choose another path")
+    if path.is_dir():
+        raise ValueError(f"{str(path)!r} is a directory; give the path of a file to write")
+    return path
 
 
 def write_atomic(path: str | os.PathLike, text: str) -> None:

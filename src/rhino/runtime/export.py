@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from ..atomic import atomic_path
+from ..atomic import atomic_path, check_file_target
 from .checkpoint import read_meta
 
 __all__ = ["load_full", "export_checkpoint", "write_export"]
@@ -86,6 +86,7 @@ def write_export(path: str | os.PathLike, out: str | os.PathLike, optimizer: boo
     out = Path(out)
     if out.parent and not out.parent.is_dir():
         raise ValueError(f"the directory of --out {str(out)!r} does not exist; create it or choose another path")
+    check_file_target(out)          # before the checkpoint is read: --out must not be a directory
     exported, meta = export_checkpoint(path, optimizer)
     with atomic_path(out) as tmp:   # an interrupted export leaves no half-written file (nor loses an old one)
         torch.save(exported, tmp)
