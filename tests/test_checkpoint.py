@@ -233,6 +233,19 @@ def test_checkpoint_errors_are_one_sentence(tmp_path):
     assert out.returncode == 2 and "holds no complete checkpoint" in out.stderr, out.stderr[-1000:]
 
 
+
+def test_a_checkpoint_directory_that_cannot_be_created_is_refused_before_training(tmp_path):
+    """A file on the way to --checkpoint was a NotADirectoryError at the first save, after every step had run;
+    it is one sentence before any process starts (``check_checkpointing``)."""
+    from rhino.runtime.trainer import check_checkpointing
+    (tmp_path / "afile").write_text("x")
+    with pytest.raises(ValueError, match="cannot be created: .*afile' is a file, not a directory"):
+        check_checkpointing(tmp_path / "afile" / "ck", 2, False)
+    with pytest.raises(ValueError, match="is a file, not a directory; choose a directory"):
+        check_checkpointing(tmp_path / "afile", 0, True)
+    check_checkpointing(tmp_path / "new" / "ck", 2, False)          # a directory still to be made is fine
+    assert not (tmp_path / "new").exists()
+
 @pytest.mark.multiprocess
 def test_a_checkpoint_of_another_workload_is_refused(reference):
     directory, _ = reference

@@ -16,6 +16,7 @@ collectives).
 """
 from __future__ import annotations
 
+import os
 import resource
 import sys
 import time
@@ -363,14 +364,28 @@ def check_checkpointing(checkpoint, every: int, resume: bool) -> None:
         raise ValueError(f"--every must be >= 0 (0: save only after the last step), got {every}")
     if checkpoint is None and (every or resume):
         raise ValueError(f"{'--every' if every else '--resume'} needs a checkpoint directory: add --checkpoint DIR")
-    if checkpoint is not None and Path(checkpoint).exists() and not Path(checkpoint).is_dir():
-        raise ValueError(f"--checkpoint {str(checkpoint)!r} is a file, not a directory; choose a directory")
+    if checkpoint is not None:
+        _check_checkpoint_path(Path(checkpoint))
     if checkpoint is not None and not resume:
         from .checkpoint import latest_checkpoint
         found = latest_checkpoint(checkpoint)
         if found is not None:           # a later --resume would mix this run's checkpoints with that one's
             raise ValueError(f"checkpoint directory {checkpoint} already holds {found.name}; resume it (--resume) "
                              f"or choose an empty directory")
+
+
+def _check_checkpoint_path(root: Path) -> None:
+    """A checkpoint directory that rank 0 can create (or that exists) and write into, so that a run does not
+    fail at its first save, after its steps: the nearest existing path on the way must be a writable directory."""
+    if root.exists() and not root.is_dir():
+        raise ValueError(f"--checkpoint {str(root)!r} is a file, not a directory; choose a directory")
+    existing = next(p for p in (root, *root.absolute().parents) if p.exists())
+    if not existing.is_dir():
+        raise ValueError(f"--checkpoint {str(root)!r} cannot be created: {str(existing)!r} is a file, not a "
+                         f"directory; choose another directory")
+    if not os.access(existing, os.W_OK | os.X_OK):
+        what = "is not writable" if existing == root else f"cannot be created: {str(existing)!r} is not writable"
+        raise ValueError(f"--checkpoint {str(root)!r} {what}; choose a directory you can write to")
 
 
 def load_plan_file(path: str | Path) -> ShardingPlan:
