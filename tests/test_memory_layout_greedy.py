@@ -9,7 +9,7 @@ import pytest
 
 from rhino.memory.layout import (Buffer, GreedyOrder, LayoutOptions, LayoutStatus, greedy_layout, height,
                                  lower_bound, solve_layout, validate_layout)
-from rhino.memory.layout_greedy import place_in_order, time_index
+from rhino.memory.layout_greedy import LOWEST_COST, lowest_fit_passes, place_in_order, time_index
 from rhino.memory.layout_split import SplitOptions
 
 
@@ -161,3 +161,31 @@ def test_order_may_list_only_the_buffers_not_given():
     assert validate_layout(bufs, {b.id: int(o) for b, o in zip(bufs, part)}) == []
     with pytest.raises(ValueError, match="outside"):
         place_in_order(lo, up, sz, al, fl, np.array([len(bufs)]), given=given)
+
+
+def _pow2_aligned(seed: int, n: int = 200) -> list:
+    """Power-of-two sizes, each aligned to its size: best fit in every order leaves holes lowest fit fills."""
+    rng = random.Random(seed)
+    out = []
+    for i in range(n):
+        lo, s = rng.randrange(400), 1 << rng.randint(0, 12)
+        out.append(Buffer(i, lo, lo + rng.randint(1, 100), s, s))
+    return out
+
+
+def test_the_plain_path_greedy_also_tries_lowest_fit():
+    """Up to ``split.above`` buffers ``solve_layout`` took only the numpy best-fit orders: 5,000 such buffers
+    ended 3.396% above the bound at --time-limit 2 and 0.920% at 10, where lowest fit by size gives 0.554%."""
+    for seed, lowest in ((1, 31722), (3, 23420)):
+        bufs = _pow2_aligned(seed)
+        off = LayoutOptions(split=SplitOptions(lowest_fit=False))
+        before = solve_layout(bufs, None, 5, exact=False, options=off)
+        res = solve_layout(bufs, None, 5, exact=False)
+        assert res.valid and res.height == lowest < before.height
+        assert res.solver.endswith("/lowest")
+
+
+def test_lowest_fit_passes_start_only_with_time_left():
+    bufs = _pow2_aligned(3)
+    assert lowest_fit_passes(bufs, time.monotonic() + 0.5 * LOWEST_COST, 1.0) is None
+    assert lowest_fit_passes(bufs, None, 1.0)[1] == 23420

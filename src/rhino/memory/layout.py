@@ -36,28 +36,27 @@ Solvers (``solve_layout``):
    does not reach the height ``H`` (the bound or the capacity), in a share of the time by its size;
    a leaf above ``split.max_leaf`` (no exact search) gets the greedy passes, then, where a few buffers
    carry all but ``split.light_share`` of its load, those first (greedy, squeaky wheel, exact search) and
-   the rest around them (``split.big_first``), then the
-   squeaky-wheel search (``layout_improve``, ``split.improve``: lowest-fit passes on the hot buffers
-   where few are hot, else skyline passes, ``layout_skyline``, after a shorter greedy phase; a first
-   skyline pass joins the greedy ones and, where far lower, chooses the skyline search) for the
-   rest of its share, with
-   ejection chains (``layout_eject``, ``split.eject``: the buffers above the target moved down by moving
-   those in their way) on its best layouts in a thread beside it where there are two cores, else after
-   it in ``split.eject.share`` of the share, then window repair (``layout_window``, ``split.window``:
-   the top buffers' time windows laid out again around the others, where such windows are small) in
-   ``split.window.share``; identical leaves (repeated layers or steps) share one layout. The branch and bound never sees more than ``split.max_leaf`` buffers there, which bounds its memory (its time-neighbour lists, undo logs
-   and candidate pool grow with buffers x live buffers; buffers live over the whole step, such as
-   parameters and optimizer state, neighbour every other one and are exactly what the peel removes).
-   Revisit (``split.revisit``): leaves that finish early leave time; while some is left and the height
-   is above ``H``'s start (the bound or the capacity), the leaf whose top is highest gets the squeaky
-   wheel again from its layout, down to the next highest leaf's top, as long as that lowers it
-   (``bimodal-1`` of ``benchmarks/layout_scale.py``: a 3,742-buffer leaf whose exact search found nothing
-   in its share kept its greedy 1.471% above the bound, with 27 s of the 60 s unused; revisited: 0.0005%).
+   the rest around them (``split.big_first``), then the squeaky-wheel search (``layout_improve``,
+   ``split.improve``: lowest-fit passes on the hot buffers where few are hot, else skyline passes,
+   ``layout_skyline``, after a shorter greedy phase; a first skyline pass joins the greedy ones and, where far
+   lower, chooses the skyline search) for the rest of its share, with ejection chains (``layout_eject``,
+   ``split.eject``: the buffers above the target moved down by moving those in their way) on its best layouts in a
+   thread beside it where there are two cores, else after it in ``split.eject.share`` of the share, then window
+   repair (``layout_window``, ``split.window``: the top buffers' time windows laid out again around the others,
+   where such windows are small) in ``split.window.share``; identical leaves (repeated layers or steps) share one
+   layout. The branch and bound never sees more than ``split.max_leaf`` buffers there, which bounds its memory
+   (its time-neighbour lists, undo logs and candidate pool grow with buffers x live buffers; buffers live over the
+   whole step, such as parameters and optimizer state, neighbour every other one and are exactly what the peel
+   removes). Revisit (``split.revisit``): leaves that finish early leave time; while some is left and the height
+   is above ``H``'s start (the bound or the capacity), the leaf whose top is highest gets the squeaky wheel again
+   from its layout, down to the next highest leaf's top, as long as that lowers it (``bimodal-1`` of
+   ``benchmarks/layout_scale.py``: a 3,742-buffer leaf whose exact search found nothing in its share kept its
+   greedy 1.471% above the bound, with 27 s of the 60 s unused; revisited: 0.0005%).
 
-Time limit: greedy orders after the first stop at the deadline (the first one places the buffers it
-has not reached on top when it passes), and the exact search runs in threads that are left at the
-deadline (their set-up cannot be interrupted; they stop at their next check), so ``solve_layout``
-returns about when its limit is up (plus validating the result).
+Time limit: greedy orders after the first stop at the deadline (the first one places the buffers it has not
+reached on top when it passes), and the exact search runs in threads that are left at the deadline (their set-up
+cannot be interrupted; they stop at their next check), so ``solve_layout`` returns about when its limit is up
+(plus validating the result).
 
 ``lower_bound``: the most bytes live at one time, raised where alignments exceed sizes
 (``layout_bound.aligned_bound``); a height equal to it is optimal.
@@ -77,7 +76,7 @@ from .layout_bound import aligned_bound, max_load
 from .layout_check import any_overlap
 from .layout_bnb import LayoutOptions, SearchStatus, capacity_in_range, preorder_indices, search_layout
 from .layout_eject import Follower, cores, eject_repair
-from .layout_greedy import place_in_order, slot_stack
+from .layout_greedy import lowest_fit_passes, place_in_order, slot_stack
 from .layout_improve import plain_skyline, squeaky_wheel
 from .layout_peak import peak_split
 from .layout_skyline import SkylineRace, first_priorities
@@ -270,18 +269,20 @@ def greedy_layout(buffers: Sequence[Buffer], order: GreedyOrder | str = GreedyOr
     return offsets
 
 
-def _best_greedy(buffers: Sequence[Buffer], deadline: float | None = None) -> tuple[dict, int, str]:
-    """The lowest greedy layout; orders after the first stop at ``deadline``."""
-    best = None
+def _best_greedy(buffers: Sequence[Buffer], deadline: float | None = None, lowest_fit: bool = False) -> tuple:
+    """The lowest greedy layout; orders after the first stop at ``deadline``; with ``lowest_fit``
+    (``SplitOptions.lowest_fit``), the compiled lowest-fit passes (``lowest_fit_passes``) after the first."""
+    best, more, t0 = None, None, time.monotonic()
     for order in GreedyOrder:
         offs = greedy_layout(buffers, order, deadline=None if best is None else deadline)
         if offs is None:
             break
+        if best is None and lowest_fit:
+            more = lowest_fit_passes(buffers, deadline, time.monotonic() - t0)
         h = height(buffers, offs)
         if best is None or h < best[1]:
             best = (offs, h, order.value)
-    assert best is not None
-    return best
+    return more if more is not None and more[1] < best[1] else best
 
 
 SOLVER_THREAD = "rhino-solver-"   # name prefix of the search threads left running at a deadline (see cli.main.entry)
@@ -382,7 +383,7 @@ def solve_layout(buffers: Sequence[Buffer], capacity: int | None = None, time_li
             res.seconds = time.perf_counter() - t0
             return res
     lb = lower_bound(buffers)
-    offsets, h, how = _best_greedy(buffers, deadline)
+    offsets, h, how = _best_greedy(buffers, deadline, options.split.lowest_fit)
     say(f"layout: greedy {h:,} ({how}), lower bound {lb:,}")
     solver, nodes = f"greedy/{how}", 0
     if capacity is not None:

@@ -26,7 +26,7 @@ import numba
 import numpy as np
 
 __all__ = ["TimeIndex", "time_index", "set_offset", "set_given", "gather_placed", "find_gap", "place_in_order",
-           "past", "slot_stack"]
+           "past", "slot_stack", "lowest_fit_passes"]
 
 _CHUNK = 4096  # buffers placed between two deadline checks
 
@@ -306,3 +306,34 @@ def _partition(lo, up):
             else:
                 break
     return slot
+
+
+#: a compiled lowest-fit pass takes up to this many times ``layout.greedy_layout``'s first (numpy best-fit)
+#: pass on the same buffers; measured on 5,000 buffers: all live at once 0.99 s against 0.20 s (5x, the
+#: heap pops every live buffer), a staircase (each live 1,000 steps) 0.30 against 0.28 s, power-of-two sizes
+#: 0.07 against 0.14 s; a pass is not interrupted below 4,096 buffers (``_CHUNK``), so it starts only where
+#: this many first passes' time is left
+LOWEST_COST = 6.0
+
+
+def lowest_fit_passes(buffers, deadline: float | None, first_s: float) -> tuple[dict, int, str] | None:
+    """The lower of two lowest-fit passes (size first, equal sizes by lifetime, then by start; start first
+    where every buffer has one size: ``layout.GreedyOrder.SIZE_START``) of ``layout.solve_layout``'s plain path
+    (``SplitOptions.lowest_fit``), each started only while ``LOWEST_COST * first_s`` is left before
+    ``deadline``: offsets by id, height and name; None where neither ran."""
+    lo, up, sz, al = (np.array([getattr(b, f) for b in buffers], np.int64).reshape(-1)
+                      for f in ("lower", "upper", "size", "alignment"))
+    orders = [("size", np.lexsort((lo, lo - up, -sz))), ("size_start", np.lexsort((lo - up, lo, -sz)))]
+    if np.unique(sz[sz > 0]).size <= 1:
+        orders.reverse()
+    best = None
+    for name, order in orders:
+        if deadline is not None and time.monotonic() + LOWEST_COST * first_s > deadline:
+            break
+        off = place_in_order(lo, up, sz, al, np.zeros(len(sz), np.int64), order, deadline, lowest=True)
+        if off is None:
+            break
+        h = int((off + sz).max(initial=0))
+        if best is None or h < best[1]:
+            best = ({b.id: int(o) for b, o in zip(buffers, off.tolist())}, h, f"{name}/lowest")
+    return best
