@@ -179,6 +179,33 @@ def test_csv_from_a_spreadsheet(tmp_path):
     assert [(b.id, b.lower, b.upper, b.size) for b in read_buffers(p)] == [(0, 0, 4, 8), (1, 2, 6, 3)]
 
 
+def test_csv_odd_inputs_are_one_sentence_and_ids_read_back(tmp_path, capsys):
+    """A directory (IsADirectoryError's traceback), bytes that are not UTF-8 (the codec's message, naming no
+    file), a column named twice (the second was ignored) and a header split by semicolons are refused in one
+    sentence; an id "007" or "+1" stays a string (it was read as 7 and written back as "7", and "1" with "01"
+    was refused as one id twice); an --out directory is refused before the solve, not after it."""
+    p = tmp_path / "x.csv"
+    with pytest.raises(ValueError, match="is a directory; give the path of a CSV file"):
+        read_buffers(tmp_path)
+    p.write_bytes(b"id,lower,upper,size\n0,0,4,\xff\n")
+    with pytest.raises(ValueError, match="x.csv is not UTF-8 text"):
+        read_buffers(p)
+    p.write_text("id,lower,upper,size,lower\n0,0,4,8,2\n")
+    with pytest.raises(ValueError, match="line 1: the header names lower twice"):
+        read_buffers(p)
+    p.write_text("id;lower;upper;size\n0;0;4;8\n")
+    with pytest.raises(ValueError, match="separated by commas, not ';'"):
+        read_buffers(p)
+    p.write_text('id,lower,upper,size\n1,0,4,8\n01,0,4,8\n007,0,4,8\n+1,0,4,8\n"a,b",0,4,8\n')
+    bufs = read_buffers(p)
+    assert [b.id for b in bufs] == [1, "01", "007", "+1", "a,b"]
+    out = tmp_path / "out.csv"
+    write_offsets(out, bufs, {b.id: 8 * k for k, b in enumerate(bufs)})
+    assert read_buffers(out) == bufs
+    assert main(["layout", str(p), "--out", str(tmp_path), "--time-limit", "60"]) == 2
+    assert "is a directory" in capsys.readouterr().err
+
+
 def test_cli(tmp_path, capsys):
     example = tmp_path / "input.12.csv"
     example.write_text(INPUT_12)

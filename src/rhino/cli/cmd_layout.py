@@ -4,6 +4,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from ..atomic import check_file_target
 from .common import emit_json, status
 
 
@@ -31,6 +32,8 @@ def run(args) -> int:
         raise ValueError(f"--time-limit must be positive, got {args.time_limit}")
     if args.out and not Path(args.out).resolve().parent.exists():
         raise FileNotFoundError(f"directory of --out {args.out!r} does not exist")
+    if args.out:  # a directory: refused before the solve, not after it (``write_offsets``' rename)
+        check_file_target(args.out)
     bufs = read_buffers(args.csv)
     # the limit covers the whole run: start-up and reading so far, and for the final validation and output
     # after the solver half of that (60,000 buffers: 5.4 s to start and read, 1.1 s to validate at load ~2),

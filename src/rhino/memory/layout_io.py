@@ -23,10 +23,17 @@ def read_buffers(path: str | Path) -> list[Buffer]:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"{path} does not exist")
+    if path.is_dir():  # (else IsADirectoryError's traceback)
+        raise ValueError(f"{path} is a directory; give the path of a CSV file")
     # a spreadsheet's byte-order mark is not a name; rows are read one at a time (the rows of 1,000,000
     # buffers held at once took ~0.3 GB more)
-    with path.open(newline="", encoding="utf-8-sig") as f:
-        return _read_rows(path.name, csv.reader(f))
+    try:
+        with path.open(newline="", encoding="utf-8-sig") as f:
+            return _read_rows(path.name, csv.reader(f))
+    except UnicodeDecodeError as exc:  # (its own message names neither the file nor the line)
+        raise ValueError(f"{path.name} is not UTF-8 text ({exc.reason}); save it as UTF-8 CSV") from None
+    except csv.Error as exc:
+        raise ValueError(f"{path.name}: {exc}") from None
 
 
 def _read_rows(name: str, rows) -> list[Buffer]:
@@ -37,7 +44,12 @@ def _read_rows(name: str, rows) -> list[Buffer]:
     header = [h.strip().lower() for h in first]
     missing = [k for k in _REQUIRED if k not in header]
     if missing:
-        raise ValueError(f"{name} line 1: the header lacks {', '.join(missing)} (expected id,lower,upper,size)")
+        sep = next((c for c in ";\t|" if len(first) == 1 and c in first[0]), None)
+        hint = f"; fields are separated by commas, not {sep!r}" if sep else " (expected id,lower,upper,size)"
+        raise ValueError(f"{name} line 1: the header lacks {', '.join(missing)}{hint}")
+    twice = sorted({h for h in header if h and header.count(h) > 1} & {"id", "alignment", "offset", *_REQUIRED})
+    if twice:  # (the first would be read and the second ignored)
+        raise ValueError(f"{name} line 1: the header names {', '.join(twice)} twice")
     col = {k: header.index(k) for k in header}
     numbered = "id" not in col
     out, seen, total = [], set(), 0
@@ -49,7 +61,9 @@ def _read_rows(name: str, rows) -> list[Buffer]:
         ident = str(len(out)) if numbered else row[col["id"]].strip()
         if not ident:
             raise ValueError(f"{name} line {line}: the id is empty")
-        vals = {"id": int(ident) if ident.lstrip("-").isdigit() else ident}
+        # an id is a number only where it reads back the same (``write_offsets`` writes it): "007" and "+1"
+        # stay strings, distinct from 7 and 1
+        vals = {"id": int(ident) if ident.lstrip("-").isdigit() and str(int(ident)) == ident else ident}
         for k in ("lower", "upper", "size") + (("alignment",) if "alignment" in col else ()):
             text = row[col[k]].strip()
             try:
