@@ -144,3 +144,27 @@ def test_rhino_train_with_microbatches_and_recompute_equals_the_whole_batch_loop
     r = json.loads(out.stdout)
     for step, (got, ref) in enumerate(zip(r["losses"], eager_losses(GPT, 4))):
         assert abs(got - ref) <= 1e-9 * max(1.0, abs(ref)), (step, got, ref)
+
+
+def _loader_batches(ctx, spec):
+    """One rank: the start method its own children get, and the workload's batches() (a DataLoader with a
+    worker process over a Dataset class of the workload file)."""
+    import multiprocessing
+    w = load_workload(spec)
+    return multiprocessing.get_start_method(), [tuple(t.clone() for t in b) for b in w.batches()]
+
+
+@pytest.mark.multiprocess
+def test_a_dataloader_with_workers_in_batches_runs_inside_a_rank():
+    """Ranks came from the launcher's fork server with "forkserver" as their default start method, so a
+    DataLoader's workers started from a fresh server that cannot import the workload file's module
+    (``rhino_workload_<hash>``): 'DataLoader worker exited unexpectedly' in every rank. Ranks now give their
+    children the platform's start method, as torchrun's ranks and a plain loop do."""
+    from multiprocessing import get_context
+    from rhino.runtime.launch import launch
+    spec = str(ROOT / "tests" / "workloads" / "loader_workers.py")
+    method, got = launch(_loader_batches, 1, spec, timeout_s=120)[0]
+    assert method == get_context().get_start_method()
+    want = list(load_workload(spec).batches())
+    assert len(got) == len(want) == 4
+    assert all(torch.equal(a, b) for g, w in zip(got, want) for a, b in zip(g, w))

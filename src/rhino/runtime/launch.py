@@ -321,6 +321,11 @@ def _worker(rank: int, world: int, port: int, backend: Backend, timeout_s: float
     if os.environ != env:       # the fork server's environment is the one it started with: take the caller's
         os.environ.clear()
         os.environ.update(env)
+    # A rank started from the fork server inherits "forkserver" as its default start method; a process the user
+    # starts (torchrun's ranks, a plain loop) has the platform's. The rank's own children (a DataLoader's workers
+    # in batches()) must start as they would there: from the fork server they unpickle the workload's classes
+    # by module name, and the workload file's module (capture/workload.py) exists only in this process.
+    mp.set_start_method(None, force=True)
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
         device = _device_for(backend, rank)
