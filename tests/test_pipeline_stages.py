@@ -189,6 +189,15 @@ def test_search_tries_pipelines_by_rule_and_reports_them():
         assert c.plan.mesh.world * e.pp == cluster.world and e.microbatches % e.pp == 0
         assert g.types[batch.value].shape[0] % e.microbatches == 0
         assert e.stages and len(e.stages) == e.pp and e.memory_bytes["peak"] == max(s["peak_bytes"] for s in e.stages)
+    # the report of a pipelined plan: its mesh is one stage's (a ValueError "mesh ... has 4 devices but cluster
+    # ... has 8" from axis_links on the whole cluster, which made `rhino plan` fail whenever a pipeline won)
+    from rhino.search.report import build_report
+    from rhino.sharding.plan import resolve
+    c = piped[0]
+    rep = build_report(g, cluster, resolve(g, c.plan), c.estimate, workload="gpt", level="O1", search_seconds=0.0,
+                       presets=[], best=None, source="search", recompute=c.recompute, candidates=[])
+    assert len(rep.links) == len(c.plan.mesh.sizes) and rep.to_dict()["pipeline"]["stages"] == c.estimate.pp > 1
+    assert f"pipeline {c.estimate.pp} stages" in rep.text()
     fitting = [c for c in on.candidates if c.fits]
     assert on.estimate.step_seconds == min(c.step_seconds for c in fitting)
     off = search(g, cluster, SearchOptions(level="O1", pipeline="never", time_limit=20))

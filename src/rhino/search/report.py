@@ -7,7 +7,7 @@ import re
 from dataclasses import dataclass, field
 
 from ..cost.cluster import Cluster, axis_links
-from ..cost.estimate import Estimate
+from ..cost.estimate import Estimate, stage_cluster
 from ..ir.analysis import analyze
 from ..ir.graph import Graph, Role
 from ..ir.registry import Family, OpKind, lookup
@@ -325,7 +325,9 @@ def build_report(graph: Graph, cluster: Cluster, rp: ResolvedPlan, est: Estimate
                  search_seconds: float, presets: list[PresetScore], best: PresetScore | None, source: str,
                  recompute: str, candidates: list[dict]) -> Report:
     mesh = rp.plan.mesh
-    links = [f"{lk.kind.value}" for lk in axis_links(cluster, mesh)]
+    # a pipelined plan's mesh is one stage's: its links are those of the part of the cluster a stage occupies
+    stage = stage_cluster(cluster, mesh.world) if est.pp > 1 else cluster
+    links = [f"{lk.kind.value}" for lk in axis_links(stage, mesh)]
     inputs = [(i.name, fmt_sharding(rp.value[i.value], mesh.names)) for i in graph.inputs if i.role is Role.BATCH]
     return Report(workload, str(cluster), level, dict(zip(mesh.names, mesh.sizes)), links, axis_roles(rp), est,
                   search_seconds, layer_table(graph, rp), presets, best, source, recompute, candidates, inputs)
