@@ -156,3 +156,17 @@ def test_cli_text_and_errors(capsys):
     assert main(["estimate", str(ROOT / "examples" / "mlp.py"), "--cluster", "cpu:4", "--strategy", "dp=3"]) == 2
     assert "dp*tp*pp = 4" in capsys.readouterr().err
     assert main(["estimate", str(ROOT / "examples" / "mlp.py"), "--cluster", "9xFOO"]) == 2
+
+
+def test_api_estimate_of_a_pipelined_plan_prices_its_stages():
+    """``rhino.estimate(cap, cluster, plan=P)`` (``rhino estimate --plan``) priced every plan with pp=1, so a plan
+    file with pipeline stages (what ``rhino plan`` writes when a pipeline wins) was refused ("the plan uses 1
+    devices x pp=1"); it takes the plan's stages, cut, micro-batches and recomputation, as its strategy does."""
+    import rhino
+    from rhino.sharding.presets import parse_strategy, preset_plan
+    cap = rhino.capture_step(str(ROOT / "examples" / "mlp.py"))
+    strategy = "pp=2,microbatches=4,recompute=full"
+    e = rhino.estimate(cap, "cpu:2", plan=preset_plan(cap.graph, parse_strategy(strategy)))
+    s = rhino.estimate(cap, "cpu:2", strategy=strategy)
+    assert (e.pp, e.microbatches) == (s.pp, s.microbatches) == (2, 4)
+    assert e.step_seconds == s.step_seconds and e.memory_bytes == s.memory_bytes

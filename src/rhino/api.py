@@ -68,8 +68,8 @@ def estimate(cap: Captured, cluster: str, *, strategy: str | None = None, plan: 
         c, prof = (load_profile(profile) if isinstance(profile, (str, Path)) else profile).apply(c)
     options = StepOptions(overlap_gradient_reduction=overlap, allow_tf32=allow_tf32, profile=prof)
     if plan is not None:
-        return _estimate(_graph(cap), c, plan, pp=1, microbatches=getattr(plan, "microbatches", 1),
-                         recompute=getattr(plan, "recompute", "none"), schedule=schedule, options=options)
+        # the plan's own stages (with their cut), micro-batches and recomputation
+        return _estimate(_graph(cap), c, plan, schedule=schedule, options=options)
     return estimate_strategy(_graph(cap), c, strategy or f"dp={c.world}", options=options, schedule=schedule)
 
 
