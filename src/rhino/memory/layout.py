@@ -19,15 +19,14 @@ Solvers (``solve_layout``):
    wheel from the ``SIZE`` order ended 0.74% above the bound in 56 s; this order's lowest-fit pass
    meets it in ~1 s. It is the leaves' second lowest-fit pass, and their first where all sizes are equal
    (``_greedy_phase`` compares the skyline pass with the ``SIZE`` one, calibrated on that pass).
-2. Exact, at a capacity: a portfolio of the MiniMalloc-style branch and bound (``layout_bnb``, in this
-   thread) and CP-SAT (``layout_cpsat``, canonical then default search in time slices that double, in
-   a second thread from half a second on); the first to find a layout or prove there is none stops
-   the other. Without a capacity the height is minimised by asking it for capacities between the
-   lower bound and the best height found (the bound first, then halving the gap); an unanswered
-   capacity leaves the best layout so far (never nothing). On ``LayoutOptions.peak.min_buffers`` buffers
-   or more, the first try gets ``1 - peak.share`` of its time and, unanswered, the peak split
-   (``layout_peak``: the buffers live at the peak stacked in start order, the two sides laid out apart)
-   the rest; its layout is kept where lower (``_fit_then_peak``; leaves of the split below too).
+2. Exact, at a capacity: a portfolio of the MiniMalloc-style branch and bound (``layout_bnb``, in this thread) and
+   CP-SAT (``layout_cpsat``, canonical then default search in time slices that double, in a second thread from
+   half a second on); the first to find a layout or prove there is none stops the other. Without a capacity the
+   height is minimised by asking it for capacities between the lower bound and the best height found (the bound
+   first, then halving the gap); an unanswered capacity leaves the best layout so far (never nothing). On
+   ``LayoutOptions.peak.min_buffers`` buffers or more, the first try gets ``1 - peak.share`` of its time and,
+   unanswered, the peak split (``layout_peak``: the buffers live at the peak stacked in start order, the two sides
+   laid out apart) the rest; its layout is kept where lower (``_fit_then_peak``; leaves of the split below too).
 
 3. Large problems (more than ``LayoutOptions.split.above`` buffers): ``layout_split`` peels the buffers
    that span their window (exact) and cuts leaves larger than ``split.max_leaf`` at key points (only
@@ -72,6 +71,7 @@ from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
+from .layout_alloc import allocator_pass
 from .layout_bound import aligned_bound, max_load
 from .layout_check import any_overlap
 from .layout_bnb import LayoutOptions, SearchStatus, capacity_in_range, preorder_indices, search_layout
@@ -642,17 +642,16 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
 
 def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, options: LayoutOptions,
                   search: bool) -> tuple[dict, int, str, bool]:
-    """A leaf's greedy passes and whether its search will be the skyline one. Without the search: the
-    passes until ``deadline``. With it: one skyline pass (``ImproveOptions.skyline_start``, in a thread,
-    ``SkylineRace``; dropped if not done in ``skyline_start_share`` of the time, ``huge_skyline_share``
-    above ``huge`` buffers) beside the first greedy pass (without a skyline layout it may take the whole
-    time: the one layout; with one, it is dropped at ``cap`` or once past ``greedy_share``); the lower is
-    kept; then the other greedy passes until
-    ``greedy_share`` of the time, or ``skyline.greedy_share`` where the search will be the skyline one
-    (the second, ``SIZE_START``, may run for 1.5 times the first's time, within ``second_share``): where
-    the skyline pass's excess over ``cap`` is at most ``skyline_switch`` times the first greedy one's, or
-    ``plain_skyline`` says so (asked with the lowest pass as its start, as ``squeaky_wheel`` will be;
-    skyline passes are fast, so the greedy ones get less time)."""
+    """A leaf's greedy passes and whether its search will be the skyline one. Without the search: the passes until
+    ``deadline``. With it: one skyline pass (``ImproveOptions.skyline_start``, in a thread, ``SkylineRace``;
+    dropped if not done in ``skyline_start_share`` of the time, ``huge_skyline_share`` above ``huge`` buffers)
+    beside the first greedy pass (without a skyline layout it may take the whole time: the one layout; with one,
+    it is dropped at ``cap`` or once past ``greedy_share``); the lower is kept (and the allocator pass,
+    ``SplitOptions.allocator``, where lower); then the other greedy passes until ``greedy_share`` of the time, or
+    ``skyline.greedy_share`` where the search will be the skyline one (the second, ``SIZE_START``, may run for 1.5
+    times the first's time, within ``second_share``): where the skyline pass's excess over ``cap`` is at most
+    ``skyline_switch`` times the first greedy one's, or ``plain_skyline`` says so (asked with the lowest pass as
+    its start, as ``squeaky_wheel`` will be; skyline passes are fast, so the greedy ones get less time)."""
     lowest = options.split.lowest_fit
     if not search:
         return (*_leaf_greedy(bufs, floor, cap, deadline, lowest), False)
@@ -669,12 +668,15 @@ def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: floa
     def stop() -> bool:  # the skyline pass has a layout at ``cap``, or one and the first pass's share is over
         return race.height is not None and (race.height <= cap or time.monotonic() > share_end)
 
+    pre = allocator_pass(lo, up, sz, al, fl, share_end) if options.split.allocator else None
     t_first = time.monotonic()
     # without a skyline layout, the first pass is the one layout: it may take all the time; with one, its
     # share (a 1,000,000-buffer leaf of 1,250 live buffers: a lowest-fit pass 44 s, a skyline pass 3.6 s)
     first = _leaf_greedy(bufs, floor, cap, deadline, lowest, count=1, stop=None if race is None else stop)
     sky = None if race is None else race.result(stop=first is not None and first[1] <= cap)
     sky_h = None if sky is None else race.height
+    if pre is not None and (first is None or int((pre + sz).max(initial=0)) < first[1]):  # the allocator's
+        first = (_by_id(bufs, pre), int((pre + sz).max(initial=0)), "allocator")
     if first is None or (sky_h is not None and sky_h <= cap):  # dropped: the skyline pass starts a skyline search
         return _by_id(bufs, sky), sky_h, "skyline", sky_h > cap
     best, best_h, how = first
