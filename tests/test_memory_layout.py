@@ -113,20 +113,20 @@ def test_time_limit_still_returns_a_valid_layout():
     assert validate_layout(bufs, res.offsets) == [] and res.height >= res.lower_bound
 
 
+def _refused(path, content: str | bytes, match: str) -> None:
+    """``read_buffers`` of a file holding ``content`` raises a ValueError matching ``match``."""
+    path.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(ValueError, match=match):
+        read_buffers(path)
+
+
 def test_csv_errors_name_the_line(tmp_path):
     p = tmp_path / "x.csv"
-    p.write_text("id,lower,upper,size\n0,0,4,8\n1,9,5,3\n")
-    with pytest.raises(ValueError, match="x.csv line 3: upper \\(5\\) must be greater than lower \\(9\\)"):
-        read_buffers(p)
-    p.write_text("id,lower,upper,size\n0,0,4,-8\n")
-    with pytest.raises(ValueError, match="line 2: size"):
-        read_buffers(p)
-    p.write_text("id,lower,upper,size\n0,0,4\n")
-    with pytest.raises(ValueError, match="line 2: 3 fields"):
-        read_buffers(p)
-    p.write_text("id,lower,size\n")
-    with pytest.raises(ValueError, match="header lacks upper"):
-        read_buffers(p)
+    _refused(p, "id,lower,upper,size\n0,0,4,8\n1,9,5,3\n",
+             "x.csv line 3: upper \\(5\\) must be greater than lower \\(9\\)")
+    _refused(p, "id,lower,upper,size\n0,0,4,-8\n", "line 2: size")
+    _refused(p, "id,lower,upper,size\n0,0,4\n", "line 2: 3 fields")
+    _refused(p, "id,lower,size\n", "header lacks upper")
 
 
 def test_csv_without_ids_and_alignments_round_trip(tmp_path):
@@ -187,15 +187,9 @@ def test_csv_odd_inputs_are_one_sentence_and_ids_read_back(tmp_path, capsys):
     p = tmp_path / "x.csv"
     with pytest.raises(ValueError, match="is a directory; give the path of a CSV file"):
         read_buffers(tmp_path)
-    p.write_bytes(b"id,lower,upper,size\n0,0,4,\xff\n")
-    with pytest.raises(ValueError, match="x.csv is not UTF-8 text"):
-        read_buffers(p)
-    p.write_text("id,lower,upper,size,lower\n0,0,4,8,2\n")
-    with pytest.raises(ValueError, match="line 1: the header names lower twice"):
-        read_buffers(p)
-    p.write_text("id;lower;upper;size\n0;0;4;8\n")
-    with pytest.raises(ValueError, match="separated by commas, not ';'"):
-        read_buffers(p)
+    _refused(p, b"id,lower,upper,size\n0,0,4,\xff\n", "x.csv is not UTF-8 text")
+    _refused(p, "id,lower,upper,size,lower\n0,0,4,8,2\n", "line 1: the header names lower twice")
+    _refused(p, "id;lower;upper;size\n0;0;4;8\n", "separated by commas, not ';'")
     p.write_text('id,lower,upper,size\n1,0,4,8\n01,0,4,8\n007,0,4,8\n+1,0,4,8\n"a,b",0,4,8\n')
     bufs = read_buffers(p)
     assert [b.id for b in bufs] == [1, "01", "007", "+1", "a,b"]
