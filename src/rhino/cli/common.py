@@ -4,7 +4,6 @@ from __future__ import annotations
 import json
 import sys
 import warnings
-from pathlib import Path
 
 from .. import atomic
 
@@ -19,12 +18,7 @@ def emit_json(obj: dict) -> None:
     print(json.dumps(obj, indent=None, sort_keys=False))
 
 
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` via a temporary file and rename: never half-written (``rhino.atomic``)."""
-    path = Path(path)
-    if path.parent and not path.parent.exists():
-        raise FileNotFoundError(f"directory {str(path.parent)!r} does not exist; create it or choose another --out")
-    atomic.write_atomic(path, text)
+write_atomic = atomic.write_atomic  # (a missing directory or a directory as the path: one sentence, before writing)
 
 
 def status(message: str, enabled: bool = True) -> None:

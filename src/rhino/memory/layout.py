@@ -76,7 +76,7 @@ from .layout_bound import aligned_bound, max_load
 from .layout_check import any_overlap
 from .layout_bnb import LayoutOptions, SearchStatus, capacity_in_range, preorder_indices, search_layout
 from .layout_eject import Follower, cores, eject_repair
-from .layout_greedy import lowest_fit_passes, place_in_order, slot_stack
+from .layout_greedy import greedy_order, lowest_firsts, lowest_fit_passes, place_in_order, slot_stack
 from .layout_improve import plain_skyline, squeaky_wheel
 from .layout_peak import peak_split
 from .layout_skyline import SkylineRace, first_priorities
@@ -675,8 +675,9 @@ def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: floa
     first = _leaf_greedy(bufs, floor, cap, deadline, lowest, count=1, stop=None if race is None else stop)
     sky = None if race is None else race.result(stop=first is not None and first[1] <= cap)
     sky_h = None if sky is None else race.height
-    if pre is not None and (first is None or int((pre + sz).max(initial=0)) < first[1]):  # the allocator's
-        first = (_by_id(bufs, pre), int((pre + sz).max(initial=0)), "allocator")
+    pre_h = None if pre is None else int((pre + sz).max(initial=0))
+    if pre is not None and (first is None or pre_h < first[1]):  # the allocator's
+        first = (_by_id(bufs, pre), pre_h, "allocator")
     if first is None or (sky_h is not None and sky_h <= cap):  # dropped: the skyline pass starts a skyline search
         return _by_id(bufs, sky), sky_h, "skyline", sky_h > cap
     best, best_h, how = first
@@ -737,24 +738,11 @@ def _big_first(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, 
     offs, h, name, _, _ = _minimize(sub, sub_floor, offs, h, cap, deadline, options, say)
     given = np.full(len(bufs), -1, np.int64)
     given[heavy] = [offs[b.id] for b in sub]
-    off = place_in_order(lo, up, sz, al, np.array(floor, np.int64), _order(GreedyOrder.SIZE, lo, up, sz),
+    off = place_in_order(lo, up, sz, al, np.array(floor, np.int64), greedy_order(GreedyOrder.SIZE.value, lo, up, sz),
                          lowest=True, given=given)
     say(f"layout: leaf of {len(bufs):,} buffers: {len(sub):,} heavy ones at {h:,} ({name or how}), the rest "
         f"around them: {int((off + sz).max(initial=0)):,}")
     return _by_id(bufs, off)
-
-
-def _order(order: GreedyOrder, lo: np.ndarray, up: np.ndarray, sz: np.ndarray) -> np.ndarray:
-    """``_key``'s order as indices (stable, as ``sorted``)."""
-    if order is GreedyOrder.SIZE:
-        return np.lexsort((lo, lo - up, -sz))
-    if order is GreedyOrder.LONG_LIVED_FIRST:
-        return np.lexsort((lo, -sz, lo - up))
-    if order is GreedyOrder.AREA:
-        return np.lexsort((lo, -sz, -sz * (up - lo)))
-    if order is GreedyOrder.SIZE_START:
-        return np.lexsort((lo - up, lo, -sz))
-    return np.lexsort((-sz, lo))
 
 
 def _leaf_greedy(bufs: list[Buffer], floor: list[int], cap: int, deadline: float,
@@ -772,12 +760,11 @@ def _leaf_greedy(bufs: list[Buffer], floor: list[int], cap: int, deadline: float
     passes = [(o, False) for o in GreedyOrder]
     if lowest_fit:
         # size first (``_greedy_phase``'s reference pass); where every buffer has one size, size by start
-        one = np.unique(sz[sz > 0]).size <= 1
-        firsts = [GreedyOrder.SIZE_START, GreedyOrder.SIZE] if one else [GreedyOrder.SIZE, GreedyOrder.SIZE_START]
+        firsts = [GreedyOrder(name) for name in lowest_firsts(sz)]
         passes = [(o, True) for o in firsts] + passes + [(o, True) for o in GreedyOrder if o not in firsts]
     best, best_h, how = None, 0, ""
     for order, low in passes[skip:None if count is None else skip + count]:
-        offs = place_in_order(lo, up, sz, al, fl, _order(order, lo, up, sz), deadline,
+        offs = place_in_order(lo, up, sz, al, fl, greedy_order(order.value, lo, up, sz), deadline,
                               finish=finish and best is None and not skip, lowest=low, stop=stop)
         if offs is None:
             break

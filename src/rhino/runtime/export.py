@@ -84,9 +84,7 @@ def _optimizer_state(meta: dict, full: dict[str, torch.Tensor]) -> dict:
 def write_export(path: str | os.PathLike, out: str | os.PathLike, optimizer: bool = False) -> dict:
     """Export checkpoint ``path`` to the file ``out`` (``torch.save``); returns a summary for reports."""
     out = Path(out)
-    if out.parent and not out.parent.is_dir():
-        raise ValueError(f"the directory of --out {str(out)!r} does not exist; create it or choose another path")
-    check_file_target(out)          # before the checkpoint is read: --out must not be a directory
+    check_file_target(out)          # before the checkpoint is read: its directory exists, it is not one
     exported, meta = export_checkpoint(path, optimizer)
     with atomic_path(out) as tmp:   # an interrupted export leaves no half-written file (nor loses an old one)
         torch.save(exported, tmp)

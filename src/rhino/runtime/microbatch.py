@@ -30,7 +30,8 @@ from ..ir.graph import Graph, Ref
 from ..ir.types import TensorType
 from .data import check_microbatch_rows
 
-__all__ = ["check_microbatch_loss", "checked_microbatch_graph", "explain_microbatch_errors", "microbatch_error", "microbatch_graph"]
+__all__ = ["check_microbatch_loss", "checked_microbatch_graph", "explain_microbatch_errors", "microbatch_error",
+           "microbatch_graph"]
 
 _FIT_UNITS = (3, 4)        # k of the two captures every number is fitted on
 _CHECK_UNIT = 2            # k of a third capture each fit must reproduce exactly (as must the whole batch, k = m)
