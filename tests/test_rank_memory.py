@@ -132,6 +132,14 @@ def test_memory_plan_with_microbatches_is_one_clear_error():
         rank_memory_report(cap, strategy="dp=2,microbatches=2", level="O1")
 
 
+def test_rank_memory_report_refuses_pipeline_stages():
+    # pp=2 was planned as one program on one rank (mesh dp1): a report for a plan that runs on two devices
+    cap, _ = _setup("mlp", "dp=2")
+    from rhino.api import rank_memory_report
+    with pytest.raises(ValueError, match="2 pipeline stages"):
+        rank_memory_report(cap, strategy="pp=2", level="O1")
+
+
 @pytest.mark.multiprocess
 def test_rhino_run_memory_plan(tmp_path, capsys):
     from rhino.cli.main import main

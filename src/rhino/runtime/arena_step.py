@@ -9,7 +9,7 @@ its own problem; the collective-order constraint of ``rank_graph.rank_problem`` 
 collectives in program order whatever order the planner picks, so the ranks always meet.
 
 Recomputation (``plan.recompute``) is supported (the rewritten step is what is lowered, as in ``RankStep``);
-gradient accumulation (``microbatches > 1``) is not (one clear error).
+gradient accumulation (``microbatches > 1``) and pipeline stages (``stages > 1``) are not (one clear error).
 """
 from __future__ import annotations
 
@@ -29,6 +29,10 @@ __all__ = ["ArenaRankStep", "rank_resolved_plan", "check_memory_plan_supported"]
 
 def check_memory_plan_supported(plan: ShardingPlan) -> None:
     """ValueError when the plan has something a memory plan per rank cannot run yet."""
+    if plan.stages > 1:   # planned as one program, a pipelined plan's rank would hold every stage's ops
+        raise ValueError(f"memory plans per rank cover one program per step, but the plan has {plan.stages} "
+                         f"pipeline stages (each stage runs separate forward and backward programs per "
+                         f"micro-batch); drop the pp key from the strategy or use a plan without stages")
     if plan.microbatches > 1:
         raise ValueError(f"memory plans per rank cover one micro-batch per step, but the plan has "
                          f"microbatches={plan.microbatches}; drop microbatches from the strategy or plan")
