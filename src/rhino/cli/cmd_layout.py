@@ -32,11 +32,11 @@ def run(args) -> int:
     if args.out:  # its directory missing, or a directory: refused before the solve, not after it
         check_file_target(args.out)
     bufs = read_buffers(args.csv)
-    # the limit covers the whole run: start-up and reading so far, and for the final validation and output
-    # after the solver half of that (60,000 buffers: 5.4 s to start and read, 1.1 s to validate at load ~2),
-    # plus FINISH_SHARE of the limit: the solver may end its last pass past its deadline (measured: the
-    # training traces of benchmarks/layout_scale.py ended 1.0-1.1 s past it with the revisit search, walls
-    # 60.9 and 61.0 s at --time-limit 60 before this reserve)
+    # the limit covers the whole run: start-up and reading so far, and half of that for writing the output
+    # after the solver (1,000,000 buffers: 1.7-2.0 s to start and read, 0.8 s to write), plus FINISH_SHARE
+    # of the limit: the solver may end its last pass past its deadline (measured: the training traces of
+    # benchmarks/layout_scale.py ended 1.0-1.1 s past it with the revisit search, walls 60.9 and 61.0 s at
+    # --time-limit 60 before this reserve)
     read_s = _since_start()
     left = max(0.1, args.time_limit * (1 - FINISH_SHARE) - 1.5 * read_s)
     res = solve_layout(bufs, args.capacity, left, progress=lambda m: status(m, not args.json))

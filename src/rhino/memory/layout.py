@@ -67,13 +67,14 @@ import threading
 import time
 from dataclasses import dataclass, field
 from enum import Enum
+from operator import attrgetter
 from typing import Callable, Hashable, Sequence
 
 import numpy as np
 
 from .layout_alloc import allocator_pass
 from .layout_bound import aligned_bound, max_load
-from .layout_check import any_overlap
+from .layout_check import buffer_arrays, layout_heights, validate_layout
 from .layout_bnb import LayoutOptions, SearchStatus, capacity_in_range, preorder_indices, search_layout
 from .layout_eject import Follower, cores, eject_repair
 from .layout_greedy import greedy_order, lowest_firsts, lowest_fit_passes, place_in_order, slot_stack
@@ -91,10 +92,10 @@ Progress = Callable[[str], None]
 # Measured: GPT-2 XL (7,282 buffers) at its lower bound, 7,282 nodes, set-up 0.8 s + search 2.5 s (2
 # cores, load 2.2); both grow about quadratically, so ~25 s at 20,000
 _BNB_MAX_BUFFERS = 20000
-_CHUNK = 256  # validate_layout: buffers checked against the live ones at once
 # a large leaf's set-up before its first placement, per buffer: a 1,000,000-buffer leaf with no time left
 # took 6.6 s to its greedy layout (the arrays, the skyline pass's, the pass's order), ``slot_stack`` 1.1 s
 NO_PASS_SECONDS = 7e-6
+_ID = attrgetter("id")
 
 
 @dataclass(frozen=True, slots=True)  # slots: 47 MB less RSS for 1,000,000 buffers read
@@ -145,60 +146,13 @@ class LayoutResult:
 
 
 def height(buffers: Sequence[Buffer], offsets: dict) -> int:
-    return max((offsets[b.id] + b.size for b in buffers), default=0)
+    return int(layout_heights(buffers, offsets).max(initial=0))
 
 
 def lower_bound(buffers: Sequence[Buffer]) -> int:
     """No layout is lower: the most bytes live at one time, or more where alignments exceed sizes
     (``aligned_bound``)."""
-    lo, up, sz, al = (np.array([getattr(b, f) for b in buffers], np.int64) for f in ("lower", "upper", "size",
-                                                                                   "alignment"))
-    return aligned_bound(lo, up, sz, al)
-
-
-def validate_layout(buffers: Sequence[Buffer], offsets: dict, capacity: int | None = None) -> list[str]:
-    """Every violation: a missing, negative or misaligned offset, a buffer above the capacity, and
-    every pair of buffers overlapping in both time and address. Empty when the layout is valid."""
-    errors = []
-    off = [offsets.get(b.id) for b in buffers]
-    o = np.array([-1 if x is None else x for x in off], np.int64)
-    lo, up, sz, al = (np.array([getattr(b, f) for b in buffers], np.int64).reshape(-1)
-                      for f in ("lower", "upper", "size", "alignment"))
-    has = np.array([x is not None for x in off], bool).reshape(-1)
-    bad = ~has | (o < 0) | (o % al != 0) | ((o + sz > capacity) if capacity is not None else False)
-    for i in np.flatnonzero(bad).tolist():  # (the checks vectorised above: 2.1 -> 1.6 s on 1,000,000 buffers)
-        b, x = buffers[i], off[i]
-        if x is None:
-            errors.append(f"buffer {b.id} has no offset")
-            continue
-        if x < 0:
-            errors.append(f"buffer {b.id} has a negative offset {x}")
-        if x % b.alignment:
-            errors.append(f"buffer {b.id} offset {x} is not a multiple of its alignment {b.alignment}")
-        if capacity is not None and x + b.size > capacity:
-            errors.append(f"buffer {b.id} ends at {x + b.size}, above the capacity {capacity}")
-    keep = np.flatnonzero(has & (sz > 0))
-    keep = keep[np.argsort(lo[keep], kind="stable")]
-    ok = [buffers[i] for i in keep.tolist()]
-    lo, up = lo[keep], up[keep]
-    start = o[keep]
-    end = start + sz[keep]
-    if not any_overlap(lo, up, start, end):  # O(n log n); the pairwise pass below names the pairs
-        return errors
-    live = np.zeros(0, np.int64)  # earlier buffers still live at the chunk's first start
-    for c0 in range(0, len(ok), _CHUNK):
-        c1 = min(c0 + _CHUNK, len(ok))
-        live = live[up[live] > lo[c0]]
-        js = np.concatenate([live, np.arange(c0, c1)])
-        i = np.arange(c0, c1)[:, None]  # each buffer against the earlier ones live at its start
-        hit = (js[None, :] < i) & (up[js][None, :] > lo[i]) & (start[js][None, :] < end[i]) & \
-            (start[i] < end[js][None, :])
-        for r, q in zip(*np.nonzero(hit)):
-            a, b, j, k = ok[js[q]], ok[c0 + r], js[q], c0 + r
-            errors.append(f"buffers {a.id} [{a.lower},{a.upper}) @ {start[j]}+{a.size} and {b.id} "
-                          f"[{b.lower},{b.upper}) @ {start[k]}+{b.size} overlap in time and address")
-        live = js[up[js] > lo[c1 - 1]]
-    return errors
+    return aligned_bound(*buffer_arrays(buffers))
 
 
 def _key(order: GreedyOrder) -> Callable[[Buffer], tuple]:
@@ -423,8 +377,7 @@ def _peak(buffers: Sequence[Buffer], floor: list[int] | None, cap: int, deadline
     peak = options.peak
     if not peak.enabled or len(buffers) < peak.min_buffers:
         return None
-    lo, up, sz, al = (np.array([getattr(b, f) for b in buffers], np.int64)
-                      for f in ("lower", "upper", "size", "alignment"))
+    lo, up, sz, al = buffer_arrays(buffers)
     fl = np.zeros(len(buffers), np.int64) if floor is None else np.array(floor, np.int64)
     off, h, passes = peak_split(lo, up, sz, al, fl, cap, deadline, peak)
     if off is None or (off < fl)[sz > 0].any():  # empty buffers sit at 0 (``place_in_order``)
@@ -496,13 +449,12 @@ def _solve_split(buffers: Sequence[Buffer], capacity: int | None, deadline: floa
     (``splittable``: alignments that do not divide every size), the leaves are the independent
     components alone. None when the bound is above the capacity (the plain path reports that)."""
     t0 = time.monotonic()
-    lo, up = np.array([b.lower for b in buffers]), np.array([b.upper for b in buffers])
-    sz, al = np.array([b.size for b in buffers]), np.array([b.alignment for b in buffers])
+    lo, up, sz, al = buffer_arrays(buffers)
     lb = aligned_bound(lo, up, sz, al)
-    # for the leaves' last steps, the offsets by id, the height and the validation: five times what
-    # reading the buffers took (a loaded machine slows both alike; 1,000,000 buffers: 0.8-1.1 s to read,
-    # 3.0-3.9 s for those)
-    reserve = 5 * (time.monotonic() - t0)
+    # for the leaves' last steps, the offsets by id, the height and the validation: three times what the
+    # arrays and the bound took (a loaded machine slows both alike; 1,000,000 buffers: 0.38-0.54 s for
+    # those, 0.71-0.88 s for the last steps)
+    reserve = 3 * (time.monotonic() - t0)
     if capacity is not None and lb > capacity:
         return None
     opts = options.split
@@ -514,7 +466,6 @@ def _solve_split(buffers: Sequence[Buffer], capacity: int | None, deadline: floa
     say(f"layout: {len(buffers):,} buffers split into {len(dec.leaves):,} leaves ({dec.stacked:,} stacked, "
         f"{dec.cuts} cuts, largest {max((len(leaf.index) for leaf in dec.leaves), default=0):,}); "
         f"lower bound {lb:,}")
-    offsets = {b.id: int(o) for b, o in zip(buffers, dec.offsets.tolist()) if o >= 0}
     # identical leaves (the same buffers and floors shifted in time: repeated layers or steps) share a
     # layout; the time left is shared among distinct leaves by their sizes
     leaves = sorted(dec.leaves, key=lambda leaf: -len(leaf.index))
@@ -532,16 +483,17 @@ def _solve_split(buffers: Sequence[Buffer], capacity: int | None, deadline: floa
             else:
                 bufs = [buffers[i] for i in x]
                 offs, name = _leaf(bufs, dec.floor[x].tolist(), H, time.monotonic() + share, options, say)
-                done[key] = ([offs[b.id] for b in bufs], name)
+                done[key] = (_starts(bufs, offs).tolist(), name)
         H = max(H, int((np.array(done[key][0], np.int64) + sz[x]).max(initial=0)))
     if opts.revisit and opts.improve.enabled and H > target:
         _revisit(dict(zip(keys, (leaf.index for leaf in leaves))), done, lo, up, sz, al, dec.floor, target,
                  deadline - reserve, options, say)
+    pos = dec.offsets.astype(np.int64)  # the stacked buffers', then each leaf's
     for leaf, key in zip(leaves, keys):
-        pos, name = done[key]
+        pos[leaf.index], name = done[key]
         solvers[name] = solvers.get(name, 0) + 1
-        offsets.update((buffers[i].id, o) for i, o in zip(leaf.index.tolist(), pos))
-    h = height(buffers, offsets)
+    offsets = dict(zip(map(_ID, buffers), pos.tolist()))
+    h = int((pos + sz).max(initial=0))
     fits = capacity is None or h <= capacity
     status = LayoutStatus.OPTIMAL if h == lb else LayoutStatus.FEASIBLE if fits else LayoutStatus.UNKNOWN
     valid = not validate_layout(buffers, offsets, capacity if fits else None)
@@ -588,9 +540,8 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
         if h < best_h:
             best, best_h, how = offs, h, "big-first"
     if search and best_h > cap and not late:
-        lo, up, sz, al = (np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size",
-                                                                                      "alignment"))
-        start = np.array([best[b.id] for b in bufs], np.int64)
+        lo, up, sz, al = buffer_arrays(bufs)
+        start = _starts(bufs, best)
         fl = np.array(floor, np.int64)
         eject, window = options.split.eject, options.split.window
         # the window repair's share at the end; ejection chains: in a thread beside the search where there
@@ -614,13 +565,13 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
             if offs is not None and h < best_h:
                 best, best_h, how = _by_id(bufs, offs), h, "squeaky-wheel+eject"
         elif eject.enabled and best_h > cap:
-            start = np.array([best[b.id] for b in bufs], np.int64)
+            start = _starts(bufs, best)
             offs, h, moved = eject_repair(lo, up, sz, al, fl, start, cap, search_end, eject)
             say(f"layout: leaf of {len(bufs):,} buffers: ejection chains {best_h:,} -> {h:,} ({moved} moved)")
             if h < best_h:
                 best, best_h, how = _by_id(bufs, offs), h, how + "+eject"
         if repair and best_h > cap:
-            start = np.array([best[b.id] for b in bufs], np.int64)
+            start = _starts(bufs, best)
             offs, h, fixed = window_repair(lo, up, sz, al, fl, start, cap, deadline, window)
             say(f"layout: leaf of {len(bufs):,} buffers: window repair {best_h:,} -> {h:,} ({fixed} windows fixed)")
             if h < best_h:
@@ -657,8 +608,7 @@ def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: floa
         return (*_leaf_greedy(bufs, floor, cap, deadline, lowest), False)
     now = time.monotonic()
     improve = options.split.improve
-    lo, up, sz, al = (np.array([getattr(b, f) for b in bufs], np.int64)
-                      for f in ("lower", "upper", "size", "alignment"))
+    lo, up, sz, al = buffer_arrays(bufs)
     fl = np.array(floor, np.int64)
     race = (SkylineRace(lo, up, sz, al, fl, first_priorities(lo, up, sz, improve.skyline),
                         now + (improve.huge_skyline_share if len(bufs) > improve.huge else improve.skyline_start_share)
@@ -692,7 +642,7 @@ def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: floa
     if sky_h is not None and sky_h < best_h:
         skyline = sky_h - cap <= improve.skyline_switch * (best_h - cap)
         best, best_h, how = _by_id(bufs, sky), sky_h, "skyline"
-    start = np.array([best[b.id] for b in bufs], np.int64)
+    start = _starts(bufs, best)
     skyline = skyline or plain_skyline(lo, up, sz, fl, cap, improve, start)
     share = improve.skyline.greedy_share if skyline else improve.greedy_share
     end = now + share * (deadline - now)
@@ -708,7 +658,12 @@ def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: floa
 
 def _by_id(bufs: list[Buffer], offs: np.ndarray) -> dict:
     """Offsets in ``bufs`` order as a dict by buffer id."""
-    return {b.id: int(o) for b, o in zip(bufs, offs.tolist())}
+    return dict(zip(map(_ID, bufs), offs.tolist()))
+
+
+def _starts(bufs: list[Buffer], offsets: dict) -> np.ndarray:
+    """The offsets of ``bufs`` (a dict by buffer id) in their order."""
+    return np.fromiter(map(offsets.__getitem__, map(_ID, bufs)), np.int64, len(bufs))
 
 
 def _big_first(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, options: LayoutOptions,
@@ -719,7 +674,7 @@ def _big_first(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, 
     time), the squeaky wheel (``split.improve``; until half the time), then the exact search at ``cap``
     and down from their best height (``_minimize``, until ``deadline``); then the others lowest fit by
     size around them (``given``). None when the leaf is not of that shape."""
-    lo, up, sz, al = (np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size", "alignment"))
+    lo, up, sz, al = buffer_arrays(bufs)
     heavy = heavy_buffers(lo, up, sz, int(options.split.light_share * cap), options.split.max_leaf)
     if heavy is None:
         return None
@@ -730,7 +685,7 @@ def _big_first(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, 
     assert first is not None  # the first greedy pass always finishes
     offs, h, how = first
     if h > cap and options.split.improve.enabled:
-        start = np.array([offs[b.id] for b in sub], np.int64)
+        start = _starts(sub, offs)
         sw, sw_h, _ = squeaky_wheel(lo[heavy], up[heavy], sz[heavy], al[heavy], np.array(sub_floor, np.int64), cap,
                                     now + 0.5 * (deadline - now), options.split.improve, start)
         if sw_h < h:
@@ -754,8 +709,7 @@ def _leaf_greedy(bufs: list[Buffer], floor: list[int], cap: int, deadline: float
     stops at ``cap`` or the deadline (the first pass always finishes, unless not ``finish``). ``skip``:
     passes already run (then none is forced to finish: None when none did); ``count``: at most this
     many passes; ``stop``: ``place_in_order``'s (a pass it stops is dropped)."""
-    lo, up = np.array([b.lower for b in bufs], np.int64), np.array([b.upper for b in bufs], np.int64)
-    sz, al = np.array([b.size for b in bufs], np.int64), np.array([b.alignment for b in bufs], np.int64)
+    lo, up, sz, al = buffer_arrays(bufs)
     fl = np.array(floor, np.int64)
     passes = [(o, False) for o in GreedyOrder]
     if lowest_fit:
@@ -776,7 +730,7 @@ def _leaf_greedy(bufs: list[Buffer], floor: list[int], cap: int, deadline: float
     if best is None:
         assert skip or not finish or stop is not None  # else the first pass always finishes
         return None
-    return {b.id: int(o) for b, o in zip(bufs, best.tolist())}, best_h, how
+    return _by_id(bufs, best), best_h, how
 
 
 def _accept(buffers: Sequence[Buffer], offsets: dict, capacity: int, solver: str, say) -> bool:

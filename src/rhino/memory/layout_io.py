@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import csv
+import gc
+import io
+import itertools
 from pathlib import Path
 
 import numpy as np
@@ -25,22 +28,92 @@ def read_buffers(path: str | Path) -> list[Buffer]:
         raise FileNotFoundError(f"{path} does not exist")
     if path.is_dir():  # (else IsADirectoryError's traceback)
         raise ValueError(f"{path} is a directory; give the path of a CSV file")
-    # a spreadsheet's byte-order mark is not a name; rows are read one at a time (the rows of 1,000,000
-    # buffers held at once took ~0.3 GB more)
+    # the collector paused: a million new objects set off collections of all of them (1,000,000 buffers:
+    # 1.6 s -> 0.7 s to make); a spreadsheet's byte-order mark is not a name; rows are read one at a time
+    # (the rows of 1,000,000 buffers held at once took ~0.3 GB more)
+    paused = gc.isenabled()
+    gc.disable()
     try:
+        fast = _read_plain(path)
+        if fast is not None:
+            return fast
         with path.open(newline="", encoding="utf-8-sig") as f:
             return _read_rows(path.name, csv.reader(f))
     except UnicodeDecodeError as exc:  # (its own message names neither the file nor the line)
         raise ValueError(f"{path.name} is not UTF-8 text ({exc.reason}); save it as UTF-8 CSV") from None
     except csv.Error as exc:
         raise ValueError(f"{path.name}: {exc}") from None
+    finally:
+        if paused:
+            gc.enable()
 
 
-def _read_rows(name: str, rows) -> list[Buffer]:
-    """``read_buffers`` of the rows of a CSV reader."""
-    first = next(rows, None)
-    if first is None:
-        raise ValueError(f"{name} is empty; expected the header id,lower,upper,size")
+# a plain file's body: digits, commas, minus signs and line ends only
+_PLAIN = b"0123456789,-\n"
+# each byte's class: a digit 1-9, a zero, a separator (comma, line end), a minus
+_DIGIT, _ZERO, _SEP, _MINUS = range(4)
+_CLASS = np.zeros(256, np.uint8)
+_CLASS[ord("0")], _CLASS[ord(",")], _CLASS[ord("\n")], _CLASS[ord("-")] = _ZERO, _SEP, _SEP, _MINUS
+
+
+def _bad_triples() -> np.ndarray:
+    """Which classes of three bytes in a row numpy would read otherwise than ``_read_rows``: an empty field
+    or a blank line, a minus inside a field or before no digit, "-0", a leading zero ("007", "-0" are ids
+    that stay strings there)."""
+    def pair(a, b):
+        return (a == b == _SEP or a == _MINUS and b != _DIGIT or b == _MINUS and a != _SEP)
+    bad = np.zeros(64, bool)
+    for a, b, c in itertools.product(range(4), repeat=3):
+        lead = a in (_SEP, _MINUS) and b == _ZERO and c in (_DIGIT, _ZERO)
+        bad[16 * a + 4 * b + c] = pair(a, b) or pair(b, c) or lead
+    return bad
+
+
+_BAD = _bad_triples()
+
+
+def _plain(body: bytes) -> bool:
+    """Whether numpy reads ``body`` as ``_read_rows`` does: only ``_PLAIN`` bytes, none of ``_BAD`` (a table
+    of byte classes: 0.2 s on 1,000,000 rows, where a regex took 1.7 s)."""
+    if not body.strip(b"\n") or body.translate(None, _PLAIN):
+        return False
+    c = _CLASS[np.frombuffer(b"\n" + body.rstrip(b"\n") + b"\n", np.uint8)]
+    return not _BAD[(c[:-2] << 4) | (c[1:-1] << 2) | c[2:]].any()
+
+
+def _read_plain(path: Path) -> list[Buffer] | None:
+    """``read_buffers`` in one numpy call, for a file whose rows are plain integers (``_plain``), as many as
+    the header names, that passes every check of ``_read_rows``; None for any other file, which
+    ``_read_rows`` reads (and names the line of what is wrong). The same buffers: 1,000,000 rows in 1.2 s
+    instead of 2.6 s (both with the collector paused)."""
+    data = path.read_bytes()
+    data = data[3:] if data.startswith(b"\xef\xbb\xbf") else data
+    head, _, body = data.partition(b"\n")
+    if not head.isascii() or not _plain(body):
+        return None
+    header = _header(path.name, next(csv.reader([head.decode()]), []))
+    col = {k: header.index(k) for k in header}
+    try:
+        rows = np.loadtxt(io.BytesIO(body), delimiter=",", dtype=np.int64, ndmin=2)
+    except (ValueError, OverflowError):  # a row of another length, a number beyond int64
+        return None
+    if rows.shape[1] != len(header):
+        return None
+    lo, up, sz = (rows[:, col[k]] for k in _REQUIRED)
+    al = rows[:, col["alignment"]] if "alignment" in col else np.ones(len(rows), np.int64)
+    ids = rows[:, col["id"]] if "id" in col else np.arange(len(rows))
+    big = any(((x <= -_BIG) | (x >= _BIG)).any() for x in (lo, up, sz, al))
+    s = np.sort(ids)
+    if big or (sz < 0).any() or (up <= lo).any() or (al < 1).any() or (s[1:] == s[:-1]).any():
+        return None
+    out = list(map(Buffer, ids.tolist(), lo.tolist(), up.tolist(), sz.tolist(), al.tolist()))
+    if float(sz.sum(dtype=np.float64)) >= _LIVE_MAX / 2:  # (int64 sums may wrap: checked as _read_rows does)
+        _check_live(path.name, out)
+    return out
+
+
+def _header(name: str, first: list[str]) -> list[str]:
+    """The column names of the first row, lower case; a ValueError if one is missing or named twice."""
     header = [h.strip().lower() for h in first]
     missing = [k for k in _REQUIRED if k not in header]
     if missing:
@@ -50,6 +123,15 @@ def _read_rows(name: str, rows) -> list[Buffer]:
     twice = sorted({h for h in header if h and header.count(h) > 1} & {"id", "alignment", "offset", *_REQUIRED})
     if twice:  # (the first would be read and the second ignored)
         raise ValueError(f"{name} line 1: the header names {', '.join(twice)} twice")
+    return header
+
+
+def _read_rows(name: str, rows) -> list[Buffer]:
+    """``read_buffers`` of the rows of a CSV reader."""
+    first = next(rows, None)
+    if first is None:
+        raise ValueError(f"{name} is empty; expected the header id,lower,upper,size")
+    header = _header(name, first)
     col = {k: header.index(k) for k in header}
     numbered = "id" not in col
     out, seen, total = [], set(), 0
@@ -108,5 +190,9 @@ def write_offsets(path: str | Path, buffers: list[Buffer], offsets: dict) -> Non
     with atomic_path(path) as tmp, tmp.open("w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["id", "lower", "upper", "size"] + (["alignment"] if aligned else []) + ["offset"])
+        if all(type(b.id) is int for b in buffers):  # nothing to quote: the rows as csv writes them, 2.5x faster
+            a = ",{}".format if aligned else "".format
+            f.writelines([f"{b.id},{b.lower},{b.upper},{b.size}{a(b.alignment)},{offsets[b.id]}\r\n" for b in buffers])
+            return
         for b in buffers:
             w.writerow([b.id, b.lower, b.upper, b.size] + ([b.alignment] if aligned else []) + [offsets[b.id]])
