@@ -164,7 +164,8 @@ def test_the_skyline_pass_beside_the_first_greedy_pass_stops_and_yields():
     assert race.result(stop=True) is None and race.height is None and time.monotonic() - t < 5
     asked = []
     assert place_in_order(blo, bup, bsz, bal, np.zeros(len(big), np.int64), np.lexsort((blo, blo - bup, -bsz)),
-                          lowest=True, stop=lambda: asked.append(1) or True) is None and asked == [1]
+                          lowest=True, stop=lambda done, top: asked.append((done, top)) or True) is None
+    assert asked == [(4096 / len(big), asked[0][1])] and asked[0][1] > 0
     order = np.lexsort((lo, lo - up, -sz))
-    assert (place_in_order(lo, up, sz, al, fl, order, lowest=True, stop=lambda: False)
+    assert (place_in_order(lo, up, sz, al, fl, order, lowest=True, stop=lambda done, top: False)
             == place_in_order(lo, up, sz, al, fl, order, lowest=True)).all()

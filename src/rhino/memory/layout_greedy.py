@@ -216,11 +216,11 @@ def place_in_order(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarra
                    order: np.ndarray, deadline: float | None = None, finish: bool = False,
                    lowest: bool = False, given: np.ndarray | None = None,
                    index: TimeIndex | None = None,
-                   stop: Callable[[], bool] | None = None) -> np.ndarray | None:
+                   stop: Callable[[float, int], bool] | None = None) -> np.ndarray | None:
     """Offsets (input order) of the buffers placed best-fit in ``order`` on their floors. When
     ``deadline`` (``time.monotonic``) passes first: None, or with ``finish`` the buffers left go above
-    all placed so far, in slots by size class (``slot_stack``); when ``stop()`` says so (asked as often
-    as the clock): None. ``lowest``: the lowest gap that holds a
+    all placed so far, in slots by size class (``slot_stack``); when ``stop(done, top)`` says so (asked as
+    often as the clock, with the share of ``order`` placed and the height of the buffers placed): None. ``lowest``: the lowest gap that holds a
     buffer, not the smallest. ``given``: offsets fixed in advance (-1: place it), there for every placement; ``order``
     may then list only the others (a buffer in neither keeps -1).
     ``index``: ``time_index(lo, up, sz)`` when the caller has it (its placements are reset here)."""
@@ -235,9 +235,13 @@ def place_in_order(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarra
     ix = time_index(lo, up, sz) if index is None else index
     set_given(off, sz, ix.moff, ix.mend, ix.estart, ix.epos)
     so, se, sid = np.empty(n, np.int64), np.empty(n, np.int64), np.empty(n, np.int64)
+    top = 0
     for k0 in range(0, order.size, _CHUNK):
-        if stop is not None and k0 and stop():
-            return None
+        if stop is not None and k0:
+            done = order[max(0, k0 - _CHUNK):k0]
+            top = max(top, int((off[done] + sz[done]).max(initial=0)))
+            if stop(k0 / order.size, top):
+                return None
         if deadline is not None and k0 and time.monotonic() > deadline:
             if not finish:
                 return None
