@@ -187,11 +187,12 @@ def test_rhino_run_with_a_micro_batch_plan_file_on_two_processes(capsys, tmp_pat
 # -- micro-batches of one row (runtime.microbatch) ---------------------------------------------------------
 def test_one_row_micro_batches_run_from_the_derived_step():
     """At one row BERT's attention takes other code paths (a view where two rows copy), so the direct capture
-    has 638 nodes for the step's 658; the derived step has the step's structure and the accumulation over
-    8 one-row micro-batches equals PyTorch's loop on every rank (float64)."""
+    has 402 nodes for the step's 412 (one encoder layer; 638 for 658 at the example's two); the derived step
+    has the step's structure and the accumulation over 8 one-row micro-batches equals PyTorch's loop on every
+    rank (float64)."""
     from rhino.runtime.microbatch import _capture_units, microbatch_graph
     from rhino.runtime.rank_step import same_structure
-    cap = _cap(str(ROOT / "examples" / "bert.py"))     # batch 8
+    cap = _mb("bert_one_layer")     # batch 8
     with pytest.raises(ValueError, match="differs from the whole-batch step"):
         same_structure(cap.graph, _capture_units(cap, 8, 1), 8)
     micro = microbatch_graph(cap, 8)

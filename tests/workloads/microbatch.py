@@ -32,6 +32,10 @@ def bert():  # 16: its dp=2,tp=2 preset splits attention's batch over both axes
     return _example("bert").workload(batch=16)
 
 
+def bert_one_layer():  # batch 8, one encoder layer (the one-row micro-batch test)
+    return _example("bert").workload(layers=1)
+
+
 def resnet():
     return _example("resnet").workload(batch=8)
 
