@@ -6,6 +6,8 @@ import importlib.util
 import warnings
 from dataclasses import replace
 
+import pytest
+
 from conftest import ROOT
 from rhino.capture import capture
 from rhino.capture.workload import Workload
@@ -27,13 +29,20 @@ def _megatron_gpt(layers, hidden, heads, batch):
                                 str(ROOT / "examples" / "gpt.py"), "megatron")).graph
 
 
-def test_default_search_pipelines_a_memory_bound_multi_node_step_and_prices_it_exactly():
+@pytest.fixture(scope="module")
+def gpt4():
+    """The GPT both tests search (4 layers, hidden 1024, 16 heads, batch 8), captured once: the searches only
+    read the graph."""
+    return _megatron_gpt(4, 1024, 16, 8)
+
+
+def test_default_search_pipelines_a_memory_bound_multi_node_step_and_prices_it_exactly(gpt4):
     """A mixed-precision GPT (4 layers, hidden 1024, sequence 2048, batch 8) on 4 nodes of one A100 cut to
     3 GiB, over 10 Gb/s Ethernet: without pipelines only recomputing plans fit; the default rule
     (``pipeline="memory"``) prices pipelines and picks one that is faster than every single-stage plan
     (rule ``pipeline_before_recompute`` off, so that the recomputing single-stage plans are searched).
     The search's price equals ``estimate`` of the returned plan re-priced from scratch (1e-9)."""
-    g = _megatron_gpt(4, 1024, 16, 8)
+    g = gpt4
     cluster = make_cluster(4, 1, replace(get_device("A100-80G"), memory_bytes=3 * 2**30), "ethernet-10G")
     # rule pipeline_before_recompute off: the recomputing single-stage plans are searched and compete
     r = search(g, cluster, SearchOptions(level="O1", time_limit=10, pipeline_before_recompute=False))
@@ -51,7 +60,7 @@ def test_default_search_pipelines_a_memory_bound_multi_node_step_and_prices_it_e
     assert again.memory_bytes == e.memory_bytes and again.node_stage == e.node_stage
 
 
-def test_pipeline_rules_megatron_first_and_before_recompute_keep_the_plan_and_save_work():
+def test_pipeline_rules_megatron_first_and_before_recompute_keep_the_plan_and_save_work(gpt4):
     """The same GPT on 2 nodes of two 3 GiB A100s (so the Megatron start, tp=2, is a stage plan): rule
     ``pipeline_megatron_first`` off gives the same plan at the same price; rule ``pipeline_before_recompute``
     off searches the recomputing single-stage plans too (more candidates) and finds the same degree, mesh,
@@ -59,7 +68,7 @@ def test_pipeline_rules_megatron_first_and_before_recompute_keep_the_plan_and_sa
     without recomputation, not the (time-bounded, load-dependent) refined plan with it, and prices up to
     3% slower here (measured: 0.0772 s vs 0.0761-0.0772 s with the rule off). Rule ``pipeline_state_floor`` (parameters, optimizer
     state and gradients over pp) stays under every priced pipelined peak, the Megatron start's included."""
-    g = _megatron_gpt(4, 1024, 16, 8)
+    g = gpt4
     cluster = make_cluster(2, 2, replace(get_device("A100-80G"), memory_bytes=3 * 2**30), "ethernet-10G")
     base = SearchOptions(level="O1", time_limit=10)
     r = search(g, cluster, base)
