@@ -216,3 +216,25 @@ def test_a_slot_of_the_wrong_shape_is_an_error_naming_the_node(trial):
         prog._out_safe = lambda *a, **k: True
     with pytest.raises(RuntimeError, match=rf"node {i} \(aten\.mm\.default\) .*{re.escape(str(shape))}"):
         lockstep_arenas(arenas, [s for s, _ in inputs], [b for _, b in inputs], rp.plan.mesh)
+
+
+def _bf16_layer_norm():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.LayerNorm(8), torch.nn.Linear(8, 4)).to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(4, 8, generator=g).to(torch.bfloat16), torch.randn(4, 4, generator=g).to(torch.bfloat16)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, x, y: ((m(x) - y) ** 2).mean(), (x, y)
+
+
+def test_rank_graph_types_follow_the_cpu_kernels_of_a_bf16_layer_norm():
+    # the meta kernel of native_layer_norm gives float32 mean/rstd for a bf16 input, the CPU kernel (and capture)
+    # bf16: the rank graph typed them float32, their arena slots were float32, and the CPU backward refused them
+    from rhino.api import capture_step
+    cap = capture_step(_bf16_layer_norm())
+    rp = resolve(cap.graph, preset_plan(cap.graph, parse_strategy("dp=2")))
+    g = rank_graph(rp, 0)
+    ln = next(n for n in g.nodes if n.op == "aten.native_layer_norm.default")
+    assert [g.types[v].dtype.value for v in ln.outputs] == ["bfloat16"] * 3
+    from rhino.api import rank_memory_report
+    rep = rank_memory_report(cap, strategy="dp=2", level="O1", time_limit=10, execute=True)
+    assert rep.execute["equal"] and rep.execute["arena_equals_plan"]

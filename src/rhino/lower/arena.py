@@ -383,10 +383,11 @@ class ArenaProgram:
             vals = list(res) if node.multi else [res]
             for v, slot, t in zip(node.outputs, slots, vals):
                 if slot is not None and isinstance(t, torch.Tensor):
-                    if t.shape != slot.shape:
-                        raise RuntimeError(f"node {i} ({node.op}) returned shape {list(t.shape)} for value {v}, but "
-                                           f"the graph gives it {list(slot.shape)} (its arena slot): the graph's type "
-                                           f"of that value is wrong, so the plan's bytes are not what runs")
+                    if t.shape != slot.shape or t.dtype != slot.dtype:
+                        raise RuntimeError(f"node {i} ({node.op}) returned {t.dtype} {list(t.shape)} for value {v}, "
+                                           f"but the graph gives it {slot.dtype} {list(slot.shape)} (its arena slot): "
+                                           f"the graph's type of that value is wrong, so the plan's bytes are not what "
+                                           f"runs")
                     slot.copy_(t)
             stats.copied += 1
         for v, slot in zip(node.outputs, slots):

@@ -163,17 +163,53 @@ class _Converter:
 
 def _meta_call(op, args, kwargs):
     """``op``'s outputs as meta tensors. An op with a sharding rule (``ir.registry.is_known``) runs on meta
-    tensors (its rule is checked against torch). An opaque op runs on fake CPU tensors, as capture ran it:
-    its meta kernel may answer for the meta device (``_embedding_bag``'s ``max_indices``: empty on meta, one
-    per bag on CPU) or be missing (``_ctc_loss_backward``: FakeTensorMode runs the CPU kernel on zeros)."""
+    tensors (its rule is checked against torch), with the output dtypes capture found (``_cpu_dtypes``). An
+    opaque op runs on fake CPU tensors, as capture ran it: its meta kernel may answer for the meta device
+    (``_embedding_bag``'s ``max_indices``: empty on meta, one per bag on CPU) or be missing
+    (``_ctc_loss_backward``: FakeTensorMode runs the CPU kernel on zeros)."""
     if is_known(_op_name(op)):
-        return op(*args, **kwargs)
+        out = op(*args, **kwargs)
+        want = _cpu_dtypes(op, args, kwargs)
+        if want is None:
+            return out
+        outs = list(out) if isinstance(out, (tuple, list)) else [out]
+        fixed = [torch.empty_strided(t.shape, t.stride(), dtype=d, device="meta")
+                 if isinstance(t, torch.Tensor) and d is not None and t.dtype != d else t for t, d in zip(outs, want)]
+        return type(out)(fixed) if isinstance(out, (tuple, list)) else fixed[0]
+    return _fake_cpu_call(op, args, kwargs)
+
+
+def _fake_cpu_call(op, args, kwargs):
     with FakeTensorMode():
         fake = tree_map(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
                         if isinstance(t, torch.Tensor) else t, (args, kwargs))
         out = op(*fake[0], **fake[1])
     return tree_map(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
                     if isinstance(t, torch.Tensor) else t, out)
+
+
+def _cpu_dtypes(op, args, kwargs) -> tuple | None:
+    """The output dtypes of ``op`` on CPU (fake) tensors, as capture traced it, where they differ from the meta
+    kernel's; ``None`` where they agree. A meta kernel may follow the CUDA kernel: ``native_layer_norm`` of a bf16
+    input gives float32 mean and rstd on meta but bf16 on the CPU, so a meta-typed rank graph gave those values
+    float32 arena slots and the CPU backward refused them. Asked once per op and argument dtypes (output dtypes
+    do not depend on shapes), so repeated layers and ranks cost one fake call."""
+    key = (op, repr(tree_map(lambda t: t.dtype if isinstance(t, torch.Tensor) else t, (args, kwargs))))
+    if key not in _CPU_DTYPES:
+        try:
+            out = _fake_cpu_call(op, args, kwargs)
+            meta = op(*args, **kwargs)
+        except (NotImplementedError, RuntimeError, TypeError, ValueError):
+            out = meta = None
+        outs, metas = ([list(x) if isinstance(x, (tuple, list)) else [x] for x in (out, meta)]
+                       if out is not None else ([], []))
+        want = tuple(o.dtype if isinstance(o, torch.Tensor) else None for o in outs)
+        have = tuple(m.dtype if isinstance(m, torch.Tensor) else None for m in metas)
+        _CPU_DTYPES[key] = want if want != have and len(want) == len(have) else None
+    return _CPU_DTYPES[key]
+
+
+_CPU_DTYPES: dict = {}   # (op, argument dtypes and values) -> _cpu_dtypes' answer
 
 
 def rank_graph(rp: ResolvedPlan, rank: int) -> Graph:
