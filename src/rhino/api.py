@@ -161,13 +161,15 @@ def rank_memory_report(cap: Captured, *, strategy: str | None = None, plan: Shar
                        name: str = "", progress=None, status=None):
     """Memory plans for every rank of a parallel plan (exactly one of ``strategy``, ``plan`` or ``cluster``):
     each rank's program (``lower.rank_graph``, communication buffers included) as a memory problem, each
-    distinct problem planned once (``memory.step_report.plan_rank_memory``). ``time_limit`` bounds building
+    distinct problem planned once (``memory.step_report.plan_rank_memory``); without ``execute`` only the probe
+    ranks' programs are built where they agree (``lower.rank_graph.probed_rank_problems``; the report's
+    ``built``). ``time_limit`` bounds building
     the rank programs and planning them, all together (not the search for ``cluster``, nor ``execute``). ``execute``
     runs every rank in its planned arena in lockstep in this process and compares every rank's loss and
     state with the plain rank programs (``lower.arena_ranks.compare_arena_ranks``). Returns a
     ``memory.step_report.RankMemoryReport`` (``.ok``, ``.to_dict()``)."""
     from .check import ATOL, RTOL
-    from .lower.rank_graph import rank_memories
+    from .lower.rank_graph import probed_rank_problems, rank_memories
     from .memory.step_report import plan_rank_memory
     from .runtime.arena_step import rank_resolved_plan
     from .sharding.presets import parse_strategy, preset_plan
@@ -185,13 +187,21 @@ def rank_memory_report(cap: Captured, *, strategy: str | None = None, plan: Shar
         plan = preset_plan(cap.graph, parse_strategy(strategy))
     t0 = time.perf_counter()
     rp = rank_resolved_plan(cap.graph, plan)
-    say(f"building the {plan.mesh.world} rank programs of mesh {plan.mesh} ...")
-    mems = rank_memories(rp)
+    if execute:  # every rank runs: every rank's program
+        say(f"building the {plan.mesh.world} rank programs of mesh {plan.mesh} ...")
+        mems = rank_memories(rp)
+        built, rows = [m.rank for m in mems], [(m.rank, m.problem, m.mapping) for m in mems]
+    else:
+        built, rows = probed_rank_problems(rp, say)
+        if len(built) < plan.mesh.world:
+            say(f"ranks {', '.join(map(str, built))} have one program; the other {plan.mesh.world - len(built)} ranks "
+                f"of mesh {plan.mesh} share it (even shards: the same ops and shapes on every rank)")
     left = max(0.0, time_limit - (time.perf_counter() - t0))
     say(f"planning each distinct rank program at {level} ({left:.1f} s left of the {time_limit:g} s limit) ...")
-    report = plan_rank_memory([(m.rank, m.problem, m.mapping) for m in mems], workload=name, mesh=str(plan.mesh),
+    report = plan_rank_memory(rows, workload=name, mesh=str(plan.mesh),
                               strategy=plan.strategy_string or "plan file", level=level, time_limit=left,
                               progress=progress)
+    report.built = built
     if execute:
         from .lower.arena_ranks import compare_arena_ranks
         say("executing one step of every rank in its arena and in the plain rank programs (lockstep) ...")

@@ -173,6 +173,7 @@ class RankMemoryReport:
     groups: list[list[int]]
     reports: list[StepMemoryReport]
     execute: dict | None = None
+    built: list[int] | None = None  # the ranks whose programs were built (``lower.rank_graph.probed_rank_problems``)
 
     def of_rank(self, rank: int) -> StepMemoryReport:
         return next(rep for ranks, rep in zip(self.groups, self.reports) if rank in ranks)
@@ -199,6 +200,8 @@ class RankMemoryReport:
         out = {"ok": self.ok, "workload": self.workload, "level": self.level, "mesh": self.mesh,
                "strategy": self.strategy, "distinct_programs": len(self.groups),
                "ranks": sorted(ranks, key=lambda x: x["rank"])}
+        if self.built is not None:
+            out["built_ranks"] = self.built
         if self.execute is not None:
             out["execute"] = self.execute
         return out
