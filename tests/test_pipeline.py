@@ -163,9 +163,15 @@ def test_unsupported_pipeline_runs_are_one_clear_error(capsys, argv, match):
     assert code != 0 and match in d["error"]
 
 
-def test_rhino_train_refuses_a_memory_plan_with_stages_before_starting_processes(capsys):
-    code = main(["train", str(ROOT / "examples" / "mlp.py"), "--strategy", "pp=2", "--memory-plan", "--steps", "1"])
-    assert code == 2 and "--memory-plan does not run pipeline stages" in capsys.readouterr().err
+@pytest.mark.parametrize("strategy, match", [("pp=2", "--memory-plan does not run pipeline stages"),
+                                             ("dp=2,microbatches=2", "one micro-batch per step, but the plan has "
+                                                                     "microbatches=2")])
+def test_rhino_train_refuses_a_memory_plan_with_stages_before_starting_processes(capsys, monkeypatch, strategy, match):
+    # (micro-batches were refused by every rank after it started)
+    import rhino.runtime.trainer as trainer
+    monkeypatch.setattr(trainer, "launch", lambda *a, **k: pytest.fail("processes were started"))
+    code = main(["train", str(ROOT / "examples" / "mlp.py"), "--strategy", strategy, "--memory-plan", "--steps", "1"])
+    assert code == 2 and match in capsys.readouterr().err
 
 
 @pytest.mark.multiprocess

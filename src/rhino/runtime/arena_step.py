@@ -24,7 +24,7 @@ from ..memory.step_report import StepMemoryReport, plan_step_memory
 from ..sharding.plan import ResolvedPlan, ShardingPlan, resolve
 from .rank_step import with_recompute
 
-__all__ = ["ArenaRankStep", "rank_resolved_plan", "check_memory_plan_supported"]
+__all__ = ["ArenaRankStep", "rank_resolved_plan", "check_memory_plan_supported", "MICROBATCH_MEMORY_PLAN"]
 
 
 def check_memory_plan_supported(plan: ShardingPlan) -> None:
@@ -34,8 +34,12 @@ def check_memory_plan_supported(plan: ShardingPlan) -> None:
                          f"pipeline stages (each stage runs separate forward and backward programs per "
                          f"micro-batch); drop the pp key from the strategy or use a plan without stages")
     if plan.microbatches > 1:
-        raise ValueError(f"memory plans per rank cover one micro-batch per step, but the plan has "
-                         f"microbatches={plan.microbatches}; drop microbatches from the strategy or plan")
+        raise ValueError(MICROBATCH_MEMORY_PLAN.format(plan.microbatches))
+
+
+#: the refusal of a memory plan per rank for a plan with micro-batches (also before ``rhino train`` starts ranks)
+MICROBATCH_MEMORY_PLAN = ("memory plans per rank cover one micro-batch per step, but the plan has microbatches={}; "
+                          "drop microbatches from the strategy or plan")
 
 
 def rank_resolved_plan(graph: Graph, plan: ShardingPlan) -> ResolvedPlan:

@@ -425,11 +425,18 @@ def _check_world(nproc: int, plan, strategy, cluster) -> None:
 
 
 def _check_memory_plan(memory_plan, plan, strategy) -> None:
-    """Before starting processes: no memory plan with pipeline stages (``PIPELINE_MEMORY_PLAN``)."""
-    if memory_plan and plan is None and strategy is not None and parse_strategy(strategy).pp > 1:
+    """Before starting processes: no memory plan with pipeline stages (``PIPELINE_MEMORY_PLAN``) or micro-batches
+    (each rank refused it after starting)."""
+    from .arena_step import MICROBATCH_MEMORY_PLAN
+    if not memory_plan or (plan is None and strategy is None):
+        return
+    spec = load_plan_file(plan) if plan is not None else None
+    pp, micro = (spec.stages, spec.microbatches) if spec is not None else (
+        parse_strategy(strategy).pp, parse_strategy(strategy).microbatches)
+    if pp > 1:
         raise ValueError(PIPELINE_MEMORY_PLAN)
-    if memory_plan and plan is not None and load_plan_file(plan).stages > 1:
-        raise ValueError(PIPELINE_MEMORY_PLAN)
+    if micro > 1:
+        raise ValueError(MICROBATCH_MEMORY_PLAN.format(micro))
 
 
 def train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, overlap, timeout_s, log, progress,
