@@ -95,6 +95,9 @@ _BNB_MAX_BUFFERS = 20000
 # a large leaf's set-up before its first placement, per buffer: a 1,000,000-buffer leaf with no time left
 # took 6.6 s to its greedy layout (the arrays, the skyline pass's, the pass's order), ``slot_stack`` 1.1 s
 NO_PASS_SECONDS = 7e-6
+# the allocator replay (``layout_alloc``) per buffer, at least: 1.0-2.2 s on the 1,000,000-buffer traces of
+# ``docs/benchmarks.md`` session 24 (6-22% over the bound, where slots are 41-293%)
+ALLOC_PASS_SECONDS = 1e-6
 _ID = attrgetter("id")
 
 
@@ -478,8 +481,8 @@ def _solve_split(buffers: Sequence[Buffer], capacity: int | None, deadline: floa
         if key not in done:
             share = max(0.0, deadline - reserve - time.monotonic()) * len(x) / max(left_n, 1)
             left_n -= len(x)
-            if share <= (NO_PASS_SECONDS * len(x) if len(x) > opts.max_leaf else 0.0):  # no time: slots
-                done[key] = (slot_stack(lo[x], up[x], sz[x], al[x], dec.floor[x], 0).tolist(), "slots")
+            if share <= (NO_PASS_SECONDS * len(x) if len(x) > opts.max_leaf else 0.0):  # no time for a pass
+                done[key] = _short_leaf(lo[x], up[x], sz[x], al[x], dec.floor[x], share, opts.allocator)
             else:
                 bufs = [buffers[i] for i in x]
                 offs, name = _leaf(bufs, dec.floor[x].tolist(), H, time.monotonic() + share, options, say)
@@ -501,6 +504,17 @@ def _solve_split(buffers: Sequence[Buffer], capacity: int | None, deadline: floa
     solver = f"split/{len(dec.leaves)} leaves, {dec.cuts} cuts/{top}"
     say(f"layout: {status.value}, height {h:,} ({solver}){'' if valid else ', INVALID'}")
     return LayoutResult(status, offsets, h, lb, 0.0, solver, valid=valid)
+
+
+def _short_leaf(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, fl: np.ndarray, share: float,
+                allocator: bool) -> tuple[list, str]:
+    """A leaf without the time of a pass's set-up: the allocator replay where it fits in ``share``
+    (``ALLOC_PASS_SECONDS`` per buffer), else per-size-class slots (``slot_stack``)."""
+    if allocator and share > ALLOC_PASS_SECONDS * len(sz):
+        off = allocator_pass(lo, up, sz, al, fl, time.monotonic() + share)
+        if off is not None:
+            return off.tolist(), "allocator"
+    return slot_stack(lo, up, sz, al, fl, 0).tolist(), "slots"
 
 
 def _revisit(index: dict, done: dict, lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray,
