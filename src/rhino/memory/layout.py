@@ -552,7 +552,7 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
     late = deadline - time.monotonic() < NO_PASS_SECONDS * len(bufs)
     if large and best_h > cap and options.split.big_first and not late:
         offs = _big_first(bufs, floor, cap, time.monotonic() + 0.5 * (deadline - time.monotonic()), options, say)
-        h = max((offs[b.id] + b.size for b in bufs), default=0) if offs is not None else best_h
+        h = height(bufs, offs) if offs is not None else best_h
         if h < best_h:
             best, best_h, how = offs, h, "big-first"
     if search and best_h > cap and not late:
@@ -643,9 +643,9 @@ def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: floa
     pre = allocator_pass(lo, up, sz, al, fl, share_end) if options.split.allocator else None
     t_first = time.monotonic()
     # without a skyline layout, the first pass is the one layout: it may take all the time; with one, its
-    # share, or as long as it would end by the deadline and stays below the skyline pass (1,000,000 buffers,
-    # ``docs/benchmarks.md`` session 24: ~1,250 live, a lowest-fit pass 119 s for 17-19% over the bound, a
-    # skyline pass 3.6 s for 3.99%; ``random``'s shape, 48 s for 1.48%, the skyline pass 4.05%)
+    # share, or on a huge leaf as long as it would end by the deadline and stays below the skyline pass
+    # (1,000,000 buffers, ``docs/benchmarks.md`` session 24: ~1,250 live, a lowest-fit pass 119 s for 17-19%
+    # over the bound, a skyline pass 3.6 s for 3.99%; ``random``'s shape, 48 s for 1.48%, the skyline pass 4.05%)
     first = _leaf_greedy(bufs, floor, cap, deadline, lowest, count=1, stop=None if race is None else stop)
     sky = None if race is None else race.result(stop=first is not None and first[1] <= cap)
     sky_h = None if sky is None else race.height
@@ -728,7 +728,7 @@ def _big_first(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, 
 
 def _leaf_greedy(bufs: list[Buffer], floor: list[int], cap: int, deadline: float,
                  lowest_fit: bool, skip: int = 0, count: int | None = None,
-                 finish: bool = True, stop: Callable[[], bool] | None = None) -> tuple[dict, int, str] | None:
+                 finish: bool = True, stop: Callable[[float, int], bool] | None = None) -> tuple[dict, int, str] | None:
     """The lowest of the compiled greedy passes (``layout_greedy``): every order best fit (as
     ``greedy_layout``) and, with ``lowest_fit``, lowest fit (size first: the best pass on random traces;
     then size with equal sizes by start; that first where every buffer has one size, where it is optimal);

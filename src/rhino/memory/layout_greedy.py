@@ -25,6 +25,8 @@ from typing import Callable, NamedTuple
 import numba
 import numpy as np
 
+from .layout_check import buffer_arrays
+
 __all__ = ["TimeIndex", "time_index", "set_offset", "set_given", "gather_placed", "find_gap", "place_in_order",
            "past", "slot_stack", "greedy_order", "lowest_firsts", "lowest_fit_passes"]
 
@@ -350,8 +352,7 @@ def lowest_fit_passes(buffers, deadline: float | None, first_s: float) -> tuple[
     where every buffer has one size: ``layout.GreedyOrder.SIZE_START``) of ``layout.solve_layout``'s plain path
     (``SplitOptions.lowest_fit``), each started only while ``LOWEST_COST * first_s`` is left before
     ``deadline``: offsets by id, height and name; None where neither ran."""
-    lo, up, sz, al = (np.array([getattr(b, f) for b in buffers], np.int64)
-                      for f in ("lower", "upper", "size", "alignment"))
+    lo, up, sz, al = buffer_arrays(buffers)
     best = None
     for name in lowest_firsts(sz):
         if deadline is not None and time.monotonic() + LOWEST_COST * first_s > deadline:
@@ -362,5 +363,5 @@ def lowest_fit_passes(buffers, deadline: float | None, first_s: float) -> tuple[
             break
         h = int((off + sz).max(initial=0))
         if best is None or h < best[1]:
-            best = ({b.id: int(o) for b, o in zip(buffers, off.tolist())}, h, f"{name}/lowest")
+            best = (dict(zip((b.id for b in buffers), off.tolist())), h, f"{name}/lowest")
     return best

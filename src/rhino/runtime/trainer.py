@@ -430,9 +430,8 @@ def _check_memory_plan(memory_plan, plan, strategy) -> None:
     from .arena_step import MICROBATCH_MEMORY_PLAN
     if not memory_plan or (plan is None and strategy is None):
         return
-    spec = load_plan_file(plan) if plan is not None else None
-    pp, micro = (spec.stages, spec.microbatches) if spec is not None else (
-        parse_strategy(strategy).pp, parse_strategy(strategy).microbatches)
+    spec = load_plan_file(plan) if plan is not None else parse_strategy(strategy)
+    pp, micro = (spec.stages if plan is not None else spec.pp), spec.microbatches
     if pp > 1:
         raise ValueError(PIPELINE_MEMORY_PLAN)
     if micro > 1:
