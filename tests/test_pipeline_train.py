@@ -67,8 +67,10 @@ def test_pipeline_checkpoint_resumes_under_the_same_and_another_plan(tmp_path):
 @pytest.mark.multiprocess
 def test_rhino_train_pipeline_under_torchrun_matches_the_local_launcher(tmp_path):
     """``rhino train --strategy pp=2,microbatches=2`` as the 2 ranks of a torchrun job: the local launcher's
-    losses, and each step's loss in the log."""
+    losses, each step's loss in the log, and a peak of live bytes above the state (it was 0 for pipelines)."""
     a, b, lines = torchrun_train(tmp_path, MLP, "pp=2,microbatches=2", 3)
     assert a["nproc"] == 2 and a["mesh"] == "pp2xdp1" and a["losses"] == b["losses"]
     assert len(set(a["losses"])) == 3
     assert [x["step"] for x in lines] == [1, 2, 3] and [x["loss"] for x in lines] == a["losses"]
+    for r in (a, b):   # the first step is measured node by node: state, stashed micro-batches, accumulators
+        assert r["peak_live_bytes"] > max(sum(d.values()) for d in r["state_bytes_per_rank"]), r

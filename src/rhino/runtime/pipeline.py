@@ -440,6 +440,7 @@ class PipelineStep:
         stash: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
         grads: dict[int, torch.Tensor] = {}
         local: dict[int, torch.Tensor] = {}            # tag -> tensor sent from one of this rank's chunks to another
+        self._in_flight = (stash, grads, local)        # what ``run_measured`` counts as held between programs
         loss = 0.0
 
         def recv(vid: int, src: int, index: int, k: int):
@@ -497,6 +498,26 @@ class PipelineStep:
         del runs
         return loss / m if self.stage == self.plan.stages - 1 else None
 
+    def run_measured(self, local_state: dict, local_batch: tuple) -> tuple[float, int]:
+        """``run``, each program node by node, also returning this rank's peak of live tensor bytes
+        (``LiveBytesMeter``): besides a program's own values, the state, the local batch, every micro-batch's
+        stashed activations and received values, the gradient accumulators, values passed between this
+        rank's chunks and sends not yet completed count as held."""
+        from .measure import LiveBytesMeter
+        peak = [0]
+
+        def execute(act: Run, pending: list) -> list:
+            stash, grads, local = self._in_flight
+            held = [*local_state.values(), *local_batch, *(t for box in stash.values() for t in box.values()),
+                    *grads.values(), *local.values(), *(t for _, t in pending)]
+            meter = LiveBytesMeter(act.program.module, held)
+            outs = meter.run(*act.args)
+            if meter.peak > peak[0]:
+                peak[0], self.peak_at = meter.peak, (act.key, meter.peak_node)
+            return outs
+        loss = self.run(local_state, local_batch, execute)
+        return loss, peak[0]
+
     @staticmethod
     def _arg(kind: str, x, local_state: dict, local_batch: tuple, stash: dict, rows: list[int], k: int):
         if kind == "state":
@@ -505,9 +526,10 @@ class PipelineStep:
             return local_batch[x].narrow(0, k * rows[x], rows[x])
         return stash[x]
 
-    def run(self, local_state: dict, local_batch: tuple) -> float:
+    def run(self, local_state: dict, local_batch: tuple, execute=None) -> float:
         """One step with ``torch.distributed`` point-to-point messages (every rank of the job calls it);
-        returns the loss (broadcast from the last stage) and appends this rank's ``StepTimes``."""
+        returns the loss (broadcast from the last stage) and appends this rank's ``StepTimes``.
+        ``execute(run, pending)``: runs a ``Run`` action instead of calling its program (``run_measured``)."""
         W, busy, waiting, posting, pending, sent = self.plan.mesh.world, 0.0, 0.0, 0.0, [], 0
         start = time.perf_counter()
         gen = self.schedule(local_state, local_batch)
@@ -522,7 +544,7 @@ class PipelineStep:
                 reply = None
                 if isinstance(act, Run):
                     t0 = time.perf_counter()
-                    reply = act.program.module(*act.args)
+                    reply = act.program.module(*act.args) if execute is None else execute(act, pending)
                     busy += time.perf_counter() - t0
                 elif isinstance(act, Send):
                     t0 = time.perf_counter()

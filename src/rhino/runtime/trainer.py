@@ -449,7 +449,6 @@ def train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, over
     trainer = Trainer(workload, plan, strategy=strategy, cluster=cluster, level=level, dtype=dtype,
                       overlap=overlap, timeout_s=timeout_s, release_memory=release_memory, progress=say,
                       memory_plan=memory_plan)
-    measure_live = measure_live and not trainer.pipelined   # pipelines: no live-bytes meter yet (peak 0)
     resumed = _resume(trainer, checkpoint, say) if resume else None
     first = trainer.steps_done
     losses, times, peak_live, samples, saved = [], [], 0, 0, []
@@ -463,7 +462,7 @@ def train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, over
                 with explain_microbatch_errors(trainer.microbatches):
                     loss, peak_live = trainer.program.run_measured(trainer.state, rank_batch(
                         check_batch(trainer.cap.graph, batch, f"the batch of step {step + 1}"), trainer.rp,
-                        trainer.rank, trainer.microbatches, trainer.device))
+                        trainer.mesh_rank, trainer.microbatches, trainer.device))
                 trainer.steps_done += 1
             else:
                 loss = trainer.step(batch)
