@@ -226,11 +226,20 @@ def test_rhino_train_checkpoint_resume_and_export_on_the_command_line(tmp_path):
     model.load_state_dict(torch.load(tmp_path / "gpt.pt"), strict=True)
 
 
-def test_checkpoint_errors_are_one_sentence(tmp_path):
-    out = _cli("train", GPT, "--strategy", "dp=2", "--steps", "2", "--every", "2", timeout=300)
-    assert out.returncode == 2 and "--every needs a checkpoint directory: add --checkpoint DIR" in out.stderr
-    out = _cli("export", tmp_path, "--out", tmp_path / "x.pt", timeout=300)
-    assert out.returncode == 2 and "holds no complete checkpoint" in out.stderr, out.stderr[-1000:]
+def _main(capsys, *args) -> tuple[int, str]:
+    """``rhino ARGS`` in this process (the exit code and stderr): for refusals made before any process starts,
+    without the ~3 s of a fresh interpreter importing torch."""
+    from rhino.cli.main import main
+    capsys.readouterr()
+    code = main(list(map(str, args)))
+    return code, capsys.readouterr().err
+
+
+def test_checkpoint_errors_are_one_sentence(tmp_path, capsys):
+    code, err = _main(capsys, "train", GPT, "--strategy", "dp=2", "--steps", "2", "--every", "2")
+    assert code == 2 and "--every needs a checkpoint directory: add --checkpoint DIR" in err
+    code, err = _main(capsys, "export", tmp_path, "--out", tmp_path / "x.pt")
+    assert code == 2 and "holds no complete checkpoint" in err, err[-1000:]
 
 
 
@@ -247,11 +256,10 @@ def test_a_checkpoint_directory_that_cannot_be_created_is_refused_before_trainin
     assert not (tmp_path / "new").exists()
 
 @pytest.mark.multiprocess
-def test_a_checkpoint_of_another_workload_is_refused(reference):
+def test_a_checkpoint_of_another_workload_is_refused(reference, capsys):
     directory, _ = reference
-    out = _cli("train", GPT, "--strategy", "dp=2", "--steps", "2", "--checkpoint", directory, timeout=300)
-    assert out.returncode == 2 and "already holds step-00000004; resume it (--resume)" in out.stderr, \
-        out.stderr[-1000:]
+    code, err = _main(capsys, "train", GPT, "--strategy", "dp=2", "--steps", "2", "--checkpoint", directory)
+    assert code == 2 and "already holds step-00000004; resume it (--resume)" in err, err[-1000:]
     out = _cli("train", ROOT / "examples" / "mlp.py", "--strategy", "dp=2", "--steps", "6", "--dtype", "float64",
                "--checkpoint", directory, "--resume", timeout=300)
     assert out.returncode == 2 and "was saved from another workload" in out.stderr, out.stderr[-1000:]
