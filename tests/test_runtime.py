@@ -213,6 +213,7 @@ def test_two_ranks(two_ranks, category):
     assert not failures, "\n".join(failures[:20])
 
 
+@pytest.mark.multiprocess     # its fixtures start the 4- and 2-rank jobs: read here from the multiprocess run's
 def test_results_come_back_in_rank_order(four_ranks, two_ranks):
     reports, _ = four_ranks
     assert [(r["rank"], r["world"], r["device"]) for r in reports] == [(i, 4, "cpu") for i in range(4)]
