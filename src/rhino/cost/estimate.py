@@ -38,7 +38,7 @@ from ..sharding.mesh import Mesh
 from ..sharding.plan import ResolvedPlan, ShardingPlan, resolve
 from ..sharding.presets import StrategySpec, mesh_for, parse_strategy, preset_plan
 from .cluster import Cluster, axis_links, make_cluster
-from .accumulate import accumulation_windows
+from .accumulate import SplitError, accumulation_windows
 from .compute import Profile
 from .memory import estimate_memory
 from .pipeline import Schedule, pipeline_time, stage_list
@@ -194,7 +194,8 @@ def estimate_microbatches(graph: Graph, cluster: Cluster, plan: ShardingPlan | R
     st = step_time(rp, cluster.device, links, options)
     out, shared = [], None
     for m in microbatches:
-        windows, accumulators = accumulation_windows(graph, rp) if pp == 1 and m > 1 else ((), None)
+        # the update phase has its own peak: gradient accumulation and pipelines price it apart
+        windows, accumulators = _phase_windows(graph, rp) if pp > 1 or m > 1 else ((), None)
         if shared is None or windows:
             mem = estimate_memory(graph, rp, windows=windows)
             # recomputation priced on the rewritten program the runtime runs (cost.remat)
@@ -209,6 +210,14 @@ def estimate_microbatches(graph: Graph, cluster: Cluster, plan: ShardingPlan | R
                            chunks=chunks)
         out.append(_compose(graph, cluster, rp, st, pl, pp, m, schedule, recompute, strategy, rc.notes))
     return out
+
+
+def _phase_windows(graph: Graph, rp: ResolvedPlan) -> tuple[list[tuple[int, int]], int | None]:
+    """``accumulation_windows``, or none for a step without an optimizer update to split at."""
+    try:
+        return accumulation_windows(graph, rp)
+    except SplitError:
+        return [], None
 
 
 def _check_degrees(rp: ResolvedPlan, cluster: Cluster, pp: int, m: int) -> None:

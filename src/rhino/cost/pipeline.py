@@ -29,12 +29,18 @@ strategies on its own nodes); ``pp`` stages and ``m`` micro-batches are modelled
   (hidden behind the stage's last backward when ``StepOptions.overlap_gradient_reduction``), ZeRO-3
   gathers repeated per micro-batch (hidden behind the stage's compute when ``prefetch_parameters``),
   then the optimizer update of the stage's parameters. The step ends when the last stage finishes.
-- **Memory per stage**: the whole-graph peak's categories split by the stage's share: parameters,
-  gradients and buffers by its parameter bytes (a tied parameter read on two stages counts on both),
-  optimizer state by its state bytes, activations by the bytes its forward nodes save, times the
-  micro-batches in flight (1F1B: ``min(pp - s, m)``; GPipe: ``m``; interleaved: ``in_flight``) over ``m``; temporaries and the
-  batch at ``1/m``; with ``m > 1`` a full gradient buffer of the stage's parameters. The reported peak is
-  the largest stage's.
+- **Memory per stage**, in two phases, each from the whole graph's peak in its window
+  (``MemoryEstimate.window_peaks``: before and from the first optimizer node), the larger is the stage's
+  peak. Parameters, gradients and buffers scale by the stage's parameter bytes over the model's (a tied
+  parameter held by two stages counts on both: the shares may sum above 1), optimizer state by its state
+  bytes. The pipeline phase: activations by the bytes the stage's forward nodes save, times the
+  micro-batches in flight (1F1B: ``min(pp - s, m)``; GPipe: ``m``; interleaved: ``in_flight``) over ``m``;
+  temporaries and the batch at ``1/m``; with ``m > 1`` a full gradient buffer of the stage's parameters.
+  The update phase: its temporaries and new state by the parameter share, the gradients, the whole batch.
+  The reported peak is the largest stage's. Measured against ``PipelineStep.run_measured`` on the
+  examples (``docs/benchmarks.md``): the update phase was missing (GPT, ``pp=2,microbatches=4``: 26% under)
+  and the tied weight split; what is still left out (received boundary values held per micro-batch in
+  flight, sends held until the update) puts the prediction 1-35% under the measured peak.
 
 With ``pp = 1`` the single-stage formulas are unchanged: with one micro-batch the event simulation of
 ``step.step_time``; with gradient accumulation the two programs ``runtime.rank_step`` runs
@@ -57,7 +63,8 @@ from .memory import MemoryEstimate
 from .recompute import RecomputeEffect
 from .step import StepOptions, StepTime, node_compute
 
-__all__ = ["Schedule", "PipelineTime", "StageCost", "pipeline_time", "scaled_memory", "accumulation_memory",
+__all__ = ["Schedule", "PipelineTime", "StageCost", "pipeline_time", "scaled_memory", "stage_phases",
+           "accumulation_memory",
            "simulate", "in_flight", "value_bytes", "stage_list"]
 
 
@@ -69,7 +76,8 @@ class StageCost:
     forward_seconds: float           # per micro-batch, with its blocking communication
     backward_seconds: float
     send_bytes: int                  # per micro-batch, forward, to the next stage
-    memory: dict[str, int] = field(default_factory=dict)
+    memory: dict[str, int] = field(default_factory=dict)     # at the stage's peak (the larger phase)
+    phases: list[dict[str, int]] = field(default_factory=list)   # per phase: pipeline, then update
 
     @property
     def peak(self) -> int:
@@ -78,7 +86,9 @@ class StageCost:
     def to_dict(self) -> dict:
         return {"forward_ops": self.forward_ops, "params": self.params, "forward_seconds": self.forward_seconds,
                 "backward_seconds": self.backward_seconds, "send_bytes": self.send_bytes,
-                "peak_bytes": self.peak, "memory": dict(self.memory)}
+                "peak_bytes": self.peak, "memory": dict(self.memory),
+                "phases": [{"phase": name, "bytes": sum(ph.values()), "memory": dict(ph)}
+                           for name, ph in zip(("pipeline", "update"), self.phases)]}
 
 
 @dataclass
@@ -145,22 +155,45 @@ def scaled_memory(mem: MemoryEstimate, rc: RecomputeEffect, pp: int, m: int, sch
     activations (``"activations"``); None: ``1 / pp`` each (balanced stages)."""
     if pp == 1 and m > 1 and accumulators is not None and len(mem.window_peaks) == 2:
         return accumulation_memory(mem, rc, m, accumulators)
+    return max(stage_phases(mem, rc, pp, m, schedule, shares, stage, chunks), key=lambda d: sum(d.values()))
+
+
+def stage_phases(mem: MemoryEstimate, rc: RecomputeEffect, pp: int, m: int, schedule: Schedule,
+                 shares: dict[str, float] | None = None, stage: int = 0, chunks: int = 1,
+                 messages: int = 0) -> list[dict[str, int]]:
+    """``scaled_memory``'s bytes per category at the peak of each phase of the stage: with ``pp > 1`` and
+    the step's two windows (``MemoryEstimate.window_peaks``), the pipeline phase (forwards and backwards
+    of the micro-batches) then the update; else the whole step's peak alone. ``messages``: the pipeline
+    phase's boundary values held by the runtime (``_message_bytes``)."""
     at, keep = _at_peak(mem, rc)
     sh = shares if shares is not None else {"params": 1 / pp, "optimizer": 1 / pp, "activations": 1 / pp}
+    phases = [at]
+    if pp > 1 and len(mem.window_peaks) == 2:
+        # the pipeline phase (before the first optimizer node) and the update phase, each at its own peak
+        exact = rc.memory is not None and rc.memory is not mem
+        phases = [at if exact else dict(mem.window_peaks[0][1]), dict(mem.window_peaks[1][1])]
     flight = in_flight(schedule, pp, m, stage, chunks)
-    out = {}
-    for cat, v in at.items():
-        if cat in ("params", "buffers", "gradients", "updated_state"):
-            out[cat] = v * sh["params"]
-        elif cat == "optimizer":
-            out[cat] = v * sh["optimizer"]
-        elif cat == "activations":
-            out[cat] = v * keep * flight * sh["activations"] / m
-        else:  # temporaries, batch
-            out[cat] = v / m
-    if m > 1:  # the accumulation buffer holds every gradient of the stage across micro-batches
-        out["gradients"] = max(out.get("gradients", 0), mem.gradients * sh["params"])
-    return {k: int(v) for k, v in out.items()}
+    out = []
+    for k, ph in enumerate(phases):
+        update = k == 1
+        cat_bytes = {}
+        for cat, v in ph.items():
+            if cat in ("params", "buffers", "gradients", "updated_state"):
+                cat_bytes[cat] = v * sh["params"]
+            elif cat == "optimizer":
+                cat_bytes[cat] = v * sh["optimizer"]
+            elif cat == "activations":
+                cat_bytes[cat] = v * keep * flight * sh["activations"] / m
+            elif update:  # the update's temporaries are per parameter; the whole batch stays held
+                cat_bytes[cat] = v * sh["params"] if cat == "temporaries" else v
+            else:  # temporaries, batch
+                cat_bytes[cat] = v / m
+        if m > 1:  # the accumulation buffer holds every gradient of the stage across micro-batches
+            cat_bytes["gradients"] = max(cat_bytes.get("gradients", 0), mem.gradients * sh["params"])
+        if messages and not update:
+            cat_bytes["messages"] = messages
+        out.append({c: int(v) for c, v in cat_bytes.items()})
+    return out
 
 
 def simulate(fwd: list[float], bwd: list[float], send_f: list[float], send_b: list[float], m: int,
@@ -233,14 +266,36 @@ def _boundaries(graph: Graph, rp: ResolvedPlan, sa: StageAssignment, pp: int) ->
     return fwd, bwd, upd
 
 
+def _message_bytes(graph: Graph, rp: ResolvedPlan, sa: StageAssignment, virtual: list[int], m: int,
+                   flight: float) -> int:
+    """Boundary values a device's rank holds in the pipeline phase (``runtime.pipeline``; each value once, as
+    one tensor serves every send of it): every value it sends (forward to later stages, gradients back) until
+    the update (gloo reports a send complete only when waited on), the forward values it receives for the
+    micro-batches in flight, one micro-batch's received gradients."""
+    mine = set(virtual)
+    sent, fwd_in, bwd_in = set(), set(), set()
+    for c in sa.crossings:
+        if c.phase is Phase.UPDATE:
+            continue
+        if c.src in mine:
+            sent.add(c.value)
+        if c.dst in mine:
+            (fwd_in if c.phase is Phase.FORWARD else bwd_in).add(c.value)
+    size = {v: value_bytes(graph, rp, v) for v in sent | fwd_in | bwd_in}
+    return int(sum(size[v] for v in sent) + sum(size[v] for v in fwd_in) * flight / m
+               + sum(size[v] for v in bwd_in) / m)
+
+
 def _shares(graph: Graph, rp: ResolvedPlan, mem: MemoryEstimate, sa: StageAssignment, stage: list[int],
             pp: int) -> tuple[list[dict], list[int]]:
     """Per stage: its share of parameters, optimizer state and saved activations; parameter counts."""
     par, opt, act, count = [0] * pp, [0] * pp, [0] * pp, [0] * pp
+    total = {"params": 0, "optimizer": 0}      # each tensor once: a tied one held by two stages counts on both
     for inp in graph.inputs:
         if inp.role not in (Role.PARAM, Role.FROZEN, Role.BUFFER, Role.OPT_STATE):
             continue
         b = value_bytes(graph, rp, inp.value)
+        total["optimizer" if inp.role is Role.OPT_STATE else "params"] += b
         for s in sa.holders.get(inp.name, (0,)):
             if inp.role is Role.OPT_STATE:
                 opt[s] += b
@@ -250,11 +305,11 @@ def _shares(graph: Graph, rp: ResolvedPlan, mem: MemoryEstimate, sa: StageAssign
     for (p, _, b) in mem.activation_spans:
         act[stage[p]] += b
 
-    def share(xs: list[int], s: int) -> float:
-        return xs[s] / sum(xs) if sum(xs) else 1 / pp
+    def share(xs: list[int], s: int, whole: int) -> float:
+        return xs[s] / whole if whole else 1 / pp
 
-    return [{"params": share(par, s), "optimizer": share(opt, s), "activations": share(act, s)}
-            for s in range(pp)], count
+    return [{"params": share(par, s, total["params"]), "optimizer": share(opt, s, total["optimizer"]),
+             "activations": share(act, s, sum(act))} for s in range(pp)], count
 
 
 def _link(cluster: Cluster, stage_world: int, boundary: int, pp: int | None = None,
@@ -340,10 +395,13 @@ def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstim
     costs = []
     for d in range(pp):
         share = {k: sum(shares[v][k] for v in dev[d]) for k in shares[0]}
-        memory = scaled_memory(mem, rc, pp, m, schedule, shares=share, stage=d, chunks=chunks)
+        phases = stage_phases(mem, rc, pp, m, schedule, shares=share, stage=d, chunks=chunks,
+                              messages=_message_bytes(graph, rp, sa, dev[d], m,
+                                                      in_flight(schedule, pp, m, d, chunks)))
         costs.append(StageCost(sum(ops[v] for v in dev[d]), sum(params[v] for v in dev[d]),
                                sum(f_mb[v] for v in dev[d]), sum(b_mb[v] for v in dev[d]),
-                               int(fb[d] / m) if d < V - 1 else 0, memory))
+                               int(fb[d] / m) if d < V - 1 else 0, max(phases, key=lambda x: sum(x.values())),
+                               phases))
     peak_stage = max(costs, key=lambda c: c.peak)
     idle = 1.0 - sum(busy) / (pp * pipe) if pipe > 0 else 0.0
     step_idle = 1.0 - sum(work) / (pp * step) if step > 0 else 0.0

@@ -543,6 +543,15 @@ class PipelineStep:
                     break
                 reply = None
                 if isinstance(act, Run):
+                    if act.key[0] == "U" and pending:
+                        # every message of the step is posted: the sends complete before the update, not after
+                        # it, so their buffers are not held through it (gloo's Work never reports completion
+                        # before wait()); the peers need nothing that comes after this to receive them
+                        t0 = time.perf_counter()
+                        for work, _ in pending:
+                            work.wait()
+                        pending = []
+                        waiting += time.perf_counter() - t0
                     t0 = time.perf_counter()
                     reply = act.program.module(*act.args) if execute is None else execute(act, pending)
                     busy += time.perf_counter() - t0
