@@ -23,7 +23,7 @@ from .groups import build_stage_groups
 from .launch import in_torchrun, launch, run_from_env
 from .pipeline import PipelineStep, compare_stages
 from .microbatch import checked_microbatch_graph
-from .run import RunResult, bytes_by_role
+from .run import RunResult, bytes_by_role, random_ops_note
 
 __all__ = ["run_pipeline", "pipeline_rank_state"]
 
@@ -75,6 +75,8 @@ def run_pipeline(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, 
     result = RunResult(cmp.ok, plan.world, f"pp{plan.stages}x{plan.mesh}", steps, cmp.max_abs_diff, comm, collectives,
                        results[ranks[0]]["losses"], ref.losses, cmp.first_mismatch,
                        [results[r]["held"] for r in ranks])
+    if not cmp.ok:   # each stage (and each rank of a stage) draws its own random masks
+        result.first_mismatch += random_ops_note(cap, plan.world)
     result.pipeline = _stage_times(plan, results)
     result.seconds = time.perf_counter() - start
     return result

@@ -19,7 +19,7 @@ from .launch import in_torchrun, launch, run_from_env
 from .microbatch import checked_microbatch_graph
 from .rank_step import RankStep
 
-__all__ = ["RunResult", "run_plan", "compare_results", "bytes_by_role"]
+__all__ = ["RunResult", "run_plan", "compare_results", "bytes_by_role", "random_ops_note"]
 
 
 @dataclass
@@ -162,12 +162,20 @@ def compare_results(cap: Captured, rp: ResolvedPlan, prog0, results: dict[int, d
                        peak_live_bytes=[results[r].get("peak", 0) for r in ranks])
     cmp = compare_ranks(rp, results, ref, tol)
     result.ok, result.max_abs_diff, result.first_mismatch = cmp.ok, cmp.max_abs_diff, cmp.first_mismatch
-    drawn = sorted({n.op for n in cap.graph.nodes if draws_rng(n.op)})
-    if not cmp.ok and drawn and plan.mesh.world > 1:  # each rank draws its own masks over its own shard
-        result.first_mismatch += (f"; the step draws random numbers ({', '.join(drawn)}), which each rank draws "
-                                  f"for itself, so a sharded run need not equal single-device training: check "
-                                  f"exactness with dropout 0")
+    if not cmp.ok:
+        result.first_mismatch += random_ops_note(cap, plan.mesh.world)
     result.memory_plan = [{"rank": r, "arena_bytes": results[r]["arena_bytes"], "plan_bytes": results[r]["plan_bytes"]}
                           for r in ranks if "arena_bytes" in results[r]]
     result.seconds = time.perf_counter() - start
     return result
+
+
+def random_ops_note(cap: Captured, world: int) -> str:
+    """What to append to a mismatch of a ``world``-rank run when the step draws random numbers (each rank,
+    or each pipeline stage, draws its own masks, so the run need not equal single-device training); "" when
+    it draws none or runs on one rank."""
+    drawn = sorted({n.op for n in cap.graph.nodes if draws_rng(n.op)})
+    if not drawn or world < 2:
+        return ""
+    return (f"; the step draws random numbers ({', '.join(drawn)}), which each rank draws for itself, so a "
+            f"sharded or pipelined run need not equal single-device training: check exactness with dropout 0")

@@ -1,0 +1,39 @@
+"""Held-out pipeline cases (workloads unlike the examples), each a regression test of a bug found on them."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from conftest import ROOT
+from rhino.capture import capture, default_dtype, load_workload
+from rhino.runtime import pipeline_run
+from rhino.runtime.pipeline_sim import simulate_pipeline
+from rhino.sharding.presets import parse_strategy, preset_plan
+
+VARIANTS = str(ROOT / "tests" / "workloads" / "variants.py")
+
+
+def _cap(spec: str):
+    with warnings.catch_warnings(), default_dtype(torch.float64):
+        warnings.simplefilter("ignore")
+        return capture(load_workload(spec, dtype=torch.float64))
+
+
+def test_a_pipelined_mismatch_from_random_ops_says_so(monkeypatch):
+    """Dropout under pp=2: each stage draws its own masks; the mismatch named no random op (the note was added
+    for sharded runs only, and a pipeline with one rank per stage has a mesh of one)."""
+    cap = _cap(f"{VARIANTS}:dropout")
+    plan = preset_plan(cap.graph, parse_strategy("pp=2,microbatches=2"))
+
+    def launch(fn, nproc, graph_json, plan_json, state, batch, steps, *rest, timeout_s=None):
+        torch.manual_seed(1234)        # another process's generator
+        with default_dtype(torch.float64):
+            res = simulate_pipeline(cap, plan, steps)
+        return [{"losses": res["losses"][r], "local": res["local"][r], "held": {}, "stage_times": [(0.0, 0.0)] * steps,
+                 "sent_bytes": [0] * steps} for r in range(nproc)]
+
+    monkeypatch.setattr(pipeline_run, "launch", launch)
+    with default_dtype(torch.float64):
+        out = pipeline_run.run_pipeline(cap, plan, 2)
+    assert not out.ok and "draws random numbers (aten." in out.first_mismatch, out.first_mismatch
