@@ -37,10 +37,10 @@ strategies on its own nodes); ``pp`` stages and ``m`` micro-batches are modelled
   micro-batches in flight (1F1B: ``min(pp - s, m)``; GPipe: ``m``; interleaved: ``in_flight``) over ``m``;
   temporaries and the batch at ``1/m``; with ``m > 1`` a full gradient buffer of the stage's parameters.
   The update phase: its temporaries and new state by the parameter share, the gradients, the whole batch.
-  The reported peak is the largest stage's. Measured against ``PipelineStep.run_measured`` on the
-  examples (``docs/benchmarks.md``): the update phase was missing (GPT, ``pp=2,microbatches=4``: 26% under)
-  and the tied weight split; what is still left out (received boundary values held per micro-batch in
-  flight, sends held until the update) puts the prediction 1-35% under the measured peak.
+  The pipeline phase also holds boundary values (``_message_bytes``). The reported peak is the largest
+  stage's. Measured against ``PipelineStep.run_measured`` on the examples (``docs/benchmarks.md``,
+  "Cost model: pipeline stage memory"): the update phase was missing (GPT, ``pp=2,microbatches=4``: 26%
+  under), the tied weight split, the boundary values left out.
 
 With ``pp = 1`` the single-stage formulas are unchanged: with one micro-batch the event simulation of
 ``step.step_time``; with gradient accumulation the two programs ``runtime.rank_step`` runs
@@ -269,21 +269,16 @@ def _boundaries(graph: Graph, rp: ResolvedPlan, sa: StageAssignment, pp: int) ->
 def _message_bytes(graph: Graph, rp: ResolvedPlan, sa: StageAssignment, virtual: list[int], m: int,
                    flight: float) -> int:
     """Boundary values a device's rank holds in the pipeline phase (``runtime.pipeline``; each value once, as
-    one tensor serves every send of it): every value it sends (forward to later stages, gradients back) until
-    the update (gloo reports a send complete only when waited on), the forward values it receives for the
-    micro-batches in flight, one micro-batch's received gradients."""
+    one tensor serves every send of it): the forward values it sends and receives for the micro-batches in
+    flight (a sent one is kept until the peer is known to have it: ``runtime.pipeline_messages``, when the
+    gradient of its micro-batch comes back), one micro-batch's gradients sent and received."""
     mine = set(virtual)
-    sent, fwd_in, bwd_in = set(), set(), set()
+    fwd, bwd = set(), set()
     for c in sa.crossings:
-        if c.phase is Phase.UPDATE:
-            continue
-        if c.src in mine:
-            sent.add(c.value)
-        if c.dst in mine:
-            (fwd_in if c.phase is Phase.FORWARD else bwd_in).add(c.value)
-    size = {v: value_bytes(graph, rp, v) for v in sent | fwd_in | bwd_in}
-    return int(sum(size[v] for v in sent) + sum(size[v] for v in fwd_in) * flight / m
-               + sum(size[v] for v in bwd_in) / m)
+        if c.phase is not Phase.UPDATE and (c.src in mine or c.dst in mine):
+            (fwd if c.phase is Phase.FORWARD else bwd).add(c.value)
+    return int(sum(value_bytes(graph, rp, v) for v in fwd) * flight / m
+               + sum(value_bytes(graph, rp, v) for v in bwd) / m)
 
 
 def _shares(graph: Graph, rp: ResolvedPlan, mem: MemoryEstimate, sa: StageAssignment, stage: list[int],

@@ -59,6 +59,7 @@ from ..sharding.placement import Partial, ReduceOp, replicated
 from ..sharding.plan import PlanError, ResolvedPlan, ShardingPlan, resolve
 from ..sharding.rebatch import rebatch_plan
 from ..sharding.vocab import Recompute
+from .pipeline_messages import message_events, send_releases
 
 __all__ = ["Run", "Send", "Recv", "StageSpec", "PipelineSpec", "pipeline_spec", "PipelineStep", "stage_order",
            "StepTimes", "PIPELINE_MEMORY_PLAN", "staged_recompute"]
@@ -419,6 +420,10 @@ class PipelineStep:
                     part = _part(ps, rp, first, state_in, batch_values)
                     self.programs[(key, first, v)] = lower_rank(rp, self.local, self.device, part, overlap=overlap)
         self.order = schedule_order(plan.schedule, self.stage, plan.stages, m, plan.chunks)
+        events = {d: message_events(self.spec, plan.stages, m, schedule_order(plan.schedule, d, plan.stages, m,
+                                                                              plan.chunks),
+                                    self.spec.device_stages(d), d) for d in range(plan.stages)}
+        self.releases = send_releases(events, self.stage)     # sends known received once a message arrives
         self.times: list[StepTimes] = []
 
     def local_batch(self, batch: tuple) -> tuple:
@@ -530,7 +535,8 @@ class PipelineStep:
         """One step with ``torch.distributed`` point-to-point messages (every rank of the job calls it);
         returns the loss (broadcast from the last stage) and appends this rank's ``StepTimes``.
         ``execute(run, pending)``: runs a ``Run`` action instead of calling its program (``run_measured``)."""
-        W, busy, waiting, posting, pending, sent = self.plan.mesh.world, 0.0, 0.0, 0.0, [], 0
+        W, busy, waiting, posting, sent = self.plan.mesh.world, 0.0, 0.0, 0.0, 0
+        pending: dict[tuple[int, int], tuple] = {}       # (stage, tag) -> (work, tensor) of a send not waited on
         start = time.perf_counter()
         gen = self.schedule(local_state, local_batch)
         reply = None
@@ -548,17 +554,17 @@ class PipelineStep:
                         # it, so their buffers are not held through it (gloo's Work never reports completion
                         # before wait()); the peers need nothing that comes after this to receive them
                         t0 = time.perf_counter()
-                        for work, _ in pending:
+                        for work, _ in pending.values():
                             work.wait()
-                        pending = []
+                        pending.clear()
                         waiting += time.perf_counter() - t0
                     t0 = time.perf_counter()
-                    reply = act.program.module(*act.args) if execute is None else execute(act, pending)
+                    reply = act.program.module(*act.args) if execute is None else execute(act, list(pending.values()))
                     busy += time.perf_counter() - t0
                 elif isinstance(act, Send):
                     t0 = time.perf_counter()
                     t = _wire_tensor(act.tensor.contiguous())
-                    pending.append((dist.isend(t, act.dst * W + self.local, tag=act.tag), t))
+                    pending[(act.dst, act.tag)] = (dist.isend(t, act.dst * W + self.local, tag=act.tag), t)
                     sent += t.numel() * t.element_size()
                     posting += time.perf_counter() - t0
                 else:
@@ -568,10 +574,12 @@ class PipelineStep:
                     t1 = time.perf_counter()
                     work.wait()
                     posting += t1 - t0
+                    for key in self.releases.get((act.src, act.tag), ()):   # received by the peer: done at once
+                        pending.pop(key)[0].wait()
                     waiting += time.perf_counter() - t1
                     reply = buf.view(act.dtype) if act.dtype is torch.bool else buf
             t0 = time.perf_counter()
-            for work, _ in pending:
+            for work, _ in pending.values():
                 work.wait()
             out = torch.tensor([loss if loss is not None else 0.0], dtype=torch.float64, device=self.device)
             dist.broadcast(out, (self.plan.stages - 1) * W)
