@@ -183,3 +183,66 @@ def test_an_out_path_that_is_a_directory_is_one_sentence(capsys, tmp_path):
     code, _, err = run(capsys, "capture", str(ROOT / "examples" / "mlp.py"), "--out", str(target))
     assert code == 2 and "is a directory" in err, err
     assert sorted(p.name for p in tmp_path.iterdir()) == ["here"] and not list(target.iterdir())
+
+
+
+def _unwritable_dir(tmp_path):
+    """A directory in which no file can be created: a read-only folder, or (as root, who ignores permissions)
+    sysfs; None where there is neither."""
+    import os
+    import tempfile
+    from pathlib import Path
+    ro = tmp_path / "read-only"
+    ro.mkdir()
+    ro.chmod(0o500)
+    for d in (ro, Path("/sys")):
+        try:
+            fd, name = tempfile.mkstemp(dir=d)
+        except OSError:
+            return d
+        os.close(fd)
+        os.unlink(name)
+    return None
+
+
+@pytest.mark.parametrize("argv", [
+    ["capture", "{mlp}", "--out", "{ro}/g.json"],
+    ["plan", "{mlp}", "--cluster", "cpu:2", "--out", "{ro}/p.json"],
+    ["plan", "{mlp}", "--cluster", "cpu:2", "--report", "{ro}/report"],
+    ["profile", "--nproc", "1", "--out", "{ro}/profile.json"],
+    ["run", "{mlp}", "--strategy", "dp=2", "--save-plan", "{ro}/p.json"],
+    ["run", "{mlp}", "--strategy", "dp=2", "--emit", "{ro}/programs"],
+    ["memory", "{mlp}", "--report", "{ro}/report"],
+    ["train", "{mlp}", "--strategy", "dp=2", "--log", "{ro}/log.jsonl"],
+    ["layout", "{csv}", "--out", "{ro}/out.csv"],
+])
+def test_an_unwritable_output_path_is_one_sentence_before_any_work(capsys, tmp_path, argv):
+    """An output in a directory that takes no new file: one sentence and exit 2 before the capture, the search
+    or the measurements (was a PermissionError traceback after the work, from the temporary file's mkstemp;
+    rhino train's --log failed on the ranks)."""
+    ro = _unwritable_dir(tmp_path)
+    if ro is None:
+        pytest.skip("no directory here refuses new files")
+    csv = tmp_path / "b.csv"
+    csv.write_text("id,lower,upper,size\n0,0,2,4\n")
+    argv = [a.format(mlp=ROOT / "examples" / "mlp.py", ro=ro, csv=csv) for a in argv]
+    for extra in ([], ["--json"]):
+        code, out, err = run(capsys, *argv, *extra)
+        assert code == 2 and "Traceback" not in err, err
+        message = json.loads(out)["error"] if extra else err
+        assert f"cannot create files in directory '{ro}'" in message and "choose a writable path" in message, message
+        assert "capturing" not in err and "training" not in err
+
+
+def test_a_file_where_an_output_directory_goes_is_one_sentence(capsys, tmp_path):
+    """``--emit`` and ``--report`` name directories: a file there is refused before any work (``rhino run --emit
+    FILE`` raised FileExistsError after the run's capture, ``rhino plan --report FILE`` after the search)."""
+    f = tmp_path / "here.txt"
+    f.write_text("keep")
+    mlp = str(ROOT / "examples" / "mlp.py")
+    for argv in (["run", mlp, "--strategy", "dp=2", "--emit", str(f)], ["plan", mlp, "--cluster", "cpu:2",
+                 "--report", str(f)], ["plan", mlp, "--cluster", "cpu:2", "--report", str(f / "sub")],
+                 ["memory", mlp, "--report", str(f)]):
+        code, _, err = run(capsys, *argv)
+        assert code == 2 and f"'{f}' is a file" in err and "Traceback" not in err and "capturing" not in err, err
+    assert f.read_text() == "keep" and sorted(p.name for p in tmp_path.iterdir()) == ["here.txt"]

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from ..ir.summary import summarize
+from ..atomic import check_file_target
 from .common import emit_json, status, write_atomic
 
 
@@ -15,6 +16,8 @@ def add_parser(sub) -> None:
 
 def run(args) -> int:
     from ..capture import capture, load_workload
+    if args.out:  # a path that cannot be written: refused before the capture
+        check_file_target(args.out)
     status(f"capturing {args.workload} ...", not args.json)
     cap = capture(load_workload(args.workload))
     s = summarize(cap.graph)

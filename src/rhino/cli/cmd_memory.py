@@ -19,6 +19,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from ..atomic import check_dir_target
 from .common import emit_json, quiet_warnings, status
 
 LEVELS = ("O1", "O2")
@@ -73,9 +74,7 @@ def run(args) -> int:
     from ..capture import capture, load_workload
     if args.time_limit <= 0:
         raise ValueError("--time-limit must be a positive number of seconds")
-    report = Path(args.report) if args.report else None
-    if report is not None and report.exists() and not report.is_dir():
-        raise ValueError(f"--report {args.report!r} is a file; give a directory")
+    report = check_dir_target(args.report) if args.report else None  # a file or unwritable: refused first
     w = load_workload(args.workload)
     if args.execute and w.on_meta:
         raise ValueError(f"{args.workload} builds its model on the meta device, which holds no data; drop "

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+from ..atomic import check_dir_target, check_file_target
 from ..cost.cluster import parse_cluster
 from .common import DTYPE_NAMES, emit_json, quiet_warnings, status, write_atomic
 
@@ -89,6 +90,10 @@ def run(args) -> int:
     parse_cluster(args.cluster)   # a bad cluster fails before the capture
     if args.time_limit <= 0:
         raise ValueError("--time-limit must be a positive number of seconds")
+    if args.out:  # paths that cannot be written: refused before the capture and the search
+        check_file_target(args.out)
+    if args.report:
+        check_dir_target(args.report)
     status(f"capturing {args.workload} ...", not args.json)
     with quiet_warnings(), default_dtype(DTYPES.get(args.dtype)):
         cap = capture(load_workload(args.workload))

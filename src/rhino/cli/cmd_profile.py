@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 
+from ..atomic import check_file_target
 from .common import emit_json, status, write_atomic
 
 
@@ -22,6 +23,8 @@ def run(args) -> int:
     from ..runtime.profile import measure_profile
     if args.nproc < 1:
         raise ValueError(f"--nproc must be at least 1, got {args.nproc}")
+    if args.out:  # a path that cannot be written: refused before the measurements, not after them
+        check_file_target(args.out)
     prof = measure_profile(args.threads, args.nproc, progress=lambda m: status(m, not args.json))
     text = prof.to_json()
     if args.out:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from ..atomic import check_dir_target, check_file_target
 from ..sharding.plan import resolve
 from ..sharding.presets import parse_strategy, preset_plan
 from .common import DTYPE_NAMES, emit_json, quiet_warnings, status, write_atomic
@@ -49,6 +50,10 @@ def _run(args) -> int:
         args.nproc = plan.world if plan is not None else parse_strategy(args.strategy).world
     if args.nproc < 1 or args.steps < 1:
         raise ValueError("--nproc and --steps must be at least 1")
+    if args.save_plan:  # paths that cannot be written: refused before the capture
+        check_file_target(args.save_plan)
+    if args.emit:
+        check_dir_target(args.emit)
     w = load_workload(args.workload)
     if w.on_meta:
         raise ValueError(f"{args.workload} builds its model on the meta device; build it on a real device to run it")

@@ -5,8 +5,6 @@ reference (``rhino run`` is the check). ``--checkpoint``: sharded checkpoints ev
 from step 0 when DIR holds none (so a restarted job and its first start run the same command)."""
 from __future__ import annotations
 
-import os
-
 from .common import DTYPE_NAMES, emit_json, status
 
 __all__ = ["add_parser", "run"]
@@ -50,8 +48,9 @@ def run(args) -> int:
     from ..runtime.launch import RankFailedError, in_torchrun
     if args.steps < 1:
         raise ValueError("--steps must be at least 1")
-    if args.log and os.path.dirname(args.log) and not os.path.isdir(os.path.dirname(args.log)):
-        raise ValueError(f"the directory of --log {args.log!r} does not exist; create it or choose another path")
+    if args.log:  # a missing directory, a directory or an unwritable path: refused before processes start
+        from ..atomic import check_file_target
+        check_file_target(args.log, append=True)
     from ..runtime.trainer import check_checkpointing
     check_checkpointing(args.checkpoint, args.every, args.resume)
     if args.max_restarts is not None:
