@@ -3,15 +3,19 @@ from __future__ import annotations
 
 import warnings
 
+import pytest
 import torch
 
 from conftest import ROOT
 from rhino.capture import capture, default_dtype, load_workload
 from rhino.runtime import pipeline_run
+from rhino.runtime.pipeline import PipelineStep
 from rhino.runtime.pipeline_sim import simulate_pipeline
+from rhino.sharding.plan import PlanError
 from rhino.sharding.presets import parse_strategy, preset_plan
 
 VARIANTS = str(ROOT / "tests" / "workloads" / "variants.py")
+HELDOUT = str(ROOT / "tests" / "workloads" / "heldout.py")
 
 
 def _cap(spec: str):
@@ -37,3 +41,15 @@ def test_a_pipelined_mismatch_from_random_ops_says_so(monkeypatch):
     with default_dtype(torch.float64):
         out = pipeline_run.run_pipeline(cap, plan, 2)
     assert not out.ok and "draws random numbers (aten." in out.first_mismatch, out.first_mismatch
+
+
+def test_a_buffer_updated_on_two_stages_is_refused_in_one_sentence_naming_the_change():
+    """One BatchNorm applied at both ends: its running statistics are read on stage 0 and renewed on stage 1;
+    the refusal said "held by stages [0]; put its readers on one stage" (no way to do that with a strategy)."""
+    cap = _cap(f"{HELDOUT}:shared_norm")
+    plan = preset_plan(cap.graph, parse_strategy("pp=2,microbatches=2"))
+    with pytest.raises(PlanError) as err:
+        PipelineStep(cap, plan, 0)
+    msg = str(err.value)
+    assert msg.startswith("buffer bn.running_mean is read on stage 0 but its new value is made on stage 1")
+    assert "use fewer pipeline stages" in msg and msg.count(". ") == 0 and "[" not in msg

@@ -182,8 +182,12 @@ def pipeline_spec(graph: Graph, plan: ShardingPlan, full_graph: Graph | None = N
         for n in split.grad_state_outputs:
             p = a.producer.get(out_value[n])
             if p is not None and graph.nodes[p].name in fwd and sa.holders[n] != {s}:
-                raise PlanError(f"buffer {n} is updated on stage {s} but held by stages {sorted(sa.holders[n])}; "
-                                f"put its readers on one stage")
+                read = sorted(sa.holders[n])
+                read = f"stage{'s' if len(read) > 1 else ''} {', '.join(map(str, read))}"
+                raise PlanError(f"buffer {n} is read on {read} but its new value is made on stage {s} (its "
+                                f"module runs on more than one stage, as a BatchNorm applied twice does), and a "
+                                f"pipeline updates a buffer where it is read: use fewer pipeline stages, or a plan "
+                                f"(--plan) whose cut keeps every use of that module on one stage")
     spec = PipelineSpec(graph, split, sa, specs, 0, plan.chunks)
     _wire(spec, a, out_value)
     return spec
