@@ -246,3 +246,30 @@ def test_a_file_where_an_output_directory_goes_is_one_sentence(capsys, tmp_path)
         code, _, err = run(capsys, *argv)
         assert code == 2 and f"'{f}' is a file" in err and "Traceback" not in err and "capturing" not in err, err
     assert f.read_text() == "keep" and sorted(p.name for p in tmp_path.iterdir()) == ["here.txt"]
+
+
+@pytest.mark.parametrize("content, phrase", [
+    ("[]", "the plan file must hold one JSON object"),
+    ('{"format": 1}', "the plan file lacks 'mesh', 'inputs', 'strategies'"),
+    ('{"format": 1, "mesh": {"names": ["dp"], "sizes": ["2"]}, "inputs": {}, "strategies": {}}', 'the plan\'s "mesh" must be'),
+    ('{"format": 1, "mesh": {"names": ["dp"], "sizes": [2]}, "inputs": [], "strategies": {}}', "'inputs' must map names"),
+    ('{"format": 1, "mesh": {"names": ["dp"], "sizes": [2]}, "inputs": {"x": [0]}, "strategies": {}}', "placements as strings"),
+    (b"\xff\xfe\x00garbage", "is not a text (JSON) file"),
+    (None, "is a directory; give the JSON file rhino plan --out wrote"),
+])
+def test_a_corrupt_plan_file_is_one_sentence(capsys, tmp_path, content, phrase):
+    """A plan file that is JSON but not a plan (a list, missing keys, a mesh of strings), binary, or a
+    directory: one sentence before the capture for every command that reads plans (were AttributeError,
+    KeyError, TypeError, UnicodeDecodeError, IsADirectoryError tracebacks)."""
+    path = tmp_path / "plan.json"
+    if content is None:
+        path.mkdir()
+    elif isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content)
+    mlp = str(ROOT / "examples" / "mlp.py")
+    for argv in (["estimate", mlp, "--cluster", "cpu:2"], ["run", mlp], ["memory", mlp], ["train", mlp]):
+        code, out, err = run(capsys, *argv, "--plan", str(path))
+        assert code == 2 and phrase in err and "Traceback" not in err and "capturing" not in err, (argv, err)
+        assert len([line for line in err.splitlines() if "error:" in line]) == 1

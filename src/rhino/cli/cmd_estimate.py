@@ -1,12 +1,9 @@
 """``rhino estimate FILE[:FUNC] --cluster C [--strategy S | --plan plan.json] [--profile P] [--json]``."""
 from __future__ import annotations
 
-from pathlib import Path
-
 from ..cost.cluster import parse_cluster
 from ..cost.machine_profile import load_profile
 from ..cost.pipeline import Schedule
-from ..sharding.plan import ShardingPlan
 from .common import emit_json, quiet_warnings, status
 
 
@@ -32,18 +29,14 @@ def add_parser(sub) -> None:
 def run(args) -> int:
     from ..capture import capture, load_workload
     from ..api import estimate
-    cluster = parse_cluster(args.cluster)   # a bad cluster or profile fails before the capture
+    from ..runtime.trainer import load_plan_file
+    cluster = parse_cluster(args.cluster)   # a bad cluster, profile or plan file fails before the capture
     profile = load_profile(args.profile) if args.profile else None
+    plan = load_plan_file(args.plan) if args.plan else None
     status(f"capturing {args.workload} ...", not args.json)
     with quiet_warnings():
         cap = capture(load_workload(args.workload))
     status(f"estimating on {cluster} ...", not args.json)
-    plan = None
-    if args.plan:
-        path = Path(args.plan)
-        if not path.exists():
-            raise FileNotFoundError(f"plan file {args.plan!r} does not exist")
-        plan = ShardingPlan.from_json(path.read_text())
     est = estimate(cap, args.cluster, strategy=args.strategy, plan=plan, schedule=args.schedule,
                    overlap=not args.no_overlap, allow_tf32=args.allow_tf32, profile=profile)
     if args.json:

@@ -100,6 +100,8 @@ def load_profile(path: str | Path) -> MachineProfile:
     path = Path(path)
     if not path.exists():
         raise FileNotFoundError(f"profile {str(path)!r} does not exist; make one with `rhino profile --out {path}`")
+    if path.is_dir():
+        raise ValueError(f"profile {str(path)!r} is a directory; give the JSON file `rhino profile --out` wrote")
     try:
         d = json.loads(path.read_text())
     except json.JSONDecodeError as exc:

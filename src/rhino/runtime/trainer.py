@@ -30,7 +30,7 @@ import torch.distributed as dist
 
 from ..capture import Captured, Workload, capture, default_dtype
 from ..ir.graph import Role
-from ..sharding.plan import ShardingPlan, resolve
+from ..sharding.plan import PlanError, ShardingPlan, resolve
 from ..sharding.presets import parse_strategy, preset_plan
 from .collectives import TORCH_COLLECTIVES, gather_tensor
 from .data import batch_stream, check_batch, rank_batch, samples_in
@@ -389,10 +389,16 @@ def _check_checkpoint_path(root: Path) -> None:
 
 
 def load_plan_file(path: str | Path) -> ShardingPlan:
-    """A plan file written by ``rhino plan --out``; a ValueError naming it when it does not exist."""
+    """A plan file written by ``rhino plan --out``; a ValueError naming it when it does not exist, is a
+    directory or does not hold a plan."""
+    if Path(path).is_dir():
+        raise ValueError(f"plan file {str(path)!r} is a directory; give the JSON file rhino plan --out wrote")
     if not Path(path).is_file():
         raise ValueError(f"plan file {str(path)!r} does not exist; make one with rhino plan ... --out {path}")
-    return ShardingPlan.from_json(Path(path).read_text())
+    try:
+        return ShardingPlan.from_json(Path(path).read_text())
+    except UnicodeDecodeError:
+        raise PlanError(f"plan file {str(path)!r} is not a text (JSON) file; give the file rhino plan --out wrote") from None
 
 
 def plan_world(plan: str | Path | None = None, strategy: str | None = None, cluster: str | None = None) -> int:
@@ -412,10 +418,7 @@ def _check_world(nproc: int, plan, strategy, cluster) -> None:
     if strategy is not None:
         world, what = parse_strategy(strategy).world, f"strategy {strategy}"
     elif plan is not None:
-        path = Path(plan)
-        if not path.is_file():
-            raise ValueError(f"plan file {str(plan)!r} does not exist; make one with rhino plan ... --out FILE")
-        world, what = ShardingPlan.from_json(path.read_text()).world, f"plan {plan}"
+        world, what = load_plan_file(plan).world, f"plan {plan}"
     else:
         from ..cost.cluster import parse_cluster
         world, what = parse_cluster(cluster).world, f"cluster {cluster}"

@@ -82,8 +82,11 @@ class ShardingPlan:
             d = json.loads(text)
         except json.JSONDecodeError as exc:
             raise PlanError(f"the plan file is not valid JSON ({exc.msg} at line {exc.lineno})") from None
+        if not isinstance(d, dict):
+            raise PlanError("the plan file must hold one JSON object, as rhino plan --out writes it")
         if d.get("format") != PLAN_FORMAT:
             raise PlanError(f"plan format {d.get('format')!r} is not supported (expected {PLAN_FORMAT})")
+        _check_layout(d)
         mesh = Mesh(tuple(d["mesh"]["names"]), tuple(d["mesh"]["sizes"]))
         pipeline = d.get("pipeline") or {}
         if not isinstance(pipeline, dict) or not isinstance(pipeline.get("stage_of", {}), dict):
@@ -97,6 +100,27 @@ class ShardingPlan:
                    pipeline.get("chunks", 1))
 
 
+
+
+def _check_layout(d: dict) -> None:
+    """``PlanError`` naming the first key of a plan file's object that is missing or of the wrong type (the
+    values themselves are checked where they are parsed)."""
+    again = "; write the plan again with rhino plan --out"
+    missing = [k for k in ("mesh", "inputs", "strategies") if k not in d]
+    if missing:
+        raise PlanError(f"the plan file lacks {', '.join(repr(k) for k in missing)}{again}")
+    mesh = d["mesh"]
+    if not (isinstance(mesh, dict) and isinstance(mesh.get("names"), list) and isinstance(mesh.get("sizes"), list)
+            and all(isinstance(n, str) for n in mesh["names"])
+            and all(isinstance(n, int) and not isinstance(n, bool) for n in mesh["sizes"])):
+        raise PlanError(f"the plan's \"mesh\" must be {{\"names\": [axis names], \"sizes\": [integers]}}{again}")
+    for key in ("inputs", "strategies"):
+        if not isinstance(d[key], dict) or not all(isinstance(v, list) for v in d[key].values()):
+            raise PlanError(f"the plan's {key!r} must map names to lists (one entry per mesh axis){again}")
+    if not all(isinstance(p, str) for v in d["inputs"].values() for p in v):
+        raise PlanError(f"the plan's 'inputs' must list placements as strings such as \"R\" or \"S(0)\"{again}")
+    if not isinstance(d.get("meta", {}), dict):
+        raise PlanError(f"the plan's 'meta' must be an object{again}")
 
 
 def check_step_fields(microbatches, recompute) -> None:
