@@ -273,3 +273,12 @@ def test_a_corrupt_plan_file_is_one_sentence(capsys, tmp_path, content, phrase):
         code, out, err = run(capsys, *argv, "--plan", str(path))
         assert code == 2 and phrase in err and "Traceback" not in err and "capturing" not in err, (argv, err)
         assert len([line for line in err.splitlines() if "error:" in line]) == 1
+
+
+@pytest.mark.parametrize("command", ["run", "train"])
+@pytest.mark.parametrize("timeout", ["-5", "0", "nan"])
+def test_a_timeout_that_is_not_positive_is_one_sentence(capsys, command, timeout):
+    """``--timeout`` of run and train: refused before any process starts (a negative one reached the TCP
+    store: DistNetworkError 'timed out after -5000ms' traceback)."""
+    code, out, err = run(capsys, command, str(ROOT / "examples" / "mlp.py"), "--strategy", "dp=2", "--timeout", timeout)
+    assert code == 2 and "--timeout must be a positive number of seconds" in err and "Traceback" not in err, err

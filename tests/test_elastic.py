@@ -110,6 +110,7 @@ BAD_JOBS = [
     ("workload: {gpt}\nsteps: 2\ncheckpoint: c\nstrategy: dp=2\ndtype: float16\n", "dtype must be one of"),
     ("workload: missing.py\nsteps: 2\ncheckpoint: c\nstrategy: dp=2\n", "does not exist"),
     ("workload: {gpt}\nsteps: 2\ncheckpoint: c\nstrategy: dp=2\nlevel: O2\n", "level applies only with cluster"),
+    ("workload: {gpt}\nsteps: 2\ncheckpoint: c\nstrategy: dp=2\ntimeout: -5\n", "timeout must be a positive number"),
     ("a: [\n", "not valid YAML"),
     ("- 1\n- 2\n", "must be a mapping"),
 ]

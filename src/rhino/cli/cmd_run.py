@@ -50,6 +50,8 @@ def _run(args) -> int:
         args.nproc = plan.world if plan is not None else parse_strategy(args.strategy).world
     if args.nproc < 1 or args.steps < 1:
         raise ValueError("--nproc and --steps must be at least 1")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.save_plan:  # paths that cannot be written: refused before the capture
         check_file_target(args.save_plan)
     if args.emit:

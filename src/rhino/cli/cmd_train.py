@@ -48,6 +48,8 @@ def run(args) -> int:
     from ..runtime.launch import RankFailedError, in_torchrun
     if args.steps < 1:
         raise ValueError("--steps must be at least 1")
+    if not args.timeout > 0:
+        raise ValueError(f"--timeout must be a positive number of seconds, got {args.timeout}")
     if args.log:  # a missing directory, a directory or an unwritable path: refused before processes start
         from ..atomic import check_file_target
         check_file_target(args.log, append=True)

@@ -78,6 +78,8 @@ def load_job(path: str, nproc: int | None = None, resume: bool = False) -> Elast
     for key in ("steps", "nproc", "every"):
         _kind(data, key, (int,), "an integer", where)
     _kind(data, "timeout", (int, float), "a number of seconds", where)
+    if data.get("timeout") is not None and not data["timeout"] > 0:
+        raise ValueError(f"{where}: timeout must be a positive number of seconds, got {data['timeout']!r}")
     _kind(data, "resume", (bool,), "true or false", where)
     _kind(data, "overlap", (bool,), "true or false", where)
     _kind(restart, "max_restarts", (int,), "an integer", where)
