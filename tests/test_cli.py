@@ -282,3 +282,24 @@ def test_a_timeout_that_is_not_positive_is_one_sentence(capsys, command, timeout
     store: DistNetworkError 'timed out after -5000ms' traceback)."""
     code, out, err = run(capsys, command, str(ROOT / "examples" / "mlp.py"), "--strategy", "dp=2", "--timeout", timeout)
     assert code == 2 and "--timeout must be a positive number of seconds" in err and "Traceback" not in err, err
+
+
+@pytest.mark.parametrize("argv, phrase", [
+    (["check", "x.py", "--dtype", "float16"], "rhino check: argument --dtype: invalid choice: 'float16'"),
+    (["run", "x.py"], "rhino run: one of the arguments --strategy --plan is required"),
+    (["layout", "x.csv", "--time-limit", "abc"], "invalid float value: 'abc'"),
+    (["memory", "x.py", "--level", "O3"], "invalid choice: 'O3'"),
+])
+def test_a_usage_error_with_json_is_json(capsys, argv, phrase):
+    """With --json, argparse's own errors (a bad choice, a missing required flag) are the same
+    ``{"ok": false, "error": ...}`` object on stdout as every other error (were usage text on stderr only);
+    without --json they stay argparse's usage and message."""
+    with pytest.raises(SystemExit) as exc:
+        main([*argv, "--json"])
+    out = capsys.readouterr()
+    assert exc.value.code == 2 and json.loads(out.out) == {"ok": False, "error": json.loads(out.out)["error"]}
+    assert phrase in json.loads(out.out)["error"]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    out = capsys.readouterr()
+    assert exc.value.code == 2 and out.out == "" and phrase.split(": ", 1)[-1] in out.err and "usage:" in out.err

@@ -10,11 +10,25 @@ import threading
 __all__ = ["entry", "main"]
 
 
-def _parser() -> argparse.ArgumentParser:
+class _Parser(argparse.ArgumentParser):
+    """argparse's parser; with ``json_errors`` a usage error is ``{"ok": false, "error": ...}`` on stdout, as
+    every other error of a ``--json`` command (subcommand parsers are of this class too)."""
+
+    json_errors = False
+
+    def error(self, message: str):
+        if self.json_errors:
+            print(json.dumps({"ok": False, "error": f"{self.prog}: {message}"}))
+            self.exit(2)
+        super().error(message)
+
+
+def _parser(json_errors: bool = False) -> argparse.ArgumentParser:
     from . import (cmd_capture, cmd_check, cmd_demo, cmd_estimate, cmd_export, cmd_launch, cmd_layout, cmd_memory,
                    cmd_plan, cmd_profile, cmd_run, cmd_train)
-    p = argparse.ArgumentParser(prog="rhino", description="Automatic parallelization and memory planning "
-                                "for PyTorch training steps.")
+    _Parser.json_errors = json_errors
+    p = _Parser(prog="rhino", description="Automatic parallelization and memory planning "
+                "for PyTorch training steps.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for mod in (cmd_demo, cmd_check, cmd_capture, cmd_run, cmd_train, cmd_launch, cmd_export, cmd_estimate,
                 cmd_profile, cmd_plan, cmd_memory, cmd_layout):
@@ -23,7 +37,8 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = _parser(json_errors="--json" in argv).parse_args(argv)
     try:
         return int(args.run(args) or 0)
     except (ValueError, FileNotFoundError) as exc:  # WorkloadError and VerifyError are ValueErrors
