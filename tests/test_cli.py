@@ -303,3 +303,23 @@ def test_a_usage_error_with_json_is_json(capsys, argv, phrase):
         main(argv)
     out = capsys.readouterr()
     assert exc.value.code == 2 and out.out == "" and phrase.split(": ", 1)[-1] in out.err and "usage:" in out.err
+
+
+def test_estimate_schedule_flag_is_never_ignored(capsys, tmp_path):
+    """``rhino estimate --schedule 1f1b`` on a GPipe plan priced GPipe (its 1f1b default meant "the plan's own"),
+    and ``--schedule X`` beside a strategy's ``schedule=Y`` priced X under a header naming Y: the flag now
+    replaces a plan's schedule and a disagreeing strategy string is one sentence."""
+    from rhino.capture import capture, load_workload
+    from rhino.sharding.presets import parse_strategy, preset_plan
+    mlp = str(ROOT / "examples" / "mlp.py")
+    plan = preset_plan(capture(load_workload(mlp)).graph, parse_strategy("pp=2,microbatches=4,schedule=gpipe"))
+    (tmp_path / "p.json").write_text(plan.to_json())
+    for flag, expected in (([], "gpipe"), (["--schedule", "1f1b"], "1f1b"), (["--schedule", "interleaved"], "interleaved")):
+        code, out, _ = run(capsys, "estimate", mlp, "--cluster", "cpu:2", "--plan", str(tmp_path / "p.json"), "--json", *flag)
+        assert code == 0 and json.loads(out)["schedule"] == expected, (flag, out)
+    code, _, err = run(capsys, "estimate", mlp, "--cluster", "cpu:2", "--strategy", "pp=2,microbatches=4,schedule=gpipe",
+                       "--schedule", "1f1b")
+    assert code == 2 and "--schedule 1f1b and the strategy's schedule=gpipe disagree" in err
+    code, out, _ = run(capsys, "estimate", mlp, "--cluster", "cpu:2", "--strategy", "pp=2,microbatches=4",
+                       "--schedule", "gpipe", "--json")
+    assert code == 0 and json.loads(out)["schedule"] == "gpipe"

@@ -15,8 +15,8 @@ def add_parser(sub) -> None:
     g.add_argument("--strategy", help="expert preset, e.g. dp=8 or tp=8,pp=4,microbatches=16,recompute=full "
                                       "(default: data parallelism over the whole cluster)")
     g.add_argument("--plan", help="a plan file (JSON) made for this workload")
-    p.add_argument("--schedule", choices=[s.value for s in Schedule], default=Schedule.ONE_F_ONE_B.value,
-                   help="pipeline schedule (default 1f1b)")
+    p.add_argument("--schedule", choices=[s.value for s in Schedule],
+                   help="pipeline schedule (default: the strategy's schedule= or the plan's, else 1f1b)")
     p.add_argument("--profile", help="a measured machine profile from `rhino profile` (use on the machine it "
                                      "was measured on)")
     p.add_argument("--no-overlap", action="store_true",
@@ -33,14 +33,32 @@ def run(args) -> int:
     cluster = parse_cluster(args.cluster)   # a bad cluster, profile or plan file fails before the capture
     profile = load_profile(args.profile) if args.profile else None
     plan = load_plan_file(args.plan) if args.plan else None
+    schedule = _schedule(args, plan)
     status(f"capturing {args.workload} ...", not args.json)
     with quiet_warnings():
         cap = capture(load_workload(args.workload))
     status(f"estimating on {cluster} ...", not args.json)
-    est = estimate(cap, args.cluster, strategy=args.strategy, plan=plan, schedule=args.schedule,
+    est = estimate(cap, args.cluster, strategy=args.strategy, plan=plan, schedule=schedule,
                    overlap=not args.no_overlap, allow_tf32=args.allow_tf32, profile=profile)
     if args.json:
         emit_json({"ok": True, "capture_seconds": round(cap.seconds, 3), **est.to_dict()})
     else:
         print(est.text())
     return 0
+
+
+def _schedule(args, plan) -> str:
+    """The schedule to price: ``--schedule`` where given (a plan file's own is replaced; a strategy string
+    that names another is refused), else 1f1b, which ``api.estimate`` reads as "the strategy's or the plan's
+    own". Passing an explicit 1f1b on would price the strategy's or plan's schedule instead of it."""
+    if args.schedule is None:
+        return Schedule.ONE_F_ONE_B.value
+    if args.strategy:
+        named = [item.partition("=")[2].strip() for item in args.strategy.split(",")
+                 if item.partition("=")[0].strip() == "schedule"]
+        if named and named[-1] != args.schedule:
+            raise ValueError(f"--schedule {args.schedule} and the strategy's schedule={named[-1]} disagree; "
+                             f"give the schedule once")
+    if plan is not None:
+        plan.schedule = args.schedule
+    return args.schedule
