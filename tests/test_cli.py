@@ -323,3 +323,14 @@ def test_estimate_schedule_flag_is_never_ignored(capsys, tmp_path):
     code, out, _ = run(capsys, "estimate", mlp, "--cluster", "cpu:2", "--strategy", "pp=2,microbatches=4",
                        "--schedule", "gpipe", "--json")
     assert code == 0 and json.loads(out)["schedule"] == "gpipe"
+
+
+def test_a_directory_given_as_an_input_file_says_so(capsys, tmp_path):
+    """A directory where a workload or a job file goes is named as one ("does not exist" sent the user looking
+    for a missing path)."""
+    d = tmp_path / "model.py"
+    d.mkdir()
+    code, _, err = run(capsys, "capture", str(d))
+    assert code == 2 and f"workload '{d}' is a directory; pass FILE[:FUNC] with a .py file" in err, err
+    code, _, err = run(capsys, "launch", str(tmp_path))
+    assert code == 2 and f"job file '{tmp_path}' is a directory" in err, err

@@ -74,6 +74,8 @@ def load_workload(spec: str, dtype: torch.dtype | None = None, call: Callable | 
 
 def _load(spec: str, call: Callable | None = None) -> Workload:
     path, func = parse_spec(spec)
+    if path.is_dir():
+        raise WorkloadError(f"workload {str(path)!r} is a directory; pass FILE[:FUNC] with a .py file")
     if not path.is_file():
         raise WorkloadError(f"workload file {str(path)!r} does not exist; pass FILE[:FUNC] with an existing .py file")
     module_name = f"rhino_workload_{abs(hash(str(path.resolve())))}"

@@ -46,6 +46,8 @@ def load_job(path: str, nproc: int | None = None, resume: bool = False) -> Elast
     overrides the file's nproc, ``resume`` its resume."""
     import yaml
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"job file {path!r} is a directory; give the path of a YAML job file")
     if not p.is_file():
         raise ValueError(f"job file {path!r} does not exist")
     try:
