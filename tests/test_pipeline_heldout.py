@@ -53,3 +53,26 @@ def test_a_buffer_updated_on_two_stages_is_refused_in_one_sentence_naming_the_ch
     msg = str(err.value)
     assert msg.startswith("buffer bn.running_mean is read on stage 0 but its new value is made on stage 1")
     assert "use fewer pipeline stages" in msg and msg.count(". ") == 0 and "[" not in msg
+
+
+def test_a_stage_cut_the_runtime_refuses_does_not_fit_and_is_not_chosen():
+    """The shared BatchNorm under pp=2: ``rhino estimate`` priced the cut as fitting (the refusal lived in the
+    runtime alone), so a search could pick a plan that cannot run. The estimate now carries the runtime's
+    sentence and does not fit; a search told to try pipelines returns a plan that runs."""
+    from rhino.cost.cluster import parse_cluster
+    from rhino.cost.estimate import estimate
+    from rhino.search import SearchOptions, search
+    cap = _cap(f"{HELDOUT}:shared_norm")
+    cluster = parse_cluster("cpu:2")
+    plan = preset_plan(cap.graph, parse_strategy("pp=2,microbatches=2"))
+    with pytest.raises(PlanError) as err:
+        PipelineStep(cap, plan, 0)
+    est = estimate(cap.graph, cluster, plan)
+    assert est.refused == str(err.value) and not est.fits
+    assert est.memory_bytes["peak"] <= est.capacity_bytes            # it is not the memory
+    assert "CANNOT RUN     buffer bn.running_mean" in est.text()
+    ok = estimate(cap.graph, cluster, preset_plan(cap.graph, parse_strategy("dp=2")))
+    assert ok.refused is None and ok.fits
+    found = search(cap.graph, cluster, SearchOptions(level="O1", pipeline="always", time_limit=10))
+    assert found.estimate.refused is None and found.estimate.fits
+    assert all(not c.fits for c in found.candidates if c.estimate is not None and c.estimate.refused)

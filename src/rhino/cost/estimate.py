@@ -82,6 +82,8 @@ class Estimate:
     stages: list[dict] = field(default_factory=list)   # per stage (pp > 1): ``pipeline.StageCost.to_dict``
     #: the stage of every node (pp > 1), for the plan file and the report
     node_stage: list[int] = field(default_factory=list, repr=False)
+    #: why the runtime cannot run the stage cut (``cost.pipeline.stage_refusal``): then ``fits`` is False
+    refused: str | None = None
 
     def to_dict(self) -> dict:
         return {k: getattr(self, k) for k in self.__dataclass_fields__ if k != "node_stage"}
@@ -103,14 +105,17 @@ class Estimate:
         mem = self.memory_bytes
         split = ", ".join(f"{k} {_b(mem[k])}" for k in _CATEGORIES if mem.get(k))
         lines.append(f"  memory/device  peak {_b(mem['peak'])} of {_b(self.capacity_bytes)}: "
-                     f"{'fits' if self.fits else 'DOES NOT FIT'}")
+                     f"{'fits' if mem['peak'] <= self.capacity_bytes else 'DOES NOT FIT'}")
         lines.append(f"                 at the peak: {split}")
+        if self.refused:
+            lines.append(f"  CANNOT RUN     {self.refused}")
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
 
 
 # the memory categories ``Estimate.text`` lists at the peak, in this order
-_CATEGORIES = ("params", "gradients", "optimizer", "activations", "temporaries", "buffers", "batch", "updated_state")
+_CATEGORIES = ("params", "gradients", "optimizer", "activations", "temporaries", "buffers", "batch", "updated_state",
+               "messages")
 
 
 def _b(n: float) -> str:
@@ -253,11 +258,12 @@ def _compose(graph, cluster, rp, st, pl, pp, m, schedule, recompute, strategy, n
         recompute_seconds=pl.recompute_seconds, flops_per_device=model_flops,
         tflops_per_device=model_flops / step / 1e12 if step > 0 else 0.0,
         hardware_tflops_per_device=(model_flops + pl.recompute_flops) / step / 1e12 if step > 0 else 0.0,
-        mfu=mfu, memory_bytes=memory, capacity_bytes=capacity, fits=pl.peak_bytes <= capacity, pp=pp,
+        mfu=mfu, memory_bytes=memory, capacity_bytes=capacity,
+        fits=pl.peak_bytes <= capacity and not pl.refused, pp=pp,
         microbatches=m, schedule=schedule.value, recompute=recompute.value, collectives=st.collectives,
         notes=notes + pl.notes, bubble_fraction=pl.bubble_fraction,
         step_idle_fraction=pl.step_idle_fraction, stages=[c.to_dict() for c in pl.stages],
-        node_stage=pl.node_stage)
+        node_stage=pl.node_stage, refused=pl.refused)
 
 
 def estimate_strategy(graph: Graph, cluster: Cluster, strategy: str | StrategySpec,

@@ -64,7 +64,7 @@ from .recompute import RecomputeEffect
 from .step import StepOptions, StepTime, node_compute
 
 __all__ = ["Schedule", "PipelineTime", "StageCost", "pipeline_time", "scaled_memory", "stage_phases",
-           "accumulation_memory",
+           "stage_refusal", "accumulation_memory",
            "simulate", "in_flight", "value_bytes", "stage_list"]
 
 
@@ -107,6 +107,7 @@ class PipelineTime:
     stages: list[StageCost] = field(default_factory=list)
     node_stage: list[int] = field(default_factory=list)
     step_idle_fraction: float = 0.0  # idle share of stage-time over the whole step (``runtime.pipeline`` timers)
+    refused: str | None = None       # why the runtime cannot run this stage cut (``stage_refusal``), or None
 
 
 def accumulation_memory(mem: MemoryEstimate, rc: RecomputeEffect, m: int, accumulators: int) -> dict[str, int]:
@@ -340,6 +341,51 @@ def _assigned(graph: Graph, stage_of: dict[str, int], pp: int) -> StageAssignmen
     return sa
 
 
+_RENEWED: dict = {}
+
+
+def stage_refusal(graph: Graph, sa: StageAssignment) -> str | None:
+    """Why ``runtime.pipeline`` cannot run this stage assignment, or None. A buffer renewed by a forward node
+    (a BatchNorm's running statistics) is renewed on that node's stage, micro-batch by micro-batch; it must be
+    held by that stage alone: one module applied on two stages (a BatchNorm used twice) reads it on one
+    stage and renews it on another. The runtime raises this sentence (``pipeline_spec``); the search, pricing
+    the cut, marks the plan as not fitting."""
+    for name, node in _renewed_buffers(graph):
+        s = sa.node_stage.get(node)
+        if s is None or sa.holders.get(name) == {s}:
+            continue
+        read = sorted(sa.holders.get(name, ()))
+        read = f"stage{'s' if len(read) > 1 else ''} {', '.join(map(str, read))}"
+        return (f"buffer {name} is read on {read} but its new value is made on stage {s} (its module runs on "
+                f"more than one stage, as a BatchNorm applied twice does), and a pipeline updates a buffer where "
+                f"it is read: use fewer pipeline stages, or a plan (--plan) whose cut keeps every use of that "
+                f"module on one stage")
+    return None
+
+
+def _renewed_buffers(graph: Graph) -> list[tuple[str, str]]:
+    """(buffer, the forward node making its new value) per buffer the gradient part renews; remembered for
+    the last graph."""
+    hit = _RENEWED.get("last")
+    if hit is not None and hit[0]() is graph:
+        return hit[1]
+    from .accumulate import SplitError, split_step
+    try:
+        split = split_step(graph)
+    except SplitError:        # no loss: no runtime pipeline
+        split = None
+    a = analyze(graph)
+    out_value = {o.name: o.value for o in graph.outputs}
+    grad_nodes = set(split.grad_nodes) if split is not None else set()
+    out = []
+    for n in split.grad_state_outputs if split is not None else ():
+        p = a.producer.get(out_value[n])
+        if p is not None and graph.nodes[p].name in grad_nodes and a.is_forward(p):
+            out.append((n, graph.nodes[p].name))
+    _RENEWED["last"] = (weakref.ref(graph), out)
+    return out
+
+
 def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstimate, rc: RecomputeEffect,
                   cluster: Cluster, links: list[AxisLink], *, pp: int, microbatches: int, schedule: Schedule,
                   options: StepOptions, accumulators: int | None = None,
@@ -402,7 +448,7 @@ def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstim
     step_idle = 1.0 - sum(work) / (pp * step) if step > 0 else 0.0
     return PipelineTime(step, compute, max(0.0, step - compute - bubble), comm_total, bubble,
                         rc.extra_seconds / pp, rc.extra_flops / pp, peak_stage.peak, dict(peak_stage.memory),
-                        notes, idle, costs, stage, step_idle)
+                        notes, idle, costs, stage, step_idle, stage_refusal(graph, sa))
 
 
 def _divide_seconds(graph: Graph, rp: ResolvedPlan, sa: StageAssignment, V: int, cluster: Cluster,

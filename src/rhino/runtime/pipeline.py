@@ -50,6 +50,7 @@ import torch.distributed as dist
 from ..capture import Captured
 from ..capture.to_ir import torch_dtype
 from ..cost.accumulate import StepSplit, split_step
+from ..cost.pipeline import stage_refusal
 from ..ir.analysis import analyze
 from ..cost.remat import remat, remat_plan
 from ..ir.graph import Graph, Ref, Role
@@ -179,15 +180,9 @@ def pipeline_spec(graph: Graph, plan: ShardingPlan, full_graph: Graph | None = N
         upd_outs = [n for n in split.update_state_outputs if n in held]
         upd = ProgramSpec(_update_nodes(graph, split, [out_value[n] for n in upd_outs]))
         specs.append(StageSpec(ProgramSpec(fwd), ProgramSpec(bwd), upd, held))
-        for n in split.grad_state_outputs:
-            p = a.producer.get(out_value[n])
-            if p is not None and graph.nodes[p].name in fwd and sa.holders[n] != {s}:
-                read = sorted(sa.holders[n])
-                read = f"stage{'s' if len(read) > 1 else ''} {', '.join(map(str, read))}"
-                raise PlanError(f"buffer {n} is read on {read} but its new value is made on stage {s} (its "
-                                f"module runs on more than one stage, as a BatchNorm applied twice does), and a "
-                                f"pipeline updates a buffer where it is read: use fewer pipeline stages, or a plan "
-                                f"(--plan) whose cut keeps every use of that module on one stage")
+    refusal = stage_refusal(graph, sa)     # a buffer renewed on another stage than the one holding it
+    if refusal is not None:
+        raise PlanError(refusal)
     spec = PipelineSpec(graph, split, sa, specs, 0, plan.chunks)
     _wire(spec, a, out_value)
     return spec
