@@ -50,14 +50,14 @@ def run(args) -> int:
 def _schedule(args, plan) -> str:
     """The schedule to price: ``--schedule`` where given (a plan file's own is replaced; a strategy string
     that names another is refused), else 1f1b, which ``api.estimate`` reads as "the strategy's or the plan's
-    own". Passing an explicit 1f1b on would price the strategy's or plan's schedule instead of it."""
+    own" (so an explicit 1f1b cannot be passed on as such: the plan's schedule is set to it here)."""
+    from ..sharding.presets import parse_strategy
     if args.schedule is None:
         return Schedule.ONE_F_ONE_B.value
-    if args.strategy:
-        named = [item.partition("=")[2].strip() for item in args.strategy.split(",")
-                 if item.partition("=")[0].strip() == "schedule"]
-        if named and named[-1] != args.schedule:
-            raise ValueError(f"--schedule {args.schedule} and the strategy's schedule={named[-1]} disagree; "
+    if args.strategy and "schedule=" in args.strategy.replace(" ", ""):
+        named = parse_strategy(args.strategy).schedule
+        if named != args.schedule:
+            raise ValueError(f"--schedule {args.schedule} and the strategy's schedule={named} disagree; "
                              f"give the schedule once")
     if plan is not None:
         plan.schedule = args.schedule

@@ -197,18 +197,17 @@ def estimate_microbatches(graph: Graph, cluster: Cluster, plan: ShardingPlan | R
     sub = stage_cluster(cluster, rp.plan.mesh.world) if pp > 1 else cluster
     links = axis_links(sub, rp.plan.mesh)
     st = step_time(rp, cluster.device, links, options)
-    out, shared = [], None
+    # the update phase has its own peak: gradient accumulation and pipelines price it apart (the windows do not
+    # depend on the micro-batch count, so one memory estimate serves every count)
+    phased = pp > 1 or any(m > 1 for m in microbatches)
+    windows, acc = _phase_windows(graph, rp) if phased else ((), None)
+    mem = estimate_memory(graph, rp, windows=windows)
+    # recomputation priced on the rewritten program the runtime runs (cost.remat)
+    rc = apply_recompute(graph, mem, st.nodes, recompute) if recompute is Recompute.NONE else \
+        remat_effect(rp, mem, st.nodes, recompute)
+    out = []
     for m in microbatches:
-        # the update phase has its own peak: gradient accumulation and pipelines price it apart
-        windows, accumulators = _phase_windows(graph, rp) if pp > 1 or m > 1 else ((), None)
-        if shared is None or windows:
-            mem = estimate_memory(graph, rp, windows=windows)
-            # recomputation priced on the rewritten program the runtime runs (cost.remat)
-            rc = apply_recompute(graph, mem, st.nodes, recompute) if recompute is Recompute.NONE else \
-                remat_effect(rp, mem, st.nodes, recompute)
-            shared = None if windows else (mem, rc)
-        else:
-            mem, rc = shared
+        accumulators = acc if pp > 1 or m > 1 else None
         cut = stages(graph, rp, st, mem, pp, m) if callable(stages) else stages
         pl = pipeline_time(graph, rp, st, mem, rc, cluster, links, pp=pp, microbatches=m, schedule=schedule,
                            options=options, accumulators=accumulators, stages=cut if pp > 1 else None,

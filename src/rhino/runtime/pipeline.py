@@ -516,8 +516,7 @@ class PipelineStep:
                     *grads.values(), *local.values(), *(t for _, t in pending)]
             meter = LiveBytesMeter(act.program.module, held)
             outs = meter.run(*act.args)
-            if meter.peak > peak[0]:
-                peak[0], self.peak_at = meter.peak, (act.key, meter.peak_node)
+            peak[0] = max(peak[0], meter.peak)
             return outs
         loss = self.run(local_state, local_batch, execute)
         return loss, peak[0]
