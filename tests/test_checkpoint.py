@@ -220,7 +220,8 @@ def test_rhino_train_checkpoint_resume_and_export_on_the_command_line(tmp_path, 
     from rhino.cli.main import main                     # export starts no process: in this process
     capsys.readouterr()
     assert main(["export", str(d), "--out", str(tmp_path / "gpt.pt"), "--json"]) == 0, capsys.readouterr().err[-2000:]
-    assert json.loads(capsys.readouterr().out)["step"] == 6
+    exported = json.loads(capsys.readouterr().out)
+    assert exported["step"] == 6 and exported["ok"] is True
     from rhino.capture import default_dtype, load_workload
     with default_dtype(torch.float64):
         model = load_workload(GPT).model

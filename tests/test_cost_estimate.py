@@ -115,8 +115,16 @@ def test_a_pipeline_prices_micro_batch_products_at_their_rows_and_the_gradient_a
 def test_bad_degrees_are_clear_errors():
     with pytest.raises(ValueError, match="dp\\*tp\\*pp = 8"):
         estimate_strategy(graph(), A100, "dp=3")
-    with pytest.raises(ValueError, match="microbatches >= 4"):
-        estimate_strategy(graph(), A100, "tp=2,pp=4")
+
+
+def test_fewer_microbatches_than_stages_are_priced_as_the_runtime_runs_them():
+    # rhino run and rhino train run pp=4 with 1 or 2 micro-batches; the estimate prices it and says why it is slow
+    ests = {m: estimate_strategy(graph(), A100, f"tp=2,pp=4,microbatches={m}") for m in (1, 2, 4)}
+    assert "at most 1 of the 4 stages works at a time" in " ".join(ests[1].notes)
+    assert "at most 2 of the 4 stages work at a time" in " ".join(ests[2].notes)
+    assert not any("stages work" in n for n in ests[4].notes)
+    assert ests[1].bubble_fraction > ests[2].bubble_fraction > ests[4].bubble_fraction
+    assert all(e.fits and e.pp == 4 for e in ests.values())
 
 
 def test_profile_replaces_the_datasheet(tmp_path):

@@ -166,6 +166,7 @@ def test_kill9_from_a_yaml_job_file_then_a_relaunch_on_fewer_processes(tmp_path,
     out = _rhino(["launch", str(job), "--nproc", "1", "--resume", "--json"])
     assert out.returncode == 0, out.stderr[-3000:]
     r = json.loads(out.stdout)
+    assert r["ok"] is True
     assert "replanning: cluster cpu:2 has 2 devices, this attempt has 1: searching a plan for cpu:1 (O1)" in out.stderr
     (attempt,) = r["attempts"]
     assert attempt["resumed_from_step"] == 8 and attempt["saved_world_size"] == 2 and attempt["world_size"] == 1

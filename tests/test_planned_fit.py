@@ -118,4 +118,4 @@ def test_cli_plan_accepts_fit_memory(capsys):
     rc = main(["plan", "examples/mlp.py", "--cluster", "cpu:2", "--level", "O1", "--time-limit", "5",
                "--no-presets", "--fit-memory", "planned", "--json"])
     out = json.loads(capsys.readouterr().out)
-    assert rc == 0 and out["fits"]
+    assert rc == 0 and out["fits"] and out["ok"] is True

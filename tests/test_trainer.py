@@ -108,6 +108,7 @@ def test_rhino_train_with_batches_equals_a_plain_pytorch_loop():
                          capture_output=True, text=True, cwd=ROOT, timeout=600)
     assert out.returncode == 0, out.stderr[-2000:]
     r = json.loads(out.stdout)
+    assert r["ok"] is True
     want = eager_losses(GPT, 20)
     assert len(r["losses"]) == 20
     for step, (got, ref) in enumerate(zip(r["losses"], want)):

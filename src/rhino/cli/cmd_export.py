@@ -23,7 +23,7 @@ def run(args) -> int:
     status(f"exporting {args.checkpoint} ...", not args.json)
     r = write_export(args.checkpoint, args.out, optimizer=args.optimizer)
     if args.json:
-        emit_json(r)
+        emit_json({"ok": True, **r})
     else:
         print(f"exported step {r['step']} of {r['checkpoint']} to {r['out']}: {r['keys']} model keys"
               f"{' and the optimizer state' if r['optimizer'] else ''}, {r['bytes'] / 2**20:.2f} MiB")

@@ -50,7 +50,7 @@ def failed(exc, as_json: bool) -> int:
 def report(result, as_json: bool) -> None:
     """Print an ``ElasticResult``."""
     if as_json:
-        emit_json(result.to_dict())
+        emit_json({"ok": True, **result.to_dict()})
         return
     t = result.train
     if t.losses:

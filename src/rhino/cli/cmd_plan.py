@@ -114,7 +114,7 @@ def run(args) -> int:
         write_atomic(d / "report.txt", report.text() + "\n")
         write_atomic(d / "report.json", json.dumps(report.to_dict(), indent=1, default=str))
     if args.json:
-        out = report.to_dict()
+        out = {"ok": True, **report.to_dict()}
         if args.out:
             out["plan_file"] = args.out
         emit_json(json.loads(json.dumps(out, default=str)))

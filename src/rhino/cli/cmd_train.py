@@ -99,7 +99,7 @@ def _run_elastic(args) -> int:
 
 def _report(r, as_json: bool) -> None:
     if as_json:
-        emit_json(r.to_dict())
+        emit_json({"ok": True, **r.to_dict()})
         return
     if r.resumed_from_step is not None:
         print(f"resumed from step {r.resumed_from_step}")

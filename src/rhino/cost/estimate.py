@@ -227,15 +227,20 @@ def _phase_windows(graph: Graph, rp: ResolvedPlan) -> tuple[list[tuple[int, int]
 def _check_degrees(rp: ResolvedPlan, cluster: Cluster, pp: int, m: int) -> None:
     if pp < 1 or m < 1:
         raise ValueError("pp and microbatches must be positive integers")
-    if pp > 1 and m < pp:
-        raise ValueError(f"pp={pp} needs at least {pp} micro-batches to keep every stage busy; "
-                         f"set microbatches >= {pp}")
     if pp > 1 and Schedule(rp.plan.schedule) is Schedule.INTERLEAVED and rp.plan.chunks > 1 and m % pp:
         raise ValueError(f"the interleaved schedule needs microbatches to be a multiple of pp={pp}; got {m}")
     mesh = rp.plan.mesh
     if mesh.world * pp != cluster.world:
         raise ValueError(f"the plan uses {mesh.world} devices x pp={pp} = {mesh.world * pp}, but cluster {cluster} "
                          f"has {cluster.world}; pick degrees whose product is {cluster.world}")
+
+
+def _few_microbatches(pp: int, m: int) -> list[str]:
+    """Fewer micro-batches than stages runs (the runtime takes it) but leaves stages idle: said, not refused."""
+    if pp > 1 and m < pp:
+        return [f"pp={pp} with {m} micro-batch{'es' if m > 1 else ''}: at most {m} of the {pp} stages "
+                f"work{'s' if m == 1 else ''} at a time; microbatches >= {pp} keeps every stage busy"]
+    return []
 
 
 def _compose(graph, cluster, rp, st, pl, pp, m, schedule, recompute, strategy, notes) -> Estimate:
@@ -260,7 +265,7 @@ def _compose(graph, cluster, rp, st, pl, pp, m, schedule, recompute, strategy, n
         mfu=mfu, memory_bytes=memory, capacity_bytes=capacity,
         fits=pl.peak_bytes <= capacity and not pl.refused, pp=pp,
         microbatches=m, schedule=schedule.value, recompute=recompute.value, collectives=st.collectives,
-        notes=notes + pl.notes, bubble_fraction=pl.bubble_fraction,
+        notes=notes + pl.notes + _few_microbatches(pp, m), bubble_fraction=pl.bubble_fraction,
         step_idle_fraction=pl.step_idle_fraction, stages=[c.to_dict() for c in pl.stages],
         node_stage=pl.node_stage, refused=pl.refused)
 
