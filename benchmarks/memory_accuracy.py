@@ -2,8 +2,8 @@
 
     python benchmarks/memory_accuracy.py [--out docs/benchmarks.md]
 
-Each plan runs for real (``run_plan(..., measure=True)``: the first step executes node by node and
-counts the distinct tensor storages alive); the prediction is ``cost.memory.estimate_memory`` on the
+Each plan runs for real, in float64 (``run_plan(..., measure=True)``: the first step executes node by node
+and counts the distinct tensor storages alive); the prediction is ``cost.memory.estimate_memory`` on the
 same resolved plan. Writes the section "Cost model: memory" of docs/benchmarks.md.
 """
 from __future__ import annotations
@@ -24,7 +24,10 @@ def measure(name: str, strategy: str):
     from rhino.runtime.run import run_plan
     from rhino.sharding.plan import resolve
     from rhino.sharding.presets import parse_strategy, preset_plan
-    cap = capture(load_workload(str(ROOT / "examples" / f"{name}.py")))
+    import torch
+    from rhino.capture import default_dtype
+    with default_dtype(torch.float64):    # equality where float32 noise cannot hide a wrong rule (or fail a right one)
+        cap = capture(load_workload(str(ROOT / "examples" / f"{name}.py")))
     spec = parse_strategy(strategy)
     plan = preset_plan(cap.graph, spec)
     rp = resolve(cap.graph, plan)
@@ -50,8 +53,10 @@ def main() -> int:
             rows.append(f"| {name} | {strategy} | {'OK' if ok else 'FAIL'} | {max(measured):,} | {max(est):,} | "
                         f"{err:.2%} |")
     body = ["Command: `python benchmarks/memory_accuracy.py` (4 gloo processes on this 2-core machine).", "",
-            "Peak of live tensor bytes per rank: measured while the plan runs (each rank's first step runs node by "
-            "node and counts the distinct storages alive), predicted by `estimate_memory` on the same plan. "
+            "Peak of live tensor bytes per rank, float64: measured while the plan runs (each rank's first step runs "
+            "node by node and counts the distinct storages alive; the state an update replaces is handed to it and "
+            "dies at its last use, as in training), predicted by `estimate_memory` on the same plan; run: every "
+            "rank's losses and state equal single-device training. "
             "Error: the largest |predicted / measured - 1| over the ranks.", "",
             "| example | preset | run | measured peak (B, max rank) | predicted peak (B) | error |",
             "|---|---|---|---:|---:|---:|", *rows, "", f"Worst error: {worst:.2%} (target 5%)."]

@@ -42,6 +42,7 @@ from rhino.cost.memory import CopyRule, estimate_memory
 from rhino.cost.step import step_time
 from rhino.ir import analysis
 from rhino.ir.analysis import NodeRole, analyze
+from rhino.ir.graph import Role
 from rhino.memory.from_graph import problem_from_graph
 from rhino.memory.simulate import replay
 from rhino.search import SearchOptions
@@ -66,10 +67,11 @@ def _graph(name: str):
         return capture(load_workload(str(ROOT / "examples" / f"{name}.py"))).graph
 
 
-def _estimate_per_node(graph, rp=None, rule=CopyRule.RUNTIME) -> list[int]:
+def _estimate_per_node(graph, rp=None, rule=CopyRule.RUNTIME, release_state=True) -> list[int]:
     """The cost model's bytes at each node (its peak over a one-node window)."""
     n = len(graph.nodes)
-    mem = estimate_memory(graph, rp, windows=[(i, i + 1) for i in range(n)], copy_rule=rule)
+    mem = estimate_memory(graph, rp, windows=[(i, i + 1) for i in range(n)], copy_rule=rule,
+                          release_state=release_state)
     return [b for b, _ in mem.window_peaks]
 
 
@@ -88,21 +90,47 @@ def _planner_per_node(graph) -> list[int]:
     return replay(problem, problem.op_ids()).live
 
 
-def _single_device(graph) -> tuple[list[int], list[int], list[int]]:
-    """(cost model, rows, planner) bytes at the sampled nodes and at each model's own peak node."""
+def _single_device(graph, release_state=True) -> tuple[list[int], list[int], list[int]]:
+    """(cost model, rows, planner) bytes at the sampled nodes and at each model's own peak node. The rows
+    free the replaced state at its last read, as the cost model does; the planner's functional problem
+    (``inplace_state=False``) holds it to the end of the step, as the cost model's ``release_state=False``:
+    ``release_state`` picks which of the two the cost model is compared with."""
     b = Builder(graph, Mesh(("a",), (1,)), parse_cluster("cpu:1"), SearchOptions())
     b.build()
-    est, plan = _estimate_per_node(graph), _planner_per_node(graph)
+    est, plan = _estimate_per_node(graph, release_state=release_state), _planner_per_node(graph)
     nodes = sorted(set(_sample(len(graph.nodes))) | {est.index(max(est)), plan.index(max(plan))})
-    return [est[i] for i in nodes], _rows_per_node(b, [0] * len(b.derived), nodes), [plan[i] for i in nodes]
+    other = _rows_per_node(b, [0] * len(b.derived), nodes) if release_state else [plan[i] for i in nodes]
+    return [est[i] for i in nodes], other, _estimate_per_node(graph, release_state=not release_state)
 
 
 @pytest.mark.parametrize("name", EXAMPLES)
 def test_cost_model_rows_and_planner_agree_on_one_device(name):
     g = _graph(name)
-    est, rows, plan = _single_device(g)
-    assert est == rows == plan
-    assert max(est) == estimate_memory(g).peak == max(plan)
+    est, rows, _ = _single_device(g)
+    assert est == rows
+    held, plan, _ = _single_device(g, release_state=False)
+    assert held == plan
+    assert max(_planner_per_node(g)) == estimate_memory(g, release_state=False).peak
+
+
+@pytest.mark.parametrize("name", ["gpt", "resnet"])
+def test_the_runtime_rule_frees_replaced_state_at_its_last_read(name):
+    """The runtime hands the state an update replaces to the program (``runtime.rank_step``), so the cost
+    model frees it at its last read: the same bytes as with ``release_state=False`` until the first such read
+    (less the state nothing reads: Adam's step counts), never more, and after the last node less by exactly the parameters, the optimizer state and the
+    running statistics the step replaces (not the frozen ones)."""
+    g = _graph(name)
+    a = analyze(g)
+    runtime, held = _estimate_per_node(g), _estimate_per_node(g, release_state=False)
+    replaced = [i for i in g.inputs if i.name in {o.name for o in g.outputs}]
+    unread = sum(g.types[i.value].nbytes for i in replaced if a.last_read[i.value] < 0)   # never live
+    first = min(a.last_read[i.value] for i in replaced if a.last_read[i.value] >= 0) + 1
+    assert first > min(a.optimizer) if name == "gpt" else first < a.boundary   # resnet: BatchNorm's statistics
+    assert runtime[:first] == [h - unread for h in held[:first]] and all(r <= h for r, h in zip(runtime, held))
+    state = sum(g.types[i.value].nbytes for i in replaced)
+    assert state >= sum(g.types[i.value].nbytes for i in g.inputs if i.role is Role.PARAM) > 0
+    end = estimate_memory(g).timeline[-1], estimate_memory(g, release_state=False).timeline[-1]
+    assert end[1] - end[0] == state
 
 
 def _plan_candidate(b: Builder, rp, members: list[int]) -> Derived | None:
@@ -179,8 +207,8 @@ def test_a_wrong_definition_fails_the_agreement(monkeypatch):
     monkeypatch.setattr(analysis.GraphAnalysis, "end_of", early)
     analysis._CACHE.clear()
     try:
-        est, rows, plan = _single_device(g)
-        assert not (est == rows == plan)
+        held, plan, _ = _single_device(g, release_state=False)
+        assert held != plan
     finally:
         monkeypatch.undo()
         analysis._CACHE.clear()

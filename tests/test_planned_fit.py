@@ -6,10 +6,14 @@
   bytes), the program-order peaks satisfy ``ir <= lowered <= ir + extra``, and the planned arenas (O1)
   ``lowered <= ir + extra`` (placing the extras above the torch-free plan's arena, each inside the expansion of
   its node, is a valid layout of the lowered problem in the same order).
-- MLP on 2 devices of 180,000 B (float64): with ``fit_memory="program"`` the search finds only a pipelined plan
-  over 17x slower; with "planned" it finds a single-stage plan that fits by its memory plan, and every rank's
-  lowered program planned at O1 (what ``rhino run --memory-plan`` runs) fits the capacity with its state, and
-  runs in its arena (lockstep, every rank) bitwise equal to the plain rank programs, arena = plan.
+- The held-out multi-task model (``tests/workloads/heldout_branches.py:multitask``: a shared trunk, two heads)
+  on 2 devices of 70,000 B (float64): with ``fit_memory="program"`` the search finds no plan (or only a slower
+  one); with "planned" it finds a single-stage plan over the capacity in program order that fits by its memory
+  plan (ROAM's order), and every rank's lowered program planned at O1 (what ``rhino run --memory-plan`` runs)
+  fits the capacity with its state, and runs in its arena (lockstep, every rank) bitwise equal to the plain rank
+  programs, arena = plan. (Before session 26 the MLP at 180,000 B showed it: the program-order peak held the
+  old and the new state; now the cost model frees the replaced state at its last read, as the runtime does,
+  and the MLP's order gains nothing.)
 """
 from __future__ import annotations
 
@@ -41,7 +45,7 @@ def _capture64(example: str):
     old = torch.get_default_dtype()
     torch.set_default_dtype(torch.float64)
     try:
-        return capture(load_workload(f"examples/{example}.py"))
+        return capture(load_workload(example if ":" in example else f"examples/{example}.py"))
     finally:
         torch.set_default_dtype(old)
 
@@ -90,20 +94,20 @@ def test_planned_fit_leaves_other_estimates_alone():
 
 
 def test_planned_fit_finds_a_plan_the_program_peak_rejects():
-    cap = _capture64("mlp")
-    capacity = 180_000       # bytes per device: between the planned and the program-order peaks of the fast plans
+    cap = _capture64("tests/workloads/heldout_branches.py:multitask")
+    capacity = 70_000        # bytes per device: between the planned and the program-order peaks of the fast plans
     cluster = _cluster(2, capacity)
     try:
         prog = search(cap.graph, cluster, SearchOptions(level="O1", time_limit=10))
         prog_seconds = prog.estimate.step_seconds
-        assert prog.estimate.pp > 1 or prog.estimate.recompute != "none"   # no single-stage plan fits
+        assert prog.estimate.pp > 1 or prog.estimate.recompute != "none"   # no plain single-stage plan fits
     except NoPlanFits:
         prog_seconds = float("inf")
     res = search(cap.graph, cluster, SearchOptions(level="O1", time_limit=10, fit_memory="planned"))
     est = res.estimate
     assert est.fits and est.pp == 1 and est.memory_bytes["peak"] > capacity
     assert res.plan.meta["planned_peak_bytes"] <= capacity
-    assert est.step_seconds * 10 < prog_seconds
+    assert est.step_seconds < prog_seconds
     assert any("fit_memory=planned" in n for n in est.notes)
     # what rhino run --memory-plan runs: each rank's lowered program planned at O1, in its arena
     rep = rank_memory_report(cap, plan=res.plan, level="O1", time_limit=20, execute=True)

@@ -5,14 +5,16 @@ The model (what ``estimate_memory`` assumes):
 - The program runs in the graph's node order, one node at a time, on one rank.
 - Sizes are per-rank: with a resolved plan each value takes its LOCAL shape (``ResolvedPlan.local_shape``;
   a Partial value is full-sized); without a plan, its global shape.
-- State inputs (params, frozen params, buffers, optimizer state) and constants are live for the whole
-  step. Batch inputs are live from the start until their last use.
+- State inputs (params, frozen params, buffers, optimizer state) and constants are live from the start
+  (until their last read where replaced: below). Batch inputs are live from the start until their last use.
 - A non-view node output is allocated when its node runs and freed right after its last consumer
   (an output nobody reads lives only during its node). Graph outputs (loss and new state) stay live to
   the end of the step.
-- No in-place update: the new state values produced by the optimizer coexist with the old state
-  inputs until the end of the step (as in the functional captured graph; a runtime that updates in
-  place needs less).
+- The update is in place, as the runtime runs it: a state input that an output replaces (a parameter,
+  an optimizer moment, a running statistic) is freed at its last read (``released_state``; the runtime
+  hands it to the program that replaces it and keeps no reference, as PyTorch's in-place optimizers
+  overwrite theirs); the new value lives from its node to the end of the step. Inputs nothing replaces
+  (frozen parameters, constants) live all step.
 - A view (``OpKind.VIEW``) allocates nothing: it aliases the storage of its first tensor input and
   extends that storage's lifetime to the view's last use.
 - While a node runs, its inputs (including the ones freed after it) and its outputs are all live;
@@ -30,8 +32,8 @@ The model (what ``estimate_memory`` assumes):
   liveness cannot depend on the choice: every storage lives to its last reader, a read through a copy
   included (never freed once its copy exists), and a copy a view is taken of lives to the view's
   reach (``ir.analysis``: its last reader through any reader, not only those reading the copy), the
-  source too (through the view's readers). Under it the rows and this model give the same bytes at
-  every node (tests/test_analysis.py).
+  source too (through the view's readers), and replaced state lives to its last read through any reader
+  (``last_uses``). Under it the rows and this model give the same bytes at every node (tests/test_analysis.py).
 
 Storages, views, last uses, the loss boundary, optimizer nodes and gradients are those of
 ``ir.analysis`` (the single definition the search and the memory planner use too). Categories: new
@@ -52,7 +54,8 @@ from ..ir.analysis import GraphAnalysis, analyze
 from ..ir.graph import Graph, Role
 from ..sharding.placement import local_shape
 
-__all__ = ["MemoryEstimate", "estimate_memory", "CATEGORIES", "CopyRule"]
+__all__ = ["MemoryEstimate", "estimate_memory", "program_peaks", "released_state", "last_uses", "CATEGORIES",
+           "CopyRule"]
 
 
 class CopyRule(str, Enum):
@@ -144,10 +147,30 @@ class _Lifetimes:
     freed_early: dict[int, int] = field(default_factory=dict)     # storage -> node its last copy is made for
 
 
-def _lifetimes(graph: Graph, a: GraphAnalysis, resolved_plan, rule: CopyRule = CopyRule.RUNTIME) -> _Lifetimes:
-    if resolved_plan is None:
-        return _Lifetimes(dict(a.last_use))
+def released_state(graph: Graph, a: GraphAnalysis) -> frozenset[int]:
+    """Storages of the state inputs the runtime frees at their last read: those an output of another storage
+    replaces (``runtime.rank_step``/``runtime.pipeline`` hand them to the program that replaces them and keep
+    no reference, as PyTorch's in-place optimizers overwrite theirs)."""
+    value = {i.name: i.value for i in graph.inputs}
+    return frozenset(value[name] for name, v in a.updates.items()
+                     if a.root[v] != value[name] and value[name] not in a.output_roots)
+
+
+def last_uses(graph: Graph, a: GraphAnalysis, release_state: bool = True) -> dict[int, int]:
+    """``ir.analysis``'s last uses, with the replaced state (``released_state``) ending at its last read
+    through any reader (copies included) where ``release_state``: the runtime's liveness without a plan, and
+    the search rows' at any plan (``search.memrows``)."""
+    last = dict(a.last_use)
+    if release_state:
+        last.update({s: a.last_read[s] for s in released_state(graph, a)})
+    return last
+
+
+def _lifetimes(graph: Graph, a: GraphAnalysis, resolved_plan, rule: CopyRule = CopyRule.RUNTIME,
+               release_state: bool = True) -> _Lifetimes:
     held = rule is CopyRule.SOURCE_HELD
+    if resolved_plan is None:
+        return _Lifetimes(last_uses(graph, a, release_state))
     mesh, rvalue = resolved_plan.plan.mesh, resolved_plan.value
     read: dict[int, int] = {}         # storage -> last node reading it directly
     copies: dict[tuple, list[int]] = {}
@@ -176,11 +199,13 @@ def _lifetimes(graph: Graph, a: GraphAnalysis, resolved_plan, rule: CopyRule = C
         if a.is_view[i] and first_copy is not None:
             via_copy.update({v: first_copy for v in node.outputs if v is not None})
     if held:                          # every storage to its last reader (``ir.analysis``), copies as made
-        return _Lifetimes(dict(a.last_use), copies)
+        return _Lifetimes(last_uses(graph, a, release_state), copies)
     for o in graph.outputs:
         if o.value in via_copy:
             copies[via_copy[o.value]][1] = a.n - 1
     out = _Lifetimes({s: a.end_of(s, read.get(s, -1)) for s in a.born}, copies)
+    if release_state:
+        out.last.update({s: read.get(s, -1) for s in released_state(graph, a)})
     for rr, i in pre_last.items():    # a storage whose last reader is a redistribution: freed once the copy exists
         if i > out.last[rr]:
             out.last[rr] = i
@@ -315,15 +340,19 @@ def _spans(a: GraphAnalysis, sizes, cat) -> tuple[list, list, list, list]:
 
 
 def estimate_memory(graph: Graph, resolved_plan=None, rank: int = 0,
-                    windows: list[tuple[int, int]] = (), copy_rule: CopyRule = CopyRule.RUNTIME) -> MemoryEstimate:
+                    windows: list[tuple[int, int]] = (), copy_rule: CopyRule = CopyRule.RUNTIME,
+                    release_state: bool = True) -> MemoryEstimate:
     """Liveness-based memory of ``graph`` on ``rank`` (local sizes when ``resolved_plan`` is given).
     ``windows``: node index ranges [lo, hi) whose own peak and breakdown are reported too
     (``MemoryEstimate.window_peaks``; gradient accumulation prices its two programs with them).
-    ``copy_rule``: how redistributed copies and their sources live (``CopyRule``, module docstring)."""
+    ``copy_rule``: how redistributed copies and their sources live (``CopyRule``, module docstring).
+    ``release_state``: the replaced state dies at its last read, as the runtime runs the update (module
+    docstring); False keeps it to the end of the step beside the new state (the functional program, as the
+    memory planner's ``inplace_state=False`` problem holds it)."""
     _check(graph, resolved_plan, rank)
     a = analyze(graph)
     sizes = _sizes(graph, a, resolved_plan)
-    life = _lifetimes(graph, a, resolved_plan, CopyRule(copy_rule))
+    life = _lifetimes(graph, a, resolved_plan, CopyRule(copy_rule), release_state)
     cat = _categories(graph, a, life.last)
     peak, peak_i, tmp_max, timeline, wpeak = _replay(_events(a, life, sizes, cat), a.n, windows)
     totals = [0] * len(CATEGORIES)
@@ -339,3 +368,38 @@ def estimate_memory(graph: Graph, resolved_plan=None, rank: int = 0,
         boundary=a.boundary, forward_only_spans=fwd_spans,
         activation_values=span_values, forward_only_values=fwd_values,
         window_peaks=[(max(b, 0), _breakdown(a, life, sizes, cat, i)) for b, i in wpeak])
+
+
+
+def program_peaks(graph: Graph, resolved_plan, programs) -> list[dict[str, int]]:
+    """Bytes per category (``CATEGORIES``) at the peak of each program of ``programs``: ``(nodes, held)``, a
+    program that runs only ``nodes`` of ``graph`` (indices; a pipeline stage's update, ``cost.pipeline``) with
+    the storages ``held`` (state, accumulators, the batch) live from its start: one the runtime frees at its
+    last read (``released_state``) goes there, the others stay. A storage one of ``nodes`` makes lives from it
+    to its last use, a copy made for one of them from its first use to its last (this module's runtime rules;
+    a node's inputs and outputs count while it runs). Nothing else counts: the rest of the step has run or runs
+    apart. The liveness is computed once for all programs."""
+    a = analyze(graph)
+    sizes = _sizes(graph, a, resolved_plan)
+    life = _lifetimes(graph, a, resolved_plan)
+    cat = _categories(graph, a, life.last)
+    released = released_state(graph, a)
+    return [_program_peak(a, sizes, life, cat, released, set(nodes), held) for nodes, held in programs]
+
+
+def _program_peak(a: GraphAnalysis, sizes, life: _Lifetimes, cat, released, inside: set, held) -> dict[str, int]:
+    spans = [(-1, life.last[s] if s in released else a.n, sizes[s], cat[s]) for s in set(held)]
+    spans += [(b, life.last[s], sizes[s], cat[s]) for s, b in a.born.items() if b in inside and life.last[s] >= b]
+    spans += [(first, last, nbytes, _TMP) for first, last, nbytes in life.copies.values() if first in inside]
+    adds, ends = sorted(spans, key=lambda x: x[0]), sorted(spans, key=lambda x: x[1])
+    live, best, ai, ei = [0] * len(CATEGORIES), None, 0, 0
+    for i in sorted(inside):
+        while ai < len(adds) and adds[ai][0] <= i:
+            live[adds[ai][3]] += adds[ai][2]
+            ai += 1
+        while ei < len(ends) and ends[ei][1] < i:
+            live[ends[ei][3]] -= ends[ei][2]
+            ei += 1
+        if best is None or sum(live) > sum(best):
+            best = list(live)
+    return {name: (best or live)[k] for k, name in enumerate(CATEGORIES)}

@@ -29,18 +29,19 @@ strategies on its own nodes); ``pp`` stages and ``m`` micro-batches are modelled
   (hidden behind the stage's last backward when ``StepOptions.overlap_gradient_reduction``), ZeRO-3
   gathers repeated per micro-batch (hidden behind the stage's compute when ``prefetch_parameters``),
   then the optimizer update of the stage's parameters. The step ends when the last stage finishes.
-- **Memory per stage**, in two phases, each from the whole graph's peak in its window
-  (``MemoryEstimate.window_peaks``: before and from the first optimizer node), the larger is the stage's
-  peak. Parameters, gradients and buffers scale by the stage's parameter bytes over the model's (a tied
-  parameter held by two stages counts on both: the shares may sum above 1), optimizer state by its state
-  bytes. The pipeline phase: activations by the bytes the stage's forward nodes save, times the
-  micro-batches in flight (1F1B: ``min(pp - s, m)``; GPipe: ``m``; interleaved: ``in_flight``) over ``m``;
-  temporaries and the batch at ``1/m``; with ``m > 1`` a full gradient buffer of the stage's parameters.
-  The update phase: its temporaries and new state by the parameter share, the gradients, the whole batch.
-  The pipeline phase also holds boundary values (``_message_bytes``). The reported peak is the largest
-  stage's. Measured against ``PipelineStep.run_measured`` on the examples (``docs/benchmarks.md``,
-  "Cost model: pipeline stage memory"): the update phase was missing (GPT, ``pp=2,microbatches=4``: 26%
-  under), the tied weight split, the boundary values left out.
+- **Memory per stage**, in two phases, the larger is the stage's peak. The pipeline phase from the whole
+  graph's peak before the first optimizer node (``MemoryEstimate.window_peaks``): parameters, gradients and
+  buffers scale by the stage's parameter bytes over the model's (a tied parameter held by two stages counts
+  on both: the shares may sum above 1), optimizer state by its state bytes, activations by the bytes the
+  stage's forward nodes save, times the micro-batches in flight (1F1B: ``min(pp - s, m)``; GPipe: ``m``;
+  interleaved: ``in_flight``) over ``m``; temporaries and the batch at ``1/m``; with ``m > 1`` a full gradient
+  buffer of the stage's parameters; the boundary values the runtime holds (``_message_bytes``). The update
+  phase is counted over the stage's own update program (``update_phases``: its optimizer nodes, its state,
+  the replaced part freed at its last read, its gradient accumulators and the batch held). The reported peak
+  is the largest stage's. Measured against ``PipelineStep.run_measured`` on the examples
+  (``docs/benchmarks.md``, "Cost model: pipeline stage memory"): the update phase was missing (GPT,
+  ``pp=2,microbatches=4``: 26% under), the tied weight split, the boundary values left out; the update phase
+  scaled from the whole step's was 28% under on the MLP (its stage's largest weight's update is not the step's).
 
 With ``pp = 1`` the single-stage formulas are unchanged: with one micro-batch the event simulation of
 ``step.step_time``; with gradient accumulation the two programs ``runtime.rank_step`` runs
@@ -59,7 +60,7 @@ from ..sharding.placement import local_shape
 from ..sharding.plan import ResolvedPlan
 from .cluster import AxisLink, Cluster
 from .compute import Profile
-from .memory import MemoryEstimate
+from .memory import MemoryEstimate, program_peaks
 from .recompute import RecomputeEffect
 from .step import StepOptions, StepTime, node_compute
 
@@ -110,7 +111,8 @@ class PipelineTime:
     refused: str | None = None       # why the runtime cannot run this stage cut (``stage_refusal``), or None
 
 
-def accumulation_memory(mem: MemoryEstimate, rc: RecomputeEffect, m: int, accumulators: int) -> dict[str, int]:
+def accumulation_memory(mem: MemoryEstimate, rc: RecomputeEffect, m: int, accumulators: int,
+                        update: dict[str, int] | None = None) -> dict[str, int]:
     """Gradient accumulation on one stage (pp = 1, m > 1), as ``runtime.rank_step`` runs it: the
     gradient program once per micro-batch, then the update program once (``cost.accumulate``).
     ``mem`` must carry the window peaks of the whole-batch step before and from the first optimizer
@@ -119,9 +121,10 @@ def accumulation_memory(mem: MemoryEstimate, rc: RecomputeEffect, m: int, accumu
     ``optimizer.step()`` after PyTorch's accumulation loop, during the update). The gradient phase has
     one micro-batch's activations and temporaries (1/m of the whole batch's at its peak); the update
     phase its own temporaries and new state. The peak is the larger phase. ``accumulators``: the
-    gradient accumulators' bytes (``cost.accumulate.accumulation_windows``)."""
-    phases = []
-    for k, (_, at) in enumerate(mem.window_peaks):
+    gradient accumulators' bytes (``cost.accumulate.accumulation_windows``). ``update``: the update phase
+    counted over the update program itself (``accumulation_update``), used as it is."""
+    phases = [] if update is None else [dict(update)]
+    for k, (_, at) in enumerate(mem.window_peaks[:1] if update is not None else mem.window_peaks):
         out = dict(at)
         out["batch"], out["gradients"] = mem.batch, accumulators
         if k == 0:
@@ -129,6 +132,19 @@ def accumulation_memory(mem: MemoryEstimate, rc: RecomputeEffect, m: int, accumu
             out["temporaries"] = at.get("temporaries", 0) / m
         phases.append({c: int(v) for c, v in out.items()})
     return max(phases, key=lambda d: sum(d.values()))
+
+
+def accumulation_update(graph: Graph, rp: ResolvedPlan) -> dict[str, int]:
+    """The update phase of gradient accumulation (pp = 1, m > 1) counted over the update program itself
+    (``cost.memory.program_peaks``): the state held (the replaced part freed at its last read, as
+    ``runtime.rank_step`` hands it to the update), the accumulators (the boundary values, at their produced
+    sharding) and the whole batch held (the caller's)."""
+    from .accumulate import split_step
+    split = split_step(graph)
+    index = {n.name: i for i, n in enumerate(graph.nodes)}
+    a = analyze(graph)
+    held = [i.value for i in graph.inputs] + [a.root[v] for v in split.boundary]
+    return program_peaks(graph, rp, [([index[n] for n in split.update_nodes], held)])[0]
 
 
 def in_flight(schedule: Schedule, pp: int, m: int, s: int, chunks: int = 1) -> float:
@@ -150,22 +166,23 @@ def _at_peak(mem: MemoryEstimate, rc: RecomputeEffect) -> tuple[dict, float]:
 
 def scaled_memory(mem: MemoryEstimate, rc: RecomputeEffect, pp: int, m: int, schedule: Schedule,
                   accumulators: int | None = None, shares: dict[str, float] | None = None,
-                  stage: int = 0, chunks: int = 1) -> dict[str, int]:
+                  stage: int = 0, chunks: int = 1, update: dict[str, int] | None = None) -> dict[str, int]:
     """Per-category bytes live at the peak of stage ``stage``'s rank (module docstring). ``shares``: the
     stage's fraction of the parameters (``"params"``), optimizer state (``"optimizer"``) and saved
     activations (``"activations"``); None: ``1 / pp`` each (balanced stages)."""
     if pp == 1 and m > 1 and accumulators is not None and len(mem.window_peaks) == 2:
-        return accumulation_memory(mem, rc, m, accumulators)
+        return accumulation_memory(mem, rc, m, accumulators, update)
     return max(stage_phases(mem, rc, pp, m, schedule, shares, stage, chunks), key=lambda d: sum(d.values()))
 
 
 def stage_phases(mem: MemoryEstimate, rc: RecomputeEffect, pp: int, m: int, schedule: Schedule,
                  shares: dict[str, float] | None = None, stage: int = 0, chunks: int = 1,
-                 messages: int = 0) -> list[dict[str, int]]:
+                 messages: int = 0, update: dict[str, int] | None = None) -> list[dict[str, int]]:
     """``scaled_memory``'s bytes per category at the peak of each phase of the stage: with ``pp > 1`` and
     the step's two windows (``MemoryEstimate.window_peaks``), the pipeline phase (forwards and backwards
     of the micro-batches) then the update; else the whole step's peak alone. ``messages``: the pipeline
-    phase's boundary values held by the runtime (``_message_bytes``)."""
+    phase's boundary values held by the runtime (``_message_bytes``). ``update``: the update phase counted
+    over the stage's own update program (``update_phase``), used as it is instead of scaled."""
     at, keep = _at_peak(mem, rc)
     sh = shares if shares is not None else {"params": 1 / pp, "optimizer": 1 / pp, "activations": 1 / pp}
     phases = [at]
@@ -176,7 +193,9 @@ def stage_phases(mem: MemoryEstimate, rc: RecomputeEffect, pp: int, m: int, sche
     flight = in_flight(schedule, pp, m, stage, chunks)
     out = []
     for k, ph in enumerate(phases):
-        update = k == 1
+        if k == 1 and update is not None:
+            out.append(dict(update))
+            continue
         cat_bytes = {}
         for cat, v in ph.items():
             if cat in ("params", "buffers", "gradients", "updated_state"):
@@ -185,13 +204,13 @@ def stage_phases(mem: MemoryEstimate, rc: RecomputeEffect, pp: int, m: int, sche
                 cat_bytes[cat] = v * sh["optimizer"]
             elif cat == "activations":
                 cat_bytes[cat] = v * keep * flight * sh["activations"] / m
-            elif update:  # the update's temporaries are per parameter; the whole batch stays held
+            elif k == 1:  # the update's temporaries are per parameter; the whole batch stays held
                 cat_bytes[cat] = v * sh["params"] if cat == "temporaries" else v
             else:  # temporaries, batch
                 cat_bytes[cat] = v / m
         if m > 1:  # the accumulation buffer holds every gradient of the stage across micro-batches
             cat_bytes["gradients"] = max(cat_bytes.get("gradients", 0), mem.gradients * sh["params"])
-        if messages and not update:
+        if messages and k == 0:
             cat_bytes["messages"] = messages
         out.append({c: int(v) for c, v in cat_bytes.items()})
     return out
@@ -433,12 +452,14 @@ def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstim
     bubble = max(0.0, pipe - max(busy))
     comm_total = sum(c.comm for c in st.nodes) / pp + (m) * (sum(send_f) + sum(send_b))
     shares, params = _shares(graph, rp, mem, sa, stage, V)
+    updates = update_phases(graph, rp, sa, dev)
     costs = []
     for d in range(pp):
         share = {k: sum(shares[v][k] for v in dev[d]) for k in shares[0]}
         phases = stage_phases(mem, rc, pp, m, schedule, shares=share, stage=d, chunks=chunks,
                               messages=_message_bytes(graph, rp, sa, dev[d], m,
-                                                      in_flight(schedule, pp, m, d, chunks)))
+                                                      in_flight(schedule, pp, m, d, chunks)),
+                              update=updates[d])
         costs.append(StageCost(sum(ops[v] for v in dev[d]), sum(params[v] for v in dev[d]),
                                sum(f_mb[v] for v in dev[d]), sum(b_mb[v] for v in dev[d]),
                                int(fb[d] / m) if d < V - 1 else 0, max(phases, key=lambda x: sum(x.values())),
@@ -449,6 +470,23 @@ def pipeline_time(graph: Graph, rp: ResolvedPlan, st: StepTime, mem: MemoryEstim
     return PipelineTime(step, compute, max(0.0, step - compute - bubble), comm_total, bubble,
                         rc.extra_seconds / pp, rc.extra_flops / pp, peak_stage.peak, dict(peak_stage.memory),
                         notes, idle, costs, stage, step_idle, stage_refusal(graph, sa))
+
+
+def update_phases(graph: Graph, rp: ResolvedPlan, sa: StageAssignment, devices: list[list[int]]) -> list[dict]:
+    """Per device (the virtual stages it runs): bytes per category at the peak of its update phase, counted over
+    its own update program (``cost.memory.program_peaks``): the optimizer nodes its stages run, with the state
+    they hold (the replaced part freed at its last read, as ``runtime.pipeline`` hands it to the update), the
+    gradient accumulators those nodes read and the batch (the runtime keeps both through the update) held."""
+    a = analyze(graph)
+    programs = []
+    for stages in devices:
+        mine = set(stages)
+        nodes = [i for i, n in enumerate(graph.nodes) if sa.update_stages.get(n.name, frozenset()) & mine]
+        names = {name for s in stages for name in sa.held_by(s)}
+        held = [i.value for i in graph.inputs if i.name in names or i.role is Role.BATCH]
+        held += [r for i in nodes for r in a.node_roots[i] if r in a.gradients]
+        programs.append((nodes, held))
+    return program_peaks(graph, rp, programs)
 
 
 def _divide_seconds(graph: Graph, rp: ResolvedPlan, sa: StageAssignment, V: int, cluster: Cluster,
@@ -608,7 +646,9 @@ def _stage_work(graph, rp, st, rc, cluster, options, sa, stage, V, m) -> tuple:
 
 def _single_stage(graph, rp, st, mem, rc, cluster, m, schedule, options, accumulators) -> PipelineTime:
     """pp = 1: the step of ``step.step_time`` (m = 1), or m micro-batches accumulated then one update."""
-    at_peak = scaled_memory(mem, rc, 1, m, schedule, accumulators)
+    counted = m > 1 and accumulators is not None and len(mem.window_peaks) == 2
+    at_peak = scaled_memory(mem, rc, 1, m, schedule, accumulators, update=accumulation_update(graph, rp) if counted
+                            else None)
     peak = sum(at_peak.values())
     if m == 1:
         extra = rc.extra_seconds + rc.extra_comm_seconds

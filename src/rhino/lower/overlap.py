@@ -425,7 +425,7 @@ def release_inputs(prog):
     gm = torch.fx.GraphModule(prog.module, _copy_graph(prog.module.graph))
     g = gm.graph
     phs = [n for n in g.nodes if n.op == "placeholder"]
-    with g.inserting_before(phs[0]):
+    with g.inserting_before(phs[0] if phs else next(iter(g.nodes))):   # a program may read nothing
         boxed = g.placeholder("inputs")
     last = boxed
     for i, ph in enumerate(phs):

@@ -73,7 +73,8 @@ def simulate_ranks(rp: ResolvedPlan, state: dict[str, torch.Tensor], batch: tupl
         local.append(d)
     names = [i.name for i in graph.inputs]
     losses = []
-    state_names = [i.name for i in graph.inputs if i.role is not Role.BATCH]
+    replaced = set(progs[0].output_names[1:])   # handed to the program, as the runtime does: dies at its last use
+    state_names = [i.name for i in graph.inputs if i.role is not Role.BATCH and i.name not in replaced]
     for step in range(steps):
         held = [[local[r][n] for n in state_names] for r in range(world)]
         envs, outs = lockstep(progs, [[local[r][n] for n in names] for r in range(world)], mesh,
@@ -121,8 +122,9 @@ def lockstep(progs, inputs, mesh, peaks: list[int] | None = None, held=None):
     if peaks is not None:
         order = {n.name: k for k, n in enumerate(nodes[0])}
         # as fx.Interpreter(garbage_collect_values=True): a value goes after its last user; one with no
-        # user is never freed
-        last = {n.name: max([order[u.name] for u in n.users], default=len(order)) for n in nodes[0]}
+        # user is never freed, but an input nothing reads is dropped at once (``runtime.measure``)
+        last = {n.name: max([order[u.name] for u in n.users],
+                            default=order[n.name] if n.op == "placeholder" else len(order)) for n in nodes[0]}
         alive = [dict() for _ in range(world)]
     for i, n0 in enumerate(nodes[0]):
         if peaks is not None and i > 0:

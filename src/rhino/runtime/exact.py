@@ -57,15 +57,14 @@ def simulate_rank_steps(rank_steps: list[RankStep], states: list[dict], batches:
     peaks = [0] * world
     for step, batch in enumerate(batches):
         locs = [rs.local_batch(batch) for rs in rank_steps]
-        gens = [rs.schedule(states[r], locs[r]) for r, rs in enumerate(rank_steps)]
+        gens = [rs.schedule(states[r], locs[r], release=True) for r, rs in enumerate(rank_steps)]
         outs: list = [None] * world
         with torch.no_grad():
             while True:
                 phase, done = _advance(gens, outs)
                 if done is not None:
                     break
-                held = [list(states[r].values()) + ([] if rank_steps[r].microbatches == 1
-                                                    else list(locs[r]) + list(phase[r][1])) for r in range(world)]
+                held = [rank_steps[r].held(*phase[r], states[r], locs[r]) for r in range(world)]
                 phase_peaks = [0] * world if step == 0 else None
                 _, outs = lockstep([p for p, _ in phase], [a for _, a in phase], mesh, phase_peaks, held)
                 del phase, held

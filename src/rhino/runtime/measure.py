@@ -22,7 +22,8 @@ class LiveBytesMeter(torch.fx.Interpreter):
     def run_node(self, n):
         result = super().run_node(n)
         storages: dict[int, int] = {}
-        stack = list(self.env.values()) + [result] + self.held
+        # an input nothing reads is dropped at once (the boxed programs of ``lower.overlap.release_inputs``)
+        stack = [v for k, v in self.env.items() if k.users or k.op != "placeholder"] + [result] + self.held
         while stack:
             v = stack.pop()
             if isinstance(v, torch.Tensor):

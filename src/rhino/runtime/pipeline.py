@@ -55,6 +55,7 @@ from ..ir.analysis import analyze
 from ..cost.remat import remat, remat_plan
 from ..ir.graph import Graph, Ref, Role
 from ..ir.stages import StageAssignment, assign_stages, contiguous_cut, schedule_order
+from ..lower.overlap import release_inputs
 from ..lower.spmd import Part, SpmdProgram, lower_rank
 from ..sharding.placement import Partial, ReduceOp, replicated
 from ..sharding.plan import PlanError, ResolvedPlan, ShardingPlan, resolve
@@ -418,6 +419,8 @@ class PipelineStep:
                 for first in variants:
                     part = _part(ps, rp, first, state_in, batch_values)
                     self.programs[(key, first, v)] = lower_rank(rp, self.local, self.device, part, overlap=overlap)
+        self.released = {id(self.programs[("U", True, v)]): release_inputs(self.programs[("U", True, v)])
+                         for v in self.chunks}           # the update programs, handed the state they replace
         self.order = schedule_order(plan.schedule, self.stage, plan.stages, m, plan.chunks)
         events = {d: message_events(self.spec, plan.stages, m, schedule_order(plan.schedule, d, plan.stages, m,
                                                                               plan.chunks),
@@ -444,7 +447,8 @@ class PipelineStep:
         stash: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
         grads: dict[int, torch.Tensor] = {}
         local: dict[int, torch.Tensor] = {}            # tag -> tensor sent from one of this rank's chunks to another
-        self._in_flight = (stash, grads, local)        # what ``run_measured`` counts as held between programs
+        later: list[list] = []                         # the arguments of update programs still to run
+        self._in_flight = (stash, grads, local, later)  # what ``run_measured`` counts as held between programs
         loss = 0.0
 
         def recv(vid: int, src: int, index: int, k: int):
@@ -496,24 +500,30 @@ class PipelineStep:
             for vid, src, index in upd.recvs:
                 grads[vid] = yield from recv(vid, src, index, m)
             runs.append((v, upd, [local_state[x] if kind == "state" else grads[x] for kind, x in upd.inputs]))
-        for v, upd, args in runs:      # every chunk's update reads the state before any update
+        for _, upd, _ in runs:         # every chunk's update reads the state before any update; the state they
+            for _, x in upd.outputs:   # replace is handed to them and dies at its last use there (``run``)
+                local_state.pop(x, None)
+        later[:] = [args for _, _, args in runs]
+        for v, upd, _ in runs:
+            args = later.pop(0)
             outs = yield Run(self.programs[("U", True, v)], args, ("U", 0))
             local_state.update((x, t) for (_, x), t in zip(upd.outputs, outs))
-        del runs
+        del runs, args
         return loss / m if self.stage == self.plan.stages - 1 else None
 
     def run_measured(self, local_state: dict, local_batch: tuple) -> tuple[float, int]:
         """``run``, each program node by node, also returning this rank's peak of live tensor bytes
         (``LiveBytesMeter``): besides a program's own values, the state, the local batch, every micro-batch's
         stashed activations and received values, the gradient accumulators, values passed between this
-        rank's chunks and sends not yet completed count as held."""
+        rank's chunks, sends not yet completed and the arguments of update programs still to run count as held (the
+        state an update replaces is handed to it, as in ``run``: it dies at its last use there)."""
         from .measure import LiveBytesMeter
         peak = [0]
 
         def execute(act: Run, pending: list) -> list:
-            stash, grads, local = self._in_flight
+            stash, grads, local, later = self._in_flight
             held = [*local_state.values(), *local_batch, *(t for box in stash.values() for t in box.values()),
-                    *grads.values(), *local.values(), *(t for _, t in pending)]
+                    *grads.values(), *local.values(), *(t for _, t in pending), *(t for args in later for t in args)]
             meter = LiveBytesMeter(act.program.module, held)
             outs = meter.run(*act.args)
             peak[0] = max(peak[0], meter.peak)
@@ -557,7 +567,12 @@ class PipelineStep:
                         pending.clear()
                         waiting += time.perf_counter() - t0
                     t0 = time.perf_counter()
-                    reply = act.program.module(*act.args) if execute is None else execute(act, list(pending.values()))
+                    if execute is not None:
+                        reply = execute(act, list(pending.values()))
+                    elif act.key[0] == "U":   # empties act.args: the old state dies at its last use in the update
+                        reply = self.released[id(act.program)].module(act.args)
+                    else:
+                        reply = act.program.module(*act.args)
                     busy += time.perf_counter() - t0
                 elif isinstance(act, Send):
                     t0 = time.perf_counter()

@@ -248,19 +248,29 @@ class RankStep:
             self._released[key] = release_inputs(prog)
         return self._released[key].module(args)
 
+    def held(self, prog, args: list, local_state: dict, local_batch: tuple) -> list:
+        """The tensors held outside ``prog`` while it runs under ``schedule(..., release=True)``: the state left
+        in ``local_state`` (not the state handed to the program that replaces it); with micro-batches also the
+        batch and the gradient accumulators the schedule keeps."""
+        held = list(local_state.values())
+        if self.microbatches > 1:
+            handed = len(self.update_state) if prog is self.programs[2] else 0
+            held += list(local_batch) + list(args[handed:])
+        return held
+
     def run_measured(self, local_state: dict, local_batch: tuple) -> tuple[float, int]:
         """``run``, node by node, also returning this rank's peak of live tensor bytes (``LiveBytesMeter``:
-        the state, the local batch and the gradient accumulators held outside the programs count too)."""
+        the state, the local batch and the gradient accumulators held outside the programs count too). As in
+        ``run``, the state a program replaces is handed to it (``release``): it dies at its last use there."""
         from .measure import LiveBytesMeter
         peak = [0]
 
         def execute(prog, args):
-            held = list(local_state.values()) + ([] if self.microbatches == 1 else list(local_batch) + list(args))
-            meter = LiveBytesMeter(prog.module, held)
+            meter = LiveBytesMeter(prog.module, self.held(prog, args, local_state, local_batch))
             outs = meter.run(*args)
             peak[0] = max(peak[0], meter.peak)
             return outs
-        loss = self.run_with(local_state, local_batch, execute)
+        loss = self.run_with(local_state, local_batch, execute, release=True)
         return loss, peak[0]
 
 

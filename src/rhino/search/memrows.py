@@ -1,8 +1,10 @@
 """Memory rows: the per-device bytes live at a node, as a function of the cone classes' choices.
 
 The liveness model is ``cost.memory``'s, on ``ir.analysis``'s storages and last uses: views alias their
-input's storage, state lives all step, graph outputs to the end, other values from the node that makes
-them to their last reader; the new state coexists with the old. Redistributed copies (one per value
+input's storage, state lives from the start, to the end of the step where nothing replaces it, else to its
+last read (through any reader: ``cost.memory.last_uses``; the runtime hands it to the update, which frees it
+there), graph outputs (the new state among them) to the end, other values from the node that makes them to
+their last reader. Redistributed copies (one per value
 and needed sharding, alive from the first node that needs it to the last, or to the reach of a view
 taken of it, ``ir.analysis.view_reach``) are ``CopyTerm``s. The copies follow ``ROWS_COPY_RULE``
 (``cost.memory.CopyRule.SOURCE_HELD``), which differs from the runtime's in two ways, both on the
@@ -20,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from math import prod
 
-from ..cost.memory import CopyRule, estimate_memory
+from ..cost.memory import CopyRule, estimate_memory, last_uses
 from ..cost.recompute import KEEP_KINDS, Recompute, apply_recompute
 from ..cost.step import NodeCost
 from ..ir.analysis import analyze
@@ -94,10 +96,12 @@ class MemoryRows:
 
     # -- memory ------------------------------------------------------------------------------------
     def liveness(self):
-        """(storage root of each value, birth index, last-use index): ``ir.analysis``'s, as ``cost.memory``
-        uses them."""
+        """(storage root of each value, birth index, last-use index): ``ir.analysis``'s, with the replaced
+        state's last use as ``cost.memory.last_uses`` gives it."""
         a = self._analysis
-        return a.root, a.born, a.last_use
+        if "last_uses" not in self.shared:
+            self.shared["last_uses"] = last_uses(self.graph, a)
+        return a.root, a.born, self.shared["last_uses"]
 
     @property
     def _analysis(self):
