@@ -421,7 +421,8 @@ def release_inputs(prog):
     (the boxed calling convention of ``torch._inductor``'s compiled functions). A caller that keeps no
     other reference to the old state (e.g. ``args = [state.pop(n) for n in names]``) then frees each
     old parameter and optimizer moment at its last use in the update, as PyTorch's in-place optimizers
-    overwrite theirs, instead of holding the old and the new state together at the end of the step."""
+    overwrite theirs, instead of holding the old and the new state together at the end of the step (the cost
+    model counts it so: ``cost.memory.released_state``)."""
     gm = torch.fx.GraphModule(prog.module, _copy_graph(prog.module.graph))
     g = gm.graph
     phs = [n for n in g.nodes if n.op == "placeholder"]

@@ -32,7 +32,7 @@ class PipelineWhen(StrEnum):
 
 class FitMemory(StrEnum):
     """Which peak the fit check compares with device memory (``outer``, ``rank_memory.planned_fit``)."""
-    PROGRAM = "program"   # the cost model's: program order, live bytes, old and new state both held
+    PROGRAM = "program"   # the cost model's: program order, live bytes, replaced state freed at its last read
     PLANNED = "planned"   # as program; a candidate over capacity (within ``fit_memory_margin``) fits when its
     #                       rank program's memory plan (order + layout, ``memory.plan_memory``) + state does
 
@@ -88,8 +88,8 @@ class SearchOptions:
     #: capacity gets its rank program planned by ``memory``, O1, and fits when the arena + state does).
     fit_memory: FitMemory = FitMemory.PROGRAM
     #: planned: only candidates whose program-order peak is at most this fraction over capacity are planned.
-    #: On the examples the cost model's peak was at most 1.35x the planned arena + state (mlp dp=2,tp=2:
-    #: the cost model holds old and new state; the plan updates state in place), so 0.5 covers them.
+    #: On the examples the cost model's peak was at most 1.35x the planned arena + state (mlp dp=2,tp=2,
+    #: before session 26, when the cost model held the old and the new state), so 0.5 covers them.
     fit_memory_margin: float = 0.5
     #: planned: seconds for one rank program's memory plan (``memory.plan_memory``, O1).
     fit_memory_time_limit: float = 5.0
