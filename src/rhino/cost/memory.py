@@ -339,6 +339,23 @@ def _spans(a: GraphAnalysis, sizes, cat) -> tuple[list, list, list, list]:
     return spans, fwd_spans, span_values, fwd_values
 
 
+_LIVENESS: dict = {}
+
+
+def _liveness(graph: Graph, a: GraphAnalysis, resolved_plan, rule: CopyRule, release_state: bool) -> tuple:
+    """(sizes, lifetimes, categories) of ``graph`` under ``resolved_plan``, remembered for the last (analysis,
+    plan, rule): an estimate and the update programs priced after it (``program_peaks``, once per micro-batch
+    count) share one pass. Nothing downstream mutates them."""
+    key = (rule, release_state)
+    hit = _LIVENESS.get("last")
+    if hit is not None and hit[0] is a and hit[1] is resolved_plan and hit[2] == key:
+        return hit[3]
+    life = _lifetimes(graph, a, resolved_plan, rule, release_state)
+    out = (_sizes(graph, a, resolved_plan), life, _categories(graph, a, life.last))
+    _LIVENESS["last"] = (a, resolved_plan, key, out)
+    return out
+
+
 def estimate_memory(graph: Graph, resolved_plan=None, rank: int = 0,
                     windows: list[tuple[int, int]] = (), copy_rule: CopyRule = CopyRule.RUNTIME,
                     release_state: bool = True) -> MemoryEstimate:
@@ -351,9 +368,7 @@ def estimate_memory(graph: Graph, resolved_plan=None, rank: int = 0,
     memory planner's ``inplace_state=False`` problem holds it)."""
     _check(graph, resolved_plan, rank)
     a = analyze(graph)
-    sizes = _sizes(graph, a, resolved_plan)
-    life = _lifetimes(graph, a, resolved_plan, CopyRule(copy_rule), release_state)
-    cat = _categories(graph, a, life.last)
+    sizes, life, cat = _liveness(graph, a, resolved_plan, CopyRule(copy_rule), release_state)
     peak, peak_i, tmp_max, timeline, wpeak = _replay(_events(a, life, sizes, cat), a.n, windows)
     totals = [0] * len(CATEGORIES)
     for s in a.born:
@@ -380,9 +395,7 @@ def program_peaks(graph: Graph, resolved_plan, programs) -> list[dict[str, int]]
     a node's inputs and outputs count while it runs). Nothing else counts: the rest of the step has run or runs
     apart. The liveness is computed once for all programs."""
     a = analyze(graph)
-    sizes = _sizes(graph, a, resolved_plan)
-    life = _lifetimes(graph, a, resolved_plan)
-    cat = _categories(graph, a, life.last)
+    sizes, life, cat = _liveness(graph, a, resolved_plan, CopyRule.RUNTIME, True)
     released = released_state(graph, a)
     return [_program_peak(a, sizes, life, cat, released, set(nodes), held) for nodes, held in programs]
 

@@ -123,8 +123,9 @@ def accumulation_memory(mem: MemoryEstimate, rc: RecomputeEffect, m: int, accumu
     phase its own temporaries and new state. The peak is the larger phase. ``accumulators``: the
     gradient accumulators' bytes (``cost.accumulate.accumulation_windows``). ``update``: the update phase
     counted over the update program itself (``accumulation_update``), used as it is."""
+    windows = mem.window_peaks if update is None else mem.window_peaks[:1]   # the update phase counted instead
     phases = [] if update is None else [dict(update)]
-    for k, (_, at) in enumerate(mem.window_peaks[:1] if update is not None else mem.window_peaks):
+    for k, (_, at) in enumerate(windows):
         out = dict(at)
         out["batch"], out["gradients"] = mem.batch, accumulators
         if k == 0:
@@ -182,7 +183,7 @@ def stage_phases(mem: MemoryEstimate, rc: RecomputeEffect, pp: int, m: int, sche
     the step's two windows (``MemoryEstimate.window_peaks``), the pipeline phase (forwards and backwards
     of the micro-batches) then the update; else the whole step's peak alone. ``messages``: the pipeline
     phase's boundary values held by the runtime (``_message_bytes``). ``update``: the update phase counted
-    over the stage's own update program (``update_phase``), used as it is instead of scaled."""
+    over the stage's own update program (``update_phases``), used as it is instead of scaled."""
     at, keep = _at_peak(mem, rc)
     sh = shares if shares is not None else {"params": 1 / pp, "optimizer": 1 / pp, "activations": 1 / pp}
     phases = [at]
