@@ -14,6 +14,10 @@
   programs, arena = plan. (Before session 26 the MLP at 180,000 B showed it: the program-order peak held the
   old and the new state; now the cost model frees the replaced state at its last read, as the runtime does,
   and the MLP's order gains nothing.)
+- The MLP at 180,000 B (session 27): the plan the planned check accepts (program-order peak over capacity) also
+  fits when run: the lowered rank programs' O1 arenas equal the torch-free problem's (O1 runs the exact layout
+  search briefly where no greedy layout reaches the order's live peak; with greedy layouts only, the lowered
+  problem's arena was 92,736 B against the torch-free 85,056 B, and the plan did not fit when run).
 """
 from __future__ import annotations
 
@@ -115,6 +119,26 @@ def test_planned_fit_finds_a_plan_the_program_peak_rejects():
     assert [r["rank"] for r in d["ranks"]] == [0, 1]
     assert all(r["valid"] and r["rhino_peak_bytes"] + r["state_bytes"] <= capacity for r in d["ranks"])
     assert rep.execute["equal"] and rep.execute["bitwise"] and rep.execute["arena_equals_plan"]
+
+
+def test_a_plan_the_planned_check_accepts_fits_when_run():
+    from rhino.memory.order import OrderOptions
+    cap = _capture64("mlp")
+    capacity = 180_000
+    res = search(cap.graph, _cluster(2, capacity), SearchOptions(level="O1", time_limit=10, fit_memory="planned"))
+    assert res.estimate.fits and res.plan.meta["planned_peak_bytes"] <= capacity
+    rp = resolve(cap.graph, res.plan)
+    ir = plan_memory(rank_problem_ir(rp)[0], level="O1", time_limit=20)
+    rep = rank_memory_report(cap, plan=res.plan, level="O1", time_limit=20)
+    d = rep.to_dict()
+    for r in d["ranks"]:
+        assert r["valid"] and r["rhino_peak_bytes"] + r["state_bytes"] <= capacity, r
+        assert r["rhino_peak_bytes"] == ir.height
+    # greedy layouts alone miss the order's live peak on these programs (the check can fail)
+    low = rank_memories(rp, [0])[0].problem
+    greedy = plan_memory(low, level="O1", time_limit=20, options=OrderOptions(o1_layout_seconds=0))
+    exact = plan_memory(low, level="O1", time_limit=20)
+    assert greedy.height > greedy.lower_bound and exact.height == exact.lower_bound < greedy.height
 
 
 def test_cli_plan_accepts_fit_memory(capsys):

@@ -28,8 +28,8 @@ LEVELS = ("O1", "O2")
 def add_parser(sub) -> None:
     p = sub.add_parser("memory", help="plan an operator order and a memory layout (ROAM) for one device")
     p.add_argument("workload", metavar="FILE[:FUNC]")
-    p.add_argument("--level", default="O2", choices=LEVELS, help="O1: heuristics (seconds); O2: + exact "
-                   "CP-SAT windows (default)")
+    p.add_argument("--level", default="O2", choices=LEVELS, help="O1: heuristics and at most 1 s of exact "
+                   "layout search (seconds); O2: + exact CP-SAT windows (default)")
     p.add_argument("--time-limit", type=float, default=60.0, metavar="S",
                    help="seconds for the solver (default 60); the best plan found by then is kept; with "
                         "--strategy/--plan/--cluster, for building and planning all rank programs together")

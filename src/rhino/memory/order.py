@@ -86,7 +86,10 @@ class OrderOptions:
     stays valid and never below the other candidates).
 
     ``cross_loss_bottom`` is a layout rule (used by ``plan.plan_memory``): activations live across
-    the loss are stacked at the bottom of the arena, the latest freed lowest.
+    the loss are stacked at the bottom of the arena, the latest freed lowest. ``o1_layout_seconds`` is one
+    too: at O1, when no greedy layout reaches the order's live peak, the exact layout search
+    (``layout.solve_layout``) runs for at most that many seconds (and half the time left); it stops at once
+    where it proves the peak, as on small rank programs (0 turns it off: greedy layouts only).
     """
 
     constants_late: bool = True
@@ -94,6 +97,7 @@ class OrderOptions:
     sink_late: bool = True
     loss_barrier: bool = True
     cross_loss_bottom: bool = True
+    o1_layout_seconds: float = 1.0
     key_point_windows: bool = True
     segment_size: int = 100  # most ops per exact window (ROAM's ring size)
     window_booleans: int = 4000  # about this many run/started booleans per window (fewer ops if needed)

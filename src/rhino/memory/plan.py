@@ -294,7 +294,7 @@ def op_local_bound(problem: MemProblem) -> int:
 def _layout(problem: MemProblem, res: OrderResult, level: OptLevel, opts: OrderOptions, deadline: float, time_limit: float,
             say: Progress, progress: Progress | None, base: _Baselines) -> _Candidate:
     """The lowest layout of ``res.order``'s buffers: the greedy orders, the cross-loss rule when they miss
-    the order's peak, then (O2, time permitting) ``solve_layout``. The by-size layout always runs; the
+    the order's peak, then ``solve_layout`` (O2: the time left; O1: ``opts.o1_layout_seconds`` at most). The by-size layout always runs; the
     others only when their estimated time (``base``'s, on orders of the same problem) fits before ``deadline``."""
     order, order_peak = res.order, res.peak
     if list(order) == base.bestfit.order:    # the program order: its by-size layout is best-fit's
@@ -316,7 +316,12 @@ def _layout(problem: MemProblem, res: OrderResult, level: OptLevel, opts: OrderO
             cands.append((offs, _height(bufs, offs), "cross_loss_bottom"))
     offsets, height, how = min(cands, key=lambda c: c[1])
     left = max(0.0, deadline - time.perf_counter())
-    if level is OptLevel.O2 and height > order_peak and left < 5 * t_greedy + 0.1:
+    if level is OptLevel.O1 and height > order_peak and opts.o1_layout_seconds > 0 and left > 5 * t_greedy:
+        # the exact search, short: it proves the order's peak at once where that is easy (small programs)
+        lr = solve_layout(bufs, time_limit=min(opts.o1_layout_seconds, left / 2), progress=progress)
+        if lr.offsets and not validate_layout(bufs, lr.offsets) and _height(bufs, lr.offsets) < height:
+            offsets, height, how = dict(lr.offsets), _height(bufs, lr.offsets), f"{lr.solver} ({lr.status.value})"
+    elif level is OptLevel.O2 and height > order_peak and left < 5 * t_greedy + 0.1:
         say(f"layout: greedy {height:,} B ({how}), lower bound {order_peak:,} B; no time left for the exact "
             f"search (its greedy start alone takes about {4 * t_greedy:.0f}s)")
     elif level is OptLevel.O2 and height > order_peak:
