@@ -19,7 +19,7 @@ NO_CPU_KERNEL = {
     "aten._scaled_dot_product_efficient_attention.default": _CUDA_ONLY,
 }
 
-UNARY = """neg abs exp exp2 expm1 sin cos tanh sigmoid erf sign floor ceil round trunc relu gelu silu mish elu
+UNARY = """neg abs exp exp2 expm1 sin cos tanh sigmoid erf sign sgn floor ceil round trunc relu gelu silu mish elu
 leaky_relu hardtanh hardswish hardsigmoid softplus clone _to_copy lift_fresh_copy alias detach isnan isinf
 nan_to_num ones_like zeros_like empty_like rand_like randn_like""".split()
 POSITIVE = "log log1p log2 sqrt rsqrt reciprocal".split()

@@ -15,7 +15,7 @@ aten.div.Tensor_mode aten.div.Scalar_mode
 aten.pow.Tensor_Scalar aten.pow.Tensor_Tensor aten.pow.Scalar aten.abs.default
 aten.exp.default aten.exp2.default aten.expm1.default aten.log.default aten.log1p.default aten.log2.default
 aten.sqrt.default aten.rsqrt.default aten.reciprocal.default aten.sin.default aten.cos.default
-aten.tanh.default aten.sigmoid.default aten.erf.default aten.sign.default aten.floor.default
+aten.tanh.default aten.sigmoid.default aten.erf.default aten.sign.default aten.sgn.default aten.floor.default
 aten.ceil.default aten.round.default aten.trunc.default aten.relu.default aten.gelu.default
 aten.silu.default aten.mish.default aten.elu.default aten.leaky_relu.default aten.hardtanh.default
 aten.hardswish.default aten.hardsigmoid.default aten.softplus.default aten.clamp.default aten.clamp.Tensor
