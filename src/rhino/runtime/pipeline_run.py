@@ -23,7 +23,7 @@ from .groups import build_stage_groups
 from .launch import in_torchrun, launch, run_from_env
 from .pipeline import PipelineStep, compare_stages
 from .microbatch import checked_microbatch_graph
-from .run import RunResult, bytes_by_role, random_ops_note
+from .run import RunResult, bytes_by_role, mismatch_notes
 
 __all__ = ["run_pipeline", "pipeline_rank_state"]
 
@@ -76,7 +76,7 @@ def run_pipeline(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, 
                        results[ranks[0]]["losses"], ref.losses, cmp.first_mismatch,
                        [results[r]["held"] for r in ranks])
     if not cmp.ok:   # each stage (and each rank of a stage) draws its own random masks
-        result.first_mismatch += random_ops_note(cap, plan.world)
+        result.first_mismatch += mismatch_notes(cap, plan.world, tol)
     result.pipeline = _stage_times(plan, results)
     result.seconds = time.perf_counter() - start
     return result

@@ -13,13 +13,13 @@ from ..ir.registry import draws_rng
 from ..lower.spmd_ops import set_context
 from ..sharding.plan import ResolvedPlan, ShardingPlan, resolve
 from .collectives import TORCH_COLLECTIVES, shard_tensor
-from .compare import Tolerance, compare_ranks, reference_run, tolerance_for
+from .compare import TOLERANCES, Tolerance, compare_ranks, reference_run, tolerance_for
 from .groups import build_groups
 from .launch import in_torchrun, launch, run_from_env
 from .microbatch import checked_microbatch_graph
 from .rank_step import RankStep
 
-__all__ = ["RunResult", "run_plan", "compare_results", "bytes_by_role", "random_ops_note"]
+__all__ = ["RunResult", "run_plan", "compare_results", "bytes_by_role", "random_ops_note", "mismatch_notes"]
 
 
 @dataclass
@@ -163,11 +163,22 @@ def compare_results(cap: Captured, rp: ResolvedPlan, prog0, results: dict[int, d
     cmp = compare_ranks(rp, results, ref, tol)
     result.ok, result.max_abs_diff, result.first_mismatch = cmp.ok, cmp.max_abs_diff, cmp.first_mismatch
     if not cmp.ok:
-        result.first_mismatch += random_ops_note(cap, plan.mesh.world)
+        result.first_mismatch += mismatch_notes(cap, plan.mesh.world, tol)
     result.memory_plan = [{"rank": r, "arena_bytes": results[r]["arena_bytes"], "plan_bytes": results[r]["plan_bytes"]}
                           for r in ranks if "arena_bytes" in results[r]]
     result.seconds = time.perf_counter() - start
     return result
+
+
+def mismatch_notes(cap: Captured, world: int, tol: Tolerance) -> str:
+    """What to append to a mismatch of a ``world``-rank run: ``random_ops_note``, and for a float32 run how to
+    tell rounding noise from a wrong result (float32 sums run in another order on several ranks, and Adam
+    turns a gradient below that noise into a step of ``lr`` either way; float64 checks at 1e-9)."""
+    note = random_ops_note(cap, world)
+    if tol == TOLERANCES[torch.float32]:
+        note += ("; in float32, summation-order noise amplified by the optimizer can exceed this tolerance: "
+                 "rerun with --dtype float64 to check at 1e-9")
+    return note
 
 
 def random_ops_note(cap: Captured, world: int) -> str:
