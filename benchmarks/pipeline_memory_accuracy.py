@@ -65,7 +65,8 @@ def main() -> int:
         print(rows[-1], f"({time.perf_counter() - t:.1f}s)", flush=True)
     body = ["Command: `python benchmarks/pipeline_memory_accuracy.py` (gloo processes on this 2-core machine).", "",
             "Per stage: the cost model's peak (`cost.pipeline`: the pipeline phase scaled from the whole step's "
-            "peak before the update, the update phase counted over the stage's own update program) against the "
+            "peak before the update, with the whole local batch every stage's runtime holds, the update phase "
+            "counted over the stage's own update program) against the "
             "first step's peak of live tensor bytes, measured node by node (`PipelineStep.run_measured`; largest "
             "rank of the stage; the state an update replaces is handed to it and dies at its last use there, as "
             "in training). Bytes, float32.", "",

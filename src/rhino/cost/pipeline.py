@@ -34,7 +34,8 @@ strategies on its own nodes); ``pp`` stages and ``m`` micro-batches are modelled
   buffers scale by the stage's parameter bytes over the model's (a tied parameter held by two stages counts
   on both: the shares may sum above 1), optimizer state by its state bytes, activations by the bytes the
   stage's forward nodes save, times the micro-batches in flight (1F1B: ``min(pp - s, m)``; GPipe: ``m``;
-  interleaved: ``in_flight``) over ``m``; temporaries and the batch at ``1/m``; with ``m > 1`` a full gradient
+  interleaved: ``in_flight``) over ``m``; temporaries at ``1/m``; the whole local batch (every stage's
+  runtime holds it through the step: ``runtime.pipeline``); with ``m > 1`` a full gradient
   buffer of the stage's parameters; the boundary values the runtime holds (``_message_bytes``). The update
   phase is counted over the stage's own update program (``update_phases``: its optimizer nodes, its state,
   the replaced part freed at its last read, its gradient accumulators and the batch held). The reported peak
@@ -211,6 +212,8 @@ def stage_phases(mem: MemoryEstimate, rc: RecomputeEffect, pp: int, m: int, sche
                 cat_bytes[cat] = v / m
         if m > 1:  # the accumulation buffer holds every gradient of the stage across micro-batches
             cat_bytes["gradients"] = max(cat_bytes.get("gradients", 0), mem.gradients * sh["params"])
+        if pp > 1:  # every stage's runtime holds the whole local batch through the step (runtime.pipeline)
+            cat_bytes["batch"] = mem.batch
         if messages and k == 0:
             cat_bytes["messages"] = messages
         out.append({c: int(v) for c, v in cat_bytes.items()})
