@@ -172,6 +172,26 @@ def samples() -> list[tuple[str, tuple, dict]]:
     o, idx = aten.adaptive_max_pool2d.default(x4, [2, 2])
     add("adaptive_max_pool2d_backward.default", r(*o.shape), x4, idx)
 
+    # resampling, reflection and replication padding, unfold / fold (ir/ops_image.py)
+    shapes = {1: (2, 4, 8), 2: (2, 4, 4, 4), 3: (2, 2, 2, 4, 4)}
+    for name, n, extra in [("upsample_nearest1d", 1, ()), ("upsample_nearest2d", 2, ()), ("upsample_nearest3d", 3, ()),
+                           ("_upsample_nearest_exact1d", 1, ()), ("_upsample_nearest_exact2d", 2, ()),
+                           ("_upsample_nearest_exact3d", 3, ()), ("upsample_linear1d", 1, (False,)),
+                           ("upsample_bilinear2d", 2, (True,)), ("upsample_bicubic2d", 2, (False,)),
+                           ("upsample_trilinear3d", 3, (False,))]:
+        xi = r(*shapes[n])
+        size = [2 * d for d in xi.shape[-n:]]
+        add(f"{name}.default", xi, size, *extra)
+        add(f"{name}_backward.default", r(*xi.shape[:-n], *size), size, list(xi.shape), *extra)
+    for kind in ("reflection", "replication"):
+        for n, pad in ((1, [2, 1]), (2, [1, 2, 2, 1]), (3, [1, 1, 2, 1, 1, 1])):
+            xi = r(*shapes[n])
+            padded = getattr(aten, f"{kind}_pad{n}d").default(xi, pad)
+            add(f"{kind}_pad{n}d.default", xi, pad)
+            add(f"{kind}_pad{n}d_backward.default", r(*padded.shape), xi, pad)
+    add("im2col.default", x4, [2, 2], [1, 1], [0, 0], [2, 2])
+    add("col2im.default", r(2, 16, 16), [8, 8], [2, 2], [1, 1], [0, 0], [2, 2])
+
     # along one dim, norms
     for name in ("cumsum", "cumprod", "logcumsumexp"):
         add(f"{name}.default", x3, 2)
@@ -299,6 +319,10 @@ def samples() -> list[tuple[str, tuple, dict]]:
         add("mse_loss.default", x3, r(4, 2, 8), red)
         o = aten.mse_loss.default(x3, r(4, 2, 8), red)
         add("mse_loss_backward.default", r(*o.shape), x3, r(4, 2, 8), red)
+        for loss, arg in (("smooth_l1_loss", 0.5), ("huber_loss", 0.7)):
+            add(f"{loss}.default", x3, r(4, 2, 8), red, arg)
+            lo = getattr(aten, loss).default(x3, r(4, 2, 8), red, arg)
+            add(f"{loss}_backward.default", r(*lo.shape), x3, r(4, 2, 8), red, arg)
 
     add("nll_loss_forward.default", logp[0], tgt[0], wt, 1, -100)  # one row, no batch dim
     o, total = aten.nll_loss_forward.default(logp[0], tgt[0], wt, 1, -100)
@@ -309,6 +333,15 @@ def samples() -> list[tuple[str, tuple, dict]]:
     add("view.default", x3, [4, 2, 2, 4])
     add("view.default", r(8, 8), [2, 4, 8])
     add("_unsafe_view.default", x3, [4, 16])
+    # many-to-many groups in their common factors: (a, bc) -> (ab, c) (attention heads), and back
+    add("view.default", r(4, 2, 8), [4, 4, 4])
+    add("view.default", r(4, 4, 4), [4, 2, 8])
+    add("_unsafe_view.default", r(8, 4), [4, 8])
+    # complex numbers (rotary embeddings written with them): pairs of reals <-> complex, the conjugate
+    add("view_as_complex.default", r(4, 8, 2))
+    add("view_as_real.default", torch.randn(4, 8, dtype=torch.complex128))
+    add("_conj.default", torch.randn(4, 8, dtype=torch.complex128))
+    add("conj_physical.default", torch.randn(4, 8, dtype=torch.complex128))
     add("reshape.default", x3, [2, 4, 8])
     add("permute.default", x3, [2, 0, 1])
     add("transpose.int", x3, 0, 2)

@@ -59,6 +59,7 @@ def test_capture_into_missing_directory_fails_cleanly(capsys, tmp_path):
     ("non_scalar_loss", "loss_fn must return a scalar"),
     ("raises", "cannot build the model"),
     ("foreign_optimizer", "not a parameter of the model"),
+    ("batchnorm_cumulative", "give each BatchNorm a numeric momentum"),
     ("unsupported_optimizer", "is not supported"),
     ("no_such_function", "has no function 'no_such_function'"),
 ])
@@ -76,6 +77,9 @@ def test_a_batch_that_does_not_split_into_micro_batches_is_one_sentence(capsys, 
     code, _, err = run(capsys, "run", f"{BAD}:graph_batch", "--strategy", strategy)
     assert code == 2 and "the loss fails on a micro-batch (IndexError" in err and "use microbatches=1" in err
     assert "Traceback" not in err
+    code, _, err = run(capsys, "run", f"{BAD}:bag_offsets", "--strategy", strategy)   # every micro-batch tried
+    assert code == 2 and "the loss fails on a micro-batch (RuntimeError: offsets[0] has to be 0" in err
+    assert "Traceback" not in err and "use microbatches=1" in err
     code, _, err = run(capsys, "run", f"{BAD}:sequence_first", "--strategy", strategy)
     assert code == 2 and "the step does not trace on a micro-batch" in err and "use microbatches=1" in err
     assert "Check that the batch fits" not in err  # capture's own advice gives way to the micro-batch one

@@ -100,6 +100,23 @@ def test_a_float32_mismatch_points_to_float64():
     assert mismatch_notes(_mlp(torch.float64), 4, TOLERANCES[torch.float64]) == ""
 
 
+def test_complex_state_is_compared_in_both_parts():
+    """A complex tensor is compared on its real and imaginary parts (``.double()`` drops the imaginary part,
+    with a warning): a difference in the imaginary part alone is seen, and checking and simulating a
+    workload with a complex buffer raise no such warning."""
+    from rhino.check import as_float64
+    a = torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex128)
+    assert float((as_float64(a) - as_float64(a + 1e-3j)).abs().max()) == pytest.approx(1e-3)
+    with default_dtype(torch.float64):
+        cap = capture(load_workload(str(ROOT / "tests" / "workloads" / "variants.py") + ":complex_buffer"))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        from rhino.check import check_captured
+        assert check_captured(cap, steps=2).ok
+        r, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy("dp=2")))
+    assert r.ok, r.first_mismatch
+
+
 def test_check_float64(capsys):
     code = main(["check", MLP, "--dtype", "float64", "--json"])
     out = json.loads(capsys.readouterr().out)

@@ -12,7 +12,14 @@ from .capture.amp import autocast_on
 from .capture.optim import state_name
 from .lower import StepProgram
 
-__all__ = ["CheckResult", "check_captured", "eager_steps"]
+__all__ = ["CheckResult", "as_float64", "check_captured", "eager_steps"]
+
+
+def as_float64(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as float64 for a comparison: a complex tensor as its real and imaginary parts (``.double()``
+    would drop the imaginary part)."""
+    return torch.view_as_real(t.resolve_conj()).double() if t.is_complex() else t.double()
+
 
 # torch.testing.assert_close's float32 defaults.
 RTOL, ATOL = 1.3e-6, 1e-5
@@ -73,7 +80,7 @@ def check_captured(cap: Captured, steps: int = 2, seed: int = 0, rtol: float = R
         if a.shape != b.shape or a.dtype != b.dtype and a.is_floating_point() != b.is_floating_point():
             result.ok, result.first_mismatch = False, f"{name}: shape {list(a.shape)} vs {list(b.shape)}"
             break
-        a64, b64 = a.double(), b.to(a.device).double()
+        a64, b64 = as_float64(a), as_float64(b.to(a.device))
         diff = float((a64 - b64).abs().max()) if a.numel() else 0.0
         result.max_abs_diff = max(result.max_abs_diff, diff)
         if result.ok and not torch.allclose(a64, b64, rtol=rtol, atol=atol, equal_nan=True):

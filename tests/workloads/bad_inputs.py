@@ -77,6 +77,26 @@ def graph_batch():
     return model, torch.optim.SGD(model.parameters(), lr=0.1), loss, (x, edges, y)
 
 
+def batchnorm_cumulative():
+    """``BatchNorm1d(momentum=None)``: torch reads ``1 / num_batches_tracked`` as a Python number in the
+    module's forward, which a graph cannot hold; the sentence names the momentum, not torch.where."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4, momentum=None))
+    return m, torch.optim.SGD(m.parameters(), lr=0.1), lambda m, x: m(x).square().mean(), (torch.randn(8, 4),)
+
+
+def bag_offsets():
+    """``nn.EmbeddingBag`` on a flat list of 24 ids with 8 bag offsets: both split in two, but the second
+    micro-batch's offsets start at 12, not 0 (its first micro-batch is valid: only the second fails)."""
+    torch.manual_seed(0)
+    bag = nn.EmbeddingBag(20, 4, mode="mean")
+    g = torch.Generator().manual_seed(0)
+    flat = torch.randint(0, 20, (24,), generator=g)
+    y = torch.randn(8, 4, generator=g)
+    return bag, torch.optim.SGD(bag.parameters(), lr=0.1), \
+        lambda m, f, o, y: F.mse_loss(m(f, o), y), (flat, torch.arange(0, 24, 3), y)
+
+
 def sequence_first():
     """A (time, batch, features) input beside per-sample labels: a micro-batch takes time steps of one and
     samples of the other, so the step does not even trace on it."""

@@ -293,3 +293,25 @@ def maxnorm_embedding():
     g = torch.Generator().manual_seed(3)
     t, y = torch.randint(0, 40, (8, 5), generator=g), torch.randint(0, 40, (8,), generator=g)
     return net, torch.optim.SGD(net.parameters(), lr=0.1), lambda m, t, y: F.cross_entropy(m(t), y), (t, y)
+
+
+class _Rotation(nn.Module):
+    """A complex buffer (unit rotations) applied to pairs of a linear layer's outputs."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("rot", torch.polar(torch.ones(2), torch.tensor([0.3, 0.7])))
+
+    def forward(self, x):
+        z = torch.view_as_complex(self.lin(x).reshape(-1, 2, 2))
+        return torch.view_as_real(z * self.rot).flatten(1)
+
+
+def complex_buffer():
+    """Complex state: the comparisons read both its parts."""
+    torch.manual_seed(0)
+    model = _Rotation()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, x, y: F.mse_loss(m(x), y), (x, y)

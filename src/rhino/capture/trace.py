@@ -297,7 +297,8 @@ def _trace(step, flat, workload: Workload) -> torch.fx.GraphModule:
         with autocast_on("cpu"), torch.backends.mkldnn.flags(enabled=False), _value_checks_off():
             return make_fx(step, tracing_mode="fake")(*flat)
     except _DATA_DEPENDENT as exc:
-        fix = _VALUE_SHAPE_FIXES.get(getattr(exc, "func", None), "use tensor ops such as torch.where instead")
+        fix = _VALUE_SHAPE_FIXES.get(getattr(exc, "func", None)) or _module_fix(exc) or \
+            "use tensor ops such as torch.where instead"
         raise CaptureError(f"tracing stopped at {_user_frame(exc, workload)}: Python control flow or a "
                            f"shape depends on a tensor's value (.item(), bool(tensor), boolean indexing), "
                            f"which a training-step graph cannot hold; {fix}") from None
@@ -308,6 +309,24 @@ def _trace(step, flat, workload: Workload) -> torch.fx.GraphModule:
         reason = f"tracing the training step failed at {_user_frame(exc, workload)}: {first}"
         raise CaptureError(f"{reason}. Check that the batch fits the model (shapes, dtypes) and that "
                            f"loss_fn(model, *batch) runs in plain PyTorch", reason) from None
+
+
+#: torch modules that read a tensor's value in their own forward, by the file of that frame: what to change
+_MODULE_VALUE_FIXES = {
+    ("nn", "modules", "batchnorm.py"): "give each BatchNorm a numeric momentum (momentum=None keeps a cumulative "
+                                       "average whose factor 1 / num_batches_tracked is read as a Python number "
+                                       "every step)"}
+
+
+def _module_fix(exc: BaseException) -> str | None:
+    """The fix for a torch module that reads a value in its forward (``_MODULE_VALUE_FIXES``), if the
+    innermost such frame is one."""
+    for f in reversed(traceback.extract_tb(exc.__traceback__)):
+        parts = Path(f.filename).parts
+        for tail, fix in _MODULE_VALUE_FIXES.items():
+            if parts[-len(tail):] == tail:
+                return fix
+    return None
 
 
 def _user_frame(exc: BaseException, workload: Workload) -> str:

@@ -42,6 +42,7 @@ register("aten.add.Tensor aten.sub.Tensor", E, elementwise, linear=Linear.SUM)
 register("aten.neg.default aten.mul.Scalar aten.div.Scalar aten.clone.default aten.alias.default", E, elementwise,
          linear=Linear.ALL)
 register("aten.mul.Tensor", E, elementwise, linear=Linear.ONE)
+register("aten._conj.default aten.conj_physical.default", E, elementwise, linear=Linear.ALL)  # complex conjugate
 register("aten.div.Tensor", E, elementwise, linear=Linear.FIRST)
 register("aten._to_copy.default", E, elementwise, linear=Linear.CAST)
 # values not computed from the inputs

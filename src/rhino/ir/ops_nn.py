@@ -459,8 +459,10 @@ def mse_backward_rule(call: OpCall) -> Annotation:
     return Annotation(ann.inputs, ann.outputs, sizes=ann.sizes, custom=frozenset(ann.letters()))
 
 
-register("aten.mse_loss.default", L, mse_rule, flops=3)
-register("aten.mse_loss_backward.default", L, mse_backward_rule, flops=3, lowering=Lowering.MSE_LOSS_BACKWARD)
+# smooth L1 and Huber losses: (x, target, reduction, beta / delta), elementwise terms reduced like mse's
+register("aten.mse_loss.default aten.smooth_l1_loss.default aten.huber_loss.default", L, mse_rule, flops=3)
+register("aten.mse_loss_backward.default aten.smooth_l1_loss_backward.default aten.huber_loss_backward.default", L,
+         mse_backward_rule, flops=3, lowering=Lowering.MSE_LOSS_BACKWARD)
 
 
 def _like_input(call: OpCall, index: int) -> Annotation:

@@ -1,7 +1,9 @@
 """Views, data movement, creation and indexing ops (registered on import)."""
 from __future__ import annotations
 
+from itertools import accumulate
 from math import ceil, prod
+from operator import mul
 
 from .annotation import Annotation, Dim
 from .registry import Accumulate, Family, Linear, OpCall, OpKind, SizeArg, SizeRule, Values, register
@@ -23,8 +25,37 @@ def _resolve_size(size: list[int], numel: int) -> list[int]:
     return size
 
 
+def _refinement(gin: list[int], gout: list[int]) -> tuple | None:
+    """The common factors of two groups of dims with the same product, as (factor sizes, each input dim's
+    factor indices, each output dim's), or None when there are none: the cuts of both sides (their
+    running products) must each divide the next. ``(8, 64) -> (32, 16)`` (an attention's ``(batch, heads x
+    head_dim) -> (batch x heads, head_dim)``) is the factors ``8, 4, 16``: ``(a, bc) -> (ab, c)``; ``(6, 4)
+    -> (4, 6)`` has none. Dims of size 1 inside a group give none (they have no factor of their own)."""
+    if 1 in gin or 1 in gout:
+        return None
+    cuts = sorted(set(accumulate(gin, mul)) | set(accumulate(gout, mul)))
+    sizes, prev = [], 1
+    for c in cuts:
+        if c % prev:
+            return None
+        sizes.append(c // prev)
+        prev = c
+
+    def dims(group: list[int]) -> list[tuple[int, ...]]:
+        out, k = [], 0
+        for n in group:
+            first, p = k, 1
+            while p < n:
+                p *= sizes[k]
+                k += 1
+            out.append(tuple(range(first, k)))
+        return out
+    return sizes, dims(gin), dims(gout)
+
+
 def view_rule(call: OpCall) -> Annotation:
-    """Reshape: group dims whose products match; a 1-to-many group is a merged dim."""
+    """Reshape: group dims whose products match; a 1-to-many group is a merged dim, a many-to-many group
+    is written in the common factors of both sides where they exist (``_refinement``), else kept whole."""
     src = list(call.in_types[0].shape)
     dst = _resolve_size(call.arg(1, "size"), call.in_types[0].numel)
     new = NewLetters("v")
@@ -57,12 +88,18 @@ def view_rule(call: OpCall) -> Annotation:
             parts = [new(n) for n in gin]
             ins.extend((p,) for p in parts)
             outs.append(tuple(parts))
-        else:  # many-to-many: no clean correspondence; keep these dims whole
-            a = [new(n) for n in gin]
-            b = [new(n) for n in gout]
-            ins.extend((x,) for x in a)
-            outs.extend((x,) for x in b)
-            fixed.update(a + b)
+        else:  # many-to-many: the common factors of both sides where they exist, else whole dims
+            common = _refinement(gin, gout)
+            if common is None:
+                a = [new(n) for n in gin]
+                b = [new(n) for n in gout]
+                ins.extend((x,) for x in a)
+                outs.extend((x,) for x in b)
+                fixed.update(a + b)
+            else:
+                names = [new(n) for n in common[0]]
+                ins.extend(tuple(names[k] for k in dim) for dim in common[1])
+                outs.extend(tuple(names[k] for k in dim) for dim in common[2])
         i, j = ii, jj
     return Annotation((tuple(ins),), (tuple(outs),), fixed=frozenset(fixed), sizes=new.sizes)
 
@@ -133,6 +170,18 @@ def squeeze_rule(call: OpCall) -> Annotation:
     return Annotation((_spec(names),), (_spec([x for i, x in enumerate(names) if i not in drop]),))
 
 
+def complex_view_rule(call: OpCall) -> Annotation:
+    """``view_as_complex``: ``(..., 2) -> (...)``; ``view_as_real``: ``(...) -> (..., 2)``: the other dims pass
+    through, the pair of real and imaginary parts is never split."""
+    rank = call.in_types[0].rank
+    if call.op == "aten.view_as_complex.default":
+        names = letters("z", rank - 1)
+        return Annotation((_spec(names + ["pair"]),), (_spec(names),), fixed=frozenset({"pair"}), sizes={"pair": 2})
+    names = letters("z", rank)
+    return Annotation((_spec(names),), (_spec(names + ["pair"]),), fixed=frozenset({"pair"}), sizes={"pair": 2})
+
+
+register("aten.view_as_complex.default aten.view_as_real.default", V, complex_view_rule)
 register("aten.permute.default", V, permute_rule, family=Family.PERMUTE)
 register("aten.transpose.int", V, transpose_rule, family=Family.TRANSPOSE)
 register("aten.t.default", V, transpose_rule, family=Family.PERMUTE, accumulate=Accumulate.SEE_THROUGH)

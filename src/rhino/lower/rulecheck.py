@@ -154,7 +154,7 @@ def strategies(call: RecordedCall, mesh: Mesh) -> list[tuple]:
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
-    return t.detach().cpu().numpy()
+    return t.detach().cpu().resolve_conj().resolve_neg().numpy()
 
 
 def _tolerance(dtype) -> float:
@@ -166,7 +166,10 @@ def _tolerance(dtype) -> float:
 
 
 def _diff(got: np.ndarray, want: np.ndarray, tol: float) -> tuple[float, bool]:
-    """(max abs difference, within tolerance) of two arrays of equal shape (NaNs must match)."""
+    """(max abs difference, within tolerance) of two arrays of equal shape (NaNs must match; complex ones
+    part by part)."""
+    if np.iscomplexobj(got) or np.iscomplexobj(want):
+        got, want = (np.stack([a.real, a.imag], -1) for a in (got, want))
     g, w = got.astype(np.float64), want.astype(np.float64)
     nan = np.isnan(w)
     if not np.array_equal(nan, np.isnan(g)):

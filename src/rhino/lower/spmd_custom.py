@@ -139,8 +139,10 @@ def _embedding_backward(fg, node: Node, args, kwargs, strategy, ann, rp, rank: i
 
 
 def _mse_loss_backward(fg, node: Node, args, kwargs, strategy, ann, rp, rank: int) -> dict[int, object]:
+    """A mean-reduced elementwise loss's backward (mse, smooth L1, Huber: ``(grad, x, target, reduction[,
+    beta])``) on a shard: the sum-reduced backward over the global element count."""
     numel = rp.graph.types[node.args[1].id].numel
-    call = fg.call_function(aten.mse_loss_backward.default, (args[0], args[1], args[2], 2))
+    call = fg.call_function(resolve_op(node.op), (args[0], args[1], args[2], 2, *args[4:]), kwargs)
     return {node.outputs[0]: fg.call_function(aten.div.Scalar, (call, numel))}
 
 

@@ -23,7 +23,7 @@ import torch
 from ..capture import Captured, default_dtype
 from ..capture.amp import autocast_on
 from ..capture.optim import state_name
-from ..check import eager_steps
+from ..check import as_float64, eager_steps
 from ..ir.graph import Role
 from ..sharding.plan import ResolvedPlan
 from .collectives import shard_tensor
@@ -161,7 +161,7 @@ def compare_ranks(rp: ResolvedPlan, ranks: dict[int, dict], ref: Reference, tol:
 
     def visit(what: str, got: torch.Tensor, want: torch.Tensor, bound: float | None = None) -> None:
         out.compared += 1
-        a, b = got.detach().cpu().double(), want.detach().cpu().double()
+        a, b = as_float64(got.detach().cpu()), as_float64(want.detach().cpu())
         same_shape = a.shape == b.shape
         diff = float((a - b).abs().max()) if same_shape and a.numel() else (0.0 if same_shape else float("inf"))
         out.max_abs_diff = max(out.max_abs_diff, diff)

@@ -65,15 +65,18 @@ def checked_microbatch_graph(cap: Captured, microbatches: int) -> Graph | None:
 
 
 def check_microbatch_loss(cap: Captured, microbatches: int) -> None:
-    """The workload's loss on its first micro-batch (the first B/m rows of every batch tensor), in plain
-    PyTorch on a copy of the model, before any process starts: a batch whose rows are not independent samples
-    (a graph's edge list indexing its node rows) fails here with a sentence instead of inside every rank. The
-    capture cannot see this: it runs on fake tensors, which do not check index values."""
+    """The workload's loss on each of its micro-batches (rows ``k B/m`` to ``(k+1) B/m`` of every batch
+    tensor), in plain PyTorch on a copy of the model, before any process starts: a batch whose rows are not
+    independent samples (a graph's edge list indexing its node rows; ``embedding_bag`` offsets, whose second
+    micro-batch does not start at 0) fails here with a sentence instead of inside every rank. The capture
+    cannot see this: it runs on fake tensors, which do not check index values."""
     w = cap.workload
-    micro = tuple(b[:b.shape[0] // microbatches] for b in w.batch)
+    model = copy.deepcopy(w.model)
     try:   # the caller's random stream stays where it was (dropout would draw from it)
         with torch.no_grad(), torch.random.fork_rng():
-            w.loss_fn(copy.deepcopy(w.model), *micro)
+            for k in range(microbatches):
+                w.loss_fn(model, *(b[k * (b.shape[0] // microbatches):(k + 1) * (b.shape[0] // microbatches)]
+                                   for b in w.batch))
     except (IndexError, RuntimeError, ValueError) as exc:
         raise microbatch_error(exc, microbatches) from None
 

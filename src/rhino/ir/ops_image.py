@@ -1,0 +1,73 @@
+"""Image and signal ops on ``(batch, channels, *spatial)`` tensors: resampling, reflection and replication
+padding, ``unfold`` / ``fold`` (registered on import). The batch and channel dims pass through and may be
+split; the spatial dims are fixed (each output pixel reads a neighbourhood of input pixels)."""
+from __future__ import annotations
+
+from .annotation import Annotation
+from .registry import OpCall, OpKind, SizeArg, SizeRule, register
+from .rules import NewLetters, letters
+
+_SPATIAL = {"1d": 1, "2d": 2, "3d": 3}
+
+
+def _spatial(op: str) -> int:
+    """Spatial dims of ``op`` from its name (``upsample_bilinear2d_backward`` -> 2)."""
+    return next(n for tag, n in _SPATIAL.items() if tag in op.split(".")[1])
+
+
+def _lead_fixed(shape: tuple[int, ...], n_sp: int, lead: list[str], new: NewLetters) -> tuple:
+    """``shape`` as the shared leading letters and fresh (fixed) spatial letters."""
+    return tuple((x,) for x in lead) + tuple((new(n),) for n in shape[len(shape) - n_sp:])
+
+
+def spatial_rule(call: OpCall) -> Annotation:
+    """One tensor in, one out (``upsample_*``, ``reflection_pad*``, ``replication_pad*`` and the resampling
+    backwards, whose input is the gradient): the leading dims shared, the spatial dims fixed."""
+    x, out = call.in_types[0].shape, call.out_types[0].shape
+    n_sp = _spatial(call.op)
+    lead, new = letters("l", len(x) - n_sp), NewLetters("s")
+    ins = _lead_fixed(x, n_sp, lead, new)
+    outs = _lead_fixed(out, n_sp, lead, new)
+    return Annotation((ins,), (outs,), fixed=frozenset(new.sizes), sizes=new.sizes)
+
+
+def pad_backward_rule(call: OpCall) -> Annotation:
+    """``reflection_pad*_backward`` / ``replication_pad*_backward(grad_out, x, padding)`` -> grad_x like x."""
+    g, x = call.in_types[0].shape, call.in_types[1].shape
+    n_sp = _spatial(call.op)
+    lead, new = letters("l", len(x) - n_sp), NewLetters("s")
+    xs = _lead_fixed(x, n_sp, lead, new)
+    return Annotation((_lead_fixed(g, n_sp, lead, new), xs), (xs,), fixed=frozenset(new.sizes), sizes=new.sizes)
+
+
+def im2col_rule(call: OpCall) -> Annotation:
+    """``im2col(x [n c h w], kernel, dilation, padding, stride)`` -> ``[n, c * kh * kw, blocks]`` (``F.unfold``):
+    channel-major, so a split of the channels is a split of the output's dim 1 (``(c k)``)."""
+    n, c, h, w = call.in_types[0].shape
+    _, ck, blocks = call.out_types[0].shape
+    sizes = {"n": n, "c": c, "h": h, "w": w, "k": ck // c, "b": blocks}
+    return Annotation(((("n",), ("c",), ("h",), ("w",)),), ((("n",), ("c", "k"), ("b",)),),
+                      fixed=frozenset("hwkb"), sizes=sizes)
+
+
+def col2im_rule(call: OpCall) -> Annotation:
+    """``col2im(cols [n, c * kh * kw, blocks], output_size, kernel, ...)`` -> ``[n c h w]`` (``F.fold``)."""
+    n, ck, blocks = call.in_types[0].shape
+    _, c, h, w = call.out_types[0].shape
+    sizes = {"n": n, "c": c, "h": h, "w": w, "k": ck // c, "b": blocks}
+    return Annotation(((("n",), ("c", "k"), ("b",)),), ((("n",), ("c",), ("h",), ("w",)),),
+                      fixed=frozenset("hwkb"), sizes=sizes)
+
+
+_RESAMPLE = ["upsample_nearest1d", "upsample_nearest2d", "upsample_nearest3d", "_upsample_nearest_exact1d",
+             "_upsample_nearest_exact2d", "_upsample_nearest_exact3d", "upsample_linear1d", "upsample_bilinear2d",
+             "upsample_bicubic2d", "upsample_trilinear3d"]
+_PADS = [f"{kind}_pad{n}d" for kind in ("reflection", "replication") for n in (1, 2, 3)]
+M = OpKind.DATA_MOVEMENT
+register([f"aten.{op}.default" for op in _RESAMPLE + _PADS], M, spatial_rule)
+# the backward's ``input_size`` names the whole input: a rank's is its gradient's local shape
+register([f"aten.{op}_backward.default" for op in _RESAMPLE], M, spatial_rule,
+         size_args=(SizeArg(2, SizeRule.OUT_SHAPE),))
+register([f"aten.{op}_backward.default" for op in _PADS], M, pad_backward_rule)
+register("aten.im2col.default", M, im2col_rule)
+register("aten.col2im.default", M, col2im_rule)
