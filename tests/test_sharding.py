@@ -113,6 +113,38 @@ def test_fused_qkv_is_strided_and_never_gathered():
         assert plan.inputs[f"opt/{n}/exp_avg"] == (Shard(0, 3),)
 
 
+def _activation_moves(rp):
+    """Inputs of forward and backward nodes that must change layout, Partial sums reduced excepted."""
+    from rhino.sharding.placement import Partial
+    from rhino.sharding.redistribute import same_layout
+    moves = []
+    for node in rp.graph.nodes:
+        for ref, req in zip(node.input_refs(), rp.node[node.name].inputs):
+            have = rp.value[ref.id]
+            if not any(isinstance(p, Partial) for p in have) and \
+                    not same_layout(rp.graph.types[ref.id].shape, have, req, rp.plan.mesh):
+                moves.append((node.name, have, req))
+    return moves
+
+
+def test_multihead_attention_keeps_the_batch_and_splits_its_packed_projection_by_thirds():
+    """nn.MultiheadAttention (the BERT example) views ``(seq, batch, heads x dim)`` as ``(seq, batch x heads,
+    dim)``: written in the common factors of both sides, its batch split passes through, so dp moves no
+    activation but a replicated tensor's local slice (the positions' embedding rows); its packed
+    in-projection ``(seq, batch, 3E) -> (seq, batch, 3, E)``, selected three times, is split by thirds under
+    tp like a fused QKV. Before, dp split the sequence at those views and all-to-all'ed it back at the
+    attention (28 moves), and tp split q and half of k onto one rank."""
+    cap = captured("bert")
+    rp = resolve(cap.graph, preset_plan(cap.graph, parse_strategy("dp=2")))
+    moves = _activation_moves(rp)
+    assert all(h == (Replicate(),) for _, h, _ in moves), moves[:3]
+    plan = preset_plan(cap.graph, parse_strategy("tp=2"))
+    packed = [n for n in plan.inputs if n.endswith("attn.in_proj_weight")]
+    assert packed and all(plan.inputs[n] == (Shard(0, 3),) for n in packed)
+    r, _ = simulate_plan(cap, plan)
+    assert r.ok and r.max_abs_diff < 1e-12, r.first_mismatch
+
+
 def test_zero3_holds_a_quarter_of_parameters_and_optimizer_state():
     cap = captured("gpt")
     single = {}

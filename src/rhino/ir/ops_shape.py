@@ -298,7 +298,7 @@ def stack_rule(call: OpCall) -> Annotation:
 
 D = OpKind.DATA_MOVEMENT
 register("aten.slice.Tensor", V, slice_rule)
-register("aten.select.int", V, select_rule)
+register("aten.select.int", V, select_rule, family=Family.SELECT)
 register("aten.split.Tensor", V, split_rule, size_args=(SizeArg(1, SizeRule.SPLIT_SIZE),), family=Family.SPLIT)
 register("aten.split_with_sizes.default", V, split_rule, size_args=(SizeArg(1, SizeRule.SPLIT_SIZES),),
          family=Family.SPLIT)
@@ -306,7 +306,7 @@ register("aten.split_with_sizes.default", V, split_rule, size_args=(SizeArg(1, S
 register("aten.unsafe_split.Tensor", V, split_rule, size_args=(SizeArg(1, SizeRule.SPLIT_SIZE),), family=Family.SPLIT)
 register("aten.unsafe_split_with_sizes.default", V, split_rule, size_args=(SizeArg(1, SizeRule.SPLIT_SIZES),),
          family=Family.SPLIT)
-register("aten.unbind.int", V, unbind_rule)
+register("aten.unbind.int", V, unbind_rule, family=Family.UNBIND)
 register("aten.cat.default", D, cat_rule, linear=Linear.ALL, family=Family.CAT)
 register("aten.stack.default", D, stack_rule)
 

@@ -117,6 +117,8 @@ class Family(str, Enum):
     SPLIT = "split"            # into chunks along a dim (arguments 1: sizes, 2: dim)
     CAT = "cat"                # concatenation along a dim
     EMBEDDING = "embedding"    # a lookup of rows of the table in argument 0
+    SELECT = "select"          # one index (argument 2) along a dim (argument 1), which it removes
+    UNBIND = "unbind"          # every index along a dim (argument 1), one output each
 
 
 class Accumulate(str, Enum):

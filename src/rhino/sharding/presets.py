@@ -25,7 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir.graph import Graph, Role
-from ..ir.registry import Family, OpKind, lookup
+from ..ir.registry import Family, OpKind, annotate, call_of, lookup
 from ..ir.stages import SCHEDULES, Schedule, contiguous_cut
 from .mesh import Mesh
 from .placement import Replicate, Shard, Sharding
@@ -205,10 +205,60 @@ def _family(op: str) -> Family | None:
     return opdef.family if opdef is not None else None
 
 
+def _same_shape_elementwise(user, graph: Graph, vid: int) -> bool:
+    """``user`` is an element-wise op whose output has ``vid``'s shape (a bias added, a cast)."""
+    opdef = lookup(user.op)
+    return (opdef is not None and opdef.kind is OpKind.ELEMENTWISE and len(user.outputs) == 1
+            and user.outputs[0] is not None and graph.types[user.outputs[0]].shape == graph.types[vid].shape)
+
+
+def _moved_dim(graph: Graph, user, vid: int, dim: int) -> int | None:
+    """Where dim ``dim`` of ``vid`` is in the output of ``user``, a one-input view or element-wise op that
+    only moves it (unsqueeze, squeeze, transpose, permute, a copy: the output dim carries exactly the
+    letter of that input dim in the op's annotation), else None."""
+    opdef = lookup(user.op)
+    refs = user.input_refs()
+    if opdef is None or opdef.kind not in (OpKind.VIEW, OpKind.ELEMENTWISE) or len(refs) != 1 or \
+            refs[0].id != vid or not user.outputs or user.outputs[0] is None:
+        return None
+    ann = annotate(call_of(graph, user))
+    if ann is None:
+        return None
+    spec = ann.inputs[0][dim]
+    return next((j for j, d in enumerate(ann.outputs[0]) if len(spec) == 1 and d == spec), None)
+
+
+def _taken_apart(graph: Graph, users: dict, vid: int, dim: int, k: int) -> bool:
+    """Whether dim ``dim`` (of size ``k``) of ``vid`` is taken apart into its ``k`` slices (a ``select`` of each
+    index, an ``unbind``, or a split into ``k``), after ops that only move it (``_moved_dim``):
+    nn.MultiheadAttention's packed in-projection is viewed as ``(..., 3, E)``, moved to the front and
+    selected three times."""
+    for _ in range(8):
+        nxt = users.get(vid, [])
+        rank = graph.types[vid].rank
+        if nxt and all(_family(u.op) is Family.SELECT for u in nxt):
+            return (all(int(u.args[1]) % rank == dim for u in nxt)
+                    and sorted(int(u.args[2]) % k for u in nxt) == list(range(k)))
+        if len(nxt) != 1:
+            return False
+        user = nxt[0]
+        family = _family(user.op)
+        if family in (Family.UNBIND, Family.SPLIT):
+            along = user.args[1] if family is Family.UNBIND else user.args[2] if len(user.args) > 2 else 0
+            return int(along) % rank == dim and len([v for v in user.outputs if v is not None]) == k
+        moved = _moved_dim(graph, user, vid, dim)
+        if moved is None:
+            return False
+        vid, dim = user.outputs[0], moved
+    return False
+
+
 def _chunks_downstream(graph: Graph, users: dict, node, width: int) -> int:
-    """If the matmul's output (through reshapes that keep the last dim, and transposes, which move it:
-    Mamba's in_proj output is transposed to channels-first before its split) is split into k equal
-    chunks along that dim (a fused QKV or gate/up projection), k; else 1. ``users``: ``graph.users()``."""
+    """If the matmul's output (through reshapes that keep the last dim, transposes, which move it: Mamba's
+    in_proj output is transposed to channels-first before its split, and a bias added) is split into k
+    equal chunks along that dim (a fused QKV or gate/up projection), or reshaped to ``(..., k, ...)`` whose
+    k slices are then taken apart (``_taken_apart``: nn.MultiheadAttention's packed projection), k; else 1.
+    ``users``: ``graph.users()``."""
     vid = node.outputs[0]
     col = graph.types[vid].rank - 1   # where the matmul's output column dim is now
     for _ in range(4):
@@ -226,6 +276,14 @@ def _chunks_downstream(graph: Graph, users: dict, node, width: int) -> int:
             a, b = (int(x) % rank for x in user.args[1:3])
             vid, col = user.outputs[0], b if col == a else a if col == b else col
             continue
+        out = graph.types[user.outputs[0]].shape if user.outputs and user.outputs[0] is not None else None
+        if _same_shape_elementwise(user, graph, vid):  # a bias added to the projection
+            vid = user.outputs[0]
+            continue
+        if (family is Family.RESHAPE and col == rank - 1 and out is not None and len(out) > rank
+                and tuple(out[:rank - 1]) == tuple(graph.types[vid].shape[:rank - 1])):
+            k = out[rank - 1]   # the column dim reshaped as (k, ...): chunks when its k slices are taken apart
+            return k if k > 1 and _taken_apart(graph, users, user.outputs[0], rank - 1, k) else 1
         if family is Family.SPLIT:
             dim = user.args[2] if len(user.args) > 2 else user.kwargs.get("dim", 0)
             if dim % rank != col:
