@@ -172,6 +172,22 @@ def test_rhino_run_memory_plan(tmp_path, capsys):
     assert rc == 0 and out["ok"] and out["max_abs_diff"] <= 1e-9
     assert [m["rank"] for m in out["memory_plan"]] == [0, 1]
     assert all(m["arena_bytes"] == m["plan_bytes"] > 0 for m in out["memory_plan"])
+    assert len({m["arena_bytes"] for m in out["memory_plan"]}) == 1   # equal programs, one plan (plan_ranks)
+
+
+def test_plans_made_before_the_ranks_start_are_checked_on_each_rank():
+    """``rhino run --memory-plan`` plans each distinct rank program once before the ranks start
+    (``plan_ranks``); a rank runs the plan it is handed after checking it against its own program, and
+    refuses one made for another program."""
+    from rhino.runtime.arena_step import ArenaRankStep, plan_ranks
+    cap, rp = _setup("mlp", "dp=2")
+    plans = plan_ranks(cap.graph, rp.plan, "O1", 20)
+    assert sorted(plans) == [0, 1] and plans[0] is plans[1] and plans[0].valid
+    step = ArenaRankStep(cap.graph, rp.plan, 1, planned=plans[1])
+    assert step.plan_bytes == plans[1].plan.height
+    tp = preset_plan(cap.graph, parse_strategy("tp=2"))
+    with pytest.raises(AssertionError, match="rank 0's memory plan is invalid"):
+        ArenaRankStep(cap.graph, rp.plan, 0, planned=plan_ranks(cap.graph, tp, "O1", 20)[0])
 
 
 def test_recompute_plan_per_rank_runs_exactly():

@@ -20,11 +20,11 @@ import torch
 from ..ir.graph import Graph
 from ..lower.arena import ArenaProgram
 from ..lower.rank_graph import RankMemory, rank_memories
-from ..memory.step_report import StepMemoryReport, plan_step_memory
+from ..memory.step_report import StepMemoryReport, check_plan, plan_rank_memory, plan_step_memory
 from ..sharding.plan import ResolvedPlan, ShardingPlan, resolve
 from .rank_step import with_recompute
 
-__all__ = ["ArenaRankStep", "rank_resolved_plan", "check_memory_plan_supported", "MICROBATCH_MEMORY_PLAN"]
+__all__ = ["ArenaRankStep", "rank_resolved_plan", "check_memory_plan_supported", "plan_ranks", "MICROBATCH_MEMORY_PLAN"]
 
 
 def check_memory_plan_supported(plan: ShardingPlan) -> None:
@@ -50,17 +50,33 @@ def rank_resolved_plan(graph: Graph, plan: ShardingPlan) -> ResolvedPlan:
     return resolve(g, dataclasses.replace(p, fingerprint=""))
 
 
+def plan_ranks(graph: Graph, plan: ShardingPlan, level: str = "O1", time_limit: float = 60.0) -> dict[int, StepMemoryReport]:
+    """Every rank's memory plan, each distinct program planned once (``memory.step_report.plan_rank_memory``):
+    what ``rhino run --memory-plan`` hands its ranks before they start, so that ranks with equal programs run
+    equal arenas (planned in each rank, a time-limited search can end at different heights)."""
+    from ..lower.rank_graph import probed_rank_problems
+    _, problems = probed_rank_problems(rank_resolved_plan(graph, plan))
+    report = plan_rank_memory(problems, level=level, time_limit=time_limit)
+    return {r: report.of_rank(r) for r, _, _ in problems}
+
+
 class ArenaRankStep:
     """One rank's step in its planned arena; ``run(local_state, local_batch)`` as ``RankStep.run``."""
 
     def __init__(self, graph: Graph, plan: ShardingPlan, rank: int, device: torch.device | str = "cpu", *,
-                 level: str = "O1", time_limit: float = 60.0) -> None:
+                 level: str = "O1", time_limit: float = 60.0, planned: StepMemoryReport | None = None) -> None:
+        """``planned``: this rank's plan made beforehand (``plan_ranks``: once per distinct program, so equal
+        programs get equal arenas), checked here against this rank's own problem; else planned here."""
         self.plan, self.rank, self.device, self.microbatches = plan, rank, torch.device(device), 1
         self.rp = rank_resolved_plan(graph, plan)
         self.memory: RankMemory = rank_memories(self.rp, [rank])[0]
         m = self.memory
-        self.report: StepMemoryReport = plan_step_memory(m.problem, m.mapping, workload=f"rank {rank}", level=level,
-                                                         time_limit=time_limit)
+        if planned is None:
+            planned = plan_step_memory(m.problem, m.mapping, workload=f"rank {rank}", level=level,
+                                       time_limit=time_limit)
+        elif planned.valid:   # the independent check, on the problem this rank runs
+            planned.invalid_reason = check_plan(m.problem, planned.plan)
+        self.report: StepMemoryReport = planned
         if not self.report.valid:
             raise AssertionError(f"rank {rank}'s memory plan is invalid: {self.report.invalid_reason}")
         p = self.report.plan

@@ -54,7 +54,7 @@ class RunResult:
 
 def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, steps: int, timeout_s: float,
                measure: bool = False, micro_json: str | None = None, overlap: bool = False,
-               memory_plan: str | None = None):
+               memory_plan: str | None = None, rank_plans: dict | None = None):
     graph = Graph.from_json(graph_json)
     plan = ShardingPlan.from_json(plan_json)
     rp = resolve(graph, plan)
@@ -63,7 +63,8 @@ def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, 
     set_context(mesh, ctx.rank, groups, TORCH_COLLECTIVES)
     if memory_plan:   # this rank's step in its planned arena (level ``memory_plan``)
         from .arena_step import ArenaRankStep
-        step_fn = ArenaRankStep(graph, plan, ctx.rank, ctx.device, level=memory_plan)
+        step_fn = ArenaRankStep(graph, plan, ctx.rank, ctx.device, level=memory_plan,
+                                planned=(rank_plans or {}).get(ctx.rank))
     else:
         step_fn = RankStep(graph, plan, ctx.rank, ctx.device, overlap=overlap,
                            micro_graph=Graph.from_json(micro_json) if micro_json else None)
@@ -107,8 +108,9 @@ def run_plan(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, time
     reference is PyTorch's gradient-accumulation loop (``runtime.compare.accumulation_steps``).
     ``overlap``: the ranks run the overlapped programs (``lower.overlap``) instead of the blocking ones.
     ``memory_plan``: a memory-planning level (O1, O2): each rank runs its planned order inside one arena
-    (``runtime.arena_step.ArenaRankStep``; blocking collectives); ``RunResult.memory_plan`` gives each
-    rank's arena bytes and plan height.
+    (``runtime.arena_step.ArenaRankStep``; blocking collectives), each distinct rank program planned once
+    here before the ranks start (``arena_step.plan_ranks``); ``RunResult.memory_plan`` gives each rank's
+    arena bytes and plan height.
 
     ``measure``: the first step counts each rank's peak of live tensor bytes (``LiveBytesMeter``) and
     the later steps are timed between barriers (``RunResult.step_seconds``: slowest rank per step).
@@ -131,14 +133,16 @@ def run_plan(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, time
         raise ValueError(f"the plan's mesh {plan.mesh} has {plan.mesh.world} devices but --nproc is {nproc}; "
                          f"pass --nproc {plan.mesh.world} or another strategy")
     if memory_plan:
-        from .arena_step import check_memory_plan_supported
+        from .arena_step import check_memory_plan_supported, plan_ranks
         check_memory_plan_supported(plan)
     micro = checked_microbatch_graph(cap, plan.microbatches)
     prog0 = RankStep(graph, plan, 0, micro_graph=micro).programs[0]  # checks the plan before processes start
     state = cap.initial_state()
     batch = tuple(b.detach() for b in cap.workload.batch)
+    # each distinct rank program planned once, here, before the ranks start (under torchrun each rank plans its own)
+    rank_plans = plan_ranks(graph, plan, memory_plan) if memory_plan and not in_torchrun() else None
     args = (graph.to_json(), plan.to_json(), state, batch, steps, timeout_s, measure,
-            micro.to_json() if micro is not None else None, overlap, memory_plan)
+            micro.to_json() if micro is not None else None, overlap, memory_plan, rank_plans)
     if in_torchrun():
         results = {int(__import__("os").environ["RANK"]): run_from_env(_rank_main, *args, timeout_s=timeout_s)}
     else:
