@@ -4,7 +4,8 @@
 The rank's program is the blocking one ``RankStep`` runs without overlap, as an IR graph
 (``lower.rank_graph``); its memory problem is planned here (``memory.step_report.plan_step_memory``: order,
 aligned offsets, independent checks) and executed by ``lower.arena.ArenaProgram``, whose communication nodes
-call ``spmd_ops.redistribute`` on the process context (blocking: no overlap in arena mode). Each rank plans
+call ``spmd_ops.redistribute`` on the process context (blocking: no overlap in arena mode). ``rhino run``
+plans each distinct rank program once before the ranks start (``plan_ranks``); under torchrun each rank plans
 its own problem; the collective-order constraint of ``rank_graph.rank_problem`` keeps every rank's
 collectives in program order whatever order the planner picks, so the ranks always meet.
 
