@@ -59,10 +59,10 @@ import weakref
 from dataclasses import dataclass
 from enum import Enum
 
-from .graph import STATE_ROLES, Graph, Role
-from .registry import OpKind, Values, lookup
+from .graph import STATE_ROLES, Graph, Node, Role
+from .registry import OpKind, Values, annotate, call_of, lookup
 
-__all__ = ["NodeRole", "GraphAnalysis", "analyze", "update_feeders", "batch_dependent"]
+__all__ = ["NodeRole", "GraphAnalysis", "analyze", "update_feeders", "batch_dependent", "moved_dim"]
 
 
 class NodeRole(str, Enum):
@@ -385,3 +385,19 @@ def batch_dependent(graph: Graph) -> set[int]:
         if any(r.id in dep for r in node.input_refs()):
             dep.update(v for v in node.outputs if v is not None)
     return dep
+
+
+def moved_dim(graph: Graph, node: Node, vid: int, dim: int) -> int | None:
+    """Where dim ``dim`` of value ``vid`` is in the output of ``node``, a one-input view or element-wise op that
+    only moves it (unsqueeze, squeeze, transpose, permute, a copy: the output dim carries exactly the letter
+    of that input dim in the op's annotation), else None."""
+    opdef = lookup(node.op)
+    refs = node.input_refs()
+    if opdef is None or opdef.kind not in (OpKind.VIEW, OpKind.ELEMENTWISE) or len(refs) != 1 or \
+            refs[0].id != vid or not node.outputs or node.outputs[0] is None:
+        return None
+    ann = annotate(call_of(graph, node))
+    if ann is None:
+        return None
+    spec = ann.inputs[0][dim]
+    return next((j for j, d in enumerate(ann.outputs[0]) if len(spec) == 1 and d == spec), None)

@@ -25,7 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from ..ir.graph import Graph, Role
-from ..ir.registry import Family, OpKind, annotate, call_of, lookup
+from ..ir.analysis import moved_dim
+from ..ir.registry import Family, OpKind, lookup
 from ..ir.stages import SCHEDULES, Schedule, contiguous_cut
 from .mesh import Mesh
 from .placement import Replicate, Shard, Sharding
@@ -212,25 +213,9 @@ def _same_shape_elementwise(user, graph: Graph, vid: int) -> bool:
             and user.outputs[0] is not None and graph.types[user.outputs[0]].shape == graph.types[vid].shape)
 
 
-def _moved_dim(graph: Graph, user, vid: int, dim: int) -> int | None:
-    """Where dim ``dim`` of ``vid`` is in the output of ``user``, a one-input view or element-wise op that
-    only moves it (unsqueeze, squeeze, transpose, permute, a copy: the output dim carries exactly the
-    letter of that input dim in the op's annotation), else None."""
-    opdef = lookup(user.op)
-    refs = user.input_refs()
-    if opdef is None or opdef.kind not in (OpKind.VIEW, OpKind.ELEMENTWISE) or len(refs) != 1 or \
-            refs[0].id != vid or not user.outputs or user.outputs[0] is None:
-        return None
-    ann = annotate(call_of(graph, user))
-    if ann is None:
-        return None
-    spec = ann.inputs[0][dim]
-    return next((j for j, d in enumerate(ann.outputs[0]) if len(spec) == 1 and d == spec), None)
-
-
 def _taken_apart(graph: Graph, users: dict, vid: int, dim: int, k: int) -> bool:
     """Whether dim ``dim`` (of size ``k``) of ``vid`` is taken apart into its ``k`` slices (a ``select`` of each
-    index, an ``unbind``, or a split into ``k``), after ops that only move it (``_moved_dim``):
+    index, an ``unbind``, or a split into ``k``), after ops that only move it (``ir.analysis.moved_dim``):
     nn.MultiheadAttention's packed in-projection is viewed as ``(..., 3, E)``, moved to the front and
     selected three times."""
     for _ in range(8):
@@ -246,7 +231,7 @@ def _taken_apart(graph: Graph, users: dict, vid: int, dim: int, k: int) -> bool:
         if family in (Family.UNBIND, Family.SPLIT):
             along = user.args[1] if family is Family.UNBIND else user.args[2] if len(user.args) > 2 else 0
             return int(along) % rank == dim and len([v for v in user.outputs if v is not None]) == k
-        moved = _moved_dim(graph, user, vid, dim)
+        moved = moved_dim(graph, user, vid, dim)
         if moved is None:
             return False
         vid, dim = user.outputs[0], moved
