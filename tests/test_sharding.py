@@ -145,6 +145,18 @@ def test_multihead_attention_keeps_the_batch_and_splits_its_packed_projection_by
     assert r.ok and r.max_abs_diff < 1e-12, r.first_mismatch
 
 
+def test_a_packed_projection_unbound_without_a_dim_is_split_by_thirds():
+    """``.view(B, 3, D).transpose(0, 1).unbind()`` (unbind's dim left to its default: the traced call has no
+    dim argument; the preset read one and raised IndexError): the packed weight is split by thirds, exact."""
+    with warnings.catch_warnings(), default_dtype(torch.float64):
+        warnings.simplefilter("ignore")
+        cap = capture(load_workload(str(ROOT / "tests" / "workloads" / "variants.py") + ":packed_unbind"))
+    plan = preset_plan(cap.graph, parse_strategy("tp=2"))
+    assert plan.inputs["qkv.weight"] == (Shard(0, 3),)
+    r, _ = simulate_plan(cap, plan)
+    assert r.ok and r.max_abs_diff < 1e-12, r.first_mismatch
+
+
 def test_zero3_holds_a_quarter_of_parameters_and_optimizer_state():
     cap = captured("gpt")
     single = {}

@@ -315,3 +315,22 @@ def complex_buffer():
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(6, 4, generator=g), torch.randn(6, 4, generator=g)
     return model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, x, y: F.mse_loss(m(x), y), (x, y)
+
+
+class _PackedUnbind(nn.Module):
+    """A packed projection viewed as ``(B, 3, D)``, the 3 moved to the front and unbound (no dim given)."""
+
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Linear(4, 12)
+
+    def forward(self, x):
+        q, k, v = self.qkv(x).view(x.shape[0], 3, 4).transpose(0, 1).unbind()
+        return (q * k + v).sum(-1)
+
+
+def packed_unbind():
+    torch.manual_seed(0)
+    model = _PackedUnbind()
+    x = torch.randn(8, 4, generator=torch.Generator().manual_seed(0))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, x: m(x).pow(2).mean(), (x,)

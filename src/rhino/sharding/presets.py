@@ -229,7 +229,8 @@ def _taken_apart(graph: Graph, users: dict, vid: int, dim: int, k: int) -> bool:
         user = nxt[0]
         family = _family(user.op)
         if family in (Family.UNBIND, Family.SPLIT):
-            along = user.args[1] if family is Family.UNBIND else user.args[2] if len(user.args) > 2 else 0
+            at = 1 if family is Family.UNBIND else 2   # unbind(x, dim=0), split(x, sizes, dim=0)
+            along = user.args[at] if len(user.args) > at else user.kwargs.get("dim", 0)
             return int(along) % rank == dim and len([v for v in user.outputs if v is not None]) == k
         moved = moved_dim(graph, user, vid, dim)
         if moved is None:
