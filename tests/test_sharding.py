@@ -169,6 +169,21 @@ def test_zero3_holds_a_quarter_of_parameters_and_optimizer_state():
         assert res["held"][role] <= single[role] / 4 * 1.02, (role, res["held"][role], single[role])
 
 
+@pytest.mark.parametrize("preset", ["dp=4,zero=1", "dp=4,zero=3"])
+def test_zero_sends_the_bytes_of_data_parallelism_with_sgd_weight_decay(preset):
+    """ZeRO reduce-scatters each gradient into the shard its update runs on and all-gathers the result, the
+    bytes of one all-reduce. The MLP's SGD adds ``wd * param`` to the gradient before any optimizer state is
+    read; the propagation used to all-reduce the gradient there and all-gather the new momentum after
+    (1.5x the bytes of ``dp=4``)."""
+    cap = captured("mlp")
+    dp = _collectives(cap, "dp=4")
+    zero = _collectives(cap, preset)
+    assert zero.comm_bytes == dp.comm_bytes, (zero.collectives, dp.collectives)
+    # only the classifier's bias (10 classes: not divisible by 4) stays replicated, hence all-reduced
+    assert zero.collectives.get("AllReduce", 0) == 1, zero.collectives
+    assert zero.collectives["ReduceScatter"] == zero.collectives["AllGather"] == 7, zero.collectives
+
+
 @pytest.mark.parametrize("name, preset", [("gpt", "dp=2,tp=2,zero=1"), ("llama", "dp=2,tp=2,zero=3"),
                                           ("moe", "dp=2,tp=2,zero=2,sp=on"), ("resnet", "dp=2,tp=2,zero=3")])
 def test_zero_beside_tensor_parallelism_halves_the_state_over_dp(name, preset):

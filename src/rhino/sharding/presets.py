@@ -155,7 +155,7 @@ def preset_plan(graph: Graph, spec: StrategySpec, *, fingerprint: str | None = N
     rule = _megatron_rule(tp, spec.sp) if tp is not None else None
     follows = {name: by_param[name] for name in lazy if name in by_param}
     prop = Propagator(graph, mesh, fixed, lazy, rule, follows, at_rest,
-                      zero_axis=dp if spec.zero and lazy else None, zero_level=spec.zero)
+                      zero_axis=dp if spec.zero else None, zero_level=spec.zero)
     plan = prop.run()
     plan.fingerprint = fingerprint or graph.fingerprint()
     plan.strategy_string = str(spec)
