@@ -62,7 +62,7 @@ from enum import Enum
 from .graph import STATE_ROLES, Graph, Node, Role
 from .registry import OpKind, Values, annotate, call_of, lookup
 
-__all__ = ["NodeRole", "GraphAnalysis", "analyze", "update_feeders", "batch_dependent", "moved_dim"]
+__all__ = ["NodeRole", "GraphAnalysis", "analyze", "update_feeders", "batch_dependent", "moved_dim", "merged_blocks"]
 
 
 class NodeRole(str, Enum):
@@ -401,3 +401,56 @@ def moved_dim(graph: Graph, node: Node, vid: int, dim: int) -> int | None:
         return None
     spec = ann.inputs[0][dim]
     return next((j for j, d in enumerate(ann.outputs[0]) if len(spec) == 1 and d == spec), None)
+
+
+def merged_blocks(graph: Graph) -> dict[int, dict[int, set[int]]]:
+    """Value -> dim -> the block counts ``k`` for which a split of that dim in ``k`` strided blocks splits
+    only an inner part of it that a view takes apart or put together: a view's output or input dim written
+    ``(a b c)`` gives ``|a|`` (``b`` split) and ``|a||b|`` (``c`` split). BERT's sequence-first
+    ``(seq, batch, d) -> (seq batch, d)`` gives the rows ``seq`` blocks (the batch split); nn.MultiheadAttention's
+    packed projection viewed as ``(..., 3, E)`` gives its columns 3 blocks (Q, K and V each split). Carried
+    forward and backward through views and element-wise ops, dim to dim by the same single letter (a
+    transpose, a bias add)."""
+    out: dict[int, dict[int, set[int]]] = {}
+
+    def add(vid: int, d: int, ks) -> None:
+        out.setdefault(vid, {}).setdefault(d, set()).update(ks)
+
+    def blocks(group: tuple, sizes: dict) -> set[int]:
+        ks, outer = set(), 1
+        for j, x in enumerate(group):
+            if j and outer > 1:
+                ks.add(outer)
+            outer *= sizes.get(x, 1)
+        return ks
+
+    moves = []
+    for node in graph.nodes:
+        opdef = lookup(node.op)
+        if opdef is None or opdef.kind not in (OpKind.VIEW, OpKind.ELEMENTWISE) or not node.outputs \
+                or node.outputs[0] is None:
+            continue
+        ann = annotate(call_of(graph, node))
+        if ann is None or not ann.outputs:
+            continue
+        vid, groups = node.outputs[0], ann.outputs[0]
+        # (input value, input dim, output dim) pairs carrying one letter
+        pairs = [(ref.id, d, j) for ref, dims in zip(node.input_refs(), ann.inputs) for d, g in enumerate(dims)
+                 for j, h in enumerate(groups) if len(g) == 1 and g == h]
+        moves.append((vid, pairs))
+        for src, d, j in pairs:
+            if d in out.get(src, {}):
+                add(vid, j, out[src][d])
+        if opdef.kind is OpKind.VIEW:
+            for d, group in enumerate(groups):
+                if blocks(group, ann.sizes):
+                    add(vid, d, blocks(group, ann.sizes))
+            refs = node.input_refs()
+            for d, group in enumerate(ann.inputs[0] if refs else ()):
+                if blocks(group, ann.sizes):
+                    add(refs[0].id, d, blocks(group, ann.sizes))
+    for vid, pairs in reversed(moves):
+        for src, d, j in pairs:
+            if j in out.get(vid, {}):
+                add(src, d, out[vid][j])
+    return out

@@ -47,7 +47,8 @@ class SearchOptions:
 
     # -- strategy space ------------------------------------------------------------------------
     #: Strided splits ``x/k`` for the chunk counts ``k`` of fused tensors found in the graph
-    #: (a fused QKV split into 3). Off: only contiguous splits.
+    #: (a fused QKV split into 3) and for dims a view merges or takes apart (``ir.analysis.merged_blocks``:
+    #: a batch split seen through BERT's ``(seq batch, d)`` rows). Off: only contiguous splits.
     strided_splits: bool = True
     #: Partial passthrough (``~``) for linear ops: a Partial input stays Partial through them.
     partial_passthrough: bool = True

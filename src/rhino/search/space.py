@@ -9,7 +9,11 @@ says which strategies a node may take and derives the strategy of a node from it
   axis, replicate, split any letter the annotation allows (batch, contracting -> Partial, each output
   dim), strided splits ``x/k`` of letters that are the whole of a fused tensor split into ``k`` equal
   chunks somewhere in the graph (a fused QKV), and partial passthrough where the op is linear; the
-  cartesian product over axes, minus what the rules reject (uneven splits, fixed dims).
+  cartesian product over axes, minus what the rules reject (uneven splits, fixed dims). Also strided
+  splits ``x/k`` of a letter on an input or output dim that a view merges or takes apart
+  (``ir.analysis.merged_blocks``): BERT's sequence-first ``(seq, batch, d) -> (seq batch, d)`` gives its
+  projection matmul ``m/seq`` (the batch split, which it could otherwise only take by gathering), and
+  nn.MultiheadAttention's packed projection viewed as ``(..., 3, E)`` gives ``n/3``.
 - **Followed** (``follow``): a node that takes one input as it arrives: per axis, the letter whose
   split gives exactly that input's placement (a strided shard of a merged dim maps to ``x/k``), a
   passthrough for a Partial input of a linear op, else replicated (the input is then reduced or
@@ -27,6 +31,7 @@ from __future__ import annotations
 import itertools
 from math import prod
 
+from ..ir.analysis import merged_blocks
 from ..ir.annotation import letter_sizes
 from ..ir.graph import Graph, Role
 from ..ir.registry import Family, OpKind, annotate, call_of, call_signature, lookup
@@ -98,9 +103,10 @@ class Space:
         self.graph, self.mesh, self.options = graph, mesh, options
         self.none = (None,) * mesh.ndim
         if like is not None:
-            self.fused, self._info, self._same = like.fused, like._info, like._same
+            self.fused, self.merged, self._info, self._same = like.fused, like.merged, like._info, like._same
         else:
             self.fused = fused_chunks(graph) if options.strided_splits else set()
+            self.merged = merged_blocks(graph) if options.strided_splits else {}
             self._info: dict[int, _Info] = {}
             self._same: dict[tuple, _Info] = {}
         self._ns: dict[tuple, NodeShardings | None] = {}
@@ -153,21 +159,35 @@ class Space:
     def candidates(self, i: int) -> list[tuple]:
         """Every legal strategy of node ``i`` (module docstring); the all-replicated one first."""
         inf = self.info(i)
-        key = inf.sig
+        merged = self._merged_letters(i, inf)
+        key = (inf.sig, merged)
         hit = self._cands.get(key)
         if hit is not None:
             return hit
         if inf.ann is None:
             out = [self.none]
         else:
-            per_axis = [self._axis_options(i, inf, n) for n in self.mesh.sizes]
+            per_axis = [self._axis_options(i, inf, n, merged) for n in self.mesh.sizes]
             out = [s for s in itertools.product(*per_axis) if self.shardings(i, s) is not None]
             if self.none not in out:
                 out.insert(0, self.none)
         self._cands[key] = out
         return out
 
-    def _axis_options(self, i: int, inf: _Info, n: int) -> list:
+    def _merged_letters(self, i: int, inf: _Info) -> tuple:
+        """(letter, k) for each single-letter dim of an input or output with ``merged_blocks`` entries."""
+        if inf.ann is None or not self.merged:
+            return ()
+        out = set()
+        values = [(r.id, dims) for r, dims in zip(inf.refs, inf.ann.inputs)]
+        values += [(v, dims) for v, dims in zip(self.graph.nodes[i].outputs, inf.ann.outputs) if v is not None]
+        for vid, dims in values:
+            for d, ks in self.merged.get(vid, {}).items():
+                if d < len(dims) and len(dims[d]) == 1:
+                    out.update((dims[d][0], k) for k in ks)
+        return tuple(sorted(out))
+
+    def _axis_options(self, i: int, inf: _Info, n: int, merged: tuple = ()) -> list:
         if n == 1:
             return [None]
         ann, sizes = inf.ann, inf.sizes
@@ -176,6 +196,9 @@ class Space:
         for x in letters:
             for k, size in self.fused:
                 if sizes.get(x) == size and size % (k * n) == 0:
+                    opts.append(strided(x, k))
+            for y, k in merged:
+                if y == x and sizes[x] % (k * n) == 0 and strided(x, k) not in opts:
                     opts.append(strided(x, k))
         if self.options.partial_passthrough:
             n_in = len(inf.shapes)
