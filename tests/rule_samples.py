@@ -149,6 +149,23 @@ def samples() -> list[tuple[str, tuple, dict]]:
     add("std.correction", x3, [0, 2], correction=0, keepdim=True)
     add("var_mean.correction", x3, [2], correction=1)
     add("linalg_vector_norm.default", x3, 2, [2])
+    add("norm.ScalarOpt_dim", x3, 2, [2])
+    add("norm.ScalarOpt_dim", x3, 1, [0, 2], True)
+    # element-wise with a tensor bound or a logarithm of the second operand (kl_div, binary entropies)
+    add("clamp_min.Tensor", x, r(8))
+    add("clamp_max.Tensor", x, r(4, 8))
+    add("xlogy.Tensor", x, pos(4, 8))
+    add("xlogy.Tensor", x, pos(8))
+    add("xlogy.Scalar_Other", x, 1.5)
+    add("xlogy.Scalar_Self", 1.5, pos(4, 8))
+    add("special_xlog1py.default", x, pos(4, 8))
+    # spectral transforms (a Fourier neural operator): the transformed dims fixed, the rest pass through
+    add("_fft_r2c.default", x3, [2], 0, True)
+    add("_fft_r2c.default", r(2, 4, 8, 4), [2, 3], 2, False)
+    add("_fft_c2c.default", torch.randn(4, 2, 8, dtype=torch.complex128), [2], 1, True)
+    add("_fft_c2c.default", torch.randn(2, 4, 4, 8, dtype=torch.complex128), [2, 3], 0, False)
+    add("_fft_c2r.default", torch.randn(4, 2, 5, dtype=torch.complex128), [2], 2, 8)
+    add("_fft_c2r.default", torch.randn(2, 4, 8, 3, dtype=torch.complex128), [2, 3], 0, 4)
 
     # pooling
     x4, x5, x1 = r(2, 4, 8, 8), r(2, 4, 4, 4, 4), r(2, 4, 8)
@@ -319,6 +336,9 @@ def samples() -> list[tuple[str, tuple, dict]]:
         add("mse_loss.default", x3, r(4, 2, 8), red)
         o = aten.mse_loss.default(x3, r(4, 2, 8), red)
         add("mse_loss_backward.default", r(*o.shape), x3, r(4, 2, 8), red)
+        tb = torch.rand(4, 2, 8, dtype=F)
+        add("binary_cross_entropy_with_logits.default", x3, tb, None, None, red)
+        add("binary_cross_entropy_with_logits.default", x3, tb, pos(2, 8), pos(8), red)
         for loss, arg in (("smooth_l1_loss", 0.5), ("huber_loss", 0.7)):
             add(f"{loss}.default", x3, r(4, 2, 8), red, arg)
             lo = getattr(aten, loss).default(x3, r(4, 2, 8), red, arg)

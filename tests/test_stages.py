@@ -105,6 +105,21 @@ def test_a_weight_gradient_runs_with_its_matmul_when_the_input_came_from_the_sta
     assert params
 
 
+def test_a_backward_node_reading_a_weight_runs_where_the_weight_is_read():
+    """A ``convolution_backward`` whose input was sent on to the next stage (for the gate conv) stays with
+    its forward convolution's weight: every parameter has one holder, and the rules hold."""
+    with warnings.catch_warnings(), default_dtype(torch.float64):
+        warnings.simplefilter("ignore")
+        cap = capture(load_workload("tests/workloads/heldout29.py:gated_conv", dtype=torch.float64))
+    g = cap.graph
+    forward = g.nodes[:analyze(g).boundary + 1]
+    gate = [i for i, n in enumerate(forward) if n.op == "aten.convolution.default"][2]   # l0, filt, gate, out
+    sa = assign_stages(g, {n.name: int(i >= gate) for i, n in enumerate(forward)}, 2)
+    _check_rules(g, sa)
+    assert all(len(h) == 1 for h in sa.holders.values()), sa.holders
+    assert sa.held_by(0) and sa.held_by(1)
+
+
 @pytest.mark.parametrize("edit, match", [("swap", "later stage"), ("loss", "last stage"), ("missing", "no pipeline stage"),
                                          ("empty", "no forward node")])
 def test_bad_stage_assignments_are_one_clear_error(mlp, edit, match):

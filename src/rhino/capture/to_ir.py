@@ -53,14 +53,13 @@ def fx_to_ir(gm: torch.fx.GraphModule, in_roles: list[tuple[str, Role]],
         elif node.op == "call_function":
             if not isinstance(node.target, torch._ops.OpOverload):
                 raise AssertionError(f"unexpected non-aten call {node.target} in the traced graph")
-            op = str(node.target)
+            op, args, kwargs = _creation_without_input(node)
             val = node.meta.get("val")
             multi = isinstance(val, (tuple, list))
             vals = list(val) if multi else [val]
             outs = [g.new_value(_ttype(v)) if isinstance(v, torch.Tensor) else None for v in vals]
             counter += 1
-            g.nodes.append(Node(f"n{counter}_{node.name}", op, fx_arg(node.args, env), fx_arg(dict(node.kwargs), env),
-                                outs, multi))
+            g.nodes.append(Node(f"n{counter}_{node.name}", op, fx_arg(args, env), fx_arg(kwargs, env), outs, multi))
             if lookup(op) is None:
                 opaque.append(op)
             env[node] = [Ref(v) if v is not None else None for v in outs] if multi else Ref(outs[0])
@@ -71,6 +70,30 @@ def fx_to_ir(gm: torch.fx.GraphModule, in_roles: list[tuple[str, Role]],
             for res, (name, role) in zip(results, out_roles):
                 g.outputs.append(GraphOutput(name, role, env[res].id))
     return g, opaque
+
+
+# ``new_zeros(x, size)`` and its kin read only ``x``'s dtype and device, which the IR knows: recorded as the
+# plain creation op, so that no sharding rule asks for ``x`` in any layout (data parallelism all-gathered a
+# gradient only for ``new_zeros`` to read its dtype)
+_NEW_CREATION = {"aten.new_zeros.default": "aten.zeros.default", "aten.new_ones.default": "aten.ones.default",
+                 "aten.new_full.default": "aten.full.default", "aten.new_empty.default": "aten.empty.memory_format",
+                 # its strides say only how uninitialised values are laid out: the IR is functional
+                 "aten.new_empty_strided.default": "aten.empty.memory_format"}
+
+
+def _creation_without_input(node: torch.fx.Node) -> tuple[str, tuple, dict]:
+    """The op, args and kwargs a call node is recorded with (``_NEW_CREATION``'s rewrite, else as traced)."""
+    op = str(node.target)
+    plain = _NEW_CREATION.get(op)
+    src = node.args[0].meta.get("val") if plain and isinstance(node.args[0], torch.fx.Node) else None
+    if not isinstance(src, torch.Tensor):
+        return op, node.args, dict(node.kwargs)
+    kwargs = dict(node.kwargs)
+    if kwargs.get("dtype") is None:
+        kwargs["dtype"] = src.dtype
+    if kwargs.get("device") is None:
+        kwargs["device"] = src.device
+    return plain, tuple(node.args[1:3 if op == "aten.new_full.default" else 2]), kwargs
 
 
 def fx_arg(a, env):

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .annotation import Annotation
 from .registry import Linear, Lowering, OpCall, OpKind, Values, register
-from .rules import elementwise, norm_dim, reduce_dims
+from .rules import NewLetters, elementwise, letters, norm_dim, reduce_dims
 
 E = OpKind.ELEMENTWISE
 
@@ -20,6 +20,8 @@ aten.ceil.default aten.round.default aten.trunc.default aten.relu.default aten.g
 aten.silu.default aten.mish.default aten.elu.default aten.leaky_relu.default aten.hardtanh.default
 aten.hardswish.default aten.hardsigmoid.default aten.softplus.default aten.clamp.default aten.clamp.Tensor
 aten.clamp_min.default aten.clamp_max.default aten.maximum.default aten.minimum.default
+aten.clamp_min.Tensor aten.clamp_max.Tensor aten.xlogy.Tensor aten.xlogy.Scalar_Other aten.xlogy.Scalar_Self
+aten.special_xlog1py.default
 aten.remainder.Scalar aten.remainder.Tensor aten.fmod.Scalar aten.fmod.Tensor aten.floor_divide.default
 aten.eq.Scalar aten.eq.Tensor aten.ne.Scalar aten.ne.Tensor aten.lt.Scalar aten.lt.Tensor
 aten.le.Scalar aten.le.Tensor aten.gt.Scalar aten.gt.Tensor aten.ge.Scalar aten.ge.Tensor
@@ -82,7 +84,7 @@ register("aten.any.dims", R, _dims_keep(1, 2, splittable=False, empty_is_all=Fal
 register("aten.max.dim aten.min.dim", R, _dims_keep(1, 2, splittable=False, n_outputs=2))
 register("aten.var.correction aten.std.correction", R, _dims_keep(1, 3, splittable=False))
 register("aten.var_mean.correction", R, _dims_keep(1, 3, splittable=False, n_outputs=2))
-register("aten.linalg_vector_norm.default", R, _dims_keep(2, 3, splittable=False))
+register("aten.linalg_vector_norm.default aten.norm.ScalarOpt_dim", R, _dims_keep(2, 3, splittable=False))
 
 
 def _along_dim(dim_index: int, default: int | None = None):
@@ -113,3 +115,20 @@ register("aten._softmax_backward_data.default", OpKind.NORM, _along_dim(2), flop
 register("aten._log_softmax_backward_data.default", OpKind.NORM, _log_softmax_rule(2), flops=5,
          lowering=Lowering.LOG_SOFTMAX_BACKWARD, reduces=1)
 register("aten.sort.default aten.sort.stable", OpKind.INDEX, _along_dim(1, -1))
+
+
+def _fft_rule(call: OpCall) -> Annotation:
+    """``_fft_r2c / _fft_c2r / _fft_c2c(x, dim, ...)``: the transformed dims are fixed (a dim whose size the
+    transform changes, the one-sided half spectrum, is a new fixed letter), every other dim passes through
+    (a batch of images or channels is transformed independently)."""
+    x = call.in_types[0]
+    dims = {norm_dim(d, x.rank) for d in call.arg(1, "dim")}
+    out = call.out_types[0].shape
+    names = letters("e", x.rank)
+    new = NewLetters("f")
+    outs = tuple((names[i],) if out[i] == x.shape[i] else (new(out[i]),) for i in range(x.rank))
+    fixed = frozenset({names[d] for d in dims} | {o[0] for o in outs if o[0] not in names})
+    return Annotation((tuple((n,) for n in names),), (outs,), fixed=fixed, sizes=new.sizes)
+
+
+register("aten._fft_r2c.default aten._fft_c2r.default aten._fft_c2c.default", OpKind.ELEMENTWISE, _fft_rule)

@@ -450,6 +450,18 @@ def mse_rule(call: OpCall) -> Annotation:
                       reduce_kind="avg" if reduction == 1 else "sum")
 
 
+def bce_logits_rule(call: OpCall) -> Annotation:
+    """binary_cross_entropy_with_logits(x, target, weight, pos_weight, reduction): ``mse_rule``'s, with the
+    weights broadcast like any element-wise operand."""
+    ann = elementwise(call)
+    reduction = call.arg(4, "reduction", 1)
+    if reduction == 0:
+        return ann
+    reduced = frozenset(x for d in ann.outputs[0] for x in d) if ann.outputs[0] else frozenset()
+    return Annotation(ann.inputs, ((),), reduced=reduced, sizes=ann.sizes,
+                      reduce_kind="avg" if reduction == 1 else "sum")
+
+
 def mse_backward_rule(call: OpCall) -> Annotation:
     """mse_loss_backward(grad, x, target, reduction) -> grad_x like x. With ``reduction=mean`` the
     gradient is scaled by 1 / (global element count): a split dim needs the custom lowering."""
@@ -459,6 +471,7 @@ def mse_backward_rule(call: OpCall) -> Annotation:
     return Annotation(ann.inputs, ann.outputs, sizes=ann.sizes, custom=frozenset(ann.letters()))
 
 
+register("aten.binary_cross_entropy_with_logits.default", L, bce_logits_rule, flops=6)
 # smooth L1 and Huber losses: (x, target, reduction, beta / delta), elementwise terms reduced like mse's
 register("aten.mse_loss.default aten.smooth_l1_loss.default aten.huber_loss.default", L, mse_rule, flops=3)
 register("aten.mse_loss_backward.default aten.smooth_l1_loss_backward.default aten.huber_loss_backward.default", L,

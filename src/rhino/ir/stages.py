@@ -13,6 +13,10 @@ FORWARD and LOSS). ``assign_stages`` derives (node roles and values from ``ir.an
   ``x in X`` is available, all stages when ``X`` is empty; ``min stage(P) = S - 1`` when ``P`` is empty);
   when that set is empty, ``min(min stage(P), min stage(producer(x)))``. A weight gradient
   ``mm(grad_out, x)`` therefore runs where its matmul ran even when ``x`` came from the stage before.
+  A node that also reads a state input (a parameter) takes the max over the stages of that set whose
+  forward nodes read the state, when there are some: a ``convolution_backward`` reads its weight, and
+  its input may have been sent on to the next stage too, where the max alone would put it and hold
+  the weight (and its optimizer state) on both stages.
   A backward node that ``stage_of`` names (a recomputed forward op: its original's stage) gets that stage
   instead of the max when it is in the set, and its outputs are then available there as a forward value's.
   A backward node reading no forward value is *free*: with ``ub(v)`` the smallest bound of its backward
@@ -222,6 +226,12 @@ def _backward_stages(graph: Graph, a, node_stage: dict[str, int], stages: int,
     """Backward nodes' stages (module docstring), added to ``node_stage``."""
     nodes = graph.nodes
     avail = _available(graph, a, node_stage)
+    state_ids = {i.value for i in graph.inputs if i.role in STATE_ROLES}
+    state_read: dict[int, set[int]] = {}   # state input -> the stages of its forward readers
+    for node in nodes[:a.boundary + 1]:
+        for r in node.input_refs():
+            if r.id in state_ids:
+                state_read.setdefault(r.id, set()).add(node_stage[node.name])
     ub: dict[int, int] = {}     # backward node -> upper bound (anchored nodes: their stage)
     free: list[int] = []
     for i in range(a.boundary + 1, a.n):
@@ -236,6 +246,9 @@ def _backward_stages(graph: Graph, a, node_stage: dict[str, int], stages: int,
             continue
         common = set(range(stages)).intersection(*(avail[x] for x in fwd))
         below = [s for s in common if s <= ub[i]]
+        homes = [state_read[r.id] for r in refs if r.id in state_read]
+        at_home = [s for s in below if all(s in h for h in homes)] if homes else []
+        below = at_home or below
         if prefer and prefer.get(nodes[i].name) in below:
             below = [prefer[nodes[i].name]]
         ub[i] = max(below) if below else min([ub[i]] + [node_stage[nodes[a.producer[x]].name] for x in fwd])

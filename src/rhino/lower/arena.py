@@ -51,7 +51,7 @@ from ..memory.from_graph import GraphMemory
 from ..memory.problem import MemProblem, TensorKind, lifetimes
 from ..memory.simulate import check_order
 from .execute import StepProgram
-from .fx import constant_tensor, convert_arg, resolve_op
+from .fx import constant_tensor, convert_arg, resolve_op, runnable_op
 from .rank_graph import is_comm
 from .spmd_ops import redistribute
 
@@ -155,7 +155,7 @@ class ArenaProgram:
         self.lifetimes = lifetimes(problem, self.order)
         self._check_layout()
         self.communicate = communicate or redistribute
-        self._fns = [None if is_comm(n.op) else resolve_op(n.op) for n in graph.nodes]
+        self._fns = [None if is_comm(n.op) else resolve_op(runnable_op(n.op)) for n in graph.nodes]
         self._strides: dict[int, tuple[int, ...]] = {}   # set with the arena, from the first step's inputs
         self._input_offsets: dict[int, int] = {}           # graph input -> its tensor's storage offset this step
         self._no_out: set[int] = set()   # nodes whose out= call failed once: copy from then on

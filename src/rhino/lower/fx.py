@@ -8,9 +8,10 @@ import torch
 import torch.fx
 
 from ..ir.graph import Graph, Ref
+from ..ir.registry import lookup
 from ..ir.types import Device, DType, Layout, MemoryFormat
 
-__all__ = ["lower", "resolve_op", "convert_arg", "add_constants", "emit_node", "py_name"]
+__all__ = ["lower", "resolve_op", "runnable_op", "convert_arg", "add_constants", "emit_node", "py_name"]
 
 
 def resolve_op(op: str) -> torch._ops.OpOverload:
@@ -20,6 +21,15 @@ def resolve_op(op: str) -> torch._ops.OpOverload:
         return getattr(getattr(getattr(torch.ops, ns), name), overload)
     except AttributeError:
         raise ValueError(f"op {op} does not exist in this PyTorch build") from None
+
+
+def runnable_op(op: str) -> str:
+    """The op to call for an IR node's ``op``: a view's ``local_op`` (a reshape). Capture's fake kernels may
+    give an output strides the real kernel does not (``softplus_backward`` on CPU keeps a transposed
+    gradient's layout, its fake kernel is contiguous), so a traced ``view`` can fail on the real tensor; a
+    reshape is the same view where one exists and a copy otherwise."""
+    d = lookup(op)
+    return d.local_op if d is not None and d.local_op else op
 
 
 def py_name(name: str) -> str:
@@ -86,6 +96,6 @@ def lower(graph: Graph, device: torch.device | str = "cpu") -> torch.fx.GraphMod
     add_constants(graph, root, fg, env, device)
     for node in graph.nodes:
         conv = lambda a: convert_arg(a, lambda r: env[r.id], device)  # noqa: E731
-        emit_node(fg, node, node.op, conv(node.args), conv(node.kwargs), env)
+        emit_node(fg, node, runnable_op(node.op), conv(node.args), conv(node.kwargs), env)
     fg.output([env[o.value] for o in graph.outputs])
     return torch.fx.GraphModule(root, fg)

@@ -14,7 +14,7 @@ import torch
 from ..ir.graph import Graph, Role
 from ..sharding import simulate
 from ..sharding.plan import ResolvedPlan
-from .fx import constant_tensor, convert_arg, resolve_op
+from .fx import constant_tensor, convert_arg, resolve_op, runnable_op
 from .spmd import lower_rank
 from .spmd_ops import redistribute, start, step_from_args, wait
 
@@ -190,7 +190,7 @@ def run_single_values(graph: Graph, state: dict, batch: tuple) -> dict[int, torc
 
     with torch.no_grad():
         for node in graph.nodes:
-            out = resolve_op(node.op)(*conv(node.args), **conv(node.kwargs))
+            out = resolve_op(runnable_op(node.op))(*conv(node.args), **conv(node.kwargs))
             if node.multi:
                 for k, vid in enumerate(node.outputs):
                     if vid is not None:

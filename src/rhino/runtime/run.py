@@ -193,4 +193,5 @@ def random_ops_note(cap: Captured, world: int) -> str:
     if not drawn or world < 2:
         return ""
     return (f"; the step draws random numbers ({', '.join(drawn)}), which each rank draws for itself, so a "
-            f"sharded or pipelined run need not equal single-device training: check exactness with dropout 0")
+            f"sharded or pipelined run need not equal single-device training: check exactness with those ops made "
+            f"deterministic (dropout p=0, noise passed in the batch instead of drawn in the step)")
