@@ -21,11 +21,15 @@ NO_CPU_KERNEL = {
 
 UNARY = """neg abs exp exp2 expm1 sin cos tanh sigmoid erf sign sgn floor ceil round trunc relu gelu silu mish elu
 leaky_relu hardtanh hardswish hardsigmoid softplus clone _to_copy lift_fresh_copy alias detach isnan isinf
-nan_to_num ones_like zeros_like empty_like rand_like randn_like""".split()
+nan_to_num ones_like zeros_like empty_like rand_like randn_like celu softshrink hardshrink sinc lgamma frac atan
+asinh sinh cosh tan""".split()
+#: defined on (0, 1) (inverse trigonometric and hyperbolic functions, logit, erfinv)
+UNIT = "logit asin acos atanh erfinv".split()
 POSITIVE = "log log1p log2 sqrt rsqrt reciprocal".split()
 BINARY = """add.Tensor sub.Tensor rsub.Tensor mul.Tensor div.Tensor pow.Tensor_Tensor maximum.default minimum.default
 remainder.Tensor fmod.Tensor floor_divide.default eq.Tensor ne.Tensor lt.Tensor le.Tensor gt.Tensor
-ge.Tensor copy.default""".split()
+ge.Tensor copy.default atan2.default hypot.default logaddexp.default logaddexp2.default copysign.Tensor
+fmax.default fmin.default""".split()
 SCALAR = """add.Scalar sub.Scalar rsub.Scalar mul.Scalar div.Scalar pow.Tensor_Scalar remainder.Scalar fmod.Scalar
 eq.Scalar ne.Scalar lt.Scalar le.Scalar gt.Scalar ge.Scalar clamp_min.default clamp_max.default
 full_like.default fill.Scalar""".split()
@@ -66,6 +70,18 @@ def samples() -> list[tuple[str, tuple, dict]]:
         add(f"{name}.default", x)
     for name in POSITIVE:
         add(f"{name}.default", pos(4, 8))
+    for name in UNIT:
+        add(f"{name}.default", torch.rand(4, 8, dtype=F) * 0.8 + 0.1)
+    add("digamma.default", pos(4, 8))
+    add("polygamma.default", 1, pos(4, 8))
+    add("special_entr.default", pos(4, 8))
+    add("threshold.default", x, 0.1, -1.0)
+    add("softshrink_backward.default", y, x, 0.5)
+    add("hardshrink_backward.default", y, x, 0.5)
+    add("logit_backward.default", y, torch.rand(4, 8, dtype=F) * 0.8 + 0.1, None)
+    noise = torch.rand(4, 8, dtype=F) * 0.2 + 0.1
+    add("rrelu_with_noise_backward.default", y, x, noise, 0.1, 0.3, True, False)
+    add("rrelu_with_noise_functional.default", x, noise, 0.1, 0.3, False)   # training draws: not comparable
     for name in BINARY:
         if name.startswith("pow"):
             add(name, pos(4, 8), y)
@@ -150,6 +166,22 @@ def samples() -> list[tuple[str, tuple, dict]]:
     add("var_mean.correction", x3, [2], correction=1)
     add("linalg_vector_norm.default", x3, 2, [2])
     add("norm.ScalarOpt_dim", x3, 2, [2])
+    add("prod.dim_int", x3, 2)
+    ls, buf = aten.log_sigmoid_forward.default(x)
+    add("log_sigmoid_forward.default", x)
+    add("log_sigmoid_backward.default", y, x, buf)
+    add("glu.default", r(4, 2, 8), -1)
+    add("glu.default", r(4, 4, 8), 1)
+    add("glu_backward.default", r(4, 2, 8), r(4, 4, 8), 1)
+    a1, a2 = r(2, 4, 8), r(2, 8, 8)
+    add("_cdist_forward.default", a1, a2, 2.0, None)
+    add("_cdist_forward.default", r(4, 8), r(8, 8), 1.0, None)
+    add("_cdist_backward.default", r(2, 4, 8), a1, a2, 2.0, aten._cdist_forward.default(a1, a2, 2.0, None))
+    add("prod.dim_int", x3, 0, True)
+    add("median.dim", x3, 2)
+    add("kthvalue.default", x3, 2, 1, True)
+    add("cummax.default", x3, 2)
+    add("cummin.default", x3, 0)
     add("norm.ScalarOpt_dim", x3, 1, [0, 2], True)
     # element-wise with a tensor bound or a logarithm of the second operand (kl_div, binary entropies)
     add("clamp_min.Tensor", x, r(8))
@@ -336,6 +368,15 @@ def samples() -> list[tuple[str, tuple, dict]]:
         add("mse_loss.default", x3, r(4, 2, 8), red)
         o = aten.mse_loss.default(x3, r(4, 2, 8), red)
         add("mse_loss_backward.default", r(*o.shape), x3, r(4, 2, 8), red)
+        add("soft_margin_loss.default", x3, torch.sign(r(4, 2, 8)), red)
+        o = aten.soft_margin_loss.default(x3, torch.sign(r(4, 2, 8)), red)
+        add("soft_margin_loss_backward.default", r(*o.shape), x3, torch.sign(r(4, 2, 8)), red)
+        pb = torch.rand(4, 2, 8, dtype=F) * 0.8 + 0.1
+        add("binary_cross_entropy.default", pb, torch.rand(4, 2, 8, dtype=F), None, red)
+        add("binary_cross_entropy.default", pb, torch.rand(4, 2, 8, dtype=F), pos(2, 8), red)
+        o = aten.binary_cross_entropy.default(pb, torch.rand(4, 2, 8, dtype=F), None, red)
+        add("binary_cross_entropy_backward.default", r(*o.shape), pb, torch.rand(4, 2, 8, dtype=F), None, red)
+        add("binary_cross_entropy_backward.default", r(*o.shape), pb, torch.rand(4, 2, 8, dtype=F), pos(8), red)
         tb = torch.rand(4, 2, 8, dtype=F)
         add("binary_cross_entropy_with_logits.default", x3, tb, None, None, red)
         add("binary_cross_entropy_with_logits.default", x3, tb, pos(2, 8), pos(8), red)

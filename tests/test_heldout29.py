@@ -22,10 +22,18 @@ def _capture(func):
         return capture(load_workload(f"{FILE}:{func}"))
 
 
-def test_a_view_of_a_gradient_laid_out_otherwise_than_traced_runs():
-    """The traced ``view`` of softplus_backward's (transposed) result runs as a reshape."""
-    res = check_captured(_capture("softplus_transposed"))
+@pytest.mark.parametrize("func", ["softplus_transposed", "squeezed_back", "batched_inverse"])
+def test_one_device_runs_what_capture_traced(func):
+    """The traced ``view`` of softplus_backward's (transposed) result runs as a reshape; ``squeeze(dim)``
+    keeps its traced op on one device; a node returning nothing (``_linalg_check_errors``) runs."""
+    res = check_captured(_capture(func))
     assert res.ok and res.max_abs_diff == 0, res
+
+
+def test_an_op_returning_nothing_lowers_on_every_rank():
+    cap = _capture("batched_inverse")
+    r, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy("dp=4")), 2)
+    assert r.ok, r.first_mismatch
 
 
 @pytest.mark.parametrize("func", ["focal_gather", "bce_sum_and_kl", "fno"])

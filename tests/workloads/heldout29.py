@@ -119,3 +119,40 @@ def gated_conv():
     x, y = torch.randn(8, 8, 5, generator=g), torch.randn(8, 8, 5, generator=g)
     m = GatedConv()
     return m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), lambda m, x, y: F.mse_loss(m(x), y), (x, y)
+
+
+class SqueezedBack(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.lin(x).unsqueeze(1).squeeze(1)
+
+
+def squeezed_back():
+    """``squeeze(dim)``: its SPMD lowering calls ``squeeze.dims`` with the dim rewritten as a list; the
+    single-device lowering must keep the traced op."""
+    torch.manual_seed(0)
+    m = SqueezedBack()
+    x = torch.randn(8, 16, generator=_gen())
+    return m, torch.optim.SGD(m.parameters(), lr=0.05), lambda m, x: m(x).square().mean(), (x,)
+
+
+class BatchedInverse(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(16, 16)
+
+    def forward(self, x):
+        a = self.lin(x).view(-1, 4, 4)
+        return torch.linalg.inv(a.transpose(1, 2) @ a + torch.eye(4))
+
+
+def batched_inverse():
+    """``torch.linalg.inv`` traces an ``_linalg_check_errors`` node that returns nothing: the SPMD lowering
+    bound its (absent) output and failed with KeyError: None."""
+    torch.manual_seed(0)
+    m = BatchedInverse()
+    x = torch.randn(8, 16, generator=_gen())
+    return m, torch.optim.SGD(m.parameters(), lr=0.05), lambda m, x: m(x).square().mean(), (x,)

@@ -137,7 +137,7 @@ def capture(workload: Workload, verify_graph: bool = True) -> Captured:
     if verify_graph:
         verify(graph)
     if opaque:
-        warnings.warn(f"{len(opaque)} op(s) unknown to the registry run as opaque ops (never sharded): "
+        warnings.warn(f"{len(set(opaque))} op(s) unknown to the registry run as opaque ops (never sharded): "
                       f"{', '.join(sorted(set(opaque)))}", stacklevel=2)
     return Captured(graph, workload, updates, param_names, frozen_names, buffer_names, sorted(set(opaque)),
                     time.perf_counter() - start)

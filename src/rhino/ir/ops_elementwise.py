@@ -21,7 +21,13 @@ aten.silu.default aten.mish.default aten.elu.default aten.leaky_relu.default ate
 aten.hardswish.default aten.hardsigmoid.default aten.softplus.default aten.clamp.default aten.clamp.Tensor
 aten.clamp_min.default aten.clamp_max.default aten.maximum.default aten.minimum.default
 aten.clamp_min.Tensor aten.clamp_max.Tensor aten.xlogy.Tensor aten.xlogy.Scalar_Other aten.xlogy.Scalar_Self
-aten.special_xlog1py.default
+aten.special_xlog1py.default aten.celu.default aten.softshrink.default aten.softshrink_backward.default
+aten.hardshrink.default aten.hardshrink_backward.default aten.threshold.default aten.logit.default
+aten.logit_backward.default aten.sinc.default aten.atan2.default aten.hypot.default aten.logaddexp.default
+aten.logaddexp2.default aten.copysign.Tensor aten.fmax.default aten.fmin.default aten.lgamma.default
+aten.digamma.default aten.polygamma.default aten.special_entr.default aten.erfinv.default aten.frac.default
+aten.atan.default aten.asin.default aten.acos.default aten.asinh.default aten.atanh.default aten.sinh.default
+aten.cosh.default aten.tan.default aten.rrelu_with_noise_backward.default
 aten.remainder.Scalar aten.remainder.Tensor aten.fmod.Scalar aten.fmod.Tensor aten.floor_divide.default
 aten.eq.Scalar aten.eq.Tensor aten.ne.Scalar aten.ne.Tensor aten.lt.Scalar aten.lt.Tensor
 aten.le.Scalar aten.le.Tensor aten.gt.Scalar aten.gt.Tensor aten.ge.Scalar aten.ge.Tensor
@@ -85,6 +91,11 @@ register("aten.max.dim aten.min.dim", R, _dims_keep(1, 2, splittable=False, n_ou
 register("aten.var.correction aten.std.correction", R, _dims_keep(1, 3, splittable=False))
 register("aten.var_mean.correction", R, _dims_keep(1, 3, splittable=False, n_outputs=2))
 register("aten.linalg_vector_norm.default aten.norm.ScalarOpt_dim", R, _dims_keep(2, 3, splittable=False))
+register("aten.prod.dim_int", R, _dims_keep(1, 2, splittable=False))
+register("aten.median.dim", R, _dims_keep(1, 2, splittable=False, n_outputs=2))
+register("aten.kthvalue.default", R, _dims_keep(2, 3, splittable=False, n_outputs=2))
+# F.rrelu: its functional form returns the noise it drew (training) beside the result
+register("aten.rrelu_with_noise_functional.default", E, elementwise, values=Values.RANDOM)
 
 
 def _along_dim(dim_index: int, default: int | None = None):
@@ -115,6 +126,7 @@ register("aten._softmax_backward_data.default", OpKind.NORM, _along_dim(2), flop
 register("aten._log_softmax_backward_data.default", OpKind.NORM, _log_softmax_rule(2), flops=5,
          lowering=Lowering.LOG_SOFTMAX_BACKWARD, reduces=1)
 register("aten.sort.default aten.sort.stable", OpKind.INDEX, _along_dim(1, -1))
+register("aten.cummax.default aten.cummin.default", OpKind.INDEX, _along_dim(1))
 
 
 def _fft_rule(call: OpCall) -> Annotation:

@@ -462,19 +462,82 @@ def bce_logits_rule(call: OpCall) -> Annotation:
                       reduce_kind="avg" if reduction == 1 else "sum")
 
 
+def bce_rule(call: OpCall) -> Annotation:
+    """binary_cross_entropy(p, target, weight, reduction): ``mse_rule``'s, the reduction third."""
+    ann = elementwise(call)
+    reduction = call.arg(3, "reduction", 1)
+    if reduction == 0:
+        return ann
+    reduced = frozenset(x for d in ann.outputs[0] for x in d) if ann.outputs[0] else frozenset()
+    return Annotation(ann.inputs, ((),), reduced=reduced, sizes=ann.sizes,
+                      reduce_kind="avg" if reduction == 1 else "sum")
+
+
+#: the position of the reduction argument of a mean-reducible loss's backward (``Lowering.MSE_LOSS_BACKWARD``)
+LOSS_BACKWARD_REDUCTION = {"aten.binary_cross_entropy_backward.default": 4}
+
+
 def mse_backward_rule(call: OpCall) -> Annotation:
     """mse_loss_backward(grad, x, target, reduction) -> grad_x like x. With ``reduction=mean`` the
     gradient is scaled by 1 / (global element count): a split dim needs the custom lowering."""
     ann = _like_input(call, 1)
-    if call.arg(3, "reduction", 1) != 1:
+    if call.arg(LOSS_BACKWARD_REDUCTION.get(call.op, 3), "reduction", 1) != 1:
         return ann
     return Annotation(ann.inputs, ann.outputs, sizes=ann.sizes, custom=frozenset(ann.letters()))
 
 
+def log_sigmoid_rule(call: OpCall) -> Annotation:
+    """log_sigmoid_forward(x) -> (out, buffer): element-wise; the buffer is x's shape on CPU and empty on CUDA
+    (then never split)."""
+    ann = elementwise(call)
+    buf = call.out_types[1]
+    if buf is None or buf.shape == call.in_types[0].shape:
+        return ann
+    new = NewLetters("z")
+    spec = tuple((new(n),) for n in buf.shape)
+    return Annotation(ann.inputs, (ann.outputs[0], spec), fixed=frozenset(x for d in spec for x in d),
+                      sizes={**ann.sizes, **new.sizes})
+
+
+def glu_rule(call: OpCall) -> Annotation:
+    """glu(x, dim) halves ``dim`` (fixed: each output row pairs the two halves); glu_backward(grad, x, dim)
+    gives x's shape. Every other dim passes through."""
+    backward = call.op.startswith("aten.glu_backward")
+    x = call.in_types[1 if backward else 0]
+    d = call.arg(2 if backward else 1, "dim", -1) % x.rank
+    names = letters("e", x.rank)
+    new = NewLetters("h")
+    half = tuple((new(x.shape[i] // 2),) if i == d else (names[i],) for i in range(x.rank))
+    whole = tuple((n,) for n in names)
+    fixed = frozenset({names[d], half[d][0]})
+    ins, out = ((half, whole), whole) if backward else ((whole,), half)
+    return Annotation(ins, (out,), fixed=fixed, sizes=new.sizes)
+
+
+def cdist_rule(call: OpCall) -> Annotation:
+    """_cdist_forward(x1 [*, P, M], x2 [*, R, M], p, mode) -> [*, P, R]: rows of either side split, the
+    feature dim M fixed (a p-norm over it). _cdist_backward(grad, x1, x2, p, dist) -> grad of x1: a sum over
+    x2's rows R (split: a partial sum)."""
+    if call.op.startswith("aten._cdist_backward"):
+        return parse("* p r, * p m^, * r+ m^, * p r -> * p m", call.ranks)
+    return parse("* p m^, * r m^ -> * p r", call.ranks)
+
+
 register("aten.binary_cross_entropy_with_logits.default", L, bce_logits_rule, flops=6)
+register("aten.binary_cross_entropy.default", L, bce_rule, flops=4)
+register("aten.binary_cross_entropy_backward.default", L, mse_backward_rule, flops=4,
+         lowering=Lowering.MSE_LOSS_BACKWARD)
+register("aten.log_sigmoid_forward.default", OpKind.ELEMENTWISE, log_sigmoid_rule, flops=3)
+register("aten.log_sigmoid_backward.default", OpKind.ELEMENTWISE, lambda call: _like_input(call, 1), flops=3)
+register("aten.glu.default aten.glu_backward.default", OpKind.ELEMENTWISE, glu_rule, flops=3)
+# (not MATMUL: no Megatron split of its own; ~3 FLOPs per (row, row, feature): difference, power, sum)
+register("aten._cdist_forward.default aten._cdist_backward.default", OpKind.INDEX, cdist_rule,
+         flops=lambda call, ann, sizes: 3 * prod(sizes.values()))
 # smooth L1 and Huber losses: (x, target, reduction, beta / delta), elementwise terms reduced like mse's
-register("aten.mse_loss.default aten.smooth_l1_loss.default aten.huber_loss.default", L, mse_rule, flops=3)
-register("aten.mse_loss_backward.default aten.smooth_l1_loss_backward.default aten.huber_loss_backward.default", L,
+register("aten.mse_loss.default aten.smooth_l1_loss.default aten.huber_loss.default aten.soft_margin_loss.default",
+         L, mse_rule, flops=3)
+register("aten.mse_loss_backward.default aten.smooth_l1_loss_backward.default aten.huber_loss_backward.default "
+         "aten.soft_margin_loss_backward.default", L,
          mse_backward_rule, flops=3, lowering=Lowering.MSE_LOSS_BACKWARD)
 
 

@@ -8,7 +8,7 @@ import torch
 import torch.fx
 
 from ..ir.graph import Graph, Ref
-from ..ir.registry import lookup
+from ..ir.registry import Family, lookup
 from ..ir.types import Device, DType, Layout, MemoryFormat
 
 __all__ = ["lower", "resolve_op", "runnable_op", "convert_arg", "add_constants", "emit_node", "py_name"]
@@ -24,12 +24,13 @@ def resolve_op(op: str) -> torch._ops.OpOverload:
 
 
 def runnable_op(op: str) -> str:
-    """The op to call for an IR node's ``op``: a view's ``local_op`` (a reshape). Capture's fake kernels may
-    give an output strides the real kernel does not (``softplus_backward`` on CPU keeps a transposed
-    gradient's layout, its fake kernel is contiguous), so a traced ``view`` can fail on the real tensor; a
-    reshape is the same view where one exists and a copy otherwise."""
+    """The op to call for an IR node's ``op`` on whole tensors: a reshape for a view that may fail on a layout
+    (the ``local_op`` of the RESHAPE family, which takes the same arguments). Capture's fake kernels may give
+    an output strides the real kernel does not (``softplus_backward`` on CPU keeps a transposed gradient's
+    layout, its fake kernel is contiguous), so a traced ``view`` can fail on the real tensor; a reshape is the
+    same view where one exists and a copy otherwise. (Other ``local_op``s take local arguments: not here.)"""
     d = lookup(op)
-    return d.local_op if d is not None and d.local_op else op
+    return d.local_op if d is not None and d.local_op and d.family is Family.RESHAPE else op
 
 
 def py_name(name: str) -> str:
@@ -78,7 +79,7 @@ def emit_node(fg: torch.fx.Graph, node, op: str, args, kwargs, env: dict) -> Non
         for i, vid in enumerate(node.outputs):
             if vid is not None:
                 env[vid] = fg.call_function(operator.getitem, (call, i))
-    else:
+    elif node.outputs and node.outputs[0] is not None:   # (an op returning nothing: a check)
         env[node.outputs[0]] = call
 
 

@@ -26,6 +26,7 @@ import operator
 import torch
 
 from ..ir.graph import Node
+from ..ir.ops_nn import LOSS_BACKWARD_REDUCTION
 from ..ir.registry import Lowering, lookup
 from ..sharding.placement import ReduceOp, Shard, local_shape
 from ..sharding.vocab import is_split, split_letter
@@ -139,10 +140,15 @@ def _embedding_backward(fg, node: Node, args, kwargs, strategy, ann, rp, rank: i
 
 
 def _mse_loss_backward(fg, node: Node, args, kwargs, strategy, ann, rp, rank: int) -> dict[int, object]:
-    """A mean-reduced elementwise loss's backward (mse, smooth L1, Huber: ``(grad, x, target, reduction[,
+    """A mean-reduced elementwise loss's backward (mse, smooth L1, Huber, soft margin: ``(grad, x, target, reduction[,
     beta])``) on a shard: the sum-reduced backward over the global element count."""
     numel = rp.graph.types[node.args[1].id].numel
-    call = fg.call_function(resolve_op(node.op), (args[0], args[1], args[2], 2, *args[4:]), kwargs)
+    at = LOSS_BACKWARD_REDUCTION.get(node.op, 3)   # (binary cross-entropy's weight comes before it)
+    if len(args) > at:
+        args = [*args[:at], 2, *args[at + 1:]]
+    else:
+        kwargs = {**kwargs, "reduction": 2}
+    call = fg.call_function(resolve_op(node.op), tuple(args), kwargs)
     return {node.outputs[0]: fg.call_function(aten.div.Scalar, (call, numel))}
 
 
