@@ -36,7 +36,7 @@ def test_an_op_returning_nothing_lowers_on_every_rank():
     assert r.ok, r.first_mismatch
 
 
-@pytest.mark.parametrize("func", ["focal_gather", "bce_sum_and_kl", "fno"])
+@pytest.mark.parametrize("func", ["focal_gather", "bce_sum_and_kl", "fno", "prelu_shuffle"])
 def test_data_parallelism_keeps_the_batch_split(func):
     """No opaque op, no gather under dp=4 (only the gradients' all-reduces), equal to one device."""
     cap = _capture(func)

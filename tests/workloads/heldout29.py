@@ -156,3 +156,27 @@ def batched_inverse():
     m = BatchedInverse()
     x = torch.randn(8, 16, generator=_gen())
     return m, torch.optim.SGD(m.parameters(), lr=0.05), lambda m, x: m(x).square().mean(), (x,)
+
+
+class ShuffleNet(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv = nn.Conv2d(2, 8, 3, padding=1)
+        self.act = nn.PReLU(8)
+        self.up = nn.PixelShuffle(2)
+        self.head = nn.Conv2d(1, 2, 1)
+
+    def forward(self, x):                                       # x [B, 2, 4, 4]
+        u = self.up(self.act(self.conv(x)))                     # [B, 2, 8, 8]
+        g = F.logsigmoid(F.pixel_unshuffle(u, 2))               # [B, 8, 4, 4]
+        return self.head(F.glu(self.up(g), 1))                  # [B, 2, 8, 8]
+
+
+def prelu_shuffle():
+    """nn.PReLU, PixelShuffle / pixel_unshuffle, logsigmoid and glu: opaque before session 29's probes, so
+    data parallelism gathered the batch before each."""
+    torch.manual_seed(0)
+    m = ShuffleNet()
+    g = _gen()
+    x, y = torch.randn(8, 2, 4, 4, generator=g), torch.randn(8, 2, 8, 8, generator=g)
+    return m, torch.optim.SGD(m.parameters(), lr=0.05), lambda m, x, y: F.mse_loss(m(x), y), (x, y)

@@ -144,3 +144,9 @@ def _fft_rule(call: OpCall) -> Annotation:
 
 
 register("aten._fft_r2c.default aten._fft_c2r.default aten._fft_c2c.default", OpKind.ELEMENTWISE, _fft_rule)
+
+
+# nn.PReLU: the weight is viewed to broadcast over the channel dim before the kernel; the backward returns
+# both gradients at the broadcast shape (the weight's is summed down after it)
+register("aten._prelu_kernel.default", E, elementwise, flops=2)
+register("aten._prelu_kernel_backward.default", E, elementwise, flops=4)

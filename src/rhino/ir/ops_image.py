@@ -3,7 +3,7 @@ padding, ``unfold`` / ``fold`` (registered on import). The batch and channel dim
 split; the spatial dims are fixed (each output pixel reads a neighbourhood of input pixels)."""
 from __future__ import annotations
 
-from .annotation import Annotation
+from .annotation import Annotation, parse
 from .registry import OpCall, OpKind, SizeArg, SizeRule, register
 from .rules import NewLetters, letters
 
@@ -71,3 +71,22 @@ register([f"aten.{op}_backward.default" for op in _RESAMPLE], M, spatial_rule,
 register([f"aten.{op}_backward.default" for op in _PADS], M, pad_backward_rule)
 register("aten.im2col.default", M, im2col_rule)
 register("aten.col2im.default", M, col2im_rule)
+
+
+def _shuffle_rule(call: OpCall) -> Annotation:
+    """pixel_shuffle(x, r): ``* (c r s) h w -> * c (h r) (w s)``; pixel_unshuffle(x, r), the inverse;
+    channel_shuffle(x, g): ``n (g k) * -> n (k g) *``. The factors the op takes as an argument (``r``, ``g``) are
+    fixed (a rank's local op is called with the same factor); the others split, as strided shards inside a
+    merged dim."""
+    op, k = call.op, int(call.args[1])
+    x = call.in_types[0]
+    if op.startswith("aten.pixel_shuffle"):
+        return parse("* (c r^ s^) h w -> * c (h r) (w s)", [x.rank], sizes={"r": k, "s": k})
+    if op.startswith("aten.pixel_unshuffle"):
+        return parse("* c (h r^) (w s^) -> * (c r s) h w", [x.rank], sizes={"r": k, "s": k})
+    rest = " ".join(f"d{i}" for i in range(x.rank - 2))
+    return parse(f"n (g^ k) {rest} -> n (k g) {rest}", [x.rank], sizes={"g": k})
+
+
+register("aten.pixel_shuffle.default aten.pixel_unshuffle.default aten.channel_shuffle.default "
+         "aten.native_channel_shuffle.default", OpKind.DATA_MOVEMENT, _shuffle_rule)

@@ -323,4 +323,4 @@ def _load_tables() -> None:
     global _LOADED
     if not _LOADED:
         _LOADED = True
-        from . import ops_elementwise, ops_image, ops_nn, ops_shape  # noqa: F401  (they register on import)
+        from . import ops_elementwise, ops_image, ops_linalg, ops_nn, ops_shape  # noqa: F401  (they register on import)
