@@ -438,39 +438,23 @@ register("aten.nll_loss_backward.default aten.nll_loss2d_backward.default", L, n
          lowering=Lowering.NLL_LOSS_BACKWARD)
 
 
-def mse_rule(call: OpCall) -> Annotation:
-    """mse_loss(x, target, reduction): elementwise (none); a split dim gives a partial sum (sum) or
-    a partial average (mean: the local means of equal shards average to the global mean)."""
-    ann = elementwise(call)
-    reduction = call.arg(2, "reduction", 1)
-    if reduction == 0:
-        return ann
-    reduced = frozenset(x for d in ann.outputs[0] for x in d) if ann.outputs[0] else frozenset()
-    return Annotation(ann.inputs, ((),), reduced=reduced, sizes=ann.sizes,
-                      reduce_kind="avg" if reduction == 1 else "sum")
+def reduced_loss_rule(reduction_index: int):
+    """An element-wise loss with a ``reduction`` argument at ``reduction_index`` (mse_loss(x, target,
+    reduction): 2; binary_cross_entropy(p, target, weight, reduction): 3; the with-logits form, whose weight and
+    pos_weight broadcast like any operand: 4): element-wise for none; a split dim gives a partial sum (sum) or a
+    partial average (mean: the local means of equal shards average to the global mean)."""
+    def rule(call: OpCall) -> Annotation:
+        ann = elementwise(call)
+        reduction = call.arg(reduction_index, "reduction", 1)
+        if reduction == 0:
+            return ann
+        reduced = frozenset(x for d in ann.outputs[0] for x in d) if ann.outputs[0] else frozenset()
+        return Annotation(ann.inputs, ((),), reduced=reduced, sizes=ann.sizes,
+                          reduce_kind="avg" if reduction == 1 else "sum")
+    return rule
 
 
-def bce_logits_rule(call: OpCall) -> Annotation:
-    """binary_cross_entropy_with_logits(x, target, weight, pos_weight, reduction): ``mse_rule``'s, with the
-    weights broadcast like any element-wise operand."""
-    ann = elementwise(call)
-    reduction = call.arg(4, "reduction", 1)
-    if reduction == 0:
-        return ann
-    reduced = frozenset(x for d in ann.outputs[0] for x in d) if ann.outputs[0] else frozenset()
-    return Annotation(ann.inputs, ((),), reduced=reduced, sizes=ann.sizes,
-                      reduce_kind="avg" if reduction == 1 else "sum")
-
-
-def bce_rule(call: OpCall) -> Annotation:
-    """binary_cross_entropy(p, target, weight, reduction): ``mse_rule``'s, the reduction third."""
-    ann = elementwise(call)
-    reduction = call.arg(3, "reduction", 1)
-    if reduction == 0:
-        return ann
-    reduced = frozenset(x for d in ann.outputs[0] for x in d) if ann.outputs[0] else frozenset()
-    return Annotation(ann.inputs, ((),), reduced=reduced, sizes=ann.sizes,
-                      reduce_kind="avg" if reduction == 1 else "sum")
+mse_rule = reduced_loss_rule(2)
 
 
 #: the position of the reduction argument of a mean-reducible loss's backward (``Lowering.MSE_LOSS_BACKWARD``)
@@ -523,8 +507,8 @@ def cdist_rule(call: OpCall) -> Annotation:
     return parse("* p m^, * r m^ -> * p r", call.ranks)
 
 
-register("aten.binary_cross_entropy_with_logits.default", L, bce_logits_rule, flops=6)
-register("aten.binary_cross_entropy.default", L, bce_rule, flops=4)
+register("aten.binary_cross_entropy_with_logits.default", L, reduced_loss_rule(4), flops=6)
+register("aten.binary_cross_entropy.default", L, reduced_loss_rule(3), flops=4)
 register("aten.binary_cross_entropy_backward.default", L, mse_backward_rule, flops=4,
          lowering=Lowering.MSE_LOSS_BACKWARD)
 register("aten.log_sigmoid_forward.default", OpKind.ELEMENTWISE, log_sigmoid_rule, flops=3)
