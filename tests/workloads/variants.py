@@ -140,7 +140,7 @@ def inplace_clamps():
 
 
 class Routing(nn.Module):
-    """MultiheadAttention, top-k, scatter, gather, index_select, boolean masks, dropout, erfinv (opaque)."""
+    """MultiheadAttention, top-k, scatter, gather, index_select, boolean masks, dropout, erfcx (opaque)."""
 
     def __init__(self):
         super().__init__()
@@ -161,7 +161,7 @@ class Routing(nn.Module):
         y = torch.einsum("bse,eij,bsj->bsi", dense, self.experts, x)
         y = y + torch.gather(x, 1, idx[..., :1].expand(-1, -1, 16) % x.shape[1])
         y = y.masked_fill(pad[..., None], 0.0)
-        y = y + torch.special.erfinv(torch.tanh(y) * 0.5)
+        y = y + torch.special.erfcx(torch.tanh(y) * 0.5)
         y = y.index_select(-1, torch.arange(15, -1, -1))
         return self.out(y)
 

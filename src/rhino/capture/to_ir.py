@@ -7,6 +7,7 @@ import torch
 import torch.fx
 
 from ..ir.graph import Graph, GraphOutput, Node, Ref, Role
+from ..ir.ops_shape import WITHOUT_INPUT
 from ..ir.registry import lookup
 from ..ir.types import Device, DType, Layout, MemoryFormat, TensorType
 
@@ -72,19 +73,11 @@ def fx_to_ir(gm: torch.fx.GraphModule, in_roles: list[tuple[str, Role]],
     return g, opaque
 
 
-# ``new_zeros(x, size)`` and its kin read only ``x``'s dtype and device, which the IR knows: recorded as the
-# plain creation op, so that no sharding rule asks for ``x`` in any layout (data parallelism all-gathered a
-# gradient only for ``new_zeros`` to read its dtype)
-_NEW_CREATION = {"aten.new_zeros.default": "aten.zeros.default", "aten.new_ones.default": "aten.ones.default",
-                 "aten.new_full.default": "aten.full.default", "aten.new_empty.default": "aten.empty.memory_format",
-                 # its strides say only how uninitialised values are laid out: the IR is functional
-                 "aten.new_empty_strided.default": "aten.empty.memory_format"}
-
-
 def _creation_without_input(node: torch.fx.Node) -> tuple[str, tuple, dict]:
-    """The op, args and kwargs a call node is recorded with (``_NEW_CREATION``'s rewrite, else as traced)."""
+    """The op, args and kwargs a call node is recorded with (``ir.ops_shape.WITHOUT_INPUT``'s rewrite: the
+    input's dtype and device filled in; else as traced)."""
     op = str(node.target)
-    plain = _NEW_CREATION.get(op)
+    plain, kept = WITHOUT_INPUT.get(op, (None, 0))
     src = node.args[0].meta.get("val") if plain and isinstance(node.args[0], torch.fx.Node) else None
     if not isinstance(src, torch.Tensor):
         return op, node.args, dict(node.kwargs)
@@ -93,7 +86,7 @@ def _creation_without_input(node: torch.fx.Node) -> tuple[str, tuple, dict]:
         kwargs["dtype"] = src.dtype
     if kwargs.get("device") is None:
         kwargs["device"] = src.device
-    return plain, tuple(node.args[1:3 if op == "aten.new_full.default" else 2]), kwargs
+    return plain, tuple(node.args[1:1 + kept]), kwargs
 
 
 def fx_arg(a, env):

@@ -352,6 +352,14 @@ register("aten.arange.default aten.arange.start aten.arange.start_step aten.scal
          sized_creation_rule)
 register("aten.new_zeros.default aten.new_ones.default aten.new_full.default", C, sized_creation_rule,
          size_args=_SIZE_1)
+#: ``new_zeros(x, size)`` and its kin read only ``x``'s dtype and device, which the IR knows: capture records them
+#: as the plain creation op (``capture.to_ir``), so that no sharding rule asks for ``x`` in any layout (data
+#: parallelism all-gathered a gradient only for ``new_zeros`` to read its dtype). Op -> (the plain op, how many
+#: arguments after ``x`` it keeps; ``new_empty_strided``'s strides only say how uninitialised values are laid out)
+WITHOUT_INPUT = {"aten.new_zeros.default": ("aten.zeros.default", 1), "aten.new_ones.default": ("aten.ones.default", 1),
+                 "aten.new_full.default": ("aten.full.default", 2),
+                 "aten.new_empty.default": ("aten.empty.memory_format", 1),
+                 "aten.new_empty_strided.default": ("aten.empty.memory_format", 1)}
 register("aten.new_empty.default", C, sized_creation_rule, size_args=_SIZE_1, values=Values.UNINITIALIZED)
 
 # Indexing: shapes depend on index values or on structure the notation cannot
