@@ -7,6 +7,7 @@ import torch
 
 from conftest import ROOT
 from rhino.capture import capture, default_dtype, load_workload
+from rhino.capture.workload import WorkloadError
 from rhino.check import check_captured
 from rhino.lower.spmd import lower_rank
 from rhino.runtime.exact import simulate_plan
@@ -47,3 +48,8 @@ def test_data_parallelism_keeps_the_batch_split(func):
     assert set(prog.collectives) == {"AllReduce"}, prog.collectives
     r, _ = simulate_plan(cap, plan, 2)
     assert r.ok, r.first_mismatch
+
+
+def test_a_step_that_fails_in_plain_pytorch_is_one_sentence():
+    with pytest.raises(WorkloadError, match=r"fails in plain PyTorch \(Found dtype Float but expected Double\)"):
+        check_captured(_capture("float32_target"))

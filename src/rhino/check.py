@@ -10,6 +10,7 @@ import torch
 from .capture import Captured
 from .capture.amp import autocast_on
 from .capture.optim import state_name
+from .capture.workload import WorkloadError
 from .lower import StepProgram
 
 __all__ = ["CheckResult", "as_float64", "check_captured", "eager_steps"]
@@ -57,10 +58,17 @@ def check_captured(cap: Captured, steps: int = 2, seed: int = 0, rtol: float = R
     model, optimizer = copy.deepcopy((w.model, w.optimizer))
     state = cap.initial_state()
     program = StepProgram(cap.graph)
+    # plain PyTorch first: a step that fails there (capture's fake tensors are more lenient than some
+    # kernels: a float32 target beside float64 logits) is the workload's mistake, said in one sentence
+    torch.manual_seed(seed)
+    try:
+        theirs = eager_steps(model, optimizer, w.loss_fn, w.batch, steps)
+    except RuntimeError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise WorkloadError(f"the training step fails in plain PyTorch ({first}); fix the workload so that "
+                            f"one eager step runs") from None
     torch.manual_seed(seed)
     ours = [program.step(state, w.batch).detach().clone() for _ in range(steps)]
-    torch.manual_seed(seed)
-    theirs = eager_steps(model, optimizer, w.loss_fn, w.batch, steps)
 
     pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     pairs += [(f"loss[step {i + 1}]", a, b) for i, (a, b) in enumerate(zip(ours, theirs))]

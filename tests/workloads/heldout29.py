@@ -180,3 +180,14 @@ def prelu_shuffle():
     g = _gen()
     x, y = torch.randn(8, 2, 4, 4, generator=g), torch.randn(8, 2, 8, 8, generator=g)
     return m, torch.optim.SGD(m.parameters(), lr=0.05), lambda m, x, y: F.mse_loss(m(x), y), (x, y)
+
+
+def float32_target():
+    """A target made with ``.float()`` beside a float64 model: capture's fake kernel of binary_cross_entropy
+    accepts the mix, the real one does not (nor does eager PyTorch)."""
+    torch.manual_seed(0)
+    m = nn.Linear(16, 16)
+    g = _gen()
+    x, t = torch.randn(8, 16, generator=g), torch.randint(0, 2, (8, 16), generator=g).float()
+    return m, torch.optim.SGD(m.parameters(), lr=0.05), \
+        lambda m, x, t: F.binary_cross_entropy(torch.sigmoid(m(x)), t), (x, t)
