@@ -173,6 +173,13 @@ def samples() -> list[tuple[str, tuple, dict]]:
     add("glu.default", r(4, 2, 8), -1)
     add("glu.default", r(4, 4, 8), 1)
     add("glu_backward.default", r(4, 2, 8), r(4, 4, 8), 1)
+    # bias + product forms beside addmm: a vector product, an outer product, a sum of batched products
+    add("addmv.default", r(4), r(4, 8), r(8))
+    add("addmv.default", r(1), r(4, 8), r(8), beta=0.5, alpha=2.0)
+    add("addr.default", r(4, 8), r(4), r(8))
+    add("addr.default", r(8), r(4), r(8), alpha=0.5)
+    add("addbmm.default", r(4, 8), r(2, 4, 8), r(2, 8, 8))
+    add("addbmm.default", r(8), r(4, 4, 2), r(4, 2, 8), beta=2.0)
     # nn.PReLU: a weight viewed to broadcast over the channels
     xp, wp = r(4, 2, 8), pos(2, 1) * 0.25
     add("_prelu_kernel.default", xp, wp)

@@ -16,9 +16,11 @@ register("aten.dot.default", M, "k+, k+ -> ")
 register("aten.mv.default", M, "m k+, k+ -> m")
 
 
-def _addmm(batched: bool):
+def _addmm(template: str):
+    """``bias + product``: the product's annotation ``template`` over the other inputs, the bias broadcast to
+    its output (added once: Partial with it where a split contraction makes the output Partial)."""
     def rule(call: OpCall) -> Annotation:
-        mm = parse("b m k+, b k+ n -> b m n" if batched else "m k+, k+ n -> m n", call.ranks[1:])
+        mm = parse(template, call.ranks[1:])
         out = mm.outputs[0]
         bias = call.in_types[0].shape
         new = NewLetters("bias")
@@ -37,8 +39,11 @@ def _addmm_flops(call: OpCall, ann: Annotation, sizes: Mapping[str, int]) -> int
     return 2 * prod(sizes[x] for x in ann.letters() if not x.startswith("bias")) + call.out_types[0].numel
 
 
-register("aten.addmm.default", M, _addmm(False), flops=_addmm_flops)
-register("aten.baddbmm.default", M, _addmm(True), flops=_addmm_flops)
+register("aten.addmm.default", M, _addmm("m k+, k+ n -> m n"), flops=_addmm_flops)
+register("aten.baddbmm.default", M, _addmm("b m k+, b k+ n -> b m n"), flops=_addmm_flops)
+register("aten.addbmm.default", M, _addmm("b+ m k+, b+ k+ n -> m n"), flops=_addmm_flops)
+register("aten.addmv.default", M, _addmm("m k+, k+ -> m"), flops=_addmm_flops)
+register("aten.addr.default", M, _addmm("m, n -> m n"), flops=_addmm_flops)
 
 
 # -- convolution -------------------------------------------------------------
