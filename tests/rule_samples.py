@@ -192,7 +192,8 @@ def samples() -> list[tuple[str, tuple, dict]]:
     add("native_channel_shuffle.default", r(2, 8, 2, 2), 4)
     # batched linear algebra on well-conditioned matrices: the batch dims free, the matrix dims fixed
     sq2, sq4 = r(4, 2, 2), r(2, 4, 4)
-    sq2, spd = sq2 @ sq2.transpose(1, 2) + 2 * torch.eye(2, dtype=F), sq4 @ sq4.transpose(1, 2) + 4 * torch.eye(4, dtype=F)
+    sq2 = sq2 @ sq2.transpose(1, 2) + 2 * torch.eye(2, dtype=F)
+    spd = sq4 @ sq4.transpose(1, 2) + 4 * torch.eye(4, dtype=F)
     chol = torch.linalg.cholesky(spd)
     add("linalg_inv_ex.default", sq2)
     add("_linalg_check_errors.default", torch.zeros(4, dtype=torch.int32), "linalg.inv", is_matrix=False)

@@ -53,8 +53,9 @@ def test_matmul_candidates_cover_batch_contracting_output_and_strided_splits():
 def test_matmul_after_a_merging_view_may_keep_the_strided_batch_split():
     """BERT's sequence-first attention flattens ``(seq, batch, d)`` to ``(seq batch, d)`` before the packed
     in-projection: a batch split arrives as the rows split in ``seq`` blocks (``m/seq``); its output is viewed
-    as ``(..., 3, E)``. The matmul's candidates include both strided splits, so the search's data-parallel plans need not gather there (on 8x8xH100 the
-    followed data-parallel plan priced 153.5 ms against the dp=64 preset's 24.9 ms without it)."""
+    as ``(..., 3, E)``. The matmul's candidates include both strided splits, so the search's data-parallel plans
+    need not gather there (on 8x8xH100 the followed data-parallel plan priced 153.5 ms against the dp=64 preset's
+    24.9 ms without it)."""
     from rhino.ir.graph import Role
     g = graph_of("bert.py")
     space = Space(g, Mesh(("a",), (2,)))

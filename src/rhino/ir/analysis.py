@@ -59,6 +59,7 @@ import weakref
 from dataclasses import dataclass
 from enum import Enum
 
+from .annotation import letter_sizes
 from .graph import STATE_ROLES, Graph, Node, Role
 from .registry import OpKind, Values, annotate, call_of, lookup
 
@@ -416,13 +417,13 @@ def merged_blocks(graph: Graph) -> dict[int, dict[int, set[int]]]:
     def add(vid: int, d: int, ks) -> None:
         out.setdefault(vid, {}).setdefault(d, set()).update(ks)
 
-    def blocks(group: tuple, sizes: dict) -> set[int]:
-        ks, outer = set(), 1
-        for j, x in enumerate(group):
-            if j and outer > 1:
-                ks.add(outer)
-            outer *= sizes.get(x, 1)
-        return ks
+    def blocks(vid: int, spec: tuple, sizes: dict) -> None:
+        for d, group in enumerate(spec):
+            outer = 1
+            for j, x in enumerate(group):
+                if j and outer > 1:
+                    add(vid, d, (outer,))
+                outer *= sizes.get(x, 1)
 
     moves = []
     for node in graph.nodes:
@@ -430,7 +431,8 @@ def merged_blocks(graph: Graph) -> dict[int, dict[int, set[int]]]:
         if opdef is None or opdef.kind not in (OpKind.VIEW, OpKind.ELEMENTWISE) or not node.outputs \
                 or node.outputs[0] is None:
             continue
-        ann = annotate(call_of(graph, node))
+        call = call_of(graph, node)
+        ann = annotate(call)
         if ann is None or not ann.outputs:
             continue
         vid, groups = node.outputs[0], ann.outputs[0]
@@ -441,14 +443,11 @@ def merged_blocks(graph: Graph) -> dict[int, dict[int, set[int]]]:
         for src, d, j in pairs:
             if d in out.get(src, {}):
                 add(vid, j, out[src][d])
-        if opdef.kind is OpKind.VIEW:
-            for d, group in enumerate(groups):
-                if blocks(group, ann.sizes):
-                    add(vid, d, blocks(group, ann.sizes))
-            refs = node.input_refs()
-            for d, group in enumerate(ann.inputs[0] if refs else ()):
-                if blocks(group, ann.sizes):
-                    add(refs[0].id, d, blocks(group, ann.sizes))
+        refs = node.input_refs()
+        if opdef.kind is OpKind.VIEW and refs:
+            sizes = letter_sizes(ann, [t.shape for t in call.in_types])
+            blocks(vid, groups, sizes)
+            blocks(refs[0].id, ann.inputs[0], sizes)
     for vid, pairs in reversed(moves):
         for src, d, j in pairs:
             if j in out.get(vid, {}):

@@ -226,12 +226,7 @@ def _backward_stages(graph: Graph, a, node_stage: dict[str, int], stages: int,
     """Backward nodes' stages (module docstring), added to ``node_stage``."""
     nodes = graph.nodes
     avail = _available(graph, a, node_stage)
-    state_ids = {i.value for i in graph.inputs if i.role in STATE_ROLES}
-    state_read: dict[int, set[int]] = {}   # state input -> the stages of its forward readers
-    for node in nodes[:a.boundary + 1]:
-        for r in node.input_refs():
-            if r.id in state_ids:
-                state_read.setdefault(r.id, set()).add(node_stage[node.name])
+    state_read = _state_readers(graph, a, node_stage)
     ub: dict[int, int] = {}     # backward node -> upper bound (anchored nodes: their stage)
     free: list[int] = []
     for i in range(a.boundary + 1, a.n):
@@ -256,7 +251,7 @@ def _backward_stages(graph: Graph, a, node_stage: dict[str, int], stages: int,
         if prefer and nodes[i].name in prefer:    # a recomputed forward value: anchors its readers as one
             avail.update((v, {ub[i]}) for v in nodes[i].outputs if v is not None)
     readers = _facts(graph, a)[1]
-    home = _parameter_homes(graph, a, node_stage)
+    home = _parameter_homes(graph, a, state_read)
     for i in reversed(free):
         want = []
         for u in (u for v in nodes[i].outputs if v is not None for u in readers.get(v, ())):
@@ -288,13 +283,22 @@ def _available(graph: Graph, a, node_stage: dict[str, int]) -> dict[int, set[int
     return out
 
 
-def _parameter_homes(graph: Graph, a, node_stage: dict[str, int]) -> dict[int, int]:
-    """Optimizer node -> the first forward stage reading a state whose new value it feeds (absent: none)."""
-    by_name = {i.name: i.value for i in graph.inputs if i.role in STATE_ROLES}
-    first: dict[int, int] = {}
+def _state_readers(graph: Graph, a, node_stage: dict[str, int]) -> dict[int, set[int]]:
+    """State input value -> the stages of the forward nodes reading it (absent: no forward reader)."""
+    state_ids = {i.value for i in graph.inputs if i.role in STATE_ROLES}
+    out: dict[int, set[int]] = {}
     for node in graph.nodes[:a.boundary + 1]:
         for r in node.input_refs():
-            first[r.id] = min(first.get(r.id, node_stage[node.name]), node_stage[node.name])
+            if r.id in state_ids:
+                out.setdefault(r.id, set()).add(node_stage[node.name])
+    return out
+
+
+def _parameter_homes(graph: Graph, a, state_read: dict[int, set[int]]) -> dict[int, int]:
+    """Optimizer node -> the first forward stage reading a state whose new value it feeds (absent: none);
+    ``state_read``: ``_state_readers``."""
+    by_name = {i.name: i.value for i in graph.inputs if i.role in STATE_ROLES}
+    first = {v: min(stages) for v, stages in state_read.items()}
     out: dict[int, int] = {}
     for name, ids in _facts(graph, a)[0].items():
         if by_name.get(name) in first:

@@ -51,7 +51,8 @@ def rank_resolved_plan(graph: Graph, plan: ShardingPlan) -> ResolvedPlan:
     return resolve(g, dataclasses.replace(p, fingerprint=""))
 
 
-def plan_ranks(graph: Graph, plan: ShardingPlan, level: str = "O1", time_limit: float = 60.0) -> dict[int, StepMemoryReport]:
+def plan_ranks(graph: Graph, plan: ShardingPlan, level: str = "O1",
+               time_limit: float = 60.0) -> dict[int, StepMemoryReport]:
     """Every rank's memory plan, each distinct program planned once (``memory.step_report.plan_rank_memory``):
     what ``rhino run --memory-plan`` hands its ranks before they start, so that ranks with equal programs run
     equal arenas (planned in each rank, a time-limited search can end at different heights)."""

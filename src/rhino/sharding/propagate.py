@@ -300,10 +300,11 @@ class Propagator:
     def _introduction_penalty(self, ns, node: Node, had: list[bool], lazy_at: list[int]) -> int:
         """``had[axis]``: an input that arrived is split on ``axis``; ``lazy_at``: positions of lazy inputs."""
         penalty = 0
-        zero_free = self.zero_level >= 1 and node.name in self._to_optimizer
+        zero_free = self.zero_axis if self.zero_level >= 1 and node.name in self._to_optimizer else None
         for axis in range(self.mesh.ndim):
             n = self.mesh.sizes[axis]
-            if (zero_free and axis == self.zero_axis) or had[axis] or any(isinstance(ns.inputs[k][axis], Shard) for k in lazy_at if k < len(ns.inputs)):
+            if axis == zero_free or had[axis] or \
+                    any(isinstance(ns.inputs[k][axis], Shard) for k in lazy_at if k < len(ns.inputs)):
                 continue
             for vid, sh in zip(node.outputs, ns.outputs):
                 if vid is not None and sh is not None and isinstance(sh[axis], Shard):
