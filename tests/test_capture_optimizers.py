@@ -133,9 +133,3 @@ def test_deferred_capture_is_the_plain_capture(name):
         w, _ = load_deferred(f"{SPEC}:{name}", torch.float64)
         deferred = capture(w)
     assert deferred.graph.fingerprint() == _capture(name).graph.fingerprint()
-
-
-def test_unsupported_optimizer_names_the_supported_ones():
-    p = torch.nn.Parameter(torch.ones(2))
-    with pytest.raises(WorkloadError, match="ASGD is not supported yet.*NAdam, RAdam, Adamax or Adadelta"):
-        plan_updates(torch.optim.ASGD([p]), {id(p): "p"})

@@ -380,14 +380,16 @@ def test_remembered_decisions_give_the_same_plan_and_score_fewer_nodes(preset, m
     made = []
     post = propagate.Propagator.__post_init__
     monkeypatch.setattr(propagate.Propagator, "__post_init__", lambda self: (post(self), made.append(self)))
-    plans = {}
+    plans, first = {}, {}
     for memo in (False, True):
         defaults = list(propagate.Propagator.__init__.__defaults__)
         defaults[-1] = memo
         monkeypatch.setattr(propagate.Propagator.__init__, "__defaults__", tuple(defaults))
+        before = len(made)
         plans[memo] = preset_plan(graph, parse_strategy(preset))
-        assert made[-1].memo_decisions is memo
+        first[memo] = made[before]
+        assert all(p.memo_decisions is memo for p in made[before:])
     assert plans[True].strategies == plans[False].strategies
     assert plans[True].inputs == plans[False].inputs
-    off, on = made[-2].scored, made[-1].scored
+    off, on = first[False].scored, first[True].scored
     assert on < off / 2, (on, off)

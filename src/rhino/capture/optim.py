@@ -20,7 +20,7 @@ import torch
 from .workload import WorkloadError
 
 __all__ = ["ParamUpdate", "SCALAR_KEYS", "plan_updates", "initial_state", "lazy_value", "scalar_dtype",
-           "state_meta", "apply_update", "state_name"]
+           "state_meta", "apply_update", "state_name", "mirrored_kind", "unhooked"]
 
 
 @dataclass
@@ -32,6 +32,7 @@ class ParamUpdate:
     hp: dict[str, Any]
     state_keys: list[str] = field(default_factory=list)
     torch_keys: list[str] = field(default_factory=list)  # keys torch keeps in optimizer.state
+    init: Any = None   # kind "traced": the optimizer_traced.TracedInit of its lazily made state
 
 
 def _scalar(v: Any) -> float:
@@ -126,11 +127,26 @@ _KINDS = {torch.optim.SGD: "sgd", torch.optim.Adam: "adam", torch.optim.AdamW: "
 SCALAR_KEYS = ("step", "started", "mu_product")
 
 
+def mirrored_kind(optimizer: torch.optim.Optimizer) -> str | None:
+    """The kind of the update mirrored here, if ``optimizer`` runs one: a class of ``_KINDS`` or a subclass that
+    overrides none of its update (else None: its own step() is traced, ``optim_traced``)."""
+    cls = type(optimizer)
+    for base, kind in _KINDS.items():
+        if issubclass(cls, base) and all(unhooked(getattr(cls, m, None)) is unhooked(getattr(base, m, None))
+                                         for m in ("step", "_init_group")):
+            return kind
+    return None
+
+
+def unhooked(method):
+    """A class's method without the profiling wrapper torch.optim puts around ``step`` (per class)."""
+    return method.__wrapped__ if getattr(method, "hooked", False) else method
+
+
 def _kind(optimizer: torch.optim.Optimizer) -> str:
-    kind = _KINDS.get(type(optimizer))
+    kind = mirrored_kind(optimizer)
     if kind is None:
-        raise WorkloadError(f"optimizer {type(optimizer).__name__} is not supported yet; use torch.optim.SGD, "
-                            f"Adam, AdamW, RMSprop, Adagrad, NAdam, RAdam, Adamax or Adadelta")
+        raise WorkloadError(f"optimizer {type(optimizer).__name__} is not mirrored; capture traces its step()")
     return kind
 
 
@@ -152,6 +168,8 @@ def scalar_dtype(plan: ParamUpdate, key: str) -> torch.dtype:
 
 def state_meta(plan: ParamUpdate, key: str, param: torch.Tensor) -> torch.Tensor:
     """An empty meta tensor shaped and typed as state ``key`` of ``param`` (capture without memory)."""
+    if plan.init is not None:
+        return plan.init.meta[(plan.name, key)]
     if key in SCALAR_KEYS:
         return torch.empty((), dtype=scalar_dtype(plan, key), device="meta")
     return torch.empty_like(param, device="meta")
@@ -166,7 +184,10 @@ def initial_state(optimizer: torch.optim.Optimizer, plans: list[ParamUpdate],
         state = optimizer.state.get(p, {})
         for key in plan.state_keys:
             existing = state.get(key)
-            if key == "started":
+            if plan.init is not None:
+                value = existing.detach().clone() if isinstance(existing, torch.Tensor) else \
+                    plan.init.value(plan.name, key, lambda n: params[n].detach())
+            elif key == "started":
                 value = torch.tensor(lazy_value(plan, key, state), device=p.device)
             elif key in SCALAR_KEYS:   # step counters and NAdam's mu_product, on the parameter's device
                 value = existing.detach().clone() if isinstance(existing, torch.Tensor) else \

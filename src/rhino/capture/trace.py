@@ -31,7 +31,8 @@ from ..ir.graph import Graph, Role
 from ..ir.verify import verify
 from .amp import autocast_on
 from .fallbacks import fake_fallbacks
-from .optim import ParamUpdate, apply_update, initial_state, plan_updates, state_meta, state_name
+from .optim import ParamUpdate, apply_update, initial_state, mirrored_kind, plan_updates, state_meta, state_name
+from .optim_traced import plan_traced, traced_update
 from .to_ir import fx_to_ir
 from .workload import Workload, WorkloadError
 
@@ -97,7 +98,8 @@ def capture(workload: Workload, verify_graph: bool = True) -> Captured:
     start = time.perf_counter()
     model, optimizer = workload.model, workload.optimizer
     names = {id(p): n for n, p in model.named_parameters()}
-    updates = plan_updates(optimizer, names)
+    traced = mirrored_kind(optimizer) is None
+    updates = plan_traced(optimizer, names) if traced else plan_updates(optimizer, names)
     trained = {u.name for u in updates}
     param_names = [u.name for u in updates]
     frozen_names = [n for n, _ in model.named_parameters() if n not in trained]
@@ -116,9 +118,9 @@ def capture(workload: Workload, verify_graph: bool = True) -> Captured:
     wrapper = _LossModule(model, workload.loss_fn)
     # Parameters whose step counters are equal (and stay so: every parameter with a gradient steps)
     # share one counter in the graph, so bias corrections are computed once, not per parameter.
-    share = _steps_equal(optimizer, updates, params)
+    share = not traced and _steps_equal(optimizer, updates, params)
     step = _make_step(wrapper, workload, updates, param_names, frozen_names, buffer_names, opt_names, counts,
-                      share)
+                      share, traced)
 
     with warnings.catch_warnings(), _quiet_logger("torch._subclasses.fake_tensor"), fake_fallbacks():
         warnings.simplefilter("ignore")
@@ -194,7 +196,7 @@ def _steps_equal(optimizer, updates, params) -> bool:
 
 
 def _make_step(wrapper, workload, updates, param_names, frozen_names, buffer_names, opt_names, counts,
-               share_steps: bool):
+               share_steps: bool, traced: bool):
     n_p, n_f, n_b, n_o = counts
     prefixed = lambda names: ["model." + n for n in names]  # noqa: E731
     all_names = prefixed(param_names) + prefixed(frozen_names) + prefixed(buffer_names)
@@ -206,6 +208,13 @@ def _make_step(wrapper, workload, updates, param_names, frozen_names, buffer_nam
         params = list(flat[:n_p])
         loss, grads = torch.func.functional_call(wrapper, tensors, tuple(batch), {"grad_of": params,
                                                  "spec": workload.spec}, tie_weights=True, strict=False)
+        frozen = [t.detach() for t in flat[n_p:n_p + n_f]]
+        buffers = [tensors[n] for n in prefixed(buffer_names)]
+        if traced:
+            held = dict(workload.model.named_parameters())
+            others = {id(held[n]): t for n, t in zip(frozen_names, frozen)}
+            new_params, new_opt = traced_update(workload.optimizer, updates, params, grads, opt, state_name, others)
+            return [loss.detach().reshape(())] + new_params + frozen + buffers + [new_opt[n] for n in opt_names]
         new_params, new_opt = [], dict(opt)
         scalars: dict = {}
         shared = _shared_step(updates, grads, opt) if share_steps else None
@@ -219,8 +228,6 @@ def _make_step(wrapper, workload, updates, param_names, frozen_names, buffer_nam
             new_p, new_st = apply_update(u, p.detach(), g, st, scalars)
             new_params.append(new_p)
             new_opt.update({state_name(u.name, k): v for k, v in new_st.items()})
-        frozen = [t.detach() for t in flat[n_p:n_p + n_f]]
-        buffers = [tensors[n] for n in prefixed(buffer_names)]
         return [loss.detach().reshape(())] + new_params + frozen + buffers + [new_opt[n] for n in opt_names]
 
     return step

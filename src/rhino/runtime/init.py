@@ -8,7 +8,8 @@ parameters, buffers, optimizer state), this rank's local tensor under the plan, 
   of ``capture.deferred.load_deferred``, which replays that tensor's construction alone; ``None``
   when the workload holds real tensors), sliced, and the full tensor dropped;
 - optimizer state that torch creates lazily (moments, step counters, Adagrad sums) is created
-  directly at the local shape, from the graph input's type; state the optimizer already holds
+  directly at the local shape, from the graph input's type; state an optimizer's own traced step makes
+  at its first step (``capture.optim_traced``) is computed from the materialised parameters and sliced; state the optimizer already holds
   (a workload that stepped before returning) is materialised and sliced like a parameter.
 
 ``build_rank_state(workload, plan, rank)`` does the whole per-rank set-up for a trainer or a test:
@@ -81,10 +82,15 @@ def local_state(cap: Captured, rp: ResolvedPlan, rank: int, source: Deferred | N
         if inp.role is Role.OPT_STATE:
             u, key = updates[inp.name]
             held = opt_state.get(params[u.name], {})
-            if key not in held:
+            if key not in held and u.init is None:
                 out[inp.name] = _lazy_state(cap, inp, u, key, held, sharding, mesh, rank, device)
                 continue
-            full = _value(held[key], source) if isinstance(held[key], torch.Tensor) else torch.tensor(held[key])
+            if key not in held:     # made by the optimizer's own first step, from the parameters' values
+                full = u.init.value(u.name, key, lambda n: _value(_tensor_of(cap, n), source))
+            elif isinstance(held[key], torch.Tensor):
+                full = _value(held[key], source)
+            else:
+                full = torch.tensor(held[key])
             if key in SCALAR_KEYS:     # 0-dim state in the captured step's dtype (float32 step counters)
                 full = full.to(getattr(torch, cap.graph.types[inp.value].dtype.value))
         else:

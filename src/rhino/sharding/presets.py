@@ -123,6 +123,11 @@ def _split_first_divisible(shape, n: int, axis: int, ndim: int) -> Sharding:
     return tuple(Replicate() for _ in range(ndim))
 
 
+#: Runs of the propagation at most (``reduce_once``): each later run keeps from passing through the Partial values
+#: the one before reduced twice, and is kept where its summed cost is lower.
+REDUCE_ONCE_RUNS = 3
+
+
 def preset_plan(graph: Graph, spec: StrategySpec, *, fingerprint: str | None = None) -> ShardingPlan:
     """The expert plan for ``spec`` on this graph (with ``pp > 1``: each stage's plan, the same on every
     stage, and the default stage cut). ``fingerprint``: the graph's, when the caller has it."""
@@ -153,10 +158,22 @@ def preset_plan(graph: Graph, spec: StrategySpec, *, fingerprint: str | None = N
         if inp.role is Role.OPT_STATE:
             by_param[inp.name] = inp.name.split("/")[1]
     rule = _megatron_rule(tp, spec.sp) if tp is not None else None
-    follows = {name: by_param[name] for name in lazy if name in by_param}
-    prop = Propagator(graph, mesh, fixed, lazy, rule, follows, at_rest,
-                      zero_axis=dp if spec.zero else None, zero_level=spec.zero)
-    plan = prop.run()
+    shape_of = {i.name: graph.types[i.value].shape for i in graph.inputs}
+    # a state follows its parameter's split where it has the parameter's shape (not a factored one)
+    follows = {name: by_param[name] for name in lazy if name in by_param and
+               shape_of.get(by_param[name]) == shape_of[name]}
+    plan, no_pass, total = None, frozenset(), None
+    for _ in range(REDUCE_ONCE_RUNS):
+        prop = Propagator(graph, mesh, fixed, set(lazy), rule, follows, dict(at_rest),
+                          zero_axis=dp if spec.zero else None, zero_level=spec.zero, no_pass=no_pass)
+        run = prop.run()
+        if total is not None and prop.total >= total:
+            break
+        plan, total = run, prop.total
+        again = no_pass | prop.reduced_twice()
+        if again == no_pass:
+            break
+        no_pass = again
     plan.fingerprint = fingerprint or graph.fingerprint()
     plan.strategy_string = str(spec)
     plan.microbatches, plan.recompute = spec.microbatches, spec.recompute

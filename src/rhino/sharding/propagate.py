@@ -75,6 +75,9 @@ class Propagator:
     #: optimizer state: 1.5x DDP's bytes before, 1x after).
     zero_axis: int | None = None
     zero_level: int = 0
+    #: Values whose Partial is not passed through a linear op (``reduce_once``: found by a first run that
+    #: both passed such a value on and reduced it for another consumer, so the sum was reduced twice).
+    no_pass: frozenset = frozenset()
     #: Remember each decision by what it depends on (``_decision_key``: the call signature, the strategy
     #: options, and the shardings, availability and laziness of the inputs and the wanted state outputs),
     #: so that identical layers are scored once (exact: the same key gives the same scores). Off: every node
@@ -98,6 +101,9 @@ class Propagator:
         self._ann_cache: dict[tuple, tuple] = {}   # call signature -> (annotation, letter sizes)
         self._letters: dict[tuple, list] = {}      # (call signature, axis size) -> candidate letters
         self.scored = 0                            # nodes scored (not remembered): for the tests
+        self.total = 0                             # the chosen strategies' costs, summed
+        self._passed: set[int] = set()             # Partial values some consumer passed through
+        self._reduced: set[int] = set()            # Partial values some consumer had reduced
         self._to_optimizer = update_feeders(self.graph)
 
     # -- public ---------------------------------------------------------------------------
@@ -167,7 +173,7 @@ class Propagator:
         opts += self._strided_options(refs, ann, sizes, axis, letters)
         partial_at = [k for k, r in enumerate(refs)
                       if r.id in self.actual and isinstance(self.actual[r.id][axis], Partial)]
-        if partial_at and not (self.reduce_before_widening and self._widens(node, [refs[k] for k in partial_at])):
+        if partial_at and not any(refs[k].id in self.no_pass for k in partial_at) and not (self.reduce_before_widening and self._widens(node, [refs[k] for k in partial_at])):
             opdef = lookup(node.op)
             for group in partial_inputs(node.op, opdef is not None and opdef.kind is OpKind.VIEW, len(refs),
                                         node.args, node.kwargs, self.graph.types[refs[0].id].dtype):
@@ -218,10 +224,15 @@ class Propagator:
             hit = self._best(node, refs, sig, options)
             if key is not None:
                 self._decisions[key] = hit
-        strategy, ns = hit
+        strategy, ns, cost = hit
+        self.total += cost
         for ref, req in zip(refs, ns.inputs):
             if ref.id in self.lazy:
                 self._resolve(ref.id, req)
+            have = self.actual.get(ref.id)
+            for a, p in enumerate(have or ()):
+                if isinstance(p, Partial):
+                    (self._passed if isinstance(req[a], Partial) else self._reduced).add(ref.id)
             self.available.setdefault(ref.id, set()).add(req)
         self.strategies[node.name] = strategy
         for vid, sh in zip(node.outputs, ns.outputs):
@@ -264,7 +275,12 @@ class Propagator:
                 best = (key, strategy, ns)
         if best is None:  # nothing legal (should not happen: all-replicate is always legal)
             raise AssertionError(f"no legal strategy for {node.name}")
-        return best[1], best[2]
+        return best[1], best[2], best[0][0]
+
+    def reduced_twice(self) -> frozenset:
+        """Partial values one consumer passed through while another had them reduced: the sum is reduced
+        for that consumer and again downstream of the other (rerun with them in ``no_pass``)."""
+        return frozenset(self._passed & self._reduced)
 
     def _passes_ok(self, refs: list[Ref], ns) -> bool:
         for ref, req in zip(refs, ns.inputs):

@@ -1,0 +1,348 @@
+"""Any optimizer's own ``step()``, traced into the step graph.
+
+An optimizer that ``optim.py`` does not mirror (a user-written one, a subclass with its own ``step``, one of
+torch's others such as Rprop, ASGD or Adafactor) is captured by running its ``step()`` inside the trace on a
+shadow: a copy of the optimizer object whose parameters are the traced parameters (gradients attached as
+``.grad``) and whose state holds the traced state tensors. Its in-place updates are recorded like any other
+op and functionalised with the rest of the step, so the captured update is the optimizer's own code.
+
+State: the graph takes every state tensor as an input and returns its new value, so a state that ``step()``
+creates lazily at its first step (``state["exp_avg"] = torch.zeros_like(p)``) needs its value before the
+first step. ``plan_traced`` finds it by a first trace of ``step()`` over fake tensors (nothing allocated)
+with a state dict that records the first tensor stored under each key the optimizer did not hold: the
+recorded values, as functions of the parameters (``TracedInit``), are evaluated later on each parameter's
+real value. During the captured step the state is already there, so the lazy branch is not taken. Refused
+with one sentence each: a first value read from the gradient (the step's own state is then not a function
+of the state before it), a Python number in the state, a param group or the optimizer that changes every
+step (traced once, it would stay at its first value), a state tensor whose shape or dtype changes, and
+closures (LBFGS re-evaluates the model inside ``step``).
+
+torch's own optimizers read their step counters with ``.item()`` unless ``torch.compiler.is_compiling()``;
+their steps are traced as torch.compile would trace them (that flag on, single-tensor code: ``foreach`` and
+``fused`` off), the math in tensors instead of Python doubles.
+"""
+from __future__ import annotations
+
+import contextlib
+import traceback
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
+                                           FakeTensorMode)
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+from .optim import ParamUpdate, unhooked
+from .workload import WorkloadError
+
+__all__ = ["TracedInit", "plan_traced", "traced_update"]
+
+TRACED = "traced"
+_PRIMITIVE = (int, float, bool, complex, str, type(None))
+
+
+@dataclass
+class TracedInit:
+    """The state tensors ``step()`` creates at its first step, as a graph over the parameters.
+
+    ``graph``: inputs are the trained parameters (in ``names`` order); output ``index[(param, key)]`` is
+    that state's first value. ``meta``: the shape and dtype of every state tensor (held ones included)."""
+
+    graph: torch.fx.Graph
+    names: list[str]
+    index: dict[tuple[str, str], int]
+    meta: dict[tuple[str, str], torch.Tensor]
+    constants: dict[str, dict[str, object]] = field(default_factory=dict)   # non-tensor state, fixed
+
+    def value(self, name: str, key: str, param_value: Callable[[str], torch.Tensor]) -> torch.Tensor:
+        """The first value of state ``key`` of parameter ``name``, from the parameters' values
+        (``param_value(name)``, asked only for those it is computed from)."""
+        out = list(self.graph.nodes)[-1].args[0][self.index[(name, key)]]
+        needed: set[torch.fx.Node] = set()
+        todo = [out]
+        while todo:
+            node = todo.pop()
+            if node in needed:
+                continue
+            needed.add(node)
+            todo.extend(node.all_input_nodes)
+        env: dict[torch.fx.Node, object] = {}
+        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
+        for node in self.graph.nodes:
+            if node not in needed:
+                continue
+            if node.op == "placeholder":
+                env[node] = param_value(self.names[placeholders.index(node)])
+            elif node.op == "call_function":
+                args = torch.fx.node.map_arg(node.args, env.__getitem__)
+                kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
+                env[node] = node.target(*args, **kwargs)
+        return env[out].detach().clone()
+
+
+class _Recording(dict):
+    """A parameter's state dict that remembers the first value stored under each key it did not hold."""
+
+    def __init__(self, held: dict, first: dict) -> None:
+        super().__init__(held)
+        self.first = first
+
+    def __setitem__(self, key, value) -> None:
+        if key not in self.first and not dict.__contains__(self, key):
+            self.first[key] = value.clone() if isinstance(value, torch.Tensor) else value
+        super().__setitem__(key, value)
+
+    def setdefault(self, key, default=None):
+        if key not in self:
+            self[key] = default
+        return self[key]
+
+    def update(self, *args, **kwargs) -> None:
+        for k, v in dict(*args, **kwargs).items():
+            self[k] = v
+
+
+def _raw_step(optimizer: torch.optim.Optimizer):
+    """The class's ``step`` without torch's profiling wrapper (which would record profiler ops)."""
+    return unhooked(type(optimizer).step)
+
+
+@contextlib.contextmanager
+def _compiling(on: bool):
+    """``torch.compiler.is_compiling()`` answers True: torch's optimizers keep their scalars in tensors."""
+    if not on:
+        yield
+        return
+    before = torch.compiler.is_compiling
+    torch.compiler.is_compiling = lambda: True
+    try:
+        yield
+    finally:
+        torch.compiler.is_compiling = before
+
+
+def _torch_step(optimizer) -> bool:
+    return getattr(_raw_step(optimizer), "__module__", "").startswith("torch.")
+
+
+def _shadow(optimizer: torch.optim.Optimizer, tensor_of: dict[int, torch.Tensor],
+            states: dict[int, dict]) -> torch.optim.Optimizer:
+    """A copy of ``optimizer`` over other tensors: ``tensor_of[id(p)]`` for each of its parameters (with
+    ``.grad`` already set), ``states[id(p)]`` as their state; every other attribute shared."""
+    shadow = object.__new__(type(optimizer))
+    shadow.__dict__.update(optimizer.__dict__)
+    groups = []
+    for group in optimizer.param_groups:
+        g = dict(group, params=[tensor_of[id(p)] for p in group["params"]])
+        for flag in ("foreach", "fused"):
+            if flag in g and _torch_step(optimizer):
+                g[flag] = False if flag == "fused" else None if g[flag] is None else False
+        groups.append(g)
+    shadow.param_groups = groups
+    shadow.state = defaultdict(dict)
+    for p_id, st in states.items():
+        shadow.state[tensor_of[p_id]] = st
+    return shadow
+
+
+def _snapshot(optimizer) -> dict:
+    """The Python numbers a step could change: param-group entries and the optimizer's attributes."""
+    out = {("group", i, k): v for i, g in enumerate(optimizer.param_groups) for k, v in g.items()
+           if k != "params" and isinstance(v, _PRIMITIVE)}
+    out.update({("attr", k): v for k, v in vars(optimizer).items() if isinstance(v, _PRIMITIVE)})
+    return out
+
+
+def _changed_number(where: str, before, after) -> WorkloadError:
+    return WorkloadError(f"the optimizer changes {where} at every step ({before!r} -> {after!r}), a Python "
+                         f"value that Rhino traces once; keep it in a tensor (torch.tensor({before!r})), as "
+                         f"torch.optim keeps its step counters")
+
+
+def plan_traced(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[ParamUpdate]:
+    """One ParamUpdate per trained parameter, all sharing the ``TracedInit`` of the optimizer's state."""
+    if isinstance(optimizer, torch.optim.LBFGS):
+        raise WorkloadError("LBFGS re-evaluates the model several times inside step() through a closure; Rhino "
+                            "captures one forward, one backward and one update per step: use another optimizer")
+    trained = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
+    if any(p.is_complex() for p in trained):
+        raise WorkloadError("complex parameters are not supported; use real tensors")
+    order = [names[id(p)] for p in trained]
+    held = {id(p): {k: v for k, v in optimizer.state.get(p, {}).items()} for p in trained}
+    held_tensors = [(i, k, v) for i, p in enumerate(trained) for k, v in held[id(p)].items()
+                    if isinstance(v, torch.Tensor)]
+    firsts: dict[int, dict] = {id(p): {} for p in trained}
+    finals: dict[int, dict] = {}
+    snapshots: list[dict] = []
+
+    def first_step(*flat):
+        n, m = len(trained), len(frozen)
+        params, grads, tensors = flat[:n], flat[n:2 * n], flat[2 * n + m:]
+        shadow_params, states = {}, {}
+        for p, q, g in zip(trained, params, grads):
+            q = q.detach()
+            q.grad = g
+            shadow_params[id(p)] = q
+        for (i, k, _), t in zip(held_tensors, tensors):
+            held[id(trained[i])][k] = t
+        for p, q in zip(frozen, flat[2 * n:2 * n + m]):     # no gradient: stepped over
+            shadow_params[id(p)] = q.detach()
+        for p in trained:
+            states[id(p)] = _Recording(held[id(p)], firsts[id(p)])
+        shadow = _shadow(optimizer, shadow_params, states)
+        snapshots.append(_snapshot(shadow))
+        with _compiling(_torch_step(optimizer)):
+            _raw_step(optimizer)(shadow)
+        snapshots.append(_snapshot(shadow))
+        finals.update({p_id: dict(st) for p_id, st in states.items()})
+        return [v for p in trained for v in firsts[id(p)].values() if isinstance(v, torch.Tensor)]
+
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = lambda t: _fake(mode, t)  # noqa: E731
+    flat = [fake(p) for p in trained] + [fake(p) for p in trained] + [fake(p) for p in frozen] + \
+        [fake(v) for _, _, v in held_tensors]
+    try:
+        gm = make_fx(torch.func.functionalize(first_step, remove="mutations"), tracing_mode="fake")(*flat)
+    except WorkloadError:
+        raise
+    except (DataDependentOutputException, DynamicOutputShapeException, GuardOnDataDependentSymNode) as exc:
+        fix = "torch's own code for it does so: use another optimizer" if _torch_step(optimizer) else \
+            "use tensor ops such as torch.where or torch.clamp instead"
+        raise WorkloadError(f"{type(optimizer).__name__}.step() reads a tensor's value as a Python number at "
+                            f"{_step_frame(exc)} (.item(), float(t), a branch on a tensor), which a "
+                            f"training-step graph cannot hold; {fix}") from None
+    except (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError,
+            NotImplementedError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise WorkloadError(f"{type(optimizer).__name__}.step() cannot be traced on the model's parameters "
+                            f"({first}); it must run on gradients given as p.grad and keep its state in "
+                            f"self.state[p]") from None
+    before, after = snapshots[0], snapshots[-1]
+    for k, v in before.items():
+        if after.get(k, v) != v:
+            where = f"param_groups[{k[1]}][{k[2]!r}]" if k[0] == "group" else f"self.{k[1]}"
+            raise _changed_number(where, v, after[k])
+    return _updates(optimizer, trained, order, held, firsts, finals, _init_graph(gm, len(trained)))
+
+
+def _step_frame(exc: BaseException) -> str:
+    """The innermost frame of the traceback in the optimizer's code (outside rhino and torch's tracing)."""
+    rhino_dir = str(Path(__file__).parents[1])
+    torch_dir = Path(torch.__file__).parent
+    inner = [f for f in traceback.extract_tb(exc.__traceback__) if not f.filename.startswith(rhino_dir)
+             and (not f.filename.startswith(str(torch_dir)) or f.filename.startswith(str(torch_dir / "optim")))]
+    if not inner:
+        return "its step()"
+    f = inner[-1]
+    return f"{f.filename}:{f.lineno}" + (f" ({f.line.strip()})" if f.line else "")
+
+
+def _fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
+    if t.device.type == "meta":
+        with mode:
+            return torch.empty(t.shape, dtype=t.dtype, device="cpu")
+    return mode.from_tensor(t.detach())
+
+
+_aten = torch.ops.aten
+# ops that read only their first argument's shape, dtype and device (the gradient and its parameter agree)
+_SHAPE_ONLY = frozenset({_aten.zeros_like.default, _aten.ones_like.default, _aten.full_like.default,
+                         _aten.empty_like.default, _aten.new_zeros.default, _aten.new_ones.default,
+                         _aten.new_full.default, _aten.new_empty.default})
+
+
+def _init_graph(gm: torch.fx.GraphModule, n: int) -> torch.fx.Graph:
+    """The traced first step reduced to what the recorded first values are computed from; refused if that
+    reads a gradient."""
+    graph = gm.graph
+    for node in reversed(list(graph.nodes)):     # write-backs of mutated inputs: the step's own effects
+        if node.op == "call_function" and node.target is torch.ops.aten.copy_.default \
+                and node.args[0].op == "placeholder" and not node.users:
+            graph.erase_node(node)
+    graph.eliminate_dead_code()
+    placeholders = [p for p in graph.nodes if p.op == "placeholder"]
+    if any(p.users for p in placeholders[2 * n:]):
+        raise WorkloadError("the optimizer's first step stores state computed from a frozen parameter or from "
+                            "state it held before; start it from zeros or from the parameter it belongs to")
+    for param, grad in zip(placeholders[:n], placeholders[n:2 * n]):
+        for user in list(grad.users):          # torch.full_like(grad, lr): the gradient's shape, not its values
+            if user.target in _SHAPE_ONLY and user.args[0] is grad:
+                user.args = (param, *user.args[1:])
+    if any(p.users for p in placeholders[n:2 * n]):
+        raise WorkloadError("the optimizer's first step stores state computed from the gradient (e.g. a "
+                            "momentum buffer started as grad.clone()), so its state is not a function of the "
+                            "state before the step; start it from zeros or from the parameter instead")
+    return graph
+
+
+def _updates(optimizer, trained, order, held, firsts, finals, graph) -> list[ParamUpdate]:
+    outputs = list(graph.nodes)[-1].args[0]
+    index, meta, constants, k = {}, {}, {}, 0
+    for p, name in zip(trained, order):
+        for key, v in firsts[id(p)].items():
+            if isinstance(v, torch.Tensor):
+                index[(name, key)] = k
+                k += 1
+    init = TracedInit(graph, order, index, meta, constants)
+    plans = []
+    for p, name in zip(trained, order):
+        final = finals[id(p)]
+        keys = []
+        for key, v in final.items():
+            start = held[id(p)][key] if key in held[id(p)] else firsts[id(p)].get(key)
+            if isinstance(v, torch.Tensor) != isinstance(start, torch.Tensor):
+                raise WorkloadError(f"the optimizer's state {key!r} changes between a tensor and a "
+                                    f"{type(v).__name__ if not isinstance(v, torch.Tensor) else 'Python value'}"
+                                    f" in its step; keep it a tensor")
+            if not isinstance(v, torch.Tensor):
+                if v != start:
+                    raise _changed_number(f"its state {key!r}", start, v)
+                constants.setdefault(name, {})[key] = v
+                continue
+            if tuple(v.shape) != tuple(start.shape) or v.dtype != start.dtype:
+                raise WorkloadError(f"the optimizer's state {key!r} of parameter {name} changes from "
+                                    f"{list(start.shape)} {start.dtype} to {list(v.shape)} {v.dtype} in one "
+                                    f"step; a state tensor must keep its shape and dtype")
+            if key not in held[id(p)] and (name, key) not in index:
+                raise WorkloadError(f"the optimizer's state {key!r} of parameter {name} is made without "
+                                    f"being stored as state[{key!r}] = tensor; store it so")
+            meta[(name, key)] = torch.empty(v.shape, dtype=v.dtype, device="meta")
+            keys.append(key)
+        plans.append(ParamUpdate(name, TRACED, {}, keys, list(keys), init=init))
+    del outputs
+    return plans
+
+
+def traced_update(optimizer: torch.optim.Optimizer, updates: list[ParamUpdate], params: list[torch.Tensor],
+                  grads: list, state: dict[str, torch.Tensor], state_name, frozen: dict[int, torch.Tensor]
+                  ) -> tuple[list, dict]:
+    """Inside the step's trace: the optimizer's own ``step()`` on the traced parameters, gradients and
+    state -> (new parameters, new state by graph-input name). ``frozen``: the traced tensor of each frozen
+    parameter the optimizer holds, by the id of the workload's parameter."""
+    trained = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    tensor_of, states = {}, {}
+    for p, u, q, g in zip(trained, updates, params, grads):
+        q = q.detach()
+        q.grad = g
+        tensor_of[id(p)] = q
+        st = {k: state[state_name(u.name, k)] for k in u.state_keys}
+        st.update(u.init.constants.get(u.name, {}))
+        states[id(p)] = st
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            if id(p) not in tensor_of:
+                tensor_of[id(p)] = frozen[id(p)].detach()
+    shadow = _shadow(optimizer, tensor_of, states)
+    with _compiling(_torch_step(optimizer)):
+        _raw_step(optimizer)(shadow)
+    new_state = {}
+    for p, u in zip(trained, updates):
+        st = shadow.state[tensor_of[id(p)]]
+        for k in u.state_keys:
+            new_state[state_name(u.name, k)] = st[k]
+    return [tensor_of[id(p)] for p in trained], new_state

@@ -1,0 +1,142 @@
+"""Optimizers Rhino does not mirror: their own step() traced into the graph (capture/optim_traced.py).
+
+Oracle: eager PyTorch running the same optimizer object's step() on a copy of the workload
+(``rhino.check.check_captured``), float64, every loss, parameter and state tensor within 1e-12; sharded
+runs against single-device training on every rank (``rhino.runtime.run.run_plan``).
+"""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from conftest import ROOT
+from rhino.capture import WorkloadError, capture, default_dtype, load_workload
+from rhino.capture.deferred import load_deferred
+from rhino.capture.optim import mirrored_kind, state_name
+from rhino.check import check_captured
+from rhino.ir.graph import Role
+from rhino.runtime.collectives import shard_tensor
+from rhino.runtime.init import local_state
+from rhino.runtime.rank_step import RankStep
+from rhino.sharding import presets
+from rhino.sharding.plan import resolve
+from rhino.sharding.presets import parse_strategy, preset_plan
+
+SPEC = str(ROOT / "tests" / "workloads" / "user_optimizers.py")
+TRACED = ["lion", "clipsgd", "tensorstep", "rprop", "slow"]
+STEPS = 4
+TOLERANCE = 1e-12
+
+
+def _capture(name: str):
+    with warnings.catch_warnings(), default_dtype(torch.float64):
+        warnings.simplefilter("ignore")
+        return capture(load_workload(f"{SPEC}:{name}", dtype=torch.float64))
+
+
+@pytest.mark.parametrize("name", TRACED)
+def test_traced_step_matches_pytorch(name):
+    cap = _capture(name)
+    assert {u.kind for u in cap.updates} == {"traced"}
+    with default_dtype(torch.float64):
+        r = check_captured(cap, steps=STEPS, rtol=0.0, atol=TOLERANCE)
+    assert r.ok, r.first_mismatch
+    assert len(set(r.losses)) == STEPS, "every step must change the model"
+    # losses, every parameter and buffer, and each state tensor torch holds after the steps
+    stepped = [u for u in cap.updates if u.name != "unused"]
+    assert r.compared >= STEPS + len(cap.param_names) + sum(len(u.torch_keys) for u in stepped)
+    assert "body.2.weight" in cap.frozen_names
+
+
+def test_a_subclass_of_a_mirrored_optimizer_keeps_its_update_unless_it_overrides_step():
+    assert _capture("subclass").updates[0].kind == "sgd"
+    lion = load_workload(f"{SPEC}:lion").optimizer
+    assert mirrored_kind(lion) is None
+
+    class OwnStep(torch.optim.SGD):
+        def step(self, closure=None):
+            return super().step(closure)
+
+    assert mirrored_kind(OwnStep([torch.nn.Parameter(torch.ones(2))], lr=0.1)) is None
+
+
+def test_state_made_at_the_first_step_is_made_from_each_parameter():
+    """Lion's zeros, Rprop's ``full_like(grad, lr)`` (the gradient's shape only) and the slow copy of the weight
+    (``p.clone()``): before the first step, as the optimizer's first step makes them."""
+    for name, key, want in [("lion", "exp_avg", lambda p: torch.zeros_like(p)),
+                            ("rprop", "step_size", lambda p: torch.full_like(p, 0.01)),
+                            ("slow", "slow", lambda p: p.detach())]:
+        cap = _capture(name)
+        state = cap.initial_state()
+        params = dict(cap.workload.model.named_parameters())
+        for n in cap.param_names:
+            assert torch.equal(state[state_name(n, key)], want(params[n])), (name, n)
+
+
+@pytest.mark.parametrize("name, says", [
+    ("intstep", "state 'step' at every step"),
+    ("counter", "self.t at every step"),
+    ("sgdclone", "computed from the gradient"),
+    ("asgd", "reads a tensor's value as a Python number at .*asgd.py"),
+    ("lbfgs", "closure"),
+])
+def test_what_cannot_be_one_graph_is_refused_in_one_sentence(name, says):
+    with pytest.raises(WorkloadError, match=says) as info:
+        _capture(name)
+    assert "\n" not in str(info.value)
+
+
+@pytest.mark.parametrize("name", ["lion", "slow"])
+def test_deferred_capture_and_state_are_the_plain_ones(name):
+    """``rhino train``/``run`` capture the meta workload; each rank's state is made from its materialised
+    parameters (the slow weights: a copy of each)."""
+    plain = _capture(name)
+    with warnings.catch_warnings(), default_dtype(torch.float64):
+        warnings.simplefilter("ignore")
+        w, source = load_deferred(f"{SPEC}:{name}", torch.float64)
+        deferred = capture(w)
+    assert deferred.graph.fingerprint() == plain.graph.fingerprint()
+    full = plain.initial_state()
+    plan = preset_plan(deferred.graph, parse_strategy("dp=2,tp=2"))
+    rp = resolve(deferred.graph, plan)
+    for rank in range(4):
+        state = local_state(deferred, rp, rank, source)
+        for inp in deferred.graph.inputs:
+            if inp.role is Role.OPT_STATE:
+                want = shard_tensor(full[inp.name], rp.value[inp.value], plan.mesh, rank)
+                assert torch.equal(state[inp.name], want), (rank, inp.name)
+
+
+def test_a_gradient_used_twice_is_reduced_once():
+    """Lion reads each gradient twice (the update's sign and the moment); a first propagation passed it
+    through one product and all-reduced it for the other, then reduced the product too (2x DDP's bytes).
+    ``presets.REDUCE_ONCE_RUNS`` reruns it reducing those gradients once: DDP's bytes (torch SGD, same model)."""
+    lion, sgd = _capture("lion"), _capture("subclass")
+
+    def sent(cap, spec):
+        prog = RankStep(cap.graph, preset_plan(cap.graph, parse_strategy(spec)), 0).programs[0]
+        return prog.comm_bytes
+
+    for spec in ("dp=4", "dp=4,zero=3"):
+        assert sent(lion, spec) == sent(sgd, spec), spec
+    before = presets.REDUCE_ONCE_RUNS
+    try:
+        presets.REDUCE_ONCE_RUNS = 1
+        assert sent(lion, "dp=4") == 2 * sent(sgd, "dp=4")
+    finally:
+        presets.REDUCE_ONCE_RUNS = before
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("name, strategy", [("lion", "dp=2,tp=2"), ("clipsgd", "dp=4,zero=3"),
+                                            ("clipsgd", "pp=2,microbatches=2"), ("slow", "dp=2")])
+def test_sharded_runs_match_one_device(name, strategy):
+    """The clipping norm spans every parameter: under ZeRO its gradients are sharded, under pp=2 on two
+    stages; the slow weights start from each rank's parameter shard."""
+    from rhino.runtime.run import run_plan
+    cap = _capture(name)
+    plan = preset_plan(cap.graph, parse_strategy(strategy))
+    r = run_plan(cap, plan, plan.mesh.world * max(plan.stages, 1), steps=3)
+    assert r.ok, r.first_mismatch

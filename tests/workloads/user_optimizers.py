@@ -1,0 +1,207 @@
+"""Optimizers Rhino does not mirror, on a small MLP: their own step() is traced (capture/optim_traced.py).
+
+Lion, a clipping SGD (global gradient norm inside step()), an Adam keeping its step counter in a tensor, a
+slow-weights optimizer whose state starts from the parameter, torch's Rprop and a subclass of torch's SGD;
+and ones Rhino refuses with one sentence: a Python step counter (in the state or on the optimizer), a
+momentum buffer started from the gradient, ASGD (reads a tensor's value), LBFGS (a closure).
+The MLP has a frozen layer and an unused parameter (no gradient: stepped over).
+"""
+import math
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class Lion(torch.optim.Optimizer):
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.99), weight_decay=0.0):
+        super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                state = self.state[p]
+                if len(state) == 0:
+                    state["exp_avg"] = torch.zeros_like(p)
+                exp_avg = state["exp_avg"]
+                beta1, beta2 = group["betas"]
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                update = exp_avg * beta1 + p.grad * (1 - beta1)
+                p.add_(torch.sign(update), alpha=-group["lr"])
+                exp_avg.mul_(beta2).add_(p.grad, alpha=1 - beta2)
+
+
+class ClipSGD(torch.optim.Optimizer):
+    """SGD with momentum and global gradient-norm clipping inside step()."""
+    def __init__(self, params, lr=0.05, momentum=0.9, max_norm=0.5):
+        super().__init__(params, dict(lr=lr, momentum=momentum, max_norm=max_norm))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        grads = [p.grad for g in self.param_groups for p in g["params"] if p.grad is not None]
+        total = torch.sqrt(sum((g.double() ** 2).sum() for g in grads))
+        for group in self.param_groups:
+            scale = torch.clamp(group["max_norm"] / (total + 1e-6), max=1.0)
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if "buf" not in st:
+                    st["buf"] = torch.zeros_like(p)
+                buf = st["buf"]
+                buf.mul_(group["momentum"]).add_(p.grad * scale.to(p.dtype))
+                p.sub_(group["lr"] * buf)
+
+
+class TensorStepAdam(torch.optim.Optimizer):
+    """Adam with its step counter in a tensor and bias corrections as tensor math."""
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999), eps=1e-8):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = torch.zeros((), dtype=p.dtype)
+                    st["m"] = torch.zeros_like(p)
+                    st["v"] = torch.zeros_like(p)
+                st["step"] += 1
+                st["m"].lerp_(p.grad, 1 - b1)
+                st["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                mhat = st["m"] / (1 - b1 ** st["step"])
+                vhat = st["v"] / (1 - b2 ** st["step"])
+                p.sub_(group["lr"] * mhat / (vhat.sqrt() + group["eps"]))
+
+
+class IntStepAdam(TensorStepAdam):
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["step"] = 0
+                    st["m"] = torch.zeros_like(p)
+                    st["v"] = torch.zeros_like(p)
+                st["step"] += 1
+                st["m"].lerp_(p.grad, 1 - b1)
+                st["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                c1 = 1 - b1 ** st["step"]
+                c2 = math.sqrt(1 - b2 ** st["step"])
+                p.addcdiv_(st["m"], st["v"].sqrt() / c2 + group["eps"], value=-group["lr"] / c1)
+
+
+class SGDClone(torch.optim.Optimizer):
+    """Momentum buffer started from the first gradient (torch's SGD rule)."""
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if "buf" not in st:
+                    st["buf"] = p.grad.clone()
+                else:
+                    st["buf"].mul_(0.9).add_(p.grad)
+                p.add_(st["buf"], alpha=-group["lr"])
+
+
+class _MLP(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 8))
+        self.body[2].requires_grad_(False)                # frozen
+        self.unused = nn.Parameter(torch.ones(4))          # in the optimizer, never reached: no gradient
+
+    def forward(self, x):
+        return self.body(x)
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return _MLP()
+
+
+def loss_fn(model, x, y):
+    return F.cross_entropy(model(x), y)
+
+
+def _batch():
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(16, 16, generator=g)
+    return x, (x @ torch.randn(16, 8, generator=g)).argmax(-1)
+
+
+def _w(make):
+    model = _mlp()
+    return model, make(model.parameters()), loss_fn, _batch()
+
+
+def lion(): return _w(lambda ps: Lion(ps, lr=1e-3, weight_decay=0.01))
+def clipsgd(): return _w(lambda ps: ClipSGD(ps))
+def tensorstep(): return _w(lambda ps: TensorStepAdam(ps))
+def intstep(): return _w(lambda ps: IntStepAdam(ps))
+def sgdclone(): return _w(lambda ps: SGDClone(ps))
+def rprop(): return _w(lambda ps: torch.optim.Rprop(ps, lr=0.01))
+def asgd(): return _w(lambda ps: torch.optim.ASGD(ps, lr=0.01))
+def adafactor(): return _w(lambda ps: torch.optim.Adafactor(ps, lr=0.01))
+def sparseadam(): return _w(lambda ps: torch.optim.SparseAdam(list(ps), lr=0.01))
+def lbfgs(): return _w(lambda ps: torch.optim.LBFGS(ps, lr=0.1))
+
+
+class MySGD(torch.optim.SGD):
+    pass
+
+
+def subclass(): return _w(lambda ps: MySGD(ps, lr=0.05, momentum=0.9))
+
+
+class SlowWeights(torch.optim.Optimizer):
+    """SGD plus a slow copy of each weight started from the weight itself (Lookahead-like, every step)."""
+    def __init__(self, params, lr=0.05, alpha=0.5):
+        super().__init__(params, dict(lr=lr, alpha=alpha))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if "slow" not in st:
+                    st["slow"] = p.detach().clone()
+                p.add_(p.grad, alpha=-group["lr"])
+                st["slow"].add_(p - st["slow"], alpha=group["alpha"])
+                p.copy_(st["slow"])
+
+
+class Counter(torch.optim.Optimizer):
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, dict(lr=lr))
+        self.t = 0
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.t += 1
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.add_(p.grad, alpha=-group["lr"] / self.t)
+
+
+def slow(): return _w(lambda ps: SlowWeights(ps))
+def counter(): return _w(lambda ps: Counter(ps))
