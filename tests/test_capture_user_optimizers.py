@@ -140,3 +140,24 @@ def test_sharded_runs_match_one_device(name, strategy):
     plan = preset_plan(cap.graph, parse_strategy(strategy))
     r = run_plan(cap, plan, plan.mesh.world * max(plan.stages, 1), steps=3)
     assert r.ok, r.first_mismatch
+
+
+def test_a_clipping_norm_under_zero_reads_the_reduce_scattered_gradients():
+    """The global norm's squares and sums only feed the update (``ir.analysis.update_feeders`` goes through
+    reductions): under ZeRO each gradient is reduce-scattered once, its shard's squares summed and the scalar
+    all-reduced, DDP's bytes plus the scalars (was: every gradient all-reduced, 1.5x)."""
+    from rhino.ir import analysis
+    from rhino.ir.registry import OpKind
+    cap = _capture("clipsgd")
+
+    def sent(spec):
+        return RankStep(cap.graph, preset_plan(cap.graph, parse_strategy(spec)), 0).programs[0].comm_bytes
+
+    ddp = sent("dp=4")
+    assert ddp <= sent("dp=4,zero=3") <= ddp * 1.01
+    before = analysis.FEEDER_KINDS
+    try:
+        analysis.FEEDER_KINDS = frozenset({OpKind.ELEMENTWISE, OpKind.VIEW})
+        assert sent("dp=4,zero=3") >= ddp * 1.4
+    finally:
+        analysis.FEEDER_KINDS = before

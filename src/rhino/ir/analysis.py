@@ -161,13 +161,18 @@ def analyze(graph: Graph) -> GraphAnalysis:
     return out
 
 
+#: Op kinds ``update_feeders`` extends through (a gradient's squared norm for clipping: pow, then sum).
+FEEDER_KINDS = frozenset({OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.REDUCTION})
+
+
 def update_feeders(graph: Graph) -> set[str]:
     """Names of the nodes that only feed the state update, the sharding propagator's reading (it keeps a
     Partial gradient in its wider type there, as DDP reduces fp32 ``.grad``): the nodes reading an
     OPT_STATE input directly or defining a value that is a graph output with a state role (anywhere in
     the step, unlike ``NodeRole.OPTIMIZER``), and, in reverse program order, the registered element-wise
-    ops and views whose every user (of their values directly, not through aliases) is one of them (the
-    casts and sums that form a parameter's gradient)."""
+    ops, views and reductions (``FEEDER_KINDS``) whose every user (of their values directly, not through
+    aliases) is one of them (the casts and sums that form a parameter's gradient, a clipping norm's squares
+    and sums)."""
     opt_in = {i.value for i in graph.inputs if i.role is Role.OPT_STATE}
     state_out = {o.value for o in graph.outputs if o.role in STATE_ROLES}
     users = graph.users()
@@ -175,7 +180,7 @@ def update_feeders(graph: Graph) -> set[str]:
            if any(r.id in opt_in for r in n.input_refs()) or any(v in state_out for v in n.outputs)}
     for n in reversed(graph.nodes):
         d = lookup(n.op)
-        if n.name in out or d is None or d.kind not in (OpKind.ELEMENTWISE, OpKind.VIEW):
+        if n.name in out or d is None or d.kind not in FEEDER_KINDS:
             continue
         us = [u for v in n.outputs if v is not None for u in users.get(v, [])]
         if us and all(u.name in out for u in us):
