@@ -341,6 +341,8 @@ def samples() -> list[tuple[str, tuple, dict]]:
     add("_unsafe_index.Tensor", x, [rows])
     add("index_put.default", x, [rows], r(2, 8))
     add("index_put.default", x, [rows], r(2, 8), True)
+    add("index_put.default", x, [m], r())          # x[mask] = v: a masked fill
+    add("index_put.default", x, [m], r(), True)    # accumulated: fixed
     add("_unsafe_index_put.default", x, [rows], r(2, 8))
     add("index_add.default", x, 0, ints(4, 6), r(6, 8))
     add("masked_scatter.default", x, m, r(4, 8))

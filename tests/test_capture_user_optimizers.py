@@ -111,16 +111,18 @@ def test_deferred_capture_and_state_are_the_plain_ones(name):
 
 def test_a_gradient_used_twice_is_reduced_once():
     """Lion reads each gradient twice (the update's sign and the moment); a first propagation passed it
-    through one product and all-reduced it for the other, then reduced the product too (2x DDP's bytes).
+    through one product and all-reduced it for the other, then reduced the product too (2x DDP's bytes);
+    Rprop's masked clone of it (``index_put`` with a boolean mask: element-wise) likewise.
     ``presets.REDUCE_ONCE_RUNS`` reruns it reducing those gradients once: DDP's bytes (torch SGD, same model)."""
-    lion, sgd = _capture("lion"), _capture("subclass")
+    lion, rprop, sgd = _capture("lion"), _capture("rprop"), _capture("subclass")
 
     def sent(cap, spec):
         prog = RankStep(cap.graph, preset_plan(cap.graph, parse_strategy(spec)), 0).programs[0]
         return prog.comm_bytes
 
-    for spec in ("dp=4", "dp=4,zero=3"):
-        assert sent(lion, spec) == sent(sgd, spec), spec
+    # Rprop: the gradient times the previous one, and a clone of it masked by ``grad[sign == -1] = 0``
+    for spec in ("dp=4", "dp=4,zero=3", "dp=2,tp=2"):
+        assert sent(lion, spec) == sent(rprop, spec) == sent(sgd, spec), spec
     before = presets.REDUCE_ONCE_RUNS
     try:
         presets.REDUCE_ONCE_RUNS = 1

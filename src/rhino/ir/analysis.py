@@ -162,7 +162,7 @@ def analyze(graph: Graph) -> GraphAnalysis:
 
 
 #: Op kinds ``update_feeders`` extends through (a gradient's squared norm for clipping: pow, then sum).
-FEEDER_KINDS = frozenset({OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.REDUCTION})
+FEEDER_KINDS = frozenset({OpKind.ELEMENTWISE, OpKind.VIEW, OpKind.REDUCTION, OpKind.INDEX})
 
 
 def update_feeders(graph: Graph) -> set[str]:

@@ -417,8 +417,20 @@ register("aten.scatter.src aten.scatter.value aten.scatter_add.default aten.scat
          I, scatter_rule)
 register("aten.topk.default", I, topk_rule)
 register("aten.index_select.default", I, index_select_rule)
-register("aten.index_put.default aten._unsafe_index_put.default aten.masked_scatter.default "
-         "aten.diagonal.default aten.as_strided.default", I, fixed_from_types)
+def index_put_rule(call: OpCall) -> Annotation:
+    """``x[mask] = v`` with one boolean mask shaped like ``x`` and a 0-dim ``v``, not accumulated (a masked fill
+    written as indexing: Rprop, ``t[t < 0] = 0``): element-wise; any other indexing: every dim fixed."""
+    ts = call.in_types
+    indices = call.arg(1, "indices")
+    if (len(ts) == 3 and isinstance(indices, (list, tuple)) and len(indices) == 1 and ts[1].dtype is DType.bool
+            and ts[1].shape == ts[0].shape and ts[2].rank == 0 and not call.arg(3, "accumulate", False)):
+        names = letters("e", ts[0].rank)
+        return Annotation((_spec(names), _spec(names), ()), (_spec(names),))
+    return fixed_from_types(call)
+
+
+register("aten.index_put.default aten._unsafe_index_put.default", I, index_put_rule)
+register("aten.masked_scatter.default aten.diagonal.default aten.as_strided.default", I, fixed_from_types)
 
 
 # Ops that move data along some dims and leave the others alone: the untouched dims pass through

@@ -102,8 +102,8 @@ class Propagator:
         self._letters: dict[tuple, list] = {}      # (call signature, axis size) -> candidate letters
         self.scored = 0                            # nodes scored (not remembered): for the tests
         self.total = 0                             # the chosen strategies' costs, summed
-        self._passed: set[int] = set()             # Partial values some consumer passed through
-        self._reduced: set[int] = set()            # Partial values some consumer had reduced
+        self._origin: dict[int, int] = {}          # a Partial value passed on -> the Partial value it came from
+        self._reduced: dict[int, set[int]] = {}    # origin -> the values made from it that were reduced
         self._to_optimizer = update_feeders(self.graph)
 
     # -- public ---------------------------------------------------------------------------
@@ -230,9 +230,14 @@ class Propagator:
             if ref.id in self.lazy:
                 self._resolve(ref.id, req)
             have = self.actual.get(ref.id)
+            origin = self._origin.get(ref.id, ref.id)
             for a, p in enumerate(have or ()):
                 if isinstance(p, Partial):
-                    (self._passed if isinstance(req[a], Partial) else self._reduced).add(ref.id)
+                    if isinstance(req[a], Partial):
+                        self._origin.update((v, origin) for v, sh in zip(node.outputs, ns.outputs)
+                                            if v is not None and sh is not None and isinstance(sh[a], Partial))
+                    else:
+                        self._reduced.setdefault(origin, set()).add(ref.id)
             self.available.setdefault(ref.id, set()).add(req)
         self.strategies[node.name] = strategy
         for vid, sh in zip(node.outputs, ns.outputs):
@@ -278,9 +283,11 @@ class Propagator:
         return best[1], best[2], best[0][0]
 
     def reduced_twice(self) -> frozenset:
-        """Partial values one consumer passed through while another had them reduced: the sum is reduced
-        for that consumer and again downstream of the other (rerun with them in ``no_pass``)."""
-        return frozenset(self._passed & self._reduced)
+        """Partial values of which two or more were reduced: the value itself and values linear ops made from it
+        (passed through), e.g. a gradient reduced for one consumer and its product with a momentum reduced for
+        another, or two such products; reducing it once where it is made and passing on its reduced value may
+        move fewer bytes (rerun with them in ``no_pass``)."""
+        return frozenset(o for o, vs in self._reduced.items() if len(vs) > 1)
 
     def _passes_ok(self, refs: list[Ref], ns) -> bool:
         for ref, req in zip(refs, ns.inputs):
