@@ -163,3 +163,20 @@ def test_a_clipping_norm_under_zero_reads_the_reduce_scattered_gradients():
         assert sent("dp=4,zero=3") >= ddp * 1.4
     finally:
         analysis.FEEDER_KINDS = before
+
+
+@pytest.mark.parametrize("strategy", ["dp=2,microbatches=2", "dp=1,tp=2,microbatches=2"])
+def test_micro_batches_accumulate_the_gradient_before_a_non_linear_update(strategy):
+    """``G @ G.T`` (linear in each input, read twice), ``g / vector_norm(g)`` (no linear fact): update arithmetic
+    (``ir.analysis`` rule 4), run once on the summed gradient, as PyTorch's accumulation loop does; they were
+    backward nodes, summed over micro-batches. And the gradient and its transpose, both read by the update,
+    cross the cut as one accumulated storage (two accumulators, one a view of the other, added into twice)."""
+    from rhino.ir.analysis import NodeRole, analyze
+    from rhino.runtime.exact import simulate_plan
+    cap = _capture("gram")
+    a = analyze(cap.graph)
+    nonlinear = [i for i, n in enumerate(cap.graph.nodes) if n.op.endswith((".mm.default", "vector_norm.default"))
+                 and i > a.boundary and a.roles[i] is not NodeRole.BACKWARD]
+    assert len(nonlinear) == 2 * 2 + 2           # G @ G.T and gram @ G per trained weight, a norm per bias
+    r, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy(strategy)))
+    assert r.ok and r.max_abs_diff < 1e-12, r.first_mismatch

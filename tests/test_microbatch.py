@@ -93,10 +93,14 @@ def test_the_step_splits_into_gradients_and_one_update(mlp):
     names = [n.name for n in mlp.graph.nodes]
     assert set(s.grad_nodes) | set(s.update_nodes) == set(names)
     assert {names[i] for i in analyze(mlp.graph).optimizer} <= set(s.update_nodes)
-    # one gradient per trained parameter, shaped like it, crosses the cut; no batch-shaped value does
-    params = {mlp.graph.types[i.value].shape for i in mlp.graph.inputs if i.name in mlp.param_names}
+    # one gradient per trained parameter, a storage of its size (its views are taken in both parts), crosses
+    # the cut; no batch-shaped value does
+    params = sorted(mlp.graph.types[i.value].numel for i in mlp.graph.inputs if i.name in mlp.param_names)
     assert len(s.boundary) == len(mlp.param_names)
-    assert {mlp.graph.types[v].shape for v in s.boundary} == params
+    assert sorted(mlp.graph.types[v].numel for v in s.boundary) == params
+    a = analyze(mlp.graph)
+    assert len({a.root[v] for v in s.boundary}) == len(s.boundary) and not any(a.is_view[a.producer[v]]
+                                                                                for v in s.boundary)
     assert s.grad_state_outputs == [] and set(s.update_state_outputs) >= set(mlp.param_names)
 
 

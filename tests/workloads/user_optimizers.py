@@ -203,5 +203,31 @@ class Counter(torch.optim.Optimizer):
                     p.add_(p.grad, alpha=-group["lr"] / self.t)
 
 
+class GramSGD(torch.optim.Optimizer):
+    """A Shampoo-like step: a 2-D gradient preconditioned by its own Gram matrix (``L += G @ G.T``, then
+    ``L @ G``), other gradients scaled to unit norm: non-linear in the gradient in ways an accumulation of
+    micro-batches must not sum (the gradient is summed first, as PyTorch's accumulation loop does)."""
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                g = p.grad
+                if p.dim() == 2:
+                    st = self.state[p]
+                    if not st:
+                        st["gram"] = torch.zeros(p.shape[0], p.shape[0], dtype=p.dtype)
+                    st["gram"].add_(g @ g.T)
+                    update = st["gram"] @ g / (1 + st["gram"].diagonal().sum())
+                else:
+                    update = g / (torch.linalg.vector_norm(g) + 1e-3)
+                p.sub_(group["lr"] * update)
+
+
 def slow(): return _w(lambda ps: SlowWeights(ps))
+def gram(): return _w(lambda ps: GramSGD(ps))
 def counter(): return _w(lambda ps: Counter(ps))

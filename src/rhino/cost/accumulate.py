@@ -12,7 +12,8 @@ second once, on the accumulated gradients. The cut (pure graph logic, no torch):
 - *update part*: the seeds, everything computed from them, and the nodes they need that do not depend
   on the batch (learning-rate and bias-correction scalars, AdamW's decayed weight), which run once.
 - *boundary values*: values the update part reads that depend on the batch: the gradients (and what the
-  gradient part computes from them alone, reading no state, before the update proper starts). They are
+  gradient part computes from them alone, reading no state, before the update proper starts), each a
+  storage, not a view (views of them, a transposed weight gradient, are taken in both parts). They are
   accumulated as ``sum_k value_k / m``; weight decay reads the parameter and is an update node, so it
   runs once on the accumulated gradient, as ``optimizer.step()`` after PyTorch's accumulation loop.
 - *gradient part*: what the loss, the boundary values and the new buffer values need (buffers updated
@@ -59,7 +60,7 @@ def split_step(graph: Graph) -> StepSplit:
             update.add(i)
     boundary: set[int] = set()
     for i in sorted(update, reverse=True):  # batch-free inputs are computed in the update part too
-        _pull(nodes, i, update, boundary, dep, producer)
+        _pull(nodes, i, update, boundary, dep, producer, a.is_view)
     state_in = {i.value for i in graph.inputs}
     grad_out, upd_out, roots = [], [], set(boundary)
     for o in graph.outputs:
@@ -74,13 +75,14 @@ def split_step(graph: Graph) -> StepSplit:
                              f"update; gradient accumulation cannot run this step")
         elif p is not None and p not in update:
             update.add(p)
-            _pull(nodes, p, update, boundary, dep, producer)
+            _pull(nodes, p, update, boundary, dep, producer, a.is_view)
             upd_out.append(o.name)
         else:
             assert p is not None or o.value in state_in, o.name
             upd_out.append(o.name)
     grad = _ancestors(nodes, roots, producer)
-    clash = [nodes[i].name for i in grad & update if any(v in dep for v in nodes[i].outputs if v is not None)]
+    clash = [nodes[i].name for i in grad & update
+             if not a.is_view[i] and any(v in dep for v in nodes[i].outputs if v is not None)]
     if clash:
         raise SplitError(f"node {clash[0]} is needed by both the gradients and the optimizer update; gradient "
                          f"accumulation cannot cut this step")
@@ -97,16 +99,18 @@ def split_step(graph: Graph) -> StepSplit:
                      sorted(boundary, key=lambda v: producer[v]), grad_out, upd_out, start)
 
 
-def _pull(nodes, i: int, update: set[int], boundary: set[int], dep: set[int], producer: dict) -> None:
-    """Add node ``i``'s batch-free producers to ``update`` (recursively); batch-dependent ones give
-    boundary values."""
+def _pull(nodes, i: int, update: set[int], boundary: set[int], dep: set[int], producer: dict, is_view) -> None:
+    """Add node ``i``'s batch-free producers and views to ``update`` (recursively); other batch-dependent
+    values are boundary values. A view is taken again in the update part, so that no two boundary values
+    share a storage: each is accumulated in place, and an accumulator that is a view of another would be
+    added into twice (Shampoo's ``G @ G.T`` read a gradient and its transpose)."""
     stack = [i]
     while stack:
         for r in nodes[stack.pop()].input_refs():
             p = producer.get(r.id)
             if p is None or p in update:
                 continue
-            if r.id in dep:
+            if r.id in dep and not is_view[p]:
                 boundary.add(r.id)
             else:
                 update.add(p)

@@ -38,12 +38,14 @@ Definitions (``n`` nodes in program order, ``graph.nodes[0..n-1]``):
      nodes only and by at least one (weight decay: ``g + wd * p``, ``p * (1 - lr * wd)``), decided
      in reverse program order;
   4. *non-linear use of gradients*: it is not a view, reads no batch input and no storage made at or
-     before the loss, and either is an elementwise op without a ``linear`` fact (``registry.Linear``)
-     reading a storage made after the boundary by a non-optimizer node (Adamax's ``|g| + eps``), or reads
-     a storage made by such a node; and every storage it makes is read by optimizer nodes (rules 1-4)
-     only, and by at least one, decided in reverse program order. A backward is linear in the gradient
-     it propagates, so such a node is the update's arithmetic: the gradient it reads is what gradient
-     accumulation may sum, not ``|g|``;
+     before the loss, and either reads storages made after the boundary by non-optimizer nodes in a way
+     its ``linear`` fact (``registry.Linear``) does not cover (``_nonlinear_in``: Adamax's ``|g| + eps``,
+     Shampoo's ``G @ G.T``, a clipping norm, ``g / g.norm()``), or reads a storage made by such a node;
+     and every storage it makes is read by optimizer nodes (rules 1-4) only, and by at least one, decided
+     in reverse program order. A backward is linear in the gradient it propagates, so such a node is the
+     update's arithmetic: the gradient it reads is what gradient accumulation may sum, not ``|g|``. (A
+     linear node taken for such a node would still be exact, ``f(sum g) = sum f(g)``; the other way round
+     is not, hence unknown ops count as non-linear);
 
   every other node after the boundary is BACKWARD. ``optimizer`` is the set of OPTIMIZER nodes.
 - **Activations**: storages made at or before the boundary and live after it (``is_activation``).
@@ -61,7 +63,7 @@ from enum import Enum
 
 from .annotation import letter_sizes
 from .graph import STATE_ROLES, Graph, Node, Role
-from .registry import OpKind, Values, annotate, call_of, lookup
+from .registry import Linear, OpKind, Values, annotate, call_of, lookup
 
 __all__ = ["NodeRole", "GraphAnalysis", "analyze", "update_feeders", "batch_dependent", "moved_dim", "merged_blocks"]
 
@@ -261,7 +263,7 @@ def _optimizer_nodes(graph: Graph, boundary: int, root, born, is_view, node_root
             opt.add(i)
             if not is_view[i]:
                 made.update(outs)
-    _nonlinear_uses(graph, boundary, born, is_view, node_roots, batch, opt)
+    _nonlinear_uses(graph, boundary, root, born, is_view, node_roots, batch, opt)
     opt_read: set[int] = set()        # storages read by optimizer nodes
     other_read: set[int] = set()      # storages read by other non-view nodes
     for i in range(n - 1, boundary, -1):  # rule 3, reverse program order
@@ -277,11 +279,11 @@ def _optimizer_nodes(graph: Graph, boundary: int, root, born, is_view, node_root
     return opt
 
 
-def _nonlinear_uses(graph: Graph, boundary: int, born, is_view, node_roots, batch, opt: set[int]) -> None:
+def _nonlinear_uses(graph: Graph, boundary: int, roots, born, is_view, node_roots, batch, opt: set[int]) -> None:
     """Rule 4 of the module docstring: adds its nodes to ``opt`` (rules 1 and 2 given)."""
     nodes = graph.nodes
     from_loss = {s for s, b in born.items() if b == boundary}   # the loss's storage, then the backward's
-    seeds: set[int] = set()           # the non-linear elementwise nodes
+    seeds: set[int] = set()           # the nodes not linear in what the backward made
     candidates: set[int] = set()      # and the nodes computed from them
     for i in range(boundary + 1, len(nodes)):  # program order
         rr = node_roots[i]
@@ -291,7 +293,8 @@ def _nonlinear_uses(graph: Graph, boundary: int, born, is_view, node_roots, batc
         if i in opt or is_view[i] or any(s in batch or 0 <= born[s] <= boundary for s in rr) or \
                 not all(s in from_loss for s in made):   # an activation recomputed in the backward
             continue
-        if _nonlinear(nodes[i].op) and made:
+        if made and _nonlinear_in(nodes[i], [born[root] > boundary and born[root] not in opt
+                                             for root in (roots[r.id] for r in nodes[i].input_refs())]):
             seeds.add(i)
         if i in seeds or any(born[s] in candidates for s in made):
             candidates.add(i)
@@ -321,11 +324,20 @@ def _made(node, born, i: int) -> list[int]:
     return [v for v in node.outputs if v is not None and born.get(v) == i]
 
 
-def _nonlinear(op: str) -> bool:
-    """An elementwise op computing its values from its inputs without a ``linear`` fact (``abs``, ``sqrt``)."""
-    opdef = lookup(op)
-    return opdef is not None and opdef.kind is OpKind.ELEMENTWISE and opdef.linear is None and \
-        opdef.values is Values.COMPUTED
+def _nonlinear_in(node, from_backward: list[bool]) -> bool:
+    """Whether ``node`` is not known to be linear in the inputs flagged in ``from_backward`` (computed after the
+    loss by non-optimizer nodes): ops without a ``linear`` fact (``abs``, ``sqrt``, a vector norm, an opaque
+    op), ops linear in one input reading two such inputs (``g * g``, ``G @ G.T``), ops linear in their first
+    input reading one elsewhere (``g / g.norm()``), ops whose values do not come from their inputs
+    (``ones_like(g)``: summed over micro-batches it would grow with their number)."""
+    opdef = lookup(node.op)
+    if opdef is None or opdef.values is not Values.COMPUTED or opdef.linear is None:
+        return True
+    if opdef.linear is Linear.ONE:
+        return sum(from_backward) > 1
+    if opdef.linear is Linear.FIRST:
+        return any(from_backward[1:])
+    return False
 
 
 def _view_reach(graph: Graph, is_view) -> dict[int, int]:
