@@ -25,7 +25,7 @@ from rhino.sharding.plan import resolve
 from rhino.sharding.presets import parse_strategy, preset_plan
 
 SPEC = str(ROOT / "tests" / "workloads" / "user_optimizers.py")
-TRACED = ["lion", "clipsgd", "tensorstep", "rprop", "slow"]
+TRACED = ["lion", "clipsgd", "tensorstep", "rprop", "slow", "gram", "oldstyle"]
 STEPS = 4
 TOLERANCE = 1e-12
 
@@ -81,6 +81,10 @@ def test_state_made_at_the_first_step_is_made_from_each_parameter():
     ("sgdclone", "computed from the gradient"),
     ("asgd", "reads a tensor's value as a Python number at .*asgd.py"),
     ("lbfgs", "closure"),
+    ("needsclosure", "this optimizer needs a closure"),
+    ("groupcounter", r"param_groups\[0\]\['t'\], a tensor outside self.state"),
+    ("wrapping", r"holds another optimizer \(self.inner\)"),
+    ("outkeyword", r"out= \(aten::max.out\)"),
 ])
 def test_what_cannot_be_one_graph_is_refused_in_one_sentence(name, says):
     with pytest.raises(WorkloadError, match=says) as info:

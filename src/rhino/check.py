@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 from dataclasses import dataclass, field
 
 import torch
 
 from .capture import Captured
 from .capture.amp import autocast_on
-from .capture.optim import state_name
+from .capture.optim import copy_training, state_name
 from .capture.workload import WorkloadError
 from .lower import StepProgram
 
@@ -55,7 +54,7 @@ def eager_steps(model, optimizer, loss_fn, batch, steps: int) -> list[torch.Tens
 def check_captured(cap: Captured, steps: int = 2, seed: int = 0, rtol: float = RTOL, atol: float = ATOL) -> CheckResult:
     """Run ``steps`` steps through Rhino and through eager PyTorch (on a deep copy); compare everything."""
     w = cap.workload
-    model, optimizer = copy.deepcopy((w.model, w.optimizer))
+    model, optimizer = copy_training(w.model, w.optimizer)
     state = cap.initial_state()
     program = StepProgram(cap.graph)
     # plain PyTorch first: a step that fails there (capture's fake tensors are more lenient than some

@@ -231,3 +231,81 @@ class GramSGD(torch.optim.Optimizer):
 def slow(): return _w(lambda ps: SlowWeights(ps))
 def gram(): return _w(lambda ps: GramSGD(ps))
 def counter(): return _w(lambda ps: Counter(ps))
+
+
+class OldStyle(torch.optim.Optimizer):
+    """Older optimizer code: a plain attribute, a 0-dim state made with torch.tensor, p.data rebound."""
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, dict(lr=lr))
+        self.decay = 0.5                      # dropped by a plain deepcopy of an Optimizer
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["count"] = torch.tensor(0.0, dtype=p.dtype)
+                st["count"] += 1
+                p.data = p.data - group["lr"] * p.grad / st["count"] ** self.decay
+
+
+class GroupCounter(torch.optim.Optimizer):
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, dict(lr=lr, t=torch.zeros(())))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            group["t"] = group["t"] + 1
+            for p in group["params"]:
+                if p.grad is not None:
+                    p.sub_(group["lr"] / group["t"] * p.grad)
+
+
+class Wrapping(torch.optim.Optimizer):
+    """Lookahead-style: steps an inner optimizer, then pulls the weights back."""
+    def __init__(self, inner):
+        self.inner = inner
+        self.param_groups, self.defaults, self.state = inner.param_groups, inner.defaults, inner.state
+        self._optimizer_step_pre_hooks, self._optimizer_step_post_hooks = {}, {}
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        self.inner.step()
+        for group in self.param_groups:
+            for p in group["params"]:
+                p.mul_(0.5)
+
+
+class OutKeyword(torch.optim.Optimizer):
+    def __init__(self, params, lr=0.05):
+        super().__init__(params, dict(lr=lr))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st["vmax"] = torch.zeros_like(p)
+                torch.max(st["vmax"], p.grad * p.grad, out=st["vmax"])
+                p.sub_(group["lr"] * p.grad / (st["vmax"].sqrt() + 1e-8))
+
+
+class NeedsClosure(SGDClone):
+    @torch.no_grad()
+    def step(self, closure=None):
+        assert closure is not None, "this optimizer needs a closure"
+        return super().step()
+
+
+def oldstyle(): return _w(lambda ps: OldStyle(ps))
+def groupcounter(): return _w(lambda ps: GroupCounter(ps))
+def wrapping(): return _w(lambda ps: Wrapping(torch.optim.SGD(ps, lr=0.05)))
+def outkeyword(): return _w(lambda ps: OutKeyword(ps))
+def needsclosure(): return _w(lambda ps: NeedsClosure(ps))

@@ -12,6 +12,8 @@ float64 0-dim tensors here, and torch's Python branch on the step (RAdam's
 """
 from __future__ import annotations
 
+import copy
+
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -20,7 +22,7 @@ import torch
 from .workload import WorkloadError
 
 __all__ = ["ParamUpdate", "SCALAR_KEYS", "plan_updates", "initial_state", "lazy_value", "scalar_dtype",
-           "state_meta", "apply_update", "state_name", "mirrored_kind", "unhooked"]
+           "state_meta", "apply_update", "state_name", "mirrored_kind", "unhooked", "copy_training"]
 
 
 @dataclass
@@ -199,6 +201,19 @@ def initial_state(optimizer: torch.optim.Optimizer, plans: list[ParamUpdate],
                 value = existing.detach().clone()
             out[state_name(plan.name, key)] = value
     return out
+
+
+def copy_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
+    """Deep copies of ``model`` and ``optimizer`` (the optimizer over the copy's parameters), the optimizer's
+    own attributes included: ``torch.optim.Optimizer.__getstate__`` keeps only its defaults, state and param
+    groups, so a user-written optimizer's ``self.ns_steps`` would be missing from a plain deep copy."""
+    memo: dict = {}
+    model_copy = copy.deepcopy(model, memo)
+    optimizer_copy = copy.deepcopy(optimizer, memo)
+    for key, value in vars(optimizer).items():
+        if key not in vars(optimizer_copy):
+            setattr(optimizer_copy, key, copy.deepcopy(value, memo))
+    return model_copy, optimizer_copy
 
 
 def state_name(param: str, key: str) -> str:

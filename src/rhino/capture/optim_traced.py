@@ -24,6 +24,7 @@ their steps are traced as torch.compile would trace them (that flag on, single-t
 from __future__ import annotations
 
 import contextlib
+import re
 import traceback
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -49,10 +50,10 @@ _PRIMITIVE = (int, float, bool, complex, str, type(None))
 class TracedInit:
     """The state tensors ``step()`` creates at its first step, as a graph over the parameters.
 
-    ``graph``: inputs are the trained parameters (in ``names`` order); output ``index[(param, key)]`` is
+    ``module.graph``: inputs are the trained parameters (in ``names`` order); output ``index[(param, key)]`` is
     that state's first value. ``meta``: the shape and dtype of every state tensor (held ones included)."""
 
-    graph: torch.fx.Graph
+    module: torch.fx.GraphModule      # its graph; constants (``torch.tensor(0.0)``) are its attributes
     names: list[str]
     index: dict[tuple[str, str], int]
     meta: dict[tuple[str, str], torch.Tensor]
@@ -61,7 +62,8 @@ class TracedInit:
     def value(self, name: str, key: str, param_value: Callable[[str], torch.Tensor]) -> torch.Tensor:
         """The first value of state ``key`` of parameter ``name``, from the parameters' values
         (``param_value(name)``, asked only for those it is computed from)."""
-        out = list(self.graph.nodes)[-1].args[0][self.index[(name, key)]]
+        graph = self.module.graph
+        out = list(graph.nodes)[-1].args[0][self.index[(name, key)]]
         needed: set[torch.fx.Node] = set()
         todo = [out]
         while todo:
@@ -71,12 +73,14 @@ class TracedInit:
             needed.add(node)
             todo.extend(node.all_input_nodes)
         env: dict[torch.fx.Node, object] = {}
-        placeholders = [n for n in self.graph.nodes if n.op == "placeholder"]
-        for node in self.graph.nodes:
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        for node in graph.nodes:
             if node not in needed:
                 continue
             if node.op == "placeholder":
                 env[node] = param_value(self.names[placeholders.index(node)])
+            elif node.op == "get_attr":
+                env[node] = getattr(self.module, node.target)
             elif node.op == "call_function":
                 args = torch.fx.node.map_arg(node.args, env.__getitem__)
                 kwargs = torch.fx.node.map_arg(node.kwargs, env.__getitem__)
@@ -125,6 +129,26 @@ def _compiling(on: bool):
         torch.compiler.is_compiling = before
 
 
+@contextlib.contextmanager
+def _data_assignment_copies():
+    """``t.data = x`` as ``t.copy_(x)`` (same shape and dtype): tracing does not see a tensor's data swapped,
+    so the update ``p.data = p.data - lr * g`` (older optimizer code) would be lost."""
+    base = torch._C.TensorBase.data
+
+    def assign(t, value):
+        if not isinstance(value, torch.Tensor) or value.shape != t.shape or value.dtype != t.dtype:
+            raise WorkloadError("the optimizer assigns .data a tensor of another shape or dtype; Rhino traces "
+                                "step() and can only follow t.data = x as t.copy_(x)")
+        with torch.no_grad():
+            t.copy_(value)
+
+    torch.Tensor.data = property(lambda t: base.__get__(t, type(t)), assign)
+    try:
+        yield
+    finally:
+        del torch.Tensor.data
+
+
 def _torch_step(optimizer) -> bool:
     return getattr(_raw_step(optimizer), "__module__", "").startswith("torch.")
 
@@ -150,14 +174,22 @@ def _shadow(optimizer: torch.optim.Optimizer, tensor_of: dict[int, torch.Tensor]
 
 
 def _snapshot(optimizer) -> dict:
-    """The Python numbers a step could change: param-group entries and the optimizer's attributes."""
-    out = {("group", i, k): v for i, g in enumerate(optimizer.param_groups) for k, v in g.items()
-           if k != "params" and isinstance(v, _PRIMITIVE)}
-    out.update({("attr", k): v for k, v in vars(optimizer).items() if isinstance(v, _PRIMITIVE)})
+    """What a step could change outside ``self.state``: param-group entries and the optimizer's attributes,
+    Python numbers by value and tensors by identity and version (rebound or changed in place)."""
+    def key(v):
+        return ("tensor", id(v), v._version) if isinstance(v, torch.Tensor) else v
+    out = {("group", i, k): key(v) for i, g in enumerate(optimizer.param_groups) for k, v in g.items()
+           if k != "params" and isinstance(v, _PRIMITIVE + (torch.Tensor,))}
+    out.update({("attr", k): key(v) for k, v in vars(optimizer).items()
+                if k not in ("state", "param_groups") and isinstance(v, _PRIMITIVE + (torch.Tensor,))})
     return out
 
 
 def _changed_number(where: str, before, after) -> WorkloadError:
+    if isinstance(before, tuple) and before[:1] == ("tensor",):
+        return WorkloadError(f"the optimizer changes {where}, a tensor outside self.state, at every step; Rhino "
+                             f"traces step() once and reads such tensors as constants: keep what changes per "
+                             f"step in self.state[p] (e.g. state['step'] = torch.tensor(0.0))")
     return WorkloadError(f"the optimizer changes {where} at every step ({before!r} -> {after!r}), a Python "
                          f"value that Rhino traces once; keep it in a tensor (torch.tensor({before!r})), as "
                          f"torch.optim keeps its step counters")
@@ -165,6 +197,11 @@ def _changed_number(where: str, before, after) -> WorkloadError:
 
 def plan_traced(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list[ParamUpdate]:
     """One ParamUpdate per trained parameter, all sharing the ``TracedInit`` of the optimizer's state."""
+    inner = _inner_optimizer(optimizer)
+    if inner is not None:
+        raise WorkloadError(f"the optimizer holds another optimizer ({inner}) and steps through it; Rhino traces "
+                            f"one step() over the traced parameters, and the inner optimizer's own parameters "
+                            f"would not be traced: write the combined update in one optimizer's step()")
     if isinstance(optimizer, torch.optim.LBFGS):
         raise WorkloadError("LBFGS re-evaluates the model several times inside step() through a closure; Rhino "
                             "captures one forward, one backward and one update per step: use another optimizer")
@@ -196,7 +233,7 @@ def plan_traced(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list
             states[id(p)] = _Recording(held[id(p)], firsts[id(p)])
         shadow = _shadow(optimizer, shadow_params, states)
         snapshots.append(_snapshot(shadow))
-        with _compiling(_torch_step(optimizer)):
+        with _compiling(_torch_step(optimizer)), _data_assignment_copies():
             _raw_step(optimizer)(shadow)
         snapshots.append(_snapshot(shadow))
         finals.update({p_id: dict(st) for p_id, st in states.items()})
@@ -216,12 +253,18 @@ def plan_traced(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list
         raise WorkloadError(f"{type(optimizer).__name__}.step() reads a tensor's value as a Python number at "
                             f"{_step_frame(exc)} (.item(), float(t), a branch on a tensor), which a "
                             f"training-step graph cannot hold; {fix}") from None
-    except (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError,
+    except (RuntimeError, TypeError, ValueError, IndexError, KeyError, AttributeError, AssertionError,
             NotImplementedError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        text = str(exc).strip()
+        out = re.search(r"aten::(\w+)\.out\b", text)
+        if out:
+            raise WorkloadError(f"{type(optimizer).__name__}.step() writes a result into a tensor with out= "
+                                f"(aten::{out.group(1)}.out), which cannot be traced as a pure op; assign it or "
+                                f"copy it in instead (x.copy_(torch.{out.group(1)}(...)))") from None
+        first = text.splitlines()[0].split(". ")[0].rstrip(".") if text else type(exc).__name__
         raise WorkloadError(f"{type(optimizer).__name__}.step() cannot be traced on the model's parameters "
-                            f"({first}); it must run on gradients given as p.grad and keep its state in "
-                            f"self.state[p]") from None
+                            f"({first}); Rhino calls step() once, without a closure, with each gradient as "
+                            f"p.grad and the state in self.state[p]") from None
     before, after = snapshots[0], snapshots[-1]
     for k, v in before.items():
         if after.get(k, v) != v:
@@ -242,6 +285,15 @@ def _step_frame(exc: BaseException) -> str:
     return f"{f.filename}:{f.lineno}" + (f" ({f.line.strip()})" if f.line else "")
 
 
+def _inner_optimizer(optimizer) -> str | None:
+    """The attribute holding another optimizer (Lookahead's, SAM's base optimizer), if any."""
+    for k, v in vars(optimizer).items():
+        values = v.values() if isinstance(v, dict) else v if isinstance(v, (list, tuple)) else [v]
+        if any(isinstance(x, torch.optim.Optimizer) and x is not optimizer for x in values):
+            return f"self.{k}"
+    return None
+
+
 def _fake(mode: FakeTensorMode, t: torch.Tensor) -> torch.Tensor:
     if t.device.type == "meta":
         with mode:
@@ -256,7 +308,7 @@ _SHAPE_ONLY = frozenset({_aten.zeros_like.default, _aten.ones_like.default, _ate
                          _aten.new_full.default, _aten.new_empty.default})
 
 
-def _init_graph(gm: torch.fx.GraphModule, n: int) -> torch.fx.Graph:
+def _init_graph(gm: torch.fx.GraphModule, n: int) -> torch.fx.GraphModule:
     """The traced first step reduced to what the recorded first values are computed from; refused if that
     reads a gradient."""
     graph = gm.graph
@@ -277,18 +329,17 @@ def _init_graph(gm: torch.fx.GraphModule, n: int) -> torch.fx.Graph:
         raise WorkloadError("the optimizer's first step stores state computed from the gradient (e.g. a "
                             "momentum buffer started as grad.clone()), so its state is not a function of the "
                             "state before the step; start it from zeros or from the parameter instead")
-    return graph
+    return gm
 
 
-def _updates(optimizer, trained, order, held, firsts, finals, graph) -> list[ParamUpdate]:
-    outputs = list(graph.nodes)[-1].args[0]
+def _updates(optimizer, trained, order, held, firsts, finals, module) -> list[ParamUpdate]:
     index, meta, constants, k = {}, {}, {}, 0
     for p, name in zip(trained, order):
         for key, v in firsts[id(p)].items():
             if isinstance(v, torch.Tensor):
                 index[(name, key)] = k
                 k += 1
-    init = TracedInit(graph, order, index, meta, constants)
+    init = TracedInit(module, order, index, meta, constants)
     plans = []
     for p, name in zip(trained, order):
         final = finals[id(p)]
@@ -314,7 +365,6 @@ def _updates(optimizer, trained, order, held, firsts, finals, graph) -> list[Par
             meta[(name, key)] = torch.empty(v.shape, dtype=v.dtype, device="meta")
             keys.append(key)
         plans.append(ParamUpdate(name, TRACED, {}, keys, list(keys), init=init))
-    del outputs
     return plans
 
 
@@ -338,7 +388,7 @@ def traced_update(optimizer: torch.optim.Optimizer, updates: list[ParamUpdate], 
             if id(p) not in tensor_of:
                 tensor_of[id(p)] = frozen[id(p)].detach()
     shadow = _shadow(optimizer, tensor_of, states)
-    with _compiling(_torch_step(optimizer)):
+    with _compiling(_torch_step(optimizer)), _data_assignment_copies():
         _raw_step(optimizer)(shadow)
     new_state = {}
     for p, u in zip(trained, updates):

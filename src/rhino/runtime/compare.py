@@ -15,14 +15,13 @@ with the same autocast / bf16 single-device step at the bf16 tolerance (``bf16_t
 from __future__ import annotations
 
 import contextlib
-import copy
 from dataclasses import dataclass, field
 
 import torch
 
 from ..capture import Captured, default_dtype
 from ..capture.amp import autocast_on
-from ..capture.optim import state_name
+from ..capture.optim import copy_training, state_name
 from ..check import as_float64, eager_steps
 from ..ir.graph import Role
 from ..sharding.plan import ResolvedPlan
@@ -126,7 +125,7 @@ def reference_run(cap: Captured, steps: int, microbatches: int = 1) -> Reference
     float64 as default dtype, as it was built: optimizers make scalar tensors in the default dtype);
     with ``microbatches > 1`` the accumulation loop of ``accumulation_steps``."""
     w = cap.workload
-    model, optimizer = copy.deepcopy((w.model, w.optimizer))
+    model, optimizer = copy_training(w.model, w.optimizer)
     with default_dtype(torch.float64 if state_dtype(cap) is torch.float64 else None):
         if microbatches > 1:
             losses = accumulation_steps(model, optimizer, w.loss_fn, w.batch, steps, microbatches)
