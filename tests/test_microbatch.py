@@ -258,3 +258,13 @@ def test_adamax_accumulates_the_gradient_not_its_absolute_value():
     assert absolute and all(a.roles[i] is NodeRole.OPTIMIZER for i in absolute)
     r, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy("dp=2,microbatches=2")))
     assert r.ok and r.max_abs_diff < 1e-12, r.first_mismatch
+
+
+def test_a_micro_batch_step_reports_all_its_programs_communication(mlp):
+    """``RunResult.comm_bytes_per_step`` was the first micro-batch program's alone: 0 under dp=2,microbatches=2,
+    whose gradients are reduced once, in the update program (``RankStep.step_communication``)."""
+    one, _ = simulate_plan(mlp, preset_plan(mlp.graph, parse_strategy("dp=2")))
+    two, _ = simulate_plan(mlp, preset_plan(mlp.graph, parse_strategy("dp=2,microbatches=2")))
+    assert two.ok and one.ok
+    assert two.comm_bytes_per_step == one.comm_bytes_per_step > 0
+    assert two.collectives_per_step == one.collectives_per_step

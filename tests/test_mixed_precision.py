@@ -148,7 +148,7 @@ def test_bf16_tolerance_catches_ranks_training_on_wrong_data():
     import torch
     from rhino.lower.simulate_spmd import simulate_training
     from rhino.lower.spmd import lower_rank
-    from rhino.runtime.run import bytes_by_role, compare_results
+    from rhino.runtime.run import bytes_by_role, compare_results, program_communication
     from rhino.sharding.plan import resolve
     cap = captured(f"{MP}:mlp_autocast")
     rp = resolve(cap.graph, preset_plan(cap.graph, parse_strategy("dp=4")))
@@ -159,7 +159,7 @@ def test_bf16_tolerance_catches_ranks_training_on_wrong_data():
     res = simulate_training(rp, state, wrong, 2)
     results = {r: {"losses": res["rank_losses"][r], "local": res["local"][r],
                    "held": bytes_by_role(cap.graph, res["local"][r])} for r in range(4)}
-    out = compare_results(cap, rp, lower_rank(rp, 0), results, 2, 0.0)
+    out = compare_results(cap, rp, program_communication(lower_rank(rp, 0)), results, 2, 0.0)
     assert not out.ok and "differs" in out.first_mismatch
 
 

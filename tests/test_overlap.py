@@ -20,7 +20,7 @@ from rhino.lower.overlap import OverlapOptions, overlap_program
 from rhino.lower.simulate_spmd import simulate_training
 from rhino.lower.spmd import lower_rank
 from rhino.lower.spmd_ops import COMM_KINDS, redistribute, start, wait
-from rhino.runtime.run import bytes_by_role, compare_results
+from rhino.runtime.run import bytes_by_role, compare_results, program_communication
 from rhino.sharding.plan import ShardingPlan, resolve
 from rhino.sharding.presets import parse_strategy, preset_plan
 
@@ -109,7 +109,7 @@ def test_overlapped_programs_match_one_device_on_every_rank(name, strategy):
     results = {r: {"losses": overlapped["rank_losses"][r], "local": overlapped["local"][r],
                    "held": bytes_by_role(cap.graph, {k: v for k, v in overlapped["local"][r].items() if k in state})}
                for r in range(world)}
-    res = compare_results(cap, rp, lower_rank(rp, 0), results, 2, time.perf_counter())
+    res = compare_results(cap, rp, program_communication(lower_rank(rp, 0)), results, 2, time.perf_counter())
     assert res.ok, res.first_mismatch
     assert res.max_abs_diff < 1e-9
 
@@ -271,7 +271,7 @@ def test_gloo_overlapped_equals_blocking_bit_for_bit_and_one_device():
         rp = resolve(cap.graph, plans[s])
         results = {r: {"losses": ranks[r][s]["overlap"]["losses"], "local": ranks[r][s]["overlap"]["local"],
                        "held": bytes_by_role(cap.graph, ranks[r][s]["overlap"]["local"])} for r in range(2)}
-        res = compare_results(cap, rp, lower_rank(rp, 0), results, 2, time.perf_counter())
+        res = compare_results(cap, rp, program_communication(lower_rank(rp, 0)), results, 2, time.perf_counter())
         assert res.ok, (s, res.first_mismatch)
         assert res.max_abs_diff < 1e-9
 

@@ -28,7 +28,7 @@ from rhino.ir.verify import verify
 from rhino.lower.simulate_spmd import simulate_peak_bytes, simulate_training
 from rhino.lower.spmd import lower_rank
 from rhino.runtime.compare import TOLERANCES
-from rhino.runtime.run import compare_results
+from rhino.runtime.run import compare_results, program_communication
 from rhino.sharding.plan import resolve
 from rhino.sharding.presets import parse_strategy, preset_plan
 
@@ -56,7 +56,8 @@ def run_recompute(cap, strategy: str, steps: int = 1, overlap: bool = False):
         res = simulate_training(rp, cap.initial_state(), tuple(cap.workload.batch), steps, overlap=overlap)
     ranks = {r: {"losses": res["rank_losses"][r], "local": res["local"][r], "held": {}}
              for r in range(plan.mesh.world)}
-    return compare_results(cap, rp, lower_rank(rp, 0), ranks, steps, 0.0, TOLERANCES[torch.float64]), res, new, rp
+    comm = program_communication(lower_rank(rp, 0))
+    return compare_results(cap, rp, comm, ranks, steps, 0.0, TOLERANCES[torch.float64]), res, new, rp
 
 
 def _root_of(graph):

@@ -44,7 +44,7 @@ def simulate_plan(cap: Captured, plan: ShardingPlan, steps: int = 2,
     res["held"] = bytes_by_role(cap.graph, state[0])
     results = {r: {"losses": res["rank_losses"][r], "local": state[r],
                    "held": bytes_by_role(cap.graph, state[r])} for r in range(world)}
-    return compare_results(cap, rp, rank_steps[0].programs[0], results, steps, start, tol), res
+    return compare_results(cap, rp, rank_steps[0].step_communication(), results, steps, start, tol), res
 
 
 def simulate_rank_steps(rank_steps: list[RankStep], states: list[dict], batches: list[tuple]) -> dict:

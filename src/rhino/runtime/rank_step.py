@@ -179,6 +179,17 @@ class RankStep:
                          for part in (first, later, update)]
         self.state_names = [i.name for i in g.inputs if i.role is not Role.BATCH]
 
+    def step_communication(self) -> tuple[int, dict[str, int]]:
+        """(bytes this rank sends, collectives by kind) in one training step: with micro-batches, the first
+        micro-batch's program, the later ones' m - 1 times, and the update's."""
+        runs = [1] if self.microbatches == 1 else [1, self.microbatches - 1, 1]
+        sent, kinds = 0, {}
+        for prog, times in zip(self.programs, runs):
+            sent += prog.comm_bytes * times
+            for kind, count in prog.collectives.items():
+                kinds[kind] = kinds.get(kind, 0) + count * times
+        return sent, kinds
+
     def local_batch(self, batch: tuple) -> tuple:
         """This rank's share of a global batch: its shard (as the plan shards each batch input) of every
         micro-batch, concatenated in micro-batch order along dim 0 (``runtime.data.rank_batch``)."""

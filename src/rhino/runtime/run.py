@@ -136,7 +136,7 @@ def run_plan(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, time
         from .arena_step import check_memory_plan_supported, plan_ranks
         check_memory_plan_supported(plan)
     micro = checked_microbatch_graph(cap, plan.microbatches)
-    prog0 = RankStep(graph, plan, 0, micro_graph=micro).programs[0]  # checks the plan before processes start
+    comm = RankStep(graph, plan, 0, micro_graph=micro).step_communication()  # checks the plan before processes start
     state = cap.initial_state()
     batch = tuple(b.detach() for b in cap.workload.batch)
     # each distinct rank program planned once, here, before the ranks start (under torchrun each rank plans its own)
@@ -147,19 +147,25 @@ def run_plan(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, time
         results = {int(__import__("os").environ["RANK"]): run_from_env(_rank_main, *args, timeout_s=timeout_s)}
     else:
         results = dict(enumerate(launch(_rank_main, nproc, *args, timeout_s=timeout_s)))
-    return compare_results(cap, rp, prog0, results, steps, start, tol)
+    return compare_results(cap, rp, comm, results, steps, start, tol)
 
 
-def compare_results(cap: Captured, rp: ResolvedPlan, prog0, results: dict[int, dict], steps: int, start: float,
-                    tol: Tolerance | None = None) -> RunResult:
+def program_communication(prog) -> tuple[int, dict[str, int]]:
+    """(bytes sent, collectives by kind) of one lowered rank program, as ``compare_results`` takes them."""
+    return prog.comm_bytes, dict(prog.collectives)
+
+
+def compare_results(cap: Captured, rp: ResolvedPlan, comm: tuple[int, dict], results: dict[int, dict], steps: int,
+                    start: float, tol: Tolerance | None = None) -> RunResult:
     """A ``RunResult`` from the ranks' results (rank -> {"losses", "local", ...}; under torchrun only this
-    rank's): every given rank's losses and state shards against single-device training."""
+    rank's): every given rank's losses and state shards against single-device training. ``comm``: rank 0's
+    bytes and collectives per step (``RankStep.step_communication``)."""
     plan = rp.plan
     tol = tol or tolerance_for(cap, plan.mesh.world)
     ref = reference_run(cap, steps, plan.microbatches)
     ranks = sorted(results)
     first = results[ranks[0]]
-    result = RunResult(True, plan.mesh.world, str(plan.mesh), steps, 0.0, prog0.comm_bytes, prog0.collectives,
+    result = RunResult(True, plan.mesh.world, str(plan.mesh), steps, 0.0, comm[0], comm[1],
                        first["losses"], ref.losses,
                        local_state_bytes=[results[r]["held"] for r in ranks],
                        step_seconds=[max(ts) for ts in zip(*[results[r].get("times", []) for r in ranks])],
