@@ -25,7 +25,7 @@ from rhino.sharding.plan import resolve
 from rhino.sharding.presets import parse_strategy, preset_plan
 
 SPEC = str(ROOT / "tests" / "workloads" / "user_optimizers.py")
-TRACED = ["lion", "clipsgd", "tensorstep", "rprop", "slow", "gram", "oldstyle"]
+TRACED = ["lion", "clipsgd", "tensorstep", "rprop", "slow", "gram", "oldstyle", "foreach"]
 STEPS = 4
 TOLERANCE = 1e-12
 
@@ -184,3 +184,16 @@ def test_micro_batches_accumulate_the_gradient_before_a_non_linear_update(strate
     assert len(nonlinear) == 2 * 2 + 2           # G @ G.T and gram @ G per trained weight, a norm per bias
     r, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy(strategy)))
     assert r.ok and r.max_abs_diff < 1e-12, r.first_mismatch
+
+
+def test_foreach_ops_run_per_tensor_and_are_sharded():
+    """``torch._foreach_*`` over a group's parameters ran as one opaque op (replicated: every gradient gathered);
+    traced as loops of their per-tensor ops, nothing is opaque and the bytes are DDP's."""
+    cap, sgd = _capture("foreach"), _capture("subclass")
+    assert cap.opaque_ops == []
+
+    def sent(c, spec):
+        return RankStep(c.graph, preset_plan(c.graph, parse_strategy(spec)), 0).programs[0].comm_bytes
+
+    for spec in ("dp=4", "dp=4,zero=3", "dp=2,tp=2"):
+        assert sent(cap, spec) == sent(sgd, spec), spec

@@ -309,3 +309,32 @@ def groupcounter(): return _w(lambda ps: GroupCounter(ps))
 def wrapping(): return _w(lambda ps: Wrapping(torch.optim.SGD(ps, lr=0.05)))
 def outkeyword(): return _w(lambda ps: OutKeyword(ps))
 def needsclosure(): return _w(lambda ps: NeedsClosure(ps))
+
+
+class ForeachAdam(torch.optim.Optimizer):
+    """Multi-tensor Adam written with torch._foreach_* ops over each group's parameters."""
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-8):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            params = [p for p in group["params"] if p.grad is not None]
+            for p in params:
+                if not self.state[p]:
+                    self.state[p].update(step=torch.tensor(0.0, dtype=p.dtype), m=torch.zeros_like(p),
+                                         v=torch.zeros_like(p))
+            grads = [p.grad for p in params]
+            steps, ms, vs = ([self.state[p][k] for p in params] for k in ("step", "m", "v"))
+            b1, b2 = group["betas"]
+            torch._foreach_add_(steps, 1)
+            torch._foreach_lerp_(ms, grads, 1 - b1)
+            torch._foreach_mul_(vs, b2)
+            torch._foreach_addcmul_(vs, grads, grads, 1 - b2)
+            denom = torch._foreach_sqrt([v / (1 - b2 ** s) for v, s in zip(vs, steps)])
+            torch._foreach_add_(denom, group["eps"])
+            updates = torch._foreach_div([m / (1 - b1 ** s) for m, s in zip(ms, steps)], denom)
+            torch._foreach_add_(params, updates, alpha=-group["lr"])
+
+
+def foreach(): return _w(lambda ps: ForeachAdam(ps))

@@ -149,6 +149,52 @@ def _data_assignment_copies():
         del torch.Tensor.data
 
 
+@contextlib.contextmanager
+def _foreach_per_tensor():
+    """``torch._foreach_*`` ops as loops of their per-tensor ops over the lists (a list argument of the same
+    length taken item by item, any other argument given to each): the same arithmetic per tensor, and ops
+    the registry shards, where a foreach op over all parameters would run opaque and replicated."""
+    saved = {}
+    for name in [n for n in dir(torch) if n.startswith("_foreach_")]:
+        base = name[len("_foreach_"):]
+        per = _per_tensor_op(base)
+        if per is not None:
+            saved[name] = getattr(torch, name)
+            value_at = 2 if base.rstrip("_") in ("addcmul", "addcdiv") else None   # their scalar is positional
+            setattr(torch, name, _looped(per, name.endswith("_"), value_at))
+    try:
+        yield
+    finally:
+        for name, fn in saved.items():
+            setattr(torch, name, fn)
+
+
+def _per_tensor_op(base: str):
+    """The per-tensor op of ``torch._foreach_<base>``: the tensor method, or the out-of-place function written
+    back with ``copy_`` for an in-place name without a method (``_foreach_maximum_``)."""
+    method = getattr(torch.Tensor, base, None)
+    if method is not None:
+        return method
+    pure = getattr(torch, base[:-1], None) if base.endswith("_") else None
+    if pure is None:
+        return None
+    return lambda t, *args, **kwargs: t.copy_(pure(t, *args, **kwargs))
+
+
+def _looped(per, in_place: bool, value_at: int | None):
+    def run(tensors, *args, **kwargs):
+        n = len(tensors)
+        if value_at is not None and len(args) > value_at:     # foreach's positional scalar(s): value= per tensor
+            args, kwargs = args[:value_at], dict(kwargs, value=args[value_at])
+
+        def item(a, i):
+            return a[i] if isinstance(a, (list, tuple)) and len(a) == n else a
+        outs = [per(t, *[item(a, i) for a in args], **{k: item(v, i) for k, v in kwargs.items()})
+                for i, t in enumerate(tensors)]
+        return None if in_place else outs
+    return run
+
+
 def _torch_step(optimizer) -> bool:
     return getattr(_raw_step(optimizer), "__module__", "").startswith("torch.")
 
@@ -233,7 +279,7 @@ def plan_traced(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list
             states[id(p)] = _Recording(held[id(p)], firsts[id(p)])
         shadow = _shadow(optimizer, shadow_params, states)
         snapshots.append(_snapshot(shadow))
-        with _compiling(_torch_step(optimizer)), _data_assignment_copies():
+        with _compiling(_torch_step(optimizer)), _data_assignment_copies(), _foreach_per_tensor():
             _raw_step(optimizer)(shadow)
         snapshots.append(_snapshot(shadow))
         finals.update({p_id: dict(st) for p_id, st in states.items()})
@@ -388,7 +434,7 @@ def traced_update(optimizer: torch.optim.Optimizer, updates: list[ParamUpdate], 
             if id(p) not in tensor_of:
                 tensor_of[id(p)] = frozen[id(p)].detach()
     shadow = _shadow(optimizer, tensor_of, states)
-    with _compiling(_torch_step(optimizer)), _data_assignment_copies():
+    with _compiling(_torch_step(optimizer)), _data_assignment_copies(), _foreach_per_tensor():
         _raw_step(optimizer)(shadow)
     new_state = {}
     for p, u in zip(trained, updates):
