@@ -338,3 +338,29 @@ class ForeachAdam(torch.optim.Optimizer):
 
 
 def foreach(): return _w(lambda ps: ForeachAdam(ps))
+
+
+class Lamb(torch.optim.Optimizer):
+    """LAMB: Adam's update scaled per parameter by the trust ratio ||p|| / ||update|| (torch.linalg.vector_norm)."""
+    def __init__(self, params, lr=1e-2, betas=(0.9, 0.999), eps=1e-6, weight_decay=0.01):
+        super().__init__(params, dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            b1, b2 = group["betas"]
+            for p in group["params"]:
+                if p.grad is None:
+                    continue
+                st = self.state[p]
+                if not st:
+                    st.update(m=torch.zeros_like(p), v=torch.zeros_like(p))
+                st["m"].lerp_(p.grad, 1 - b1)
+                st["v"].mul_(b2).addcmul_(p.grad, p.grad, value=1 - b2)
+                update = st["m"] / (st["v"].sqrt() + group["eps"]) + group["weight_decay"] * p
+                w, u = torch.linalg.vector_norm(p), update.norm()
+                trust = torch.where((w > 0) & (u > 0), w / u, torch.ones_like(w))
+                p.sub_(group["lr"] * trust * update)
+
+
+def lamb(): return _w(lambda ps: Lamb(ps))
