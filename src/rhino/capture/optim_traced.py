@@ -169,33 +169,6 @@ def _foreach_per_tensor():
             setattr(torch, name, fn)
 
 
-@contextlib.contextmanager
-def _norms_as_sums():
-    """Inside ``step()``, a real tensor's 2-norm as ``sqrt(sum(x * x))`` (``torch.linalg.vector_norm``,
-    ``torch.norm``, ``Tensor.norm``; other orders and complex tensors as they are): the registry shards a sum
-    (a split gradient's squares summed on each rank, the scalar all-reduced), not a norm, which gathered the
-    whole gradient of a clipping or LAMB norm. Equal up to the order of the additions (float64: ~1e-16)."""
-    saved = (torch.linalg.vector_norm, torch.norm, torch.Tensor.norm)
-
-    def two_norm(x, ord=2, dim=None, keepdim=False, *, dtype=None, out=None):
-        if ord not in (2, 2.0, "fro") or out is not None or x.is_complex() or not x.is_floating_point():
-            return saved[0](x, 2 if ord == "fro" else ord, dim, keepdim, dtype=dtype, out=out)
-        x = x if dtype is None else x.to(dtype)
-        return (x * x).sum(dim=dim, keepdim=keepdim).sqrt()
-
-    def norm(x, p="fro", dim=None, keepdim=False, dtype=None, out=None):
-        if p in (2, 2.0, "fro", None) and out is None and (dim is None or isinstance(dim, (int, list, tuple))):
-            return two_norm(x, 2, dim, keepdim, dtype=dtype)
-        return saved[1](x, p, dim, keepdim, dtype=dtype, out=out) if out is not None else \
-            saved[1](x, p, dim, keepdim, dtype=dtype)
-
-    torch.linalg.vector_norm, torch.norm, torch.Tensor.norm = two_norm, norm, norm
-    try:
-        yield
-    finally:
-        torch.linalg.vector_norm, torch.norm, torch.Tensor.norm = saved
-
-
 def _per_tensor_op(base: str):
     """The per-tensor op of ``torch._foreach_<base>``: the tensor method, or the out-of-place function written
     back with ``copy_`` for an in-place name without a method (``_foreach_maximum_``)."""
@@ -306,7 +279,7 @@ def plan_traced(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list
             states[id(p)] = _Recording(held[id(p)], firsts[id(p)])
         shadow = _shadow(optimizer, shadow_params, states)
         snapshots.append(_snapshot(shadow))
-        with _compiling(_torch_step(optimizer)), _data_assignment_copies(), _norms_as_sums(), _foreach_per_tensor():
+        with _compiling(_torch_step(optimizer)), _data_assignment_copies(), _foreach_per_tensor():
             _raw_step(optimizer)(shadow)
         snapshots.append(_snapshot(shadow))
         finals.update({p_id: dict(st) for p_id, st in states.items()})
@@ -461,7 +434,7 @@ def traced_update(optimizer: torch.optim.Optimizer, updates: list[ParamUpdate], 
             if id(p) not in tensor_of:
                 tensor_of[id(p)] = frozen[id(p)].detach()
     shadow = _shadow(optimizer, tensor_of, states)
-    with _compiling(_torch_step(optimizer)), _data_assignment_copies(), _norms_as_sums(), _foreach_per_tensor():
+    with _compiling(_torch_step(optimizer)), _data_assignment_copies(), _foreach_per_tensor():
         _raw_step(optimizer)(shadow)
     new_state = {}
     for p, u in zip(trained, updates):
