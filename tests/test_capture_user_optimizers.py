@@ -171,7 +171,7 @@ def test_a_clipping_norm_under_zero_reads_the_reduce_scattered_gradients():
 
 @pytest.mark.parametrize("strategy", ["dp=2,microbatches=2", "dp=1,tp=2,microbatches=2"])
 def test_micro_batches_accumulate_the_gradient_before_a_non_linear_update(strategy):
-    """``G @ G.T`` (linear in each input, read twice), ``g / vector_norm(g)`` (no linear fact): update arithmetic
+    """``G @ G.T`` (linear in each input, read twice), ``g / vector_norm(g)`` (``sqrt(sum(g * g))``): update arithmetic
     (``ir.analysis`` rule 4), run once on the summed gradient, as PyTorch's accumulation loop does; they were
     backward nodes, summed over micro-batches. And the gradient and its transpose, both read by the update,
     cross the cut as one accumulated storage (two accumulators, one a view of the other, added into twice)."""
@@ -179,9 +179,10 @@ def test_micro_batches_accumulate_the_gradient_before_a_non_linear_update(strate
     from rhino.runtime.exact import simulate_plan
     cap = _capture("gram")
     a = analyze(cap.graph)
-    nonlinear = [i for i, n in enumerate(cap.graph.nodes) if n.op.endswith((".mm.default", "vector_norm.default"))
-                 and i > a.boundary and a.roles[i] is not NodeRole.BACKWARD]
-    assert len(nonlinear) == 2 * 2 + 2           # G @ G.T and gram @ G per trained weight, a norm per bias
+    after = [(i, n) for i, n in enumerate(cap.graph.nodes) if i > a.boundary]
+    products = [i for i, n in after if n.op.endswith(".mm.default") and a.roles[i] is NodeRole.OPTIMIZER]
+    roots = [i for i, n in after if n.op.endswith(".sqrt.default") and a.roles[i] is NodeRole.OPTIMIZER]
+    assert len(products) == 2 * 2 and len(roots) == 2   # G @ G.T and gram @ G per trained weight, a norm per bias
     r, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy(strategy)))
     assert r.ok and r.max_abs_diff < 1e-12, r.first_mismatch
 
@@ -197,3 +198,41 @@ def test_foreach_ops_run_per_tensor_and_are_sharded():
 
     for spec in ("dp=4", "dp=4,zero=3", "dp=2,tp=2"):
         assert sent(cap, spec) == sent(sgd, spec), spec
+
+
+def test_a_two_norm_no_product_follows_sums_the_shards_squares():
+    """LAMB's trust ratio ``||p|| / ||update||``: a 2-norm of a split tensor gathered it (the registry does not
+    split a norm); captured as ``sqrt(sum(x * x))`` (``capture.trace._two_norms_as_sums``) each rank sums its
+    shard's squares and the scalars are all-reduced: DDP's bytes and the scalars'."""
+    cap, sgd = _capture("lamb"), _capture("subclass")
+    assert not any(n.op.endswith("vector_norm.default") for n in cap.graph.nodes)
+
+    def sent(c, spec):
+        return RankStep(c.graph, preset_plan(c.graph, parse_strategy(spec)), 0).programs[0].comm_bytes
+
+    for spec in ("dp=4", "dp=4,zero=3", "dp=2,tp=2"):
+        assert sent(sgd, spec) <= sent(cap, spec) <= sent(sgd, spec) * 1.02, spec
+
+
+def test_a_two_norm_a_product_follows_is_kept():
+    """Muon-like ``X = G / ||G||`` then ``X @ X.T``: the norm stays (gathering the gradient keeps the products
+    whole; the greedy propagation split them otherwise, 4x the bytes)."""
+    from rhino.capture.trace import _two_norms_as_sums
+    import torch.fx
+
+    def muonish(g):
+        x = g / torch.linalg.vector_norm(g)
+        return (x @ x.T) @ x
+
+    def lamb_like(g, p):
+        return torch.linalg.vector_norm(p) / torch.linalg.vector_norm(g) * g
+
+    from torch.fx.experimental.proxy_tensor import make_fx
+    for fn, args, kept in [(muonish, (torch.randn(4, 3),), 1), (lamb_like, (torch.randn(4, 3), torch.randn(4, 3)), 0)]:
+        gm = make_fx(fn, tracing_mode="fake")(*args)
+        _two_norms_as_sums(gm.graph)
+        gm.graph.lint()
+        assert sum(n.target is torch.ops.aten.linalg_vector_norm.default for n in gm.graph.nodes) == kept
+        gm.recompile()
+        real = [torch.randn(4, 3, dtype=torch.float64) for _ in args]
+        torch.testing.assert_close(gm(*real), fn(*real), rtol=1e-12, atol=1e-12)
