@@ -58,6 +58,7 @@ class TracedInit:
     index: dict[tuple[str, str], int]
     meta: dict[tuple[str, str], torch.Tensor]
     constants: dict[str, dict[str, object]] = field(default_factory=dict)   # non-tensor state, fixed
+    _param_of: dict = field(default_factory=dict, repr=False)              # placeholder -> parameter name
 
     def value(self, name: str, key: str, param_value: Callable[[str], torch.Tensor]) -> torch.Tensor:
         """The first value of state ``key`` of parameter ``name``, from the parameters' values
@@ -73,12 +74,14 @@ class TracedInit:
             needed.add(node)
             todo.extend(node.all_input_nodes)
         env: dict[torch.fx.Node, object] = {}
-        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        if not self._param_of:
+            placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+            self._param_of.update(zip(placeholders, self.names))
         for node in graph.nodes:
             if node not in needed:
                 continue
             if node.op == "placeholder":
-                env[node] = param_value(self.names[placeholders.index(node)])
+                env[node] = param_value(self._param_of[node])
             elif node.op == "get_attr":
                 env[node] = getattr(self.module, node.target)
             elif node.op == "call_function":
@@ -195,6 +198,26 @@ def _looped(per, in_place: bool, value_at: int | None):
     return run
 
 
+def _trained(optimizer) -> list[torch.Tensor]:
+    return [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+
+
+def _with_grads(trained, params, grads) -> dict[int, torch.Tensor]:
+    """The traced parameter standing for each trained one (by id), its gradient as ``.grad``."""
+    out = {}
+    for p, q, g in zip(trained, params, grads):
+        q = q.detach()
+        q.grad = g
+        out[id(p)] = q
+    return out
+
+
+def _run_step(optimizer, shadow) -> None:
+    """``optimizer``'s class's own ``step()`` on ``shadow``, as tracing follows it (module docstring)."""
+    with _compiling(_torch_step(optimizer)), _data_assignment_copies(), _foreach_per_tensor():
+        _raw_step(optimizer)(shadow)
+
+
 def _torch_step(optimizer) -> bool:
     return getattr(_raw_step(optimizer), "__module__", "").startswith("torch.")
 
@@ -210,7 +233,7 @@ def _shadow(optimizer: torch.optim.Optimizer, tensor_of: dict[int, torch.Tensor]
         g = dict(group, params=[tensor_of[id(p)] for p in group["params"]])
         for flag in ("foreach", "fused"):
             if flag in g and _torch_step(optimizer):
-                g[flag] = False if flag == "fused" else None if g[flag] is None else False
+                g[flag] = False
         groups.append(g)
     shadow.param_groups = groups
     shadow.state = defaultdict(dict)
@@ -251,7 +274,7 @@ def plan_traced(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list
     if isinstance(optimizer, torch.optim.LBFGS):
         raise WorkloadError("LBFGS re-evaluates the model several times inside step() through a closure; Rhino "
                             "captures one forward, one backward and one update per step: use another optimizer")
-    trained = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    trained = _trained(optimizer)
     frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
     if any(p.is_complex() for p in trained):
         raise WorkloadError("complex parameters are not supported; use real tensors")
@@ -266,11 +289,7 @@ def plan_traced(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list
     def first_step(*flat):
         n, m = len(trained), len(frozen)
         params, grads, tensors = flat[:n], flat[n:2 * n], flat[2 * n + m:]
-        shadow_params, states = {}, {}
-        for p, q, g in zip(trained, params, grads):
-            q = q.detach()
-            q.grad = g
-            shadow_params[id(p)] = q
+        shadow_params, states = _with_grads(trained, params, grads), {}
         for (i, k, _), t in zip(held_tensors, tensors):
             held[id(trained[i])][k] = t
         for p, q in zip(frozen, flat[2 * n:2 * n + m]):     # no gradient: stepped over
@@ -279,8 +298,7 @@ def plan_traced(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list
             states[id(p)] = _Recording(held[id(p)], firsts[id(p)])
         shadow = _shadow(optimizer, shadow_params, states)
         snapshots.append(_snapshot(shadow))
-        with _compiling(_torch_step(optimizer)), _data_assignment_copies(), _foreach_per_tensor():
-            _raw_step(optimizer)(shadow)
+        _run_step(optimizer, shadow)
         snapshots.append(_snapshot(shadow))
         finals.update({p_id: dict(st) for p_id, st in states.items()})
         return [v for p in trained for v in firsts[id(p)].values() if isinstance(v, torch.Tensor)]
@@ -420,12 +438,9 @@ def traced_update(optimizer: torch.optim.Optimizer, updates: list[ParamUpdate], 
     """Inside the step's trace: the optimizer's own ``step()`` on the traced parameters, gradients and
     state -> (new parameters, new state by graph-input name). ``frozen``: the traced tensor of each frozen
     parameter the optimizer holds, by the id of the workload's parameter."""
-    trained = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    tensor_of, states = {}, {}
-    for p, u, q, g in zip(trained, updates, params, grads):
-        q = q.detach()
-        q.grad = g
-        tensor_of[id(p)] = q
+    trained = _trained(optimizer)
+    tensor_of, states = _with_grads(trained, params, grads), {}
+    for p, u in zip(trained, updates):
         st = {k: state[state_name(u.name, k)] for k in u.state_keys}
         st.update(u.init.constants.get(u.name, {}))
         states[id(p)] = st
@@ -434,8 +449,7 @@ def traced_update(optimizer: torch.optim.Optimizer, updates: list[ParamUpdate], 
             if id(p) not in tensor_of:
                 tensor_of[id(p)] = frozen[id(p)].detach()
     shadow = _shadow(optimizer, tensor_of, states)
-    with _compiling(_torch_step(optimizer)), _data_assignment_copies(), _foreach_per_tensor():
-        _raw_step(optimizer)(shadow)
+    _run_step(optimizer, shadow)
     new_state = {}
     for p, u in zip(trained, updates):
         st = shadow.state[tensor_of[id(p)]]
