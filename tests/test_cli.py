@@ -56,6 +56,7 @@ def test_capture_into_missing_directory_fails_cleanly(capsys, tmp_path):
     ("not_a_module", "must be a torch.nn.Module"),
     ("batch_does_not_fit", "Check that the batch fits the model"),
     ("data_dependent", "bad_inputs.py:34"),
+    ("data_dependent_generated", "bad_inputs.py:52"),   # the caller of the generated code, not "<string>:2"
     ("non_scalar_loss", "loss_fn must return a scalar"),
     ("raises", "cannot build the model"),
     ("foreign_optimizer", "not a parameter of the model"),

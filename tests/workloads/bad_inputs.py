@@ -42,6 +42,17 @@ def data_dependent():
     return m, torch.optim.SGD(m.parameters(), lr=0.1), lambda m, x: m(x).sum(), (torch.randn(2, 8),)
 
 
+_GENERATED = {}
+exec("def scaled(y):\n    return y * 2 if y.sum() > 0 else y\n", _GENERATED)   # code whose file is "<string>"
+
+
+def data_dependent_generated():
+    torch.manual_seed(0)
+    m = nn.Linear(8, 4)
+    return m, torch.optim.SGD(m.parameters(), lr=0.1), lambda m, x: _GENERATED["scaled"](m(x)).sum(), \
+        (torch.randn(2, 8),)
+
+
 def non_scalar_loss():
     m = _mlp()
     return m, torch.optim.SGD(m.parameters(), lr=0.1), lambda m, x: m(x), (torch.randn(2, 8),)

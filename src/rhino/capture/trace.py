@@ -341,7 +341,8 @@ def _user_frame(exc: BaseException, workload: Workload) -> str:
     frames = traceback.extract_tb(exc.__traceback__)
     torch_dir = str(Path(torch.__file__).parent)
     rhino_dir = str(Path(__file__).parents[1])
-    user = [f for f in frames if not f.filename.startswith((torch_dir, rhino_dir))]
+    # "<string>", "<eval_with_key>": code generated at run time (dataclass __init__, fx modules)
+    user = [f for f in frames if not f.filename.startswith((torch_dir, rhino_dir, "<"))]
     if not user:
         return workload.spec
     f = user[-1]
