@@ -236,3 +236,32 @@ def test_a_two_norm_a_product_follows_is_kept():
         gm.recompile()
         real = [torch.randn(4, 3, dtype=torch.float64) for _ in args]
         torch.testing.assert_close(gm(*real), fn(*real), rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("name", ["lion", "rprop"])
+def test_the_update_starts_at_the_gradient(name):
+    """Lion's ``p.grad * (1 - beta1)`` and Rprop's ``grad.clone()`` are linear in the gradient and read nothing
+    else of the step: they were BACKWARD nodes, so each micro-batch reduced the gradient for them and the
+    update reduced it again (dp=2,microbatches=2: 3x the bytes of dp=2); they start the update now
+    (``ir.analysis`` rule 5) and the gradient is reduced once per step. A view of a gradient to reduce once (its
+    transpose) passes its Partial on, so the reduction waits in the update, not in the backward: bucketed and
+    overlapped, none blocking (was 80 us of blocking all-reduces on 4xA100 for dp=4)."""
+    from rhino.cost.cluster import axis_links, parse_cluster
+    from rhino.cost.step import step_time
+    from rhino.ir.analysis import NodeRole, analyze
+    from rhino.runtime.exact import simulate_plan
+    cap = _capture(name)
+    a = analyze(cap.graph)
+    grads = {s: a.born[s] for s in a.gradients}
+    assert grads and all(a.roles[b] is NodeRole.BACKWARD for b in grads.values())
+    starts = [i for i, n in enumerate(cap.graph.nodes) if i > a.boundary and not a.is_view[i] and
+              any(a.root[r.id] in grads for r in n.input_refs())]
+    assert starts and all(a.roles[i] is NodeRole.OPTIMIZER for i in starts)
+    one, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy("dp=2")))
+    two, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy("dp=2,microbatches=2")))
+    assert one.ok and two.ok and two.max_abs_diff < 1e-12, two.first_mismatch
+    assert two.comm_bytes_per_step == one.comm_bytes_per_step > 0
+    cluster = parse_cluster("4xA100-80G")
+    rp = resolve(cap.graph, preset_plan(cap.graph, parse_strategy("dp=4")))
+    st = step_time(rp, cluster.device, axis_links(cluster, rp.plan.mesh))
+    assert st.comm_by_kind["blocking"] == 0 and st.comm_by_kind["gradient"] > 0

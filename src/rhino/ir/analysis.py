@@ -47,6 +47,16 @@ Definitions (``n`` nodes in program order, ``graph.nodes[0..n-1]``):
      linear node taken for such a node would still be exact, ``f(sum g) = sum f(g)``; the other way round
      is not, hence unknown ops count as non-linear);
 
+  5. *linear start of the update*: it is not a view, reads no batch input and no storage made at or before
+     the loss, reads exactly one storage made after the boundary by a non-optimizer node (a parameter's
+     gradient, or a node of this rule), is linear in it (Lion's ``g * (1 - beta1)``, Rprop's ``g.clone()``,
+     a user's ``g / world``), and that storage and every storage it makes are read (by non-view nodes) by
+     optimizer nodes (rules 1-5) only, the latter by at least one: the greatest such set. A gradient of the
+     backward is read by no other backward node (an activation's gradient is: a bias's ``sum`` stays
+     BACKWARD), so the update starts at the gradient and gradient accumulation sums the gradient, once per
+     step, not its scaled copy per micro-batch (exact either way, as rule 4 says). A node reading two such
+     storages (a tied weight's ``g1 + g2``) stays BACKWARD: one gradient, not two;
+
   every other node after the boundary is BACKWARD. ``optimizer`` is the set of OPTIMIZER nodes.
 - **Activations**: storages made at or before the boundary and live after it (``is_activation``).
 - **Gradients**: storages made after the boundary by a non-optimizer node and read by an optimizer
@@ -276,7 +286,40 @@ def _optimizer_nodes(graph: Graph, boundary: int, root, born, is_view, node_root
             if outs and all(o in opt_read and o not in other_read for o in outs):
                 opt.add(i)
         (opt_read if i in opt else other_read).update(rr)
+    _linear_prefix(graph, boundary, root, born, is_view, node_roots, batch, opt)
     return opt
+
+
+def _linear_prefix(graph: Graph, boundary: int, roots, born, is_view, node_roots, batch, opt: set[int]) -> None:
+    """Rule 5 of the module docstring: adds its nodes to ``opt`` (rules 1-4 given)."""
+    nodes = graph.nodes
+    from_loss = {s for s, b in born.items() if b == boundary}
+    reads: dict[int, set[int]] = {}       # storage -> its non-view readers after the boundary
+    inner: dict[int, int] = {}            # candidate -> the one storage it reads from the backward (or a candidate)
+    for i in range(boundary + 1, len(nodes)):
+        rr = node_roots[i]
+        if not is_view[i]:
+            for s in rr:
+                reads.setdefault(s, set()).add(i)
+        if i not in opt and any(s in from_loss for s in rr):
+            from_loss.update(_made(nodes[i], born, i))
+        if i in opt or is_view[i] or any(s in batch or 0 <= born[s] <= boundary for s in rr):
+            continue
+        refs = nodes[i].input_refs()
+        flags = [born[roots[r.id]] > boundary and born[roots[r.id]] not in opt for r in refs]
+        back = {roots[r.id] for r, f in zip(refs, flags) if f}
+        if sum(flags) == 1 and back <= from_loss and _made(nodes[i], born, i) and \
+                not _nonlinear_in(nodes[i], flags):
+            inner[i] = back.pop()
+    kept = set(inner)
+    while True:   # the greatest set whose inputs and outputs are read by the update (and by it) only
+        upd = opt | kept
+        keep = {i for i in kept if reads.get(inner[i], set()) <= upd and
+                all(reads.get(s) and reads[s] <= upd for s in _made(nodes[i], born, i))}
+        if keep == kept:
+            break
+        kept = keep
+    opt.update(kept)
 
 
 def _nonlinear_uses(graph: Graph, boundary: int, roots, born, is_view, node_roots, batch, opt: set[int]) -> None:

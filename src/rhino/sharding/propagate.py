@@ -105,6 +105,7 @@ class Propagator:
         self._origin: dict[int, int] = {}          # a Partial value passed on -> the Partial value it came from
         self._reduced: dict[int, set[int]] = {}    # origin -> the values made from it that were reduced
         self._to_optimizer = update_feeders(self.graph)
+        self._no_pass = set(self.no_pass)           # and the views of them (``_options``)
 
     # -- public ---------------------------------------------------------------------------
     def run(self) -> ShardingPlan:
@@ -173,8 +174,17 @@ class Propagator:
         opts += self._strided_options(refs, ann, sizes, axis, letters)
         partial_at = [k for k, r in enumerate(refs)
                       if r.id in self.actual and isinstance(self.actual[r.id][axis], Partial)]
-        if partial_at and not any(refs[k].id in self.no_pass for k in partial_at) and not (self.reduce_before_widening and self._widens(node, [refs[k] for k in partial_at])):
-            opdef = lookup(node.op)
+        opdef = lookup(node.op)
+        blocked = [refs[k].id for k in partial_at if refs[k].id in self._no_pass]
+        if blocked and opdef is not None and opdef.kind is OpKind.VIEW and \
+                all(len({id(u) for u in self.users[v]}) == 1 for v in blocked):
+            # the one view of a value to reduce once passes its Partial on: its consumers reduce the view (the
+            # same bytes), after the node that made it, not before the view (a gradient's transpose in the
+            # backward); where the value has other consumers it is reduced once for all of them
+            self._no_pass.update(v for v in node.outputs if v is not None)
+        elif blocked:
+            partial_at = []
+        if partial_at and not (self.reduce_before_widening and self._widens(node, [refs[k] for k in partial_at])):
             for group in partial_inputs(node.op, opdef is not None and opdef.kind is OpKind.VIEW, len(refs),
                                         node.args, node.kwargs, self.graph.types[refs[0].id].dtype):
                 # only where the inputs are Partial already: turning a replicated input into a
