@@ -364,3 +364,14 @@ class Lamb(torch.optim.Optimizer):
 
 
 def lamb(): return _w(lambda ps: Lamb(ps))
+
+
+def lion_gpt():
+    """examples/gpt.py (a tied embedding) trained with Lion."""
+    import importlib.util
+    from pathlib import Path
+    spec = importlib.util.spec_from_file_location("gpt_example", Path(__file__).parents[2] / "examples" / "gpt.py")
+    gpt = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpt)
+    model, _, loss, batch = gpt.workload()
+    return model, Lion(model.parameters(), lr=1e-4, weight_decay=0.1), loss, batch

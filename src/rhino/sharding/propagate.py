@@ -105,7 +105,7 @@ class Propagator:
         self._origin: dict[int, int] = {}          # a Partial value passed on -> the Partial value it came from
         self._reduced: dict[int, set[int]] = {}    # origin -> the values made from it that were reduced
         self._to_optimizer = update_feeders(self.graph)
-        self._no_pass = set(self.no_pass)           # and the views of them (``_options``)
+        self._parent: dict[int, int] = {}           # a Partial value passed on -> the input it was passed from
 
     # -- public ---------------------------------------------------------------------------
     def run(self) -> ShardingPlan:
@@ -175,14 +175,7 @@ class Propagator:
         partial_at = [k for k, r in enumerate(refs)
                       if r.id in self.actual and isinstance(self.actual[r.id][axis], Partial)]
         opdef = lookup(node.op)
-        blocked = [refs[k].id for k in partial_at if refs[k].id in self._no_pass]
-        if blocked and opdef is not None and opdef.kind is OpKind.VIEW and \
-                all(len({id(u) for u in self.users[v]}) == 1 for v in blocked):
-            # the one view of a value to reduce once passes its Partial on: its consumers reduce the view (the
-            # same bytes), after the node that made it, not before the view (a gradient's transpose in the
-            # backward); where the value has other consumers it is reduced once for all of them
-            self._no_pass.update(v for v in node.outputs if v is not None)
-        elif blocked:
+        if any(refs[k].id in self.no_pass for k in partial_at):
             partial_at = []
         if partial_at and not (self.reduce_before_widening and self._widens(node, [refs[k] for k in partial_at])):
             for group in partial_inputs(node.op, opdef is not None and opdef.kind is OpKind.VIEW, len(refs),
@@ -244,8 +237,10 @@ class Propagator:
             for a, p in enumerate(have or ()):
                 if isinstance(p, Partial):
                     if isinstance(req[a], Partial):
-                        self._origin.update((v, origin) for v, sh in zip(node.outputs, ns.outputs)
-                                            if v is not None and sh is not None and isinstance(sh[a], Partial))
+                        passed = [v for v, sh in zip(node.outputs, ns.outputs)
+                                  if v is not None and sh is not None and isinstance(sh[a], Partial)]
+                        self._origin.update((v, origin) for v in passed)
+                        self._parent.update((v, ref.id) for v in passed)
                     else:
                         self._reduced.setdefault(origin, set()).add(ref.id)
             self.available.setdefault(ref.id, set()).add(req)
@@ -293,11 +288,31 @@ class Propagator:
         return best[1], best[2], best[0][0]
 
     def reduced_twice(self) -> frozenset:
-        """Partial values of which two or more were reduced: the value itself and values linear ops made from it
-        (passed through), e.g. a gradient reduced for one consumer and its product with a momentum reduced for
-        another, or two such products; reducing it once where it is made and passing on its reduced value may
-        move fewer bytes (rerun with them in ``no_pass``)."""
-        return frozenset(o for o, vs in self._reduced.items() if len(vs) > 1)
+        """Where Partial values of which two or more were reduced forked: of each Partial value from which two
+        or more values were reduced (the value itself and values linear ops made from it, passed through; e.g. a
+        gradient reduced for one consumer and its product with a momentum reduced for another), the last value
+        on the way to all of them. Reducing it once there and passing on its reduced value may move fewer
+        bytes (rerun with them in ``no_pass``); there, not where the Partial was made, so that what comes
+        before the fork (a gradient's transpose, the sum of a tied weight's two gradients) still passes it on
+        and the one reduction waits until the update reads it."""
+        out = set()
+        for origin, reduced in self._reduced.items():
+            if len(reduced) < 2:
+                continue
+            chains = [self._chain(v, origin) for v in sorted(reduced)]
+            common = set.intersection(*(set(c) for c in chains))
+            out.add(next(v for v in chains[0] if v in common))
+        return frozenset(out)
+
+    def _chain(self, v: int, origin: int) -> list[int]:
+        """``v``, the value it was passed from, and so on back to ``origin``."""
+        out = [v]
+        while v != origin and v in self._parent:
+            v = self._parent[v]
+            out.append(v)
+        if out[-1] != origin:
+            out.append(origin)
+        return out
 
     def _passes_ok(self, refs: list[Ref], ns) -> bool:
         for ref, req in zip(refs, ns.inputs):
