@@ -268,3 +268,13 @@ def test_a_micro_batch_step_reports_all_its_programs_communication(mlp):
     assert two.ok and one.ok
     assert two.comm_bytes_per_step == one.comm_bytes_per_step > 0
     assert two.collectives_per_step == one.collectives_per_step
+
+
+def test_a_loss_taking_gradients_itself_splits_into_micro_batches():
+    """A gradient penalty calls ``torch.autograd.grad`` inside the loss: the check that each micro-batch's rows
+    make a loss (``check_microbatch_loss``) ran it under ``no_grad`` and refused the workload, blaming its rows."""
+    from rhino.runtime.microbatch import check_microbatch_loss
+    cap = _cap(str(ROOT / "tests" / "workloads" / "microbatch.py:gradient_penalty"))
+    check_microbatch_loss(cap, 2)
+    r, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy("dp=2,microbatches=2")))
+    assert r.ok and r.max_abs_diff < 1e-12, r.first_mismatch

@@ -50,3 +50,18 @@ def unet_batchnorm():
 
 def moe():  # 16: its dp=2,tp=2 preset splits the routed tokens over both axes
     return _example("moe").workload(batch=16)
+
+
+def _penalised(model, x):
+    """The output's mean plus a penalty on its gradient with respect to the input (WGAN-GP, R1, PINN residuals)."""
+    x = x.clone().requires_grad_(True)
+    out = model(x)
+    g, = torch.autograd.grad(out.sum(), x, create_graph=True)
+    return out.mean() + g.pow(2).sum(1).mean()
+
+
+def gradient_penalty():
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    g = torch.Generator().manual_seed(0)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-3), _penalised, (torch.randn(8, 6, generator=g),)

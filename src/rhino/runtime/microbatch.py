@@ -72,8 +72,10 @@ def check_microbatch_loss(cap: Captured, microbatches: int) -> None:
     cannot see this: it runs on fake tensors, which do not check index values."""
     w = cap.workload
     model = copy.deepcopy(w.model)
-    try:   # the caller's random stream stays where it was (dropout would draw from it)
-        with torch.no_grad(), torch.random.fork_rng():
+    # the caller's random stream stays where it was (dropout would draw from it); gradients on, as in training:
+    # a loss may take gradients itself (a WGAN-GP or R1 penalty calls torch.autograd.grad)
+    try:
+        with torch.enable_grad(), torch.random.fork_rng():
             for k in range(microbatches):
                 w.loss_fn(model, *(b[k * (b.shape[0] // microbatches):(k + 1) * (b.shape[0] // microbatches)]
                                    for b in w.batch))
