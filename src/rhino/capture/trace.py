@@ -31,6 +31,7 @@ from ..ir.graph import Graph, Role
 from ..ir.verify import verify
 from .amp import autocast_on
 from .fallbacks import fake_fallbacks
+from .module_state import attributes_kept, changed_numbers, python_draws
 from .optim import ParamUpdate, apply_update, initial_state, mirrored_kind, plan_updates, state_meta, state_name
 from .optim_traced import plan_traced, traced_update
 from .to_ir import fx_to_ir
@@ -124,7 +125,18 @@ def capture(workload: Workload, verify_graph: bool = True) -> Captured:
 
     with warnings.catch_warnings(), _quiet_logger("torch._subclasses.fake_tensor"), fake_fallbacks():
         warnings.simplefilter("ignore")
-        gm = _trace(step, flat, workload)
+        with attributes_kept(model) as before:
+            gm = _trace(step, flat, workload)
+            changed, drawn = changed_numbers(before), python_draws(before)
+        if drawn:
+            raise CaptureError(f"{workload.spec}: the model's forward draws from {drawn[0]}, so the captured step "
+                               f"would take the branch drawn while tracing at every step; draw with torch "
+                               f"(torch.rand(()) < p) and choose with torch.where, or pass the draw in the batch")
+        if changed:
+            more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+            raise CaptureError(f"{workload.spec}: the model's forward changes {changed[0]}{more}, a Python number, "
+                               f"which the captured step would hold at the value seen while tracing; keep it in a "
+                               f"buffer (self.register_buffer) updated with tensor ops, or pass it in the batch")
         gm = _functionalize(gm, flat)
     _simplify(gm)
     roles = ([(n, Role.PARAM) for n in param_names] + [(n, Role.FROZEN) for n in frozen_names] +
