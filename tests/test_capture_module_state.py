@@ -46,3 +46,20 @@ def test_python_state_a_step_would_freeze_is_refused(name, phrase):
     assert getattr(w.model, "calls", 0) == 0
     if held is not None:
         assert w.model.rng.getstate() == held
+
+
+def test_a_hook_closing_over_the_model_works_on_the_references_copy():
+    """The eager reference runs on a deep copy; a hook written as a closure over ``self`` was copied as the same
+    function and filled the original's list (the copy's loss read an empty one: IndexError). The copy's hooks
+    close over the copy now (``capture.optim.copy_training``), also in the micro-batch check."""
+    from rhino.runtime.exact import simulate_plan
+    from rhino.runtime.microbatch import check_microbatch_loss
+    from rhino.sharding.presets import parse_strategy, preset_plan
+    with warnings.catch_warnings(), default_dtype(torch.float64):
+        warnings.simplefilter("ignore")
+        cap = capture(_load("feature_hooks"))
+        r = check_captured(cap, steps=2)
+        assert r.ok and r.max_abs_diff <= 1e-12, r.first_mismatch
+        check_microbatch_loss(cap, 2)
+        s, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy("dp=2,microbatches=2")))
+    assert s.ok and s.max_abs_diff <= 1e-12, s.first_mismatch

@@ -4,7 +4,7 @@ Tracing runs the workload's ``forward`` on the user's own module objects (parame
 tensors), so whatever ``forward`` stores on them stays there: an activation kept for logging
 (``self.last_hidden = h``: a tensor of the trace, which ``copy.deepcopy`` of the model then refuses), a counter
 advanced (``self.calls += 1``: the eager reference would start one call ahead). :func:`attributes_kept` puts
-every module's attributes back after tracing.
+every module's attributes back after tracing, and the contents of the lists, dicts and sets they hold.
 
 A Python number that ``forward`` changes (a warm-up counter, an annealed temperature) is a constant of the
 captured graph: the step would run with the value seen while tracing, forever. That is refused in one
@@ -34,6 +34,9 @@ class _Before(list):
         self.random = random.getstate()
         numpy = sys.modules.get("numpy")
         self.numpy = numpy.random.get_state() if numpy is not None else None
+        # the contents of the lists, dicts and sets they hold (a hook appending features to ``self.feats``)
+        self.contents = [(v, v.copy()) for _, _, saved in self for v in saved.values()
+                         if type(v) in (list, dict, set) or isinstance(v, dict)]
         # generators the modules hold (``self.rng = random.Random(0)``): their states, by attribute
         self.held = {f"{name + '.' if name else ''}{key}": (g, g.getstate()) for name, _, saved in self
                      for key, g in saved.items() if isinstance(g, random.Random)}
@@ -42,6 +45,9 @@ class _Before(list):
         for _, m, saved in self:
             m.__dict__.clear()
             m.__dict__.update(saved)
+        for v, held in self.contents:
+            v.clear()
+            v.update(held) if not isinstance(v, list) else v.extend(held)
         random.setstate(self.random)
         for g, state in self.held.values():
             g.setstate(state)

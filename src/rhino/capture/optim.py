@@ -13,6 +13,7 @@ float64 0-dim tensors here, and torch's Python branch on the step (RAdam's
 from __future__ import annotations
 
 import copy
+import types
 
 from dataclasses import dataclass, field
 from typing import Any
@@ -213,7 +214,34 @@ def copy_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
     for key, value in vars(optimizer).items():
         if key not in vars(optimizer_copy):
             setattr(optimizer_copy, key, copy.deepcopy(value, memo))
+    _rebind_hooks(model_copy, memo)
     return model_copy, optimizer_copy
+
+
+def _rebind_hooks(model_copy: torch.nn.Module, memo: dict) -> None:
+    """A hook written as a closure over the model (``l1.register_forward_hook(lambda m, i, o: self.feats.append(o))``)
+    is copied as the same function, still pointing at the original module: the copy's hooks get closures over the
+    copies of what they captured (bound methods are rebound by ``copy.deepcopy`` itself)."""
+    for m in model_copy.modules():
+        for hooks in (v for k, v in vars(m).items() if "hooks" in k and isinstance(v, dict)):
+            for key, fn in list(hooks.items()):
+                cells = getattr(fn, "__closure__", None)
+                held = [_content(c) for c in cells or ()]
+                if not isinstance(fn, types.FunctionType) or not any(id(x) in memo for x in held if x is not _EMPTY):
+                    continue
+                new = tuple(types.CellType() if x is _EMPTY else types.CellType(memo.get(id(x), x)) for x in held)
+                hooks[key] = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, new)
+                hooks[key].__kwdefaults__ = fn.__kwdefaults__
+
+
+_EMPTY = object()
+
+
+def _content(cell):
+    try:
+        return cell.cell_contents
+    except ValueError:    # a cell whose variable was never assigned
+        return _EMPTY
 
 
 def state_name(param: str, key: str) -> str:
