@@ -63,3 +63,16 @@ def test_a_hook_closing_over_the_model_works_on_the_references_copy():
         check_microbatch_loss(cap, 2)
         s, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy("dp=2,microbatches=2")))
     assert s.ok and s.max_abs_diff <= 1e-12, s.first_mismatch
+
+
+def test_lazy_modules_get_their_parameters_from_a_first_call():
+    """``nn.LazyLinear`` without a dry run: PyTorch's "Attempted to use an uninitialized parameter" came through
+    (the capture traced parameters without shapes); eager training makes them at the first forward, so does
+    the capture now."""
+    w = _load("lazy_linear")
+    with warnings.catch_warnings(), default_dtype(torch.float64):
+        warnings.simplefilter("ignore")
+        cap = capture(w)
+        r = check_captured(cap, steps=2)
+    assert cap.param_names == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    assert r.ok and r.max_abs_diff <= 1e-12, r.first_mismatch

@@ -102,3 +102,10 @@ def feature_hooks():
     torch.manual_seed(0)
     model = FeatureHooks()
     return model, torch.optim.SGD(model.parameters(), lr=0.1), _feature_loss, _batch()
+
+
+def lazy_linear():
+    """A lazy layer whose input size its first call decides (eager training needs no dry run)."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.LazyLinear(8), nn.Tanh(), nn.Linear(8, 3))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2), _loss, _batch()

@@ -26,6 +26,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                            FakeTensorMode)
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+from torch.nn.parameter import UninitializedParameter
 
 from ..ir.graph import Graph, Role
 from ..ir.verify import verify
@@ -98,6 +99,7 @@ def capture(workload: Workload, verify_graph: bool = True) -> Captured:
     """Trace ``workload``'s training step into one pure IR graph."""
     start = time.perf_counter()
     model, optimizer = workload.model, workload.optimizer
+    _materialize_lazy(workload)
     names = {id(p): n for n, p in model.named_parameters()}
     traced = mirrored_kind(optimizer) is None
     updates = plan_traced(optimizer, names) if traced else plan_updates(optimizer, names)
@@ -306,6 +308,20 @@ _VALUE_SHAPE_FIXES = {
                                      "(tensors of lengths make the shapes depend on values)",
     torch.ops.aten._pack_padded_sequence.default: "run the RNN on the padded batch and mask what it returns past "
                                                   "each length (a packed sequence's shapes depend on the lengths)"}
+
+
+def _materialize_lazy(workload: Workload) -> None:
+    """Lazy modules (``nn.LazyLinear``) get their parameters from their first call, as in eager training: one
+    forward and loss on the batch, without gradients (the parameter objects the optimizer holds become real)."""
+    if not any(isinstance(p, UninitializedParameter) for p in workload.model.parameters()):
+        return
+    try:
+        with torch.no_grad():
+            workload.loss_fn(workload.model, *workload.batch)
+    except (RuntimeError, ValueError, TypeError, IndexError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise CaptureError(f"{workload.spec}: the first call that makes the lazy modules' parameters failed "
+                           f"({first}); check that loss_fn(model, *batch) runs in plain PyTorch") from None
 
 
 def _trace(step, flat, workload: Workload) -> torch.fx.GraphModule:
