@@ -36,7 +36,7 @@ class _Before(list):
         self.numpy = numpy.random.get_state() if numpy is not None else None
         # the contents of the lists, dicts and sets they hold (a hook appending features to ``self.feats``)
         self.contents = [(v, v.copy()) for _, _, saved in self for v in saved.values()
-                         if type(v) in (list, dict, set) or isinstance(v, dict)]
+                         if isinstance(v, (list, dict, set))]
         # generators the modules hold (``self.rng = random.Random(0)``): their states, by attribute
         self.held = {f"{name + '.' if name else ''}{key}": (g, g.getstate()) for name, _, saved in self
                      for key, g in saved.items() if isinstance(g, random.Random)}
@@ -47,7 +47,10 @@ class _Before(list):
             m.__dict__.update(saved)
         for v, held in self.contents:
             v.clear()
-            v.update(held) if not isinstance(v, list) else v.extend(held)
+            if isinstance(v, list):
+                v.extend(held)
+            else:
+                v.update(held)
         random.setstate(self.random)
         for g, state in self.held.values():
             g.setstate(state)
