@@ -51,7 +51,7 @@ def test_python_state_a_step_would_freeze_is_refused(name, phrase):
 def test_a_hook_closing_over_the_model_works_on_the_references_copy():
     """The eager reference runs on a deep copy; a hook written as a closure over ``self`` was copied as the same
     function and filled the original's list (the copy's loss read an empty one: IndexError). The copy's hooks
-    close over the copy now (``capture.optim.copy_training``), also in the micro-batch check."""
+    close over the copy now (``capture.optim.copy_model``), also in the micro-batch check."""
     from rhino.runtime.exact import simulate_plan
     from rhino.runtime.microbatch import check_microbatch_loss
     from rhino.sharding.presets import parse_strategy, preset_plan

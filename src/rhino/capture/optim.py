@@ -23,7 +23,7 @@ import torch
 from .workload import WorkloadError
 
 __all__ = ["ParamUpdate", "SCALAR_KEYS", "plan_updates", "initial_state", "lazy_value", "scalar_dtype",
-           "state_meta", "apply_update", "state_name", "mirrored_kind", "unhooked", "copy_training"]
+           "state_meta", "apply_update", "state_name", "mirrored_kind", "unhooked", "copy_training", "copy_model"]
 
 
 @dataclass
@@ -209,13 +209,20 @@ def copy_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
     own attributes included: ``torch.optim.Optimizer.__getstate__`` keeps only its defaults, state and param
     groups, so a user-written optimizer's ``self.ns_steps`` would be missing from a plain deep copy."""
     memo: dict = {}
-    model_copy = copy.deepcopy(model, memo)
+    model_copy = copy_model(model, memo)
     optimizer_copy = copy.deepcopy(optimizer, memo)
     for key, value in vars(optimizer).items():
         if key not in vars(optimizer_copy):
             setattr(optimizer_copy, key, copy.deepcopy(value, memo))
-    _rebind_hooks(model_copy, memo)
     return model_copy, optimizer_copy
+
+
+def copy_model(model: torch.nn.Module, memo: dict | None = None) -> torch.nn.Module:
+    """A deep copy of ``model`` whose hooks close over the copy (``_rebind_hooks``)."""
+    memo = {} if memo is None else memo
+    out = copy.deepcopy(model, memo)
+    _rebind_hooks(out, memo)
+    return out
 
 
 def _rebind_hooks(model_copy: torch.nn.Module, memo: dict) -> None:

@@ -25,7 +25,7 @@ import warnings
 import torch
 
 from ..capture import Captured, CaptureError, capture, default_dtype
-from ..capture.optim import copy_training
+from ..capture.optim import copy_model
 from ..ir.graph import Graph, Ref
 from ..ir.types import TensorType
 from .data import check_microbatch_rows
@@ -71,7 +71,7 @@ def check_microbatch_loss(cap: Captured, microbatches: int) -> None:
     micro-batch does not start at 0) fails here with a sentence instead of inside every rank. The capture
     cannot see this: it runs on fake tensors, which do not check index values."""
     w = cap.workload
-    model, _ = copy_training(w.model, w.optimizer)
+    model = copy_model(w.model)
     # the caller's random stream stays where it was (dropout would draw from it); gradients on, as in training:
     # a loss may take gradients itself (a WGAN-GP or R1 penalty calls torch.autograd.grad)
     try:

@@ -102,10 +102,9 @@ class Propagator:
         self._letters: dict[tuple, list] = {}      # (call signature, axis size) -> candidate letters
         self.scored = 0                            # nodes scored (not remembered): for the tests
         self.total = 0                             # the chosen strategies' costs, summed
-        self._origin: dict[int, int] = {}          # a Partial value passed on -> the Partial value it came from
-        self._reduced: dict[int, set[int]] = {}    # origin -> the values made from it that were reduced
+        self._parent: dict[int, int] = {}          # a Partial value passed on -> the input it was passed from
+        self._reduced: dict[int, set[int]] = {}    # origin (``_chain``'s end) -> the values made from it reduced
         self._to_optimizer = update_feeders(self.graph)
-        self._parent: dict[int, int] = {}           # a Partial value passed on -> the input it was passed from
 
     # -- public ---------------------------------------------------------------------------
     def run(self) -> ShardingPlan:
@@ -233,16 +232,14 @@ class Propagator:
             if ref.id in self.lazy:
                 self._resolve(ref.id, req)
             have = self.actual.get(ref.id)
-            origin = self._origin.get(ref.id, ref.id)
             for a, p in enumerate(have or ()):
                 if isinstance(p, Partial):
                     if isinstance(req[a], Partial):
                         passed = [v for v, sh in zip(node.outputs, ns.outputs)
                                   if v is not None and sh is not None and isinstance(sh[a], Partial)]
-                        self._origin.update((v, origin) for v in passed)
                         self._parent.update((v, ref.id) for v in passed)
                     else:
-                        self._reduced.setdefault(origin, set()).add(ref.id)
+                        self._reduced.setdefault(self._chain(ref.id)[-1], set()).add(ref.id)
             self.available.setdefault(ref.id, set()).add(req)
         self.strategies[node.name] = strategy
         for vid, sh in zip(node.outputs, ns.outputs):
@@ -299,19 +296,17 @@ class Propagator:
         for origin, reduced in self._reduced.items():
             if len(reduced) < 2:
                 continue
-            chains = [self._chain(v, origin) for v in sorted(reduced)]
+            chains = [self._chain(v) for v in sorted(reduced)]
             common = set.intersection(*(set(c) for c in chains))
             out.add(next(v for v in chains[0] if v in common))
         return frozenset(out)
 
-    def _chain(self, v: int, origin: int) -> list[int]:
-        """``v``, the value it was passed from, and so on back to ``origin``."""
+    def _chain(self, v: int) -> list[int]:
+        """``v``, the value it was passed from, and so on back to the Partial value where it was made."""
         out = [v]
-        while v != origin and v in self._parent:
+        while v in self._parent:
             v = self._parent[v]
             out.append(v)
-        if out[-1] != origin:
-            out.append(origin)
         return out
 
     def _passes_ok(self, refs: list[Ref], ns) -> bool:
