@@ -194,6 +194,38 @@ def test_cost_model_prices_one_collective_per_runtime_bucket():
     assert issued.count("AllGather") == 0          # data parallel: parameters stay whole
 
 
+def test_a_collective_travels_while_an_independent_branch_computes():
+    """A tensor-parallel redistribution starts when its input exists and is waited for at its reader, in the
+    overlapped program and in the step-time model alike: the row-parallel output's reduce-scatter (forward)
+    and the gather of the branch's gradient (backward) each hide behind the compute issued between them."""
+    from rhino.capture import load_workload
+    from rhino.cost.cluster import axis_links, parse_cluster
+    from rhino.cost.step import StepOptions, step_time
+    graph = capture(load_workload(str(ROOT / "tests" / "workloads" / "side_branch.py:side_branch"))).graph
+    rp = resolve(graph, preset_plan(graph, parse_strategy("tp=2")))
+    prog = lower_rank(rp, 0, overlap=True)
+    nodes = [n for n in prog.module.graph.nodes if n.op == "call_function"]
+    at = {n.name: i for i, n in enumerate(nodes)}
+    starts = [i for i, n in enumerate(nodes) if n.target is start]
+    waits = [i for i, n in enumerate(nodes) if n.target is wait]
+    names = [n.name for n in graph.nodes]
+    between = {}                              # reader -> graph nodes run while its collective travels
+    for s, w in zip(starts, waits):
+        inside = [n.name for n in nodes[s + 1:w] if n.name in names]
+        if inside:
+            reader = next(n.name for n in nodes[w:] if n.name in names)
+            between[reader] = inside
+    assert "n7_addmm_2" in between.get("n9_mul", []), between          # the side branch's matmul
+    c = parse_cluster("2xA100-80G")
+    links = axis_links(c, rp.plan.mesh)
+    late, early = (step_time(rp, c.device, links, StepOptions(start_after_producer=o)) for o in (False, True))
+    cost = {n.name: n for n in early.nodes}
+    hidden = sum(min(cost[r].comm, sum(cost[m].compute for m in inside)) for r, inside in between.items())
+    assert late.exposed_comm_seconds == pytest.approx(late.comm_seconds)   # every collective blocking
+    assert hidden > 0
+    assert early.exposed_comm_seconds == pytest.approx(late.exposed_comm_seconds - hidden, rel=1e-9)
+
+
 # ----------------------------------------------------------------------------- real gloo processes
 
 def _rank_main(ctx, graph_json, plans, state, batch):

@@ -115,11 +115,17 @@ def steps_seconds(steps: Sequence[Step], shape: Sequence[int], itemsize: int, sr
     """Total time of ``steps`` run in order on a tensor of global ``shape`` (``itemsize``-byte
     elements) that starts as ``src_sharding``: sum of ``step_seconds`` on each step's input local
     size, the local size tracked with ``redistribute.step_volume``."""
+    return sum(each_step_seconds(steps, shape, itemsize, src_sharding, mesh, links))
+
+
+def each_step_seconds(steps: Sequence[Step], shape: Sequence[int], itemsize: int, src_sharding: Sharding,
+                      mesh: Mesh, links: Sequence[AxisLink]) -> list[float]:
+    """``steps_seconds`` of each step."""
     if itemsize <= 0:
         raise ValueError(f"itemsize must be a positive number of bytes, got {itemsize}")
     local = local_numel(shape, src_sharding, mesh)
-    total = 0.0
+    out = []
     for step in steps:
-        total += step_seconds(step, local * itemsize, mesh, links)
+        out.append(step_seconds(step, local * itemsize, mesh, links))
         _, local = step_volume(step, local, mesh)
-    return total
+    return out

@@ -32,8 +32,13 @@ Per rank (all ranks run the same program on equal shards, so one rank stands for
   are one collective of their summed bytes while under ``gather_bucket_mb`` (the runtime's
   per-module buckets, as FSDP2 gathers a ``fully_shard`` unit); with ``reshard_after_forward`` a state input
   redistributed before the loss is redistributed again for its uses after it (FSDP2's default, the
-  runtime's re-gather). Every other redistribution blocks: the compute stream waits for it (tensor-
-  parallel all-reduces sit on the critical path, as in Megatron-LM).
+  runtime's re-gather). ``start_after_producer``: every other redistribution of a computed value
+  starts when the value exists (its steps through the first collective right after the producer,
+  later collectives of the chain once the reader waited for the first, as ``lower/overlap.py`` places
+  them) and the compute stream waits for it at its first reader; a tensor-parallel all-reduce read by the
+  node after its producer therefore sits on the critical path (as in Megatron-LM), one read later
+  travels while the nodes in between compute. Without the option (and for redistributions of batch
+  inputs) a redistribution starts at its reader.
 - The step time is when both streams are done; exposed communication = step time - compute.
 """
 from __future__ import annotations
@@ -51,7 +56,7 @@ from ..sharding.redistribute import local_numel, plan_redistribution
 from ..sharding.vocab import is_split, split_letter
 from ..sharding.steps import AllGather, AllReduce, ReduceScatter, Step, is_communication
 from .cluster import AxisLink
-from .collectives import step_seconds, steps_seconds
+from .collectives import each_step_seconds, step_seconds, steps_seconds
 from .compute import Profile, op_time
 from .devices import DeviceSpec
 
@@ -84,6 +89,7 @@ class StepOptions:
     first_bucket_mb: float = 1.0         # DDP's first bucket (torch.distributed._DEFAULT_FIRST_BUCKET_BYTES)
     reshard_after_forward: bool = True   # ZeRO-3 parameters gathered again for the backward (FSDP2 default)
     gather_bucket_mb: float = 25.0       # lower/overlap.py OverlapOptions: cap of one per-block gather bucket
+    start_after_producer: bool = True    # a blocking redistribution starts when its input exists (lower/overlap.py)
 
 
 @dataclass
@@ -267,7 +273,25 @@ class _Streams:
         self.last_wait: float | None = None   # when the previous prefetched gather was waited for
         self.last_scatter = 0.0               # when the previous reduce-scatter bucket completes
         self.pending: dict[int, float] = {}   # node index -> when it finished
+        self.after = self._after_producer() if options.start_after_producer else {}
+        self.issued: dict[tuple, tuple[float, float]] = {}   # (value, sharding, phase) -> (done, seconds)
         self.comm_total = 0.0
+
+    def _after_producer(self) -> dict[int, list[tuple]]:
+        """Producer node -> the (value, wanted sharding, phase) redistributions of its results that
+        ``inputs`` would price as blocking, in order of first need."""
+        out: dict[int, list[tuple]] = {}
+        for node in self.graph.nodes:
+            for ref, req in zip(node.input_refs(), self.rp.node[node.name].inputs):
+                src = self.prod_of.get(ref.id)
+                if src is None or ref.id in self.state_in or (ref.id, req) in self.bucket_of \
+                        or self.rp.value[ref.id] == req:
+                    continue
+                key = (ref.id, req, 0)
+                keys = out.setdefault(src, [])
+                if key not in keys:
+                    keys.append(key)
+        return out
 
     def count(self, kind: str, k: int = 1) -> None:
         self.counts[kind] = self.counts.get(kind, 0) + k
@@ -285,6 +309,18 @@ class _Streams:
         secs = steps_seconds(steps, t.shape, t.dtype.itemsize, have, self.mesh, self.links)
         self.cache[(vid, want, phase)] = secs
         return secs
+
+    def moved_in_two(self, vid: int, want, phase: int = 0) -> tuple[float, float]:
+        """``moved`` split where the overlapped program splits it: (seconds through the first collective,
+        which starts after the producer, seconds of the steps after it, which start at the reader)."""
+        if self.moved(vid, want, phase) <= 0:
+            return 0.0, 0.0
+        t = self.graph.types[vid]
+        have = self.rp.value[vid]
+        steps = plan_redistribution(t.shape, have, want, self.mesh)
+        first = next(k for k, s in enumerate(steps) if is_communication(s))
+        secs = each_step_seconds(steps, t.shape, t.dtype.itemsize, have, self.mesh, self.links)
+        return sum(secs[:first + 1]), sum(secs[first + 1:])
 
     def inputs(self, i: int, node) -> tuple[float, float, str, bool]:
         """Redistribute node ``i``'s inputs: (when they are ready, comm seconds, kind, prefetched)."""
@@ -309,6 +345,17 @@ class _Streams:
                     self.count("AllGather")
                 ready = max(ready, b.done)
                 continue
+            key = (ref.id, req, phase)
+            if key in self.issued:                # its first collective started after its producer
+                done, head, tail = self.issued[key]
+                if tail:                          # the rest starts once the reader waited for the first
+                    self.t_comm = max(self.t_comm, self.t_compute, done) + tail
+                    done = self.t_comm
+                self.issued[key] = (done, 0.0, 0.0)   # its seconds count at the first reader
+                ready = max(ready, done)
+                if head + tail:
+                    kind, node_comm = "blocking", node_comm + head + tail
+                continue
             secs = self.moved(ref.id, req, phase)
             if secs <= 0:
                 continue
@@ -322,6 +369,17 @@ class _Streams:
             self.by_kind[kind] += secs
             ready = max(ready, self.t_comm)
         return ready, node_comm, kind, prefetched
+
+    def issue_outputs(self, i: int) -> None:
+        """Start the redistributions of node ``i``'s results that its readers need (not gradient buckets,
+        not stored state) as soon as it is done, as ``lower/overlap.py`` starts them; a reader waits for
+        the one it needs (``inputs``)."""
+        for key in self.after.get(i, ()):
+            head, tail = self.moved_in_two(*key)
+            if head > 0:
+                self.t_comm = max(self.t_comm, self.t_compute) + head
+            self.by_kind["blocking"] += head + tail
+            self.issued[key] = (self.t_comm if head > 0 else 0.0, head, tail)
 
     def issue_closing(self, i: int) -> float:
         """Issue the gradient buckets whose last gradient node ``i`` made; their seconds."""
@@ -358,6 +416,7 @@ class _Streams:
             self.by_kind["blocking"] += csecs
             node_comm += csecs
         self.pending[i] = self.t_compute
+        self.issue_outputs(i)
         gsecs = self.issue_closing(i)
         if gsecs or self.closing.get(i):
             kind = kind or "gradient"
