@@ -171,3 +171,36 @@ def test_a_dataloader_with_workers_in_batches_runs_inside_a_rank():
     want = list(load_workload(spec).batches())
     assert len(got) == len(want) == 4
     assert all(torch.equal(a, b) for g, w in zip(got, want) for a, b in zip(g, w))
+
+
+def _scheduled_rank(ctx):
+    """One rank: a Trainer over an in-memory workload whose optimizer a learning-rate scheduler drives."""
+    import importlib.util
+    import warnings
+    from rhino.runtime.trainer import Trainer
+    spec = importlib.util.spec_from_file_location("mlp_sched", MLP)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    workload = mod.workload()
+    scheduler = torch.optim.lr_scheduler.StepLR(workload[1], step_size=1, gamma=0.5)
+    trainer = Trainer(workload, strategy="dp=1")
+    first = trainer.step()
+    with warnings.catch_warnings():          # (torch: the scheduler stepped before optimizer.step())
+        warnings.simplefilter("ignore")
+        scheduler.step()
+    try:
+        trainer.step()
+    except ValueError as exc:
+        return first, str(exc), trainer.steps_done
+    return first, None, trainer.steps_done
+
+
+@pytest.mark.multiprocess
+def test_a_changed_learning_rate_is_refused_not_ignored():
+    """The update is captured with the optimizer's hyper-parameters; a scheduler changing one afterwards
+    would otherwise train on silently with the old value."""
+    from rhino.runtime.launch import launch
+    [(first, message, done)] = launch(_scheduled_rank, 1, timeout_s=240)
+    assert first > 0 and done == 1
+    assert message is not None and "param_groups[0]['lr'] changed from 0.05 to 0.025" in message, message
+    assert "learning-rate scheduler" in message and "\n" not in message

@@ -23,7 +23,8 @@ import torch
 from .workload import WorkloadError
 
 __all__ = ["ParamUpdate", "SCALAR_KEYS", "plan_updates", "initial_state", "lazy_value", "scalar_dtype",
-           "state_meta", "apply_update", "state_name", "mirrored_kind", "unhooked", "copy_training", "copy_model"]
+           "state_meta", "apply_update", "state_name", "mirrored_kind", "unhooked", "copy_training", "copy_model",
+           "hyperparameters", "changed_hyperparameter"]
 
 
 @dataclass
@@ -202,6 +203,33 @@ def initial_state(optimizer: torch.optim.Optimizer, plans: list[ParamUpdate],
                 value = existing.detach().clone()
             out[state_name(plan.name, key)] = value
     return out
+
+
+_PRIMITIVE = (int, float, bool, complex, str, type(None))
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer | None) -> dict[tuple[int, str], Any]:
+    """Each param-group entry a captured update reads as a constant, by (group index, key): Python values
+    (and tuples of them, such as ``betas``) as they are, tensors by identity and version."""
+    if optimizer is None:
+        return {}
+
+    def key(v):
+        return ("tensor", id(v), v._version) if isinstance(v, torch.Tensor) else v
+    return {(i, k): key(v) for i, g in enumerate(optimizer.param_groups) for k, v in g.items()
+            if k != "params" and (isinstance(v, _PRIMITIVE + (torch.Tensor,)) or
+                                  isinstance(v, tuple) and all(isinstance(x, _PRIMITIVE) for x in v))}
+
+
+def changed_hyperparameter(before: dict[tuple[int, str], Any], optimizer: torch.optim.Optimizer | None) -> str | None:
+    """A sentence naming the first entry of ``hyperparameters(optimizer)`` that differs from ``before``."""
+    now = hyperparameters(optimizer)
+    for (i, k), v in before.items():
+        if now.get((i, k), v) != v:
+            if isinstance(v, tuple) and v[:1] == ("tensor",):
+                return f"param_groups[{i}][{k!r}], a tensor, was changed in place"
+            return f"param_groups[{i}][{k!r}] changed from {v!r} to {now[(i, k)]!r}"
+    return None
 
 
 def copy_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer):

@@ -37,7 +37,7 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                            FakeTensorMode)
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from .optim import ParamUpdate, unhooked
+from .optim import ParamUpdate, hyperparameters, unhooked
 from .workload import WorkloadError
 
 __all__ = ["TracedInit", "plan_traced", "traced_update"]
@@ -247,8 +247,7 @@ def _snapshot(optimizer) -> dict:
     Python numbers by value and tensors by identity and version (rebound or changed in place)."""
     def key(v):
         return ("tensor", id(v), v._version) if isinstance(v, torch.Tensor) else v
-    out = {("group", i, k): key(v) for i, g in enumerate(optimizer.param_groups) for k, v in g.items()
-           if k != "params" and isinstance(v, _PRIMITIVE + (torch.Tensor,))}
+    out = {("group",) + k: v for k, v in hyperparameters(optimizer).items()}
     out.update({("attr", k): key(v) for k, v in vars(optimizer).items()
                 if k not in ("state", "param_groups") and isinstance(v, _PRIMITIVE + (torch.Tensor,))})
     return out

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..capture import Captured, Workload, capture, default_dtype
+from ..capture.optim import changed_hyperparameter, hyperparameters
 from ..ir.graph import Role
 from ..sharding.plan import PlanError, ShardingPlan, resolve
 from ..sharding.presets import parse_strategy, preset_plan
@@ -85,6 +86,7 @@ class Trainer:
             self.workload, self._source = _load(workload, dtype)
             say("capturing the training step ...")
             self.cap: Captured = capture(self.workload)
+            self._hyperparameters = hyperparameters(self.workload.optimizer)
             self.plan = self._plan(plan, strategy, cluster, level, time_limit, say)
         if self.plan.world != self.world:
             raise ValueError(f"the plan has {self.plan.world} devices ({self.plan.stages} stage(s) of mesh "
@@ -189,6 +191,12 @@ class Trainer:
 
     def step(self, batch=None) -> float:
         """One training step on a global batch (``None``: the next one); returns the loss (same on every rank)."""
+        changed = changed_hyperparameter(self._hyperparameters, self.workload.optimizer)
+        if changed:
+            raise ValueError(f"the optimizer's {changed} after the step was captured (a learning-rate "
+                             f"scheduler?); the captured update keeps the value it was captured with, and "
+                             f"Rhino does not follow hyper-parameter changes: keep them fixed, or build a new "
+                             f"Trainer after the change (save and resume to carry the state over)")
         batch = check_batch(self.cap.graph, self.next_batch() if batch is None else batch,
                             f"the batch of step {self.steps_done + 1}")
         local = rank_batch(batch, self.rp, self.mesh_rank, self.microbatches, self.device)
