@@ -6,6 +6,7 @@ Resumed runs must give the same losses and, on every rank, the same local shard 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -18,10 +19,11 @@ from rhino.sharding.placement import Shard
 
 ROOT = Path(__file__).resolve().parents[1]
 GPT = str(ROOT / "examples" / "gpt.py")
+GPT_LR = str(ROOT / "tests" / "workloads" / "gpt_lr.py")
 RTOL = 1e-12
 
 
-def _run(ctx, strategy, steps, directory, save_at, resume, fail_commit_on=None, dump=None):
+def _run(ctx, strategy, steps, directory, save_at, resume, fail_commit_on=None, dump=None, spec=GPT):
     """One rank: (resume,) train up to ``steps`` on the workload's batches, saving after the steps in
     ``save_at`` (and keeping a copy of its local state there, also written to ``dump`` if given)."""
     from rhino.runtime import checkpoint
@@ -32,7 +34,7 @@ def _run(ctx, strategy, steps, directory, save_at, resume, fail_commit_on=None, 
                 raise RuntimeError("injected crash after the DCP write, before the rename")
             commit(tmp, final, step)
         commit, checkpoint._commit = checkpoint._commit, _boom
-    trainer = Trainer(GPT, strategy=strategy, dtype=torch.float64)
+    trainer = Trainer(spec, strategy=strategy, dtype=torch.float64)
     plan = {inp.name: trainer.rp.value[inp.value] for inp in trainer.cap.graph.inputs if inp.name in trainer.state}
     info = trainer.resume(directory) if resume else None
     loaded = {k: v.clone() for k, v in trainer.state.items()}
@@ -265,6 +267,31 @@ def test_a_checkpoint_of_another_workload_is_refused(reference, capsys):
     out = _cli("train", ROOT / "examples" / "mlp.py", "--strategy", "dp=2", "--steps", "6", "--dtype", "float64",
                "--checkpoint", directory, "--resume", timeout=300)
     assert out.returncode == 2 and "was saved from another workload" in out.stderr, out.stderr[-1000:]
+
+
+@pytest.mark.multiprocess
+def test_a_run_resumes_with_a_new_learning_rate(reference, tmp_path):
+    """A checkpoint holds state, not the program: resumed by a workload that differs only in its learning rate
+    (a third of it), step 5's loss equals the uninterrupted run's (it is computed before the update), AdamW's
+    moments too (they do not depend on the rate), and every parameter moves a third as far (AdamW's step is
+    linear in the rate), on every rank."""
+    directory, ref = reference
+    root = tmp_path / "ckpt"
+    shutil.copytree(directory, root)
+    results = launch(_run, 2, "dp=2", 5, str(root), (), True, None, None, GPT_LR, timeout_s=240)
+    before, after = ref[0]["snapshots"][4], ref[0]["local"]
+    for rank, r in enumerate(results):
+        assert r["info"]["step"] == 4 and len(r["losses"]) == 1
+        assert abs(r["losses"][0] - ref[0]["losses"][4]) <= RTOL * abs(ref[0]["losses"][4]), rank
+        for name, local in r["local"].items():
+            if name.startswith("opt/"):
+                bad = (local - after[name]).abs() > _tolerance(name, after[name], r["plan"][name])
+                assert not bad.any(), (rank, name)
+            else:
+                moved, ref_moved = local - before[name], after[name] - before[name]
+                scale = ref_moved.abs().max().item()
+                assert ((moved - ref_moved / 3).abs() <= 1e-9 * scale).all(), (rank, name)
+                assert scale == 0 or moved.abs().max().item() > 0.3 * scale, (rank, name)
 
 
 def test_latest_checkpoint_skips_incomplete_and_temporary_directories(tmp_path):

@@ -329,11 +329,26 @@ def _local_fixup(t: torch.Tensor, shape, want: Sharding, have: Sharding, trainer
 
 
 def _check_compatible(trainer, meta: dict) -> None:
-    """The checkpoint must come from this workload (same graph fingerprint, hence the same state tensors)."""
-    mine = trainer.cap.graph.fingerprint()
-    if meta["fingerprint"] != mine:
-        raise ValueError(f"checkpoint {meta['path']!r} was saved from another workload (graph fingerprint "
-                         f"{meta['fingerprint'][:12]}, this one {mine[:12]}: another model, optimizer, batch shape "
-                         f"or dtype); resume it with the workload that saved it or start a new checkpoint directory")
-    missing = [inp.name for inp in _state_inputs(trainer) if inp.name not in meta["inputs"]]
-    assert not missing, f"same fingerprint but inputs {missing[:3]} missing from the checkpoint"
+    """The checkpoint must hold this workload's state: the same state inputs with the same roles, shapes and
+    dtypes. The program may differ otherwise (another learning rate, loss or batch shape: a run resumed with a
+    new setting), as ``load_state_dict`` asks only for matching keys and shapes."""
+    graph = trainer.cap.graph
+    mine = {inp.name: {"role": inp.role.value, "shape": list(graph.types[inp.value].shape),
+                       "dtype": graph.types[inp.value].dtype.value} for inp in _state_inputs(trainer)}
+    saved = meta["inputs"]
+    missing = [n for n in mine if n not in saved]
+    extra = [n for n in saved if n not in mine]
+    differ = [n for n in mine if n in saved and saved[n] != mine[n]]
+    if missing or extra or differ:
+        if missing:
+            what = f"it lacks {missing[0]!r}"
+        elif extra:
+            what = f"it holds {extra[0]!r}, which this workload does not have"
+        else:
+            what = f"{differ[0]!r} is {_described(saved[differ[0]])} there, {_described(mine[differ[0]])} here"
+        raise ValueError(f"checkpoint {meta['path']!r} was saved from another workload ({what}); resume it with "
+                         f"a workload of the same parameters and optimizer state, or start a new checkpoint directory")
+
+
+def _described(entry: dict) -> str:
+    return f"a {entry['role']} of shape {tuple(entry['shape'])} in {entry['dtype']}"
