@@ -103,3 +103,27 @@ def conv_mse():
                           nn.ConvTranspose2d(4, 4, 2, stride=2), nn.Conv2d(4, 2, 1))
     x, y = torch.randn(4, 2, 4, 4), torch.randn(4, 2, 8, 8)
     return model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, a, t: F.mse_loss(m(a), t), (x, y)
+
+
+class WeightNormed(nn.Module):
+    """Weight-normed Linears (``parametrizations.weight_norm``: the opaque ``_weight_norm_interface`` and its
+    backward) and a LayerNorm, whose backward kernels read their inputs as contiguous."""
+
+    def __init__(self):
+        super().__init__()
+        self.l1 = nn.utils.parametrizations.weight_norm(nn.Linear(8, 16))
+        self.norm = nn.LayerNorm(16)
+        self.l2 = nn.utils.parametrizations.weight_norm(nn.Linear(16, 16), dim=None)
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x):
+        h = self.norm(F.elu(self.l1(x)))
+        return self.out(h + F.elu(self.l2(h))).squeeze(-1)
+
+
+def weight_norm():
+    torch.manual_seed(0)
+    model = WeightNormed()
+    x, y = torch.randn(8, 8), torch.randn(8)
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9), \
+        lambda m, a, t: F.huber_loss(m(a), t, delta=0.5), (x, y)

@@ -38,8 +38,11 @@ def batched_matrix_rule(call: OpCall) -> Annotation:
 
 
 register("""
-aten.linalg_inv_ex.default aten._linalg_check_errors.default aten._linalg_solve_ex.default
+aten.linalg_inv_ex.default aten._linalg_solve_ex.default
 aten.linalg_cholesky_ex.default aten.cholesky_solve.default aten.linalg_solve_triangular.default
 aten._linalg_det.default aten._linalg_slogdet.default aten._linalg_eigh.default aten.linalg_lu_solve.default
 aten.linalg_lu_factor_ex.default aten.linalg_matrix_exp.default aten.linalg_qr.default
 """.split(), OpKind.INDEX, batched_matrix_rule, flops=lambda call, ann, sizes: _cubic(call))
+# its kernel asserts that the error codes are contiguous (registry docstring: contiguous_inputs)
+register("aten._linalg_check_errors.default", OpKind.INDEX, batched_matrix_rule,
+         flops=lambda call, ann, sizes: _cubic(call), contiguous_inputs=True)

@@ -244,12 +244,16 @@ def _attn_flops(factor: int):
 
 
 A = OpKind.ATTENTION
-register("aten._scaled_dot_product_flash_attention_for_cpu.default "
-         "aten._scaled_dot_product_flash_attention.default "
+# contiguous_inputs (registry docstring): PyTorch 2.13's CPU kernels of the flash attention, layer norm and group
+# norm backward read an input whose last dimension is not stride 1 as if it were (wrong values, no error;
+# tests/test_opfacts.py lays out every sampled op's inputs otherwise); nll_loss2d_backward refuses one
+register("aten._scaled_dot_product_flash_attention_for_cpu.default", A, sdpa_rule, flops=_attn_flops(4),
+         contiguous_inputs=True)
+register("aten._scaled_dot_product_flash_attention.default "
          "aten._scaled_dot_product_efficient_attention.default", A, sdpa_rule, flops=_attn_flops(4))
 # Backward: recompute scores + 4 matmuls (dV, dP, dQ, dK) = 5 matmuls of 2*b*h*s*t*d.
 register("aten._scaled_dot_product_flash_attention_for_cpu_backward.default", A, sdpa_backward_rule,
-         flops=_attn_flops(10))
+         flops=_attn_flops(10), contiguous_inputs=True)
 
 
 # -- normalization ---------------------------------------------------------------
@@ -359,7 +363,7 @@ def group_norm_backward_rule(call: OpCall) -> Annotation:
 
 
 register("aten.native_layer_norm.default", N, layer_norm_rule, flops=8)
-register("aten.native_layer_norm_backward.default", N, layer_norm_backward_rule, flops=10)
+register("aten.native_layer_norm_backward.default", N, layer_norm_backward_rule, flops=10, contiguous_inputs=True)
 # batch norm in training over a split batch: one all-reduce of [2, C] statistics (lower/spmd_bn.py)
 register("aten._native_batch_norm_legit_functional.default aten.native_batch_norm.default", N, batch_norm_rule,
          flops=8, lowering=Lowering.BATCH_NORM, reduces=1, per_channel=True, outputs=OutputRule.REPLICATED)
@@ -370,9 +374,10 @@ register("aten._native_batch_norm_legit_no_training.default", N, batch_norm_rule
 register("aten._native_batch_norm_legit.default", N, batch_norm_rule, flops=8)
 register("aten.native_batch_norm_backward.default", N, batch_norm_backward_rule, flops=10,
          lowering=Lowering.BATCH_NORM_BACKWARD, reduces=1, per_channel=True, outputs=OutputRule.REPLICATED_IF_CUSTOM)
-register("aten.native_group_norm.default", N, group_norm_rule, flops=8, size_args=(SizeArg(3, SizeRule.IN_DIM),))
+register("aten.native_group_norm.default", N, group_norm_rule, flops=8, size_args=(SizeArg(3, SizeRule.IN_DIM),),
+         contiguous_inputs=True)     # its kernel refuses a non-contiguous input
 register("aten.native_group_norm_backward.default", N, group_norm_backward_rule, flops=10,
-         size_args=(SizeArg(5, SizeRule.IN_DIM, index=1),))
+         size_args=(SizeArg(5, SizeRule.IN_DIM, index=1),), contiguous_inputs=True)
 
 
 # -- embeddings and losses ---------------------------------------------------------
@@ -439,8 +444,9 @@ L = OpKind.LOSS
 # a mean over split rows or classes: all-reduced target sum and total weight
 register("aten.nll_loss_forward.default aten.nll_loss2d_forward.default", L, nll_rule, lowering=Lowering.NLL_LOSS,
          reduces=2, outputs=OutputRule.REPLICATED_IF_MEAN)
-register("aten.nll_loss_backward.default aten.nll_loss2d_backward.default", L, nll_backward_rule,
-         lowering=Lowering.NLL_LOSS_BACKWARD)
+register("aten.nll_loss_backward.default", L, nll_backward_rule, lowering=Lowering.NLL_LOSS_BACKWARD)
+register("aten.nll_loss2d_backward.default", L, nll_backward_rule, lowering=Lowering.NLL_LOSS_BACKWARD,
+         contiguous_inputs=True)
 
 
 def reduced_loss_rule(reduction_index: int):

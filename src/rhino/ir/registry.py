@@ -14,8 +14,11 @@ sizes that the SPMD lowering rewrites to local ones), ``local_op`` (the op a ran
 shard), ``lowering`` (the key of a custom SPMD lowering), ``reduces``/``per_channel`` (the
 all-reduces that lowering adds, for the cost model), ``outputs`` (output placements the lowering
 makes other than the annotation's), ``family`` (structural roles the planners look for),
-``values`` (random or uninitialised results) and ``accumulate`` (what the fusion of gradient accumulation
-into a matrix product, ``lower.accumulate``, can see through or fuse).
+``values`` (random or uninitialised results), ``accumulate`` (what the fusion of gradient accumulation
+into a matrix product, ``lower.accumulate``, can see through or fuse) and ``contiguous_inputs`` (the kernel
+reads its tensor inputs as if contiguous, as its callers in eager PyTorch guarantee; a rank's input may be
+laid out otherwise after a redistribution, so the lowering passes contiguous copies: ``lower.fx.resolve_op``,
+which does the same for every opaque op).
 """
 from __future__ import annotations
 
@@ -190,6 +193,7 @@ class OpDef:
     family: Family | None = None
     values: Values = Values.COMPUTED
     accumulate: Accumulate | None = None
+    contiguous_inputs: bool = False
 
 
 REGISTRY: dict[str, OpDef] = {}

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import operator
 import re
+from typing import Callable
 
 import torch
 import torch.fx
@@ -14,13 +15,43 @@ from ..ir.types import Device, DType, Layout, MemoryFormat
 __all__ = ["lower", "resolve_op", "runnable_op", "convert_arg", "add_constants", "emit_node", "py_name"]
 
 
-def resolve_op(op: str) -> torch._ops.OpOverload:
-    """An IR op name (``aten.mm.default``) -> its torch overload (``torch.ops.aten.mm.default``)."""
+def resolve_op(op: str) -> Callable:
+    """An IR op name (``aten.mm.default``) -> what a rank calls for it: its torch overload
+    (``torch.ops.aten.mm.default``), called on contiguous copies of its non-contiguous tensor inputs when the
+    op has the ``contiguous_inputs`` fact or is opaque (an unknown kernel may read its inputs as laid out in
+    eager PyTorch, where its callers make them contiguous: ``_weight_norm_interface_backward`` does)."""
+    if op in _CONTIGUOUS:
+        return _CONTIGUOUS[op]
     ns, name, overload = op.split(".")
     try:
-        return getattr(getattr(getattr(torch.ops, ns), name), overload)
+        fn = getattr(getattr(getattr(torch.ops, ns), name), overload)
     except AttributeError:
         raise ValueError(f"op {op} does not exist in this PyTorch build") from None
+    d = lookup(op)
+    if d is None or d.contiguous_inputs:
+        fn = _CONTIGUOUS[op] = _on_contiguous(fn)
+    return fn
+
+
+_CONTIGUOUS: dict[str, Callable] = {}
+
+
+def _on_contiguous(fn: torch._ops.OpOverload) -> Callable:
+    def call(*args, **kwargs):
+        return fn(*_contiguous(args), **_contiguous(kwargs))
+    call.__name__ = call.__qualname__ = py_name(f"{fn.__name__}_on_contiguous")
+    call.__module__ = __name__
+    return call
+
+
+def _contiguous(a):
+    if isinstance(a, torch.Tensor):
+        return a.contiguous()
+    if isinstance(a, (list, tuple)):
+        return type(a)(_contiguous(x) for x in a)
+    if isinstance(a, dict):
+        return {k: _contiguous(v) for k, v in a.items()}
+    return a
 
 
 def runnable_op(op: str) -> str:
