@@ -130,7 +130,7 @@ def _random_plan(graph, mesh, seed: int) -> ShardingPlan:
 def test_random_plans_are_exact(name):
     """Models whose exactness hangs on the rules fixed here (shifted windows, T5 position buckets from
     ``arange``, a mean mse loss) or on kernels given contiguous inputs (weight norm's and layer norm's
-    backward: without the copies seed 0 was off): under random legal plans (2 per mesh) every value of a
+    backward: without the copies a plan was off): under random legal plans (2 per mesh) every value of a
     float64 step, assembled from all ranks, equals single-device PyTorch at 1e-9."""
     cap = capture(load_workload(str(ROOT / "tests" / "workloads" / f"rule_models.py:{name}"), dtype=torch.float64))
     for seed in range(4):
