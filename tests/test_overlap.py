@@ -279,6 +279,11 @@ def _rank_main(ctx, graph_json, plans, state, batch):
         got = start_step(members, step, mesh, ctx.rank, groups).wait()
         want = [apply_step(z, step, mesh, ctx.rank, groups) for z in members]
         out["buckets"].append(all(torch.equal(a, b) for a, b in zip(got, want)))
+    w = torch.randn(4, 3, dtype=torch.complex128, generator=g)   # a conjugated view travels as its values
+    for step in (AllGather(0, 0, 1), AllReduce(0, ReduceOp.SUM)):
+        want = apply_step(w.conj().resolve_conj(), step, mesh, ctx.rank, groups)
+        got = [apply_step(w.conj(), step, mesh, ctx.rank, groups), start_step([w.conj()], step, mesh, ctx.rank, groups).wait()[0]]
+        out["buckets"].append(all(torch.equal(x, want) for x in got))
     return out
 
 

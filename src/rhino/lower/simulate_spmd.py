@@ -24,7 +24,7 @@ __all__ = ["simulate_ranks", "simulate_training", "first_divergence", "run_singl
 
 def _to_np(t: torch.Tensor) -> np.ndarray:
     """numpy has no bfloat16: such values travel as float32 (exact) and come back rounded once."""
-    t = t.detach().cpu()
+    t = t.detach().cpu().resolve_conj().resolve_neg()
     return (t.float() if t.dtype is torch.bfloat16 else t).numpy()
 
 

@@ -97,6 +97,12 @@ def join_pieces(stacked: torch.Tensor, dim: int, blocks: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- collectives
 
+def _resolved(t: torch.Tensor) -> torch.Tensor:
+    """``t`` with its lazy conjugation and negation applied (a view of a complex tensor through ``conj``
+    carries them as bits; the collectives send the memory, and ``view_as_real`` refuses such a tensor)."""
+    return t.resolve_conj().resolve_neg()
+
+
 def _all_gather(t: torch.Tensor, group, n: int, native: bool) -> torch.Tensor:
     """``[n, *t.shape]``: every member's tensor, in coordinate order."""
     t = t.contiguous()
@@ -177,6 +183,7 @@ def apply_step(tensor: torch.Tensor, step: Step, mesh: Mesh, rank: int, groups: 
         return slice_piece(tensor, step.dim, step.blocks, n, c)
     if not isinstance(step, (AllReduce, AllGather, ReduceScatter, AllToAll)):
         raise ValueError(f"unknown redistribution step {step!r}")
+    tensor = _resolved(tensor)
     if n == 1:                                  # a one-rank axis: every step is the identity
         return _single_rank(tensor, step)
     group = groups.group(rank, step.axis)
@@ -380,6 +387,7 @@ def start_step(tensors: list[torch.Tensor], step: Step, mesh: Mesh, rank: int, g
     collectives, an all-to-all within one dim) run at once and return a completed ``Pending``."""
     if not tensors:
         raise ValueError("start_step needs at least one tensor")
+    tensors = [_resolved(t) for t in tensors]
     n = mesh.sizes[step.axis] if 0 <= step.axis < mesh.ndim else 0
     group = groups.group(rank, step.axis) if n > 1 and is_communication(step) else None
     if native is None and group is not None:
