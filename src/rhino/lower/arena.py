@@ -51,7 +51,7 @@ from ..memory.from_graph import GraphMemory
 from ..memory.problem import MemProblem, TensorKind, lifetimes
 from ..memory.simulate import check_order
 from .execute import StepProgram
-from .fx import constant_tensor, convert_arg, resolve_op, runnable_op
+from .fx import OnContiguous, constant_tensor, convert_arg, resolve_op, runnable_op
 from .rank_graph import is_comm
 from .spmd_ops import redistribute
 
@@ -74,8 +74,11 @@ class ArenaStats:
 
 @lru_cache(maxsize=None)
 def out_overload(op: str) -> tuple[torch._ops.OpOverload, tuple[str, ...]] | None:
-    """The out= overload of ``op`` taking the same arguments, and the names of its out arguments."""
+    """The out= overload of ``op`` taking the same arguments, and the names of its out arguments; None for an
+    op called on contiguous inputs (``fx.OnContiguous``: its result is copied into its slot instead)."""
     fn = resolve_op(op)
+    if isinstance(fn, OnContiguous):
+        return None
     schema = fn._schema
     sig = [(a.name, str(a.type)) for a in schema.arguments]
     n_ret = len(schema.returns)

@@ -12,14 +12,14 @@ from ..ir.graph import Graph, Ref
 from ..ir.registry import Family, lookup
 from ..ir.types import Device, DType, Layout, MemoryFormat
 
-__all__ = ["lower", "resolve_op", "runnable_op", "convert_arg", "add_constants", "emit_node", "py_name"]
+__all__ = ["lower", "resolve_op", "OnContiguous", "overload_of", "runnable_op", "convert_arg", "add_constants", "emit_node", "py_name"]
 
 
 def resolve_op(op: str) -> Callable:
     """An IR op name (``aten.mm.default``) -> what a rank calls for it: its torch overload
-    (``torch.ops.aten.mm.default``), called on contiguous copies of its non-contiguous tensor inputs when the
-    op has the ``contiguous_inputs`` fact or is opaque (an unknown kernel may read its inputs as laid out in
-    eager PyTorch, where its callers make them contiguous: ``_weight_norm_interface_backward`` does)."""
+    (``torch.ops.aten.mm.default``), or an ``OnContiguous`` of it when the op has the ``contiguous_inputs`` fact
+    or is opaque (an unknown kernel may read its inputs as laid out in eager PyTorch, where its callers make
+    them contiguous: ``_weight_norm_interface_backward`` does)."""
     if op in _CONTIGUOUS:
         return _CONTIGUOUS[op]
     ns, name, overload = op.split(".")
@@ -29,19 +29,31 @@ def resolve_op(op: str) -> Callable:
         raise ValueError(f"op {op} does not exist in this PyTorch build") from None
     d = lookup(op)
     if d is None or d.contiguous_inputs:
-        fn = _CONTIGUOUS[op] = _on_contiguous(fn)
+        fn = _CONTIGUOUS[op] = OnContiguous(fn)
     return fn
 
 
 _CONTIGUOUS: dict[str, Callable] = {}
 
 
-def _on_contiguous(fn: torch._ops.OpOverload) -> Callable:
-    def call(*args, **kwargs):
-        return fn(*_contiguous(args), **_contiguous(kwargs))
-    call.__name__ = call.__qualname__ = py_name(f"{fn.__name__}_on_contiguous")
-    call.__module__ = __name__
-    return call
+class OnContiguous:
+    """``op`` called on contiguous copies of its non-contiguous tensor arguments; other attributes (``_schema``,
+    ``is_view``) are the op's."""
+
+    def __init__(self, op: torch._ops.OpOverload):
+        self.op = op
+        self.__name__ = py_name(f"{op.__name__}_on_contiguous")
+
+    def __call__(self, *args, **kwargs):
+        return self.op(*_contiguous(args), **_contiguous(kwargs))
+
+    def __getattr__(self, name: str):
+        return getattr(self.op, name)
+
+
+def overload_of(target) -> torch._ops.OpOverload:
+    """The torch overload an fx call target runs (itself, or the op inside an ``OnContiguous``)."""
+    return target.op if isinstance(target, OnContiguous) else target
 
 
 def _contiguous(a):

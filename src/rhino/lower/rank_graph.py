@@ -49,6 +49,7 @@ from ..sharding.plan import ResolvedPlan
 from ..capture.fallbacks import fake_fallbacks
 from ..capture.to_ir import fx_arg, ir_dtype
 from ..sharding.steps import after_step
+from .fx import overload_of
 from .spmd import lower_rank
 from .spmd_ops import redistribute, step_from_args
 
@@ -148,19 +149,20 @@ class _Converter:
             self.g.nodes.append(Node(n.name, COMM_OP, args, kwargs, [vid]))
             self.ref[n], self.meta[n] = Ref(vid), t
             return
-        if not isinstance(n.target, torch._ops.OpOverload):
+        target = overload_of(n.target)
+        if not isinstance(target, torch._ops.OpOverload):
             raise ValueError(f"the rank program calls {n.target!r}, which a rank graph cannot hold (gradient "
                              f"accumulation over micro-batches is not supported with a memory plan)")
         margs = torch.fx.node.map_arg(n.args, lambda a: self.meta[a])
         mkwargs = torch.fx.node.map_arg(n.kwargs, lambda a: self.meta[a])
-        res = _meta_call(n.target, margs, mkwargs)
+        res = _meta_call(target, margs, mkwargs)
         if isinstance(res, (tuple, list)):
-            node = Node(n.name, _op_name(n.target), args, kwargs, [None] * len(res), multi=True)
+            node = Node(n.name, _op_name(target), args, kwargs, [None] * len(res), multi=True)
             self.g.nodes.append(node)
             self.ref[n], self.meta[n] = [node, res], res
             return
         vid = self._value(res)
-        self.g.nodes.append(Node(n.name, _op_name(n.target), args, kwargs, [vid]))
+        self.g.nodes.append(Node(n.name, _op_name(target), args, kwargs, [vid]))
         self.ref[n], self.meta[n] = Ref(vid), res
 
     def _outputs(self, prog, results, inputs: dict[str, GraphInput]) -> None:
