@@ -277,3 +277,23 @@ def test_rank_graph_types_follow_the_cpu_kernels_of_a_bf16_layer_norm():
     from rhino.api import rank_memory_report
     rep = rank_memory_report(cap, strategy="dp=2", level="O1", time_limit=10, execute=True)
     assert rep.execute["equal"] and rep.execute["arena_equals_plan"]
+
+
+def _frozen_batch_norm():
+    """A conv net whose BatchNorm is in eval() (frozen running statistics) while the rest trains."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1), torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                torch.nn.Flatten(), torch.nn.Linear(8 * 4 * 4, 4))
+    model[1].eval()
+    x, y = torch.randn(4, 3, 4, 4), torch.randint(0, 4, (4,))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), \
+        lambda m, a, t: torch.nn.functional.cross_entropy(m(a), t), (x, y)
+
+
+def test_rank_graph_types_follow_the_cpu_kernels_of_a_frozen_batch_norm():
+    # batch norm without training statistics: the meta kernel gives [C] saved mean and invstd, the CPU kernel
+    # empty ones; the rank graph gave them [C] arena slots and the run refused the [0] results
+    from rhino.api import capture_step, rank_memory_report
+    cap = capture_step(_frozen_batch_norm())
+    rep = rank_memory_report(cap, strategy="dp=2", level="O1", time_limit=10, execute=True)
+    assert rep.execute["equal"] and rep.execute["arena_equals_plan"], rep.execute

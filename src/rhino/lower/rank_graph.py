@@ -180,12 +180,13 @@ def _meta_call(op, args, kwargs):
     (``_ctc_loss_backward``: FakeTensorMode runs the CPU kernel on zeros)."""
     if is_known(_op_name(op)):
         out = op(*args, **kwargs)
-        want = _cpu_dtypes(op, args, kwargs)
+        want = _cpu_outputs(op, args, kwargs)
         if want is None:
             return out
         outs = list(out) if isinstance(out, (tuple, list)) else [out]
-        fixed = [torch.empty_strided(t.shape, t.stride(), dtype=d, device="meta")
-                 if isinstance(t, torch.Tensor) and d is not None and t.dtype != d else t for t, d in zip(outs, want)]
+        fixed = [t if not isinstance(t, torch.Tensor) or w is None else
+                 torch.empty((0,), dtype=w[0], device="meta") if w[1] else
+                 torch.empty_strided(t.shape, t.stride(), dtype=w[0], device="meta") for t, w in zip(outs, want)]
         return type(out)(fixed) if isinstance(out, (tuple, list)) else fixed[0]
     return _fake_cpu_call(op, args, kwargs)
 
@@ -199,12 +200,14 @@ def _fake_cpu_call(op, args, kwargs):
                     if isinstance(t, torch.Tensor) else t, out)
 
 
-def _cpu_dtypes(op, args, kwargs) -> tuple | None:
-    """The output dtypes of ``op`` on CPU (fake) tensors, as capture traced it, where they differ from the meta
-    kernel's; ``None`` where they agree. A meta kernel may follow the CUDA kernel: ``native_layer_norm`` of a bf16
-    input gives float32 mean and rstd on meta but bf16 on the CPU, so a meta-typed rank graph gave those values
-    float32 arena slots and the CPU backward refused them. Asked once per op and argument dtypes (output dtypes
-    do not depend on shapes), so repeated layers and ranks cost one fake call."""
+def _cpu_outputs(op, args, kwargs) -> tuple | None:
+    """Where ``op``'s outputs on CPU (fake) tensors, as capture traced it, differ from the meta kernel's: per
+    output None (the same) or (its CPU dtype, whether the CPU gives an empty ``[0]`` tensor); ``None`` where all
+    agree. A meta kernel may follow the CUDA kernel: ``native_layer_norm`` of a bf16 input gives float32 mean and
+    rstd on meta but bf16 on the CPU (a meta-typed rank graph gave those values float32 arena slots and the CPU
+    backward refused them), and batch norm without training statistics gives ``[C]`` saved statistics on meta
+    but empty ones on the CPU. Asked once per op, argument dtypes and non-tensor arguments (neither answer
+    depends on the shapes), so repeated layers and ranks cost one fake call."""
     key = (op, repr(tree_map(lambda t: t.dtype if isinstance(t, torch.Tensor) else t, (args, kwargs))))
     if key not in _CPU_DTYPES:
         try:
@@ -214,13 +217,14 @@ def _cpu_dtypes(op, args, kwargs) -> tuple | None:
             out = meta = None
         outs, metas = ([list(x) if isinstance(x, (tuple, list)) else [x] for x in (out, meta)]
                        if out is not None else ([], []))
-        want = tuple(o.dtype if isinstance(o, torch.Tensor) else None for o in outs)
-        have = tuple(m.dtype if isinstance(m, torch.Tensor) else None for m in metas)
-        _CPU_DTYPES[key] = want if want != have and len(want) == len(have) else None
+        fixes = tuple(None if not (isinstance(o, torch.Tensor) and isinstance(m, torch.Tensor)) else
+                      (o.dtype, True) if o.shape == (0,) and m.numel() > 0 else
+                      (o.dtype, False) if o.dtype != m.dtype else None for o, m in zip(outs, metas))
+        _CPU_DTYPES[key] = fixes if len(outs) == len(metas) and any(f is not None for f in fixes) else None
     return _CPU_DTYPES[key]
 
 
-_CPU_DTYPES: dict = {}   # (op, argument dtypes and values) -> _cpu_dtypes' answer
+_CPU_DTYPES: dict = {}   # (op, argument dtypes and values) -> _cpu_outputs' answer
 
 
 def rank_graph(rp: ResolvedPlan, rank: int) -> Graph:
