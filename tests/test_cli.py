@@ -61,6 +61,7 @@ def test_capture_into_missing_directory_fails_cleanly(capsys, tmp_path):
     ("raises", "cannot build the model"),
     ("foreign_optimizer", "not a parameter of the model"),
     ("batchnorm_cumulative", "give each BatchNorm a numeric momentum"),
+    ("boolean_selection", "keep every element and mask the result instead of selecting"),
     ("unsupported_optimizer", "re-evaluates the model several times inside step() through a closure"),
     ("no_such_function", "has no function 'no_such_function'"),
 ])

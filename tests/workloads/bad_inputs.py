@@ -117,3 +117,10 @@ def sequence_first():
     x, y = torch.randn(6, 4, 4, generator=g), torch.randint(0, 3, (4,), generator=g)
     return model, torch.optim.SGD(model.parameters(), lr=0.1), \
         lambda m, x, y: nn.functional.cross_entropy(m(x).mean(0), y), (x, y)
+
+
+def boolean_selection():
+    """A masked mean written with boolean indexing: the selection's size depends on the mask's values."""
+    model = _mlp()
+    x = torch.randn(8, 8)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, x: m(x)[m(x) > 0].mean(), (x,)
