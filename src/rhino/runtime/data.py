@@ -79,8 +79,9 @@ def check_microbatch_rows(batch: tuple, microbatches: int) -> None:
                              f"choose microbatches dividing the batch size")
         what = "is a 0-dim tensor" if n is None else f"has {n} rows along dim 0 where the others have {most}"
         raise ValueError(f"batch tensor {i} {what}; microbatches={microbatches} cuts every batch tensor along "
-                         f"dim 0 into micro-batches of samples, so each must hold one row per sample (pass "
-                         f"per-step constants another way, e.g. as a buffer), or use microbatches=1")
+                         f"dim 0 into micro-batches of samples, so each must hold one row per sample (put a "
+                         f"sequence-first tensor's samples first, pass per-step constants another way, e.g. as a "
+                         f"buffer), or use microbatches=1")
 
 
 def batch_stream(example: tuple, batches: Callable[[], Iterable] | None) -> Iterator[tuple]:
