@@ -4,7 +4,7 @@ fixed. A tensor whose leading dims differ from the first input's (broadcast batc
 from __future__ import annotations
 
 from .annotation import Annotation
-from .registry import OpCall, OpKind, register
+from .registry import InputLayout, OpCall, OpKind, register
 from .rules import NewLetters, letters
 
 
@@ -43,6 +43,6 @@ aten.linalg_cholesky_ex.default aten.cholesky_solve.default aten.linalg_solve_tr
 aten._linalg_det.default aten._linalg_slogdet.default aten._linalg_eigh.default aten.linalg_lu_solve.default
 aten.linalg_lu_factor_ex.default aten.linalg_matrix_exp.default aten.linalg_qr.default
 """.split(), OpKind.INDEX, batched_matrix_rule, flops=lambda call, ann, sizes: _cubic(call))
-# its kernel asserts that the error codes are contiguous (registry docstring: contiguous_inputs)
+# its kernel asserts that the error codes are contiguous (registry docstring: input_layout)
 register("aten._linalg_check_errors.default", OpKind.INDEX, batched_matrix_rule,
-         flops=lambda call, ann, sizes: _cubic(call), contiguous_inputs=True)
+         flops=lambda call, ann, sizes: _cubic(call), input_layout=InputLayout.CONTIGUOUS)

@@ -6,7 +6,8 @@ from typing import Mapping
 
 from .annotation import Annotation, Dim, parse
 from .graph import Ref
-from .registry import Accumulate, Family, Linear, Lowering, OpCall, OpKind, OutputRule, SizeArg, SizeRule, register
+from .registry import (Accumulate, Family, InputLayout, Linear, Lowering, OpCall, OpKind, OutputRule, SizeArg,
+                       SizeRule, register)
 from .rules import NewLetters, elementwise, letters
 
 M = OpKind.MATMUL
@@ -244,16 +245,16 @@ def _attn_flops(factor: int):
 
 
 A = OpKind.ATTENTION
-# contiguous_inputs (registry docstring): PyTorch 2.13's CPU kernels of the flash attention, layer norm and group
-# norm backward read an input whose last dimension is not stride 1 as if it were (wrong values, no error;
-# tests/test_opfacts.py lays out every sampled op's inputs otherwise); nll_loss2d_backward refuses one
+# input_layout (registry docstring): PyTorch 2.13's CPU flash attention reads an input whose last dimension is not
+# stride 1 as if it were, the layer norm and group norm backward any non-contiguous input (wrong values, no error;
+# tests/test_opfacts.py lays out every sampled op's inputs otherwise); group norm and nll_loss2d_backward refuse one
 register("aten._scaled_dot_product_flash_attention_for_cpu.default", A, sdpa_rule, flops=_attn_flops(4),
-         contiguous_inputs=True)
+         input_layout=InputLayout.INNER)
 register("aten._scaled_dot_product_flash_attention.default "
          "aten._scaled_dot_product_efficient_attention.default", A, sdpa_rule, flops=_attn_flops(4))
 # Backward: recompute scores + 4 matmuls (dV, dP, dQ, dK) = 5 matmuls of 2*b*h*s*t*d.
 register("aten._scaled_dot_product_flash_attention_for_cpu_backward.default", A, sdpa_backward_rule,
-         flops=_attn_flops(10), contiguous_inputs=True)
+         flops=_attn_flops(10), input_layout=InputLayout.INNER)
 
 
 # -- normalization ---------------------------------------------------------------
@@ -363,7 +364,7 @@ def group_norm_backward_rule(call: OpCall) -> Annotation:
 
 
 register("aten.native_layer_norm.default", N, layer_norm_rule, flops=8)
-register("aten.native_layer_norm_backward.default", N, layer_norm_backward_rule, flops=10, contiguous_inputs=True)
+register("aten.native_layer_norm_backward.default", N, layer_norm_backward_rule, flops=10, input_layout=InputLayout.CONTIGUOUS)
 # batch norm in training over a split batch: one all-reduce of [2, C] statistics (lower/spmd_bn.py)
 register("aten._native_batch_norm_legit_functional.default aten.native_batch_norm.default", N, batch_norm_rule,
          flops=8, lowering=Lowering.BATCH_NORM, reduces=1, per_channel=True, outputs=OutputRule.REPLICATED)
@@ -375,9 +376,9 @@ register("aten._native_batch_norm_legit.default", N, batch_norm_rule, flops=8)
 register("aten.native_batch_norm_backward.default", N, batch_norm_backward_rule, flops=10,
          lowering=Lowering.BATCH_NORM_BACKWARD, reduces=1, per_channel=True, outputs=OutputRule.REPLICATED_IF_CUSTOM)
 register("aten.native_group_norm.default", N, group_norm_rule, flops=8, size_args=(SizeArg(3, SizeRule.IN_DIM),),
-         contiguous_inputs=True)     # its kernel refuses a non-contiguous input
+         input_layout=InputLayout.CONTIGUOUS)     # its kernel refuses a non-contiguous input
 register("aten.native_group_norm_backward.default", N, group_norm_backward_rule, flops=10,
-         size_args=(SizeArg(5, SizeRule.IN_DIM, index=1),), contiguous_inputs=True)
+         size_args=(SizeArg(5, SizeRule.IN_DIM, index=1),), input_layout=InputLayout.CONTIGUOUS)
 
 
 # -- embeddings and losses ---------------------------------------------------------
@@ -446,7 +447,7 @@ register("aten.nll_loss_forward.default aten.nll_loss2d_forward.default", L, nll
          reduces=2, outputs=OutputRule.REPLICATED_IF_MEAN)
 register("aten.nll_loss_backward.default", L, nll_backward_rule, lowering=Lowering.NLL_LOSS_BACKWARD)
 register("aten.nll_loss2d_backward.default", L, nll_backward_rule, lowering=Lowering.NLL_LOSS_BACKWARD,
-         contiguous_inputs=True)
+         input_layout=InputLayout.CONTIGUOUS)
 
 
 def reduced_loss_rule(reduction_index: int):

@@ -430,10 +430,7 @@ def index_put_rule(call: OpCall) -> Annotation:
 
 
 register("aten.index_put.default aten._unsafe_index_put.default", I, index_put_rule)
-register("aten.masked_scatter.default aten.diagonal.default", I, fixed_from_types)
-# as_strided reads its input's storage: the storage eager PyTorch gives it is the contiguous one (registry
-# docstring: contiguous_inputs), while a rank's replicated copy may be laid out otherwise
-register("aten.as_strided.default", I, fixed_from_types, contiguous_inputs=True)
+register("aten.masked_scatter.default aten.diagonal.default aten.as_strided.default", I, fixed_from_types)
 
 
 # Ops that move data along some dims and leave the others alone: the untouched dims pass through

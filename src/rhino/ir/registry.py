@@ -15,10 +15,11 @@ shard), ``lowering`` (the key of a custom SPMD lowering), ``reduces``/``per_chan
 all-reduces that lowering adds, for the cost model), ``outputs`` (output placements the lowering
 makes other than the annotation's), ``family`` (structural roles the planners look for),
 ``values`` (random or uninitialised results), ``accumulate`` (what the fusion of gradient accumulation
-into a matrix product, ``lower.accumulate``, can see through or fuse) and ``contiguous_inputs`` (the kernel
-reads its tensor inputs as if contiguous, as its callers in eager PyTorch guarantee; a rank's input may be
-laid out otherwise after a redistribution, so the lowering passes contiguous copies: ``lower.fx.resolve_op``,
-which does the same for every opaque op).
+into a matrix product, ``lower.accumulate``, can see through or fuse) and ``input_layout`` (the layout the
+kernel assumes of its tensor inputs, as its callers in eager PyTorch guarantee: contiguous, or stride 1 along the
+last dimension; a rank's input may be laid out otherwise after a redistribution, so the lowering passes
+contiguous copies of the inputs that are not: ``lower.fx.resolve_op``, which treats every opaque op as needing
+contiguous inputs).
 """
 from __future__ import annotations
 
@@ -131,6 +132,13 @@ class Accumulate(str, Enum):
     SEE_THROUGH = "see_through"  # a transpose view between the product and the addition (t)
 
 
+class InputLayout(str, Enum):
+    """What a kernel assumes of its tensor inputs' layout (the ``input_layout`` fact)."""
+
+    CONTIGUOUS = "contiguous"      # row-major contiguous
+    INNER = "inner"                # stride 1 along the last dimension (leading dimensions in any order)
+
+
 class Values(str, Enum):
     """What the op's output values are."""
 
@@ -193,7 +201,7 @@ class OpDef:
     family: Family | None = None
     values: Values = Values.COMPUTED
     accumulate: Accumulate | None = None
-    contiguous_inputs: bool = False
+    input_layout: InputLayout | None = None
 
 
 REGISTRY: dict[str, OpDef] = {}

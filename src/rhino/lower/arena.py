@@ -74,11 +74,9 @@ class ArenaStats:
 
 @lru_cache(maxsize=None)
 def out_overload(op: str) -> tuple[torch._ops.OpOverload, tuple[str, ...]] | None:
-    """The out= overload of ``op`` taking the same arguments, and the names of its out arguments; None for an
-    op called on contiguous inputs (``fx.OnContiguous``: its result is copied into its slot instead)."""
+    """The out= overload of ``op`` taking the same arguments (an ``fx.OnContiguous`` of it where ``op`` is
+    called so), and the names of its out arguments."""
     fn = resolve_op(op)
-    if isinstance(fn, OnContiguous):
-        return None
     schema = fn._schema
     sig = [(a.name, str(a.type)) for a in schema.arguments]
     n_ret = len(schema.returns)
@@ -91,7 +89,7 @@ def out_overload(op: str) -> tuple[torch._ops.OpOverload, tuple[str, ...]] | Non
         outs = [a for a in args if a.is_out]
         rest = [(a.name, str(a.type)) for a in args if not a.is_out]
         if outs and rest == sig and len(outs) == n_ret:
-            return ovl, tuple(a.name for a in outs)
+            return (OnContiguous(ovl, fn.layout) if isinstance(fn, OnContiguous) else ovl), tuple(a.name for a in outs)
     return None
 
 

@@ -9,7 +9,7 @@ import torch
 import torch.fx
 
 from ..ir.graph import Graph, Ref
-from ..ir.registry import Family, lookup
+from ..ir.registry import Family, InputLayout, lookup
 from ..ir.types import Device, DType, Layout, MemoryFormat
 
 __all__ = ["lower", "resolve_op", "OnContiguous", "overload_of", "runnable_op", "convert_arg", "add_constants", "emit_node", "py_name"]
@@ -17,53 +17,58 @@ __all__ = ["lower", "resolve_op", "OnContiguous", "overload_of", "runnable_op", 
 
 def resolve_op(op: str) -> Callable:
     """An IR op name (``aten.mm.default``) -> what a rank calls for it: its torch overload
-    (``torch.ops.aten.mm.default``), or an ``OnContiguous`` of it when the op has the ``contiguous_inputs`` fact
-    or is opaque (an unknown kernel may read its inputs as laid out in eager PyTorch, where its callers make
-    them contiguous: ``_weight_norm_interface_backward`` does)."""
-    if op in _CONTIGUOUS:
-        return _CONTIGUOUS[op]
+    (``torch.ops.aten.mm.default``), or an ``OnContiguous`` of it when the op has the ``input_layout`` fact or is
+    opaque (an unknown kernel may read its inputs as laid out in eager PyTorch, where its callers make them
+    contiguous: ``_weight_norm_interface_backward`` does)."""
+    if op in _WRAPPED:
+        return _WRAPPED[op]
     ns, name, overload = op.split(".")
     try:
         fn = getattr(getattr(getattr(torch.ops, ns), name), overload)
     except AttributeError:
         raise ValueError(f"op {op} does not exist in this PyTorch build") from None
     d = lookup(op)
-    if d is None or d.contiguous_inputs:
-        fn = _CONTIGUOUS[op] = OnContiguous(fn)
+    if d is None or d.input_layout is not None:
+        fn = _WRAPPED[op] = OnContiguous(fn, InputLayout.CONTIGUOUS if d is None else d.input_layout)
     return fn
 
 
-_CONTIGUOUS: dict[str, Callable] = {}
+_WRAPPED: dict[str, Callable] = {}
 
 
 class OnContiguous:
-    """``op`` called on contiguous copies of its non-contiguous tensor arguments; other attributes (``_schema``,
-    ``is_view``) are the op's."""
+    """``op`` called on contiguous copies of the tensor arguments not laid out as ``layout`` asks; other
+    attributes (``_schema``, ``is_view``) are the op's."""
 
-    def __init__(self, op: torch._ops.OpOverload):
-        self.op = op
+    def __init__(self, op: torch._ops.OpOverload, layout: InputLayout):
+        self.op, self.layout = op, layout
         self.__name__ = py_name(f"{op.__name__}_on_contiguous")
+        self._outs = {a.name for a in op._schema.arguments if a.is_out}   # written into: passed as they are
 
     def __call__(self, *args, **kwargs):
-        return self.op(*_contiguous(args), **_contiguous(kwargs))
+        return self.op(*self._laid_out(args), **{k: v if k in self._outs else self._laid_out(v)
+                                                 for k, v in kwargs.items()})
 
     def __getattr__(self, name: str):
+        if name in ("op", "layout", "_outs"):     # (not set yet: a copy being made)
+            raise AttributeError(name)
         return getattr(self.op, name)
+
+    def _laid_out(self, a):
+        if isinstance(a, torch.Tensor):
+            inner = a.dim() == 0 or a.stride(-1) == 1 or a.shape[-1] == 1
+            keep = inner if self.layout is InputLayout.INNER else a.is_contiguous()
+            return a if keep else a.contiguous()
+        if isinstance(a, (list, tuple)):
+            return type(a)(self._laid_out(x) for x in a)
+        if isinstance(a, dict):
+            return {k: self._laid_out(v) for k, v in a.items()}
+        return a
 
 
 def overload_of(target) -> torch._ops.OpOverload:
     """The torch overload an fx call target runs (itself, or the op inside an ``OnContiguous``)."""
     return target.op if isinstance(target, OnContiguous) else target
-
-
-def _contiguous(a):
-    if isinstance(a, torch.Tensor):
-        return a.contiguous()
-    if isinstance(a, (list, tuple)):
-        return type(a)(_contiguous(x) for x in a)
-    if isinstance(a, dict):
-        return {k: _contiguous(v) for k, v in a.items()}
-    return a
 
 
 def runnable_op(op: str) -> str:
