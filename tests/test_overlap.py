@@ -282,7 +282,8 @@ def _rank_main(ctx, graph_json, plans, state, batch):
     w = torch.randn(4, 3, dtype=torch.complex128, generator=g)   # a conjugated view travels as its values
     for step in (AllGather(0, 0, 1), AllReduce(0, ReduceOp.SUM)):
         want = apply_step(w.conj().resolve_conj(), step, mesh, ctx.rank, groups)
-        got = [apply_step(w.conj(), step, mesh, ctx.rank, groups), start_step([w.conj()], step, mesh, ctx.rank, groups).wait()[0]]
+        got = [apply_step(w.conj(), step, mesh, ctx.rank, groups),
+               start_step([w.conj()], step, mesh, ctx.rank, groups).wait()[0]]
         out["buckets"].append(all(torch.equal(x, want) for x in got))
     return out
 

@@ -3,7 +3,8 @@
 import importlib.util
 from pathlib import Path
 
-_spec = importlib.util.spec_from_file_location("gpt_example", Path(__file__).resolve().parents[2] / "examples" / "gpt.py")
+_spec = importlib.util.spec_from_file_location("gpt_example",
+                                               Path(__file__).resolve().parents[2] / "examples" / "gpt.py")
 _gpt = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_gpt)
 batches = _gpt.batches

@@ -364,7 +364,8 @@ def group_norm_backward_rule(call: OpCall) -> Annotation:
 
 
 register("aten.native_layer_norm.default", N, layer_norm_rule, flops=8)
-register("aten.native_layer_norm_backward.default", N, layer_norm_backward_rule, flops=10, input_layout=InputLayout.CONTIGUOUS)
+register("aten.native_layer_norm_backward.default", N, layer_norm_backward_rule, flops=10,
+         input_layout=InputLayout.CONTIGUOUS)
 # batch norm in training over a split batch: one all-reduce of [2, C] statistics (lower/spmd_bn.py)
 register("aten._native_batch_norm_legit_functional.default aten.native_batch_norm.default", N, batch_norm_rule,
          flops=8, lowering=Lowering.BATCH_NORM, reduces=1, per_channel=True, outputs=OutputRule.REPLICATED)

@@ -12,7 +12,8 @@ from ..ir.graph import Graph, Ref
 from ..ir.registry import Family, InputLayout, lookup
 from ..ir.types import Device, DType, Layout, MemoryFormat
 
-__all__ = ["lower", "resolve_op", "OnContiguous", "overload_of", "runnable_op", "convert_arg", "add_constants", "emit_node", "py_name"]
+__all__ = ["lower", "resolve_op", "OnContiguous", "overload_of", "runnable_op", "convert_arg", "add_constants",
+           "emit_node", "py_name"]
 
 
 def resolve_op(op: str) -> Callable:
