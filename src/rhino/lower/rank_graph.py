@@ -209,7 +209,7 @@ def _cpu_outputs(op, args, kwargs) -> tuple | None:
     but empty ones on the CPU. Asked once per op, argument dtypes and non-tensor arguments (neither answer
     depends on the shapes), so repeated layers and ranks cost one fake call."""
     key = (op, repr(tree_map(lambda t: t.dtype if isinstance(t, torch.Tensor) else t, (args, kwargs))))
-    if key not in _CPU_DTYPES:
+    if key not in _CPU_OUTPUTS:
         try:
             out = _fake_cpu_call(op, args, kwargs)
             meta = op(*args, **kwargs)
@@ -220,11 +220,11 @@ def _cpu_outputs(op, args, kwargs) -> tuple | None:
         fixes = tuple(None if not (isinstance(o, torch.Tensor) and isinstance(m, torch.Tensor)) else
                       (o.dtype, True) if o.shape == (0,) and m.numel() > 0 else
                       (o.dtype, False) if o.dtype != m.dtype else None for o, m in zip(outs, metas))
-        _CPU_DTYPES[key] = fixes if len(outs) == len(metas) and any(f is not None for f in fixes) else None
-    return _CPU_DTYPES[key]
+        _CPU_OUTPUTS[key] = fixes if len(outs) == len(metas) and any(f is not None for f in fixes) else None
+    return _CPU_OUTPUTS[key]
 
 
-_CPU_DTYPES: dict = {}   # (op, argument dtypes and values) -> _cpu_outputs' answer
+_CPU_OUTPUTS: dict = {}   # (op, argument dtypes and values) -> _cpu_outputs' answer
 
 
 def rank_graph(rp: ResolvedPlan, rank: int) -> Graph:
