@@ -297,3 +297,13 @@ def test_rank_graph_types_follow_the_cpu_kernels_of_a_frozen_batch_norm():
     cap = capture_step(_frozen_batch_norm())
     rep = rank_memory_report(cap, strategy="dp=2", level="O1", time_limit=10, execute=True)
     assert rep.execute["equal"] and rep.execute["arena_equals_plan"], rep.execute
+
+
+def test_an_op_returning_nothing_is_a_rank_graph_node():
+    # torch.linalg.inv checks its result with _linalg_check_errors, which returns nothing: the rank graph took its
+    # missing result for a tensor (a traceback from rhino memory --strategy)
+    from rhino.api import capture_step, rank_memory_report
+    from conftest import ROOT
+    cap = capture_step(str(ROOT / "tests" / "workloads" / "heldout29.py") + ":batched_inverse")
+    rep = rank_memory_report(cap, strategy="dp=2,tp=2", level="O1", time_limit=10, execute=True)
+    assert rep.execute["equal"] and rep.execute["arena_equals_plan"], rep.execute

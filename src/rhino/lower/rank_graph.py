@@ -156,6 +156,10 @@ class _Converter:
         margs = torch.fx.node.map_arg(n.args, lambda a: self.meta[a])
         mkwargs = torch.fx.node.map_arg(n.kwargs, lambda a: self.meta[a])
         res = _meta_call(target, margs, mkwargs)
+        if res is None:                 # an op returning nothing (a check such as _linalg_check_errors)
+            self.g.nodes.append(Node(n.name, _op_name(target), args, kwargs, []))
+            self.ref[n], self.meta[n] = None, None
+            return
         if isinstance(res, (tuple, list)):
             node = Node(n.name, _op_name(target), args, kwargs, [None] * len(res), multi=True)
             self.g.nodes.append(node)
