@@ -171,6 +171,13 @@ def test_full_recompute_matches_single_device_on_every_rank(name, strategy):
     assert r.max_abs_diff < 1e-9
 
 
+def test_full_recompute_of_a_split_with_unused_chunks():
+    """The recomputed copy of a GRU cell's gate split keeps only the chunks read again: its local split size came
+    from its first output, which was gone (a traceback from rhino run --strategy dp=2,recompute=full)."""
+    r, _, _, _ = run_recompute(captured("chunk_gru"), "dp=2,recompute=full")
+    assert r.ok and r.max_abs_diff < 1e-9, r.first_mismatch
+
+
 @pytest.mark.parametrize("strategy", ["dp=2,zero=3,recompute=full", "dp=2,tp=2,recompute=selective"])
 def test_recompute_in_overlapped_programs_matches_single_device(strategy):
     """The overlapped programs (async bucketed collectives, ZeRO-3 gathers issued again after the loss)

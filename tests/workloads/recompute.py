@@ -79,3 +79,29 @@ def im2col_net():
     model = Im2colNet()
     x = torch.randn(8, 3, 8, 8, generator=torch.Generator().manual_seed(7))
     return model, torch.optim.Adam(model.parameters(), lr=1e-3), lambda m, x: F.l1_loss(m(x), x), (x,)
+
+
+class ChunkGRU(nn.Module):
+    """A projection chunked into three, a bidirectional GRU (its cells split their gates) and attention pooling:
+    full recomputation rewrites a split of which only some chunks are used again."""
+
+    def __init__(self, d=8, h=12, classes=3):
+        super().__init__()
+        self.proj = nn.Linear(d, 3 * h)
+        self.gru = nn.GRU(h, h, batch_first=True, bidirectional=True)
+        self.query = nn.Parameter(torch.randn(1, 1, 2 * h) * 0.1)
+        self.out = nn.Linear(2 * h, classes)
+
+    def forward(self, x):
+        a, b, c = self.proj(x).chunk(3, dim=-1)
+        o, _ = self.gru(a + torch.nn.functional.silu(b) * torch.sigmoid(c))
+        att = (self.query * o).sum(-1).softmax(-1)
+        return self.out((att.unsqueeze(-1) * o).sum(1))
+
+
+def chunk_gru():
+    torch.manual_seed(0)
+    model = ChunkGRU()
+    x, y = torch.randn(8, 4, 8), torch.randint(0, 3, (8,))
+    return model, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.8), \
+        lambda m, a, t: torch.nn.functional.cross_entropy(m(a), t), (x, y)

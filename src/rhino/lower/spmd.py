@@ -100,7 +100,13 @@ def _out_dim_list(sa: SizeArg, node, rp, need, outs, args, kwargs) -> None:
 
 def _split_size(sa: SizeArg, node, rp, need, outs, args, kwargs) -> None:
     if len(outs) > 1:
-        args[sa.at] = outs[0][_split_dim(args, kwargs)]
+        dim = _split_dim(args, kwargs)
+        full = [o for o in outs[:-1] if o is not None]   # every chunk but the last has the split size
+        if full:
+            args[sa.at] = full[0][dim]
+        else:                        # only the last chunk is used (a rewritten step drops the others)
+            local, whole = _local_dim(node, rp, need, 0, dim)
+            args[sa.at] = args[sa.at] * local // whole
 
 
 def _split_sizes(sa: SizeArg, node, rp, need, outs, args, kwargs) -> None:
