@@ -393,3 +393,20 @@ def test_remembered_decisions_give_the_same_plan_and_score_fewer_nodes(preset, m
     assert plans[True].inputs == plans[False].inputs
     off, on = first[False].scored, first[True].scored
     assert on < off / 2, (on, off)
+
+
+def test_a_preset_whose_dp_splits_no_batch_tensor_says_so():
+    """dp=4 on a batch of 6 rows keeps every batch tensor whole (correct, but each rank computes the whole batch):
+    ``rhino run`` and the Trainer print this note."""
+    import torch
+    from rhino.capture import Workload
+    from rhino.sharding.presets import unsplit_batch
+    torch.manual_seed(0)
+    m = torch.nn.Linear(4, 3)
+    batch = (torch.randn(6, 4), torch.randint(0, 3, (6,)))
+    loss = lambda model, x, y: torch.nn.functional.cross_entropy(model(x), y)  # noqa: E731
+    cap = capture(Workload(m, torch.optim.SGD(m.parameters(), lr=0.1), loss, batch, "inline", "six"))
+    note = unsplit_batch(cap.graph, preset_plan(cap.graph, parse_strategy("dp=4")))
+    assert note is not None and "dp=4 splits no batch tensor (rows along dim 0: 6, not multiples of 4)" in note
+    for fine in ("dp=2", "tp=2", "dp=1"):
+        assert unsplit_batch(cap.graph, preset_plan(cap.graph, parse_strategy(fine))) is None, fine

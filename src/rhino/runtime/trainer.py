@@ -32,7 +32,7 @@ from ..capture import Captured, Workload, capture, default_dtype
 from ..capture.optim import changed_hyperparameter, hyperparameters
 from ..ir.graph import Role
 from ..sharding.plan import PlanError, ShardingPlan, resolve
-from ..sharding.presets import parse_strategy, preset_plan
+from ..sharding.presets import parse_strategy, preset_plan, unsplit_batch
 from .collectives import TORCH_COLLECTIVES, gather_tensor
 from .data import batch_stream, check_batch, rank_batch, samples_in
 from .groups import build_groups
@@ -93,6 +93,9 @@ class Trainer:
                              f"{self.plan.mesh}) but the job has {self.world} processes; start {self.plan.world} "
                              f"or choose another plan")
         self.rp = resolve(self.cap.graph, self.plan)
+        note = unsplit_batch(self.cap.graph, self.plan) if strategy is not None else None
+        if note:
+            say(f"note: {note}")
         self.microbatches = getattr(self.plan, "microbatches", 1)
         self.pipelined = self.plan.stages > 1
         self.mesh_rank = self.rank % self.plan.mesh.world     # this rank within its stage's mesh

@@ -34,7 +34,7 @@ from .plan import ShardingPlan
 from .propagate import Propagator
 from .vocab import RECOMPUTE_MODES, Recompute, strided
 
-__all__ = ["StrategySpec", "parse_strategy", "preset_plan"]
+__all__ = ["StrategySpec", "parse_strategy", "preset_plan", "unsplit_batch"]
 
 
 @dataclass(frozen=True)
@@ -297,3 +297,19 @@ def _chunks_downstream(graph: Graph, users: dict, node, width: int) -> int:
                 graph.types[v].shape[col] == size // k for v in user.outputs if v is not None) else 1
         return 1
     return 1
+
+
+def unsplit_batch(graph: Graph, plan: ShardingPlan) -> str | None:
+    """For a preset plan: a sentence when its data-parallel axis (``dp``, more than one rank) splits no batch tensor
+    (the preset keeps a tensor whole when the axis does not divide its rows), so every rank computes the whole
+    batch. The plan is correct; the note says why it is not faster."""
+    mesh = plan.mesh
+    if "dp" not in mesh.names or mesh.sizes[mesh.names.index("dp")] < 2:
+        return None
+    axis, n = mesh.names.index("dp"), mesh.sizes[mesh.names.index("dp")]
+    batch = [i for i in graph.inputs if i.role is Role.BATCH and graph.types[i.value].shape]
+    if not batch or any(isinstance(plan.inputs.get(i.name, (None,) * mesh.ndim)[axis], Shard) for i in batch):
+        return None
+    rows = sorted({graph.types[i.value].shape[0] for i in batch})
+    return (f"dp={n} splits no batch tensor (rows along dim 0: {', '.join(map(str, rows))}, not multiples of {n}), "
+            f"so every rank computes the whole batch; use a batch size divisible by {n} for data parallelism")
