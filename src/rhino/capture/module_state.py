@@ -9,9 +9,9 @@ every module's attributes back after tracing, and the contents of the lists, dic
 A Python number that ``forward`` changes (a warm-up counter, an annealed temperature) is a constant of the
 captured graph: the step would run with the value seen while tracing, forever. That is refused in one
 sentence (:func:`changed_numbers`). A number set where there was none (a cache made on the first call) is not.
-Likewise a draw from Python's ``random`` (a ``random.Random`` the module holds, NumPy's global generator) in ``forward`` (LayerDrop written with
-``random.random() < p``) is a branch taken once, while tracing: refused (:func:`python_draws`); the generators
-are put back too.
+Likewise a draw from Python's ``random`` (a ``random.Random`` the module holds, NumPy's global generator) in
+``forward`` (LayerDrop written with ``random.random() < p``) is a branch taken once, while tracing: refused
+(:func:`python_draws`); the generators are put back too.
 """
 from __future__ import annotations
 

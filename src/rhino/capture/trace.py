@@ -302,19 +302,19 @@ def _false(*args, **kwargs) -> bool:
     return False
 
 
+# selecting elements by a mask (boolean indexing, one-argument torch.where, nonzero, masked_select)
+_MASKED = ("keep every element and mask the result instead of selecting (x * mask, torch.where(mask, x, 0.0), a "
+           "masked mean as (x * mask).sum() / mask.sum()): the selection's size depends on the mask's values")
 # ops whose output shape depends on a tensor argument's values, and the form of the call that does not
 _VALUE_SHAPE_FIXES = {
     torch.ops.aten._ctc_loss.Tensor: "pass input_lengths and target_lengths to F.ctc_loss as lists of ints "
                                      "(tensors of lengths make the shapes depend on values)",
     torch.ops.aten._pack_padded_sequence.default: "run the RNN on the padded batch and mask what it returns past "
-                                                  "each length (a packed sequence's shapes depend on the lengths)"}
-# selecting elements by a mask (boolean indexing, one-argument torch.where, nonzero, masked_select)
-_MASKED = ("keep every element and mask the result instead of selecting (x * mask, torch.where(mask, x, 0.0), a "
-           "masked mean as (x * mask).sum() / mask.sum()): the selection's size depends on the mask's values")
-_VALUE_SHAPE_FIXES.update({torch.ops.aten.nonzero.default: _MASKED, torch.ops.aten.masked_select.default: _MASKED,
-                           torch.ops.aten._unique2.default: "use a fixed set of values (torch.arange over the "
-                                                            "possible ones) instead of torch.unique, whose size "
-                                                            "depends on the values"})
+                                                  "each length (a packed sequence's shapes depend on the lengths)",
+    torch.ops.aten.nonzero.default: _MASKED,
+    torch.ops.aten.masked_select.default: _MASKED,
+    torch.ops.aten._unique2.default: "use a fixed set of values (torch.arange over the possible ones) instead of "
+                                     "torch.unique, whose size depends on the values"}
 
 
 def _materialize_lazy(workload: Workload) -> None:

@@ -56,7 +56,7 @@ from ..sharding.redistribute import local_numel, plan_redistribution
 from ..sharding.vocab import is_split, split_letter
 from ..sharding.steps import AllGather, AllReduce, ReduceScatter, Step, is_communication
 from .cluster import AxisLink
-from .collectives import each_step_seconds, step_seconds, steps_seconds
+from .collectives import each_step_seconds, step_seconds
 from .compute import Profile, op_time
 from .devices import DeviceSpec
 
@@ -297,29 +297,24 @@ class _Streams:
         self.counts[kind] = self.counts.get(kind, 0) + k
 
     def moved(self, vid: int, want, phase: int = 0) -> float:
-        rp = self.rp
-        have = rp.value[vid]
-        if have == want or (vid, want, phase) in self.cache:
-            return 0.0  # the lowering redistributes a value once per target sharding (and phase)
-        t = self.graph.types[vid]
-        steps: list[Step] = plan_redistribution(t.shape, have, want, self.mesh)
-        for s in steps:
-            if is_communication(s):
-                self.count(type(s).__name__)
-        secs = steps_seconds(steps, t.shape, t.dtype.itemsize, have, self.mesh, self.links)
-        self.cache[(vid, want, phase)] = secs
-        return secs
+        """Seconds of redistributing value ``vid`` into ``want`` (0 once it was priced: the lowering
+        redistributes a value once per target sharding and phase)."""
+        return sum(self.moved_in_two(vid, want, phase))
 
     def moved_in_two(self, vid: int, want, phase: int = 0) -> tuple[float, float]:
         """``moved`` split where the overlapped program splits it: (seconds through the first collective,
         which starts after the producer, seconds of the steps after it, which start at the reader)."""
-        if self.moved(vid, want, phase) <= 0:
+        have = self.rp.value[vid]
+        if have == want or (vid, want, phase) in self.cache:
             return 0.0, 0.0
         t = self.graph.types[vid]
-        have = self.rp.value[vid]
-        steps = plan_redistribution(t.shape, have, want, self.mesh)
-        first = next(k for k, s in enumerate(steps) if is_communication(s))
+        steps: list[Step] = plan_redistribution(t.shape, have, want, self.mesh)
+        comm = [k for k, s in enumerate(steps) if is_communication(s)]
+        for k in comm:
+            self.count(type(steps[k]).__name__)
         secs = each_step_seconds(steps, t.shape, t.dtype.itemsize, have, self.mesh, self.links)
+        self.cache[(vid, want, phase)] = sum(secs)
+        first = comm[0] if comm else len(steps)
         return sum(secs[:first + 1]), sum(secs[first + 1:])
 
     def inputs(self, i: int, node) -> tuple[float, float, str, bool]:
