@@ -14,18 +14,21 @@ def root() -> Path:
 
 
 def eager_losses(spec: str, steps: int) -> list[float]:
-    """PyTorch's plain single-device loop over the workload file's batches(), float64: the oracle of the
-    trainer, checkpoint and pipeline tests."""
+    """PyTorch's plain single-device loop over the workload file's batches(), float64 (its lr_scheduler stepped
+    after each step): the oracle of the trainer, checkpoint, pipeline and schedule tests."""
     import torch
     from rhino.capture import default_dtype, load_workload
     with default_dtype(torch.float64):
         w = load_workload(spec)
+        scheduler = w.lr_scheduler(w.optimizer) if w.lr_scheduler else None
         it, losses = w.batches(), []
         for _ in range(steps):
             w.optimizer.zero_grad(set_to_none=True)
             loss = w.loss_fn(w.model, *next(it))
             loss.backward()
             w.optimizer.step()
+            if scheduler is not None:
+                scheduler.step()
             losses.append(loss.item())
     return losses
 

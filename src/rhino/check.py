@@ -9,6 +9,7 @@ import torch
 from .capture import Captured
 from .capture.amp import autocast_on
 from .capture.optim import copy_training, state_name
+from .capture.schedule import LrSchedule, planned_rates, set_rates
 from .capture.workload import WorkloadError
 from .lower import StepProgram
 
@@ -36,9 +37,10 @@ class CheckResult:
     compared: int = 0
 
 
-def eager_steps(model, optimizer, loss_fn, batch, steps: int) -> list[torch.Tensor]:
+def eager_steps(model, optimizer, loss_fn, batch, steps: int, after=None) -> list[torch.Tensor]:
     """``steps`` eager training steps; on the CPU an autocast region written for an accelerator acts on
-    the CPU, as in capture (``capture.amp.autocast_on``)."""
+    the CPU, as in capture (``capture.amp.autocast_on``). ``after()``, if given, runs after each
+    ``optimizer.step()`` (a learning-rate scheduler's step)."""
     on_cpu = all(p.device.type == "cpu" for p in model.parameters())
     losses = []
     for _ in range(steps):
@@ -47,6 +49,8 @@ def eager_steps(model, optimizer, loss_fn, batch, steps: int) -> list[torch.Tens
             loss = loss_fn(model, *batch)
         loss.backward()
         optimizer.step()
+        if after is not None:
+            after()
         losses.append(loss.detach().clone())
     return losses
 
@@ -57,17 +61,22 @@ def check_captured(cap: Captured, steps: int = 2, seed: int = 0, rtol: float = R
     model, optimizer = copy_training(w.model, w.optimizer)
     state = cap.initial_state()
     program = StepProgram(cap.graph)
+    rates = planned_rates(cap, steps) or [None] * steps
+    schedule = LrSchedule(optimizer, w.lr_scheduler, cap.scheduled, w.spec) if cap.scheduled else None
     # plain PyTorch first: a step that fails there (capture's fake tensors are more lenient than some
     # kernels: a float32 target beside float64 logits) is the workload's mistake, said in one sentence
     torch.manual_seed(seed)
     try:
-        theirs = eager_steps(model, optimizer, w.loss_fn, w.batch, steps)
+        theirs = eager_steps(model, optimizer, w.loss_fn, w.batch, steps, schedule and schedule.advance)
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise WorkloadError(f"the training step fails in plain PyTorch ({first}); fix the workload so that "
                             f"one eager step runs") from None
     torch.manual_seed(seed)
-    ours = [program.step(state, w.batch).detach().clone() for _ in range(steps)]
+    ours = []
+    for k in range(steps):
+        set_rates(state, rates[k])
+        ours.append(program.step(state, w.batch).detach().clone())
 
     pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []
     pairs += [(f"loss[step {i + 1}]", a, b) for i, (a, b) in enumerate(zip(ours, theirs))]

@@ -24,7 +24,8 @@ from .workload import WorkloadError
 
 __all__ = ["ParamUpdate", "SCALAR_KEYS", "plan_updates", "initial_state", "lazy_value", "scalar_dtype",
            "state_meta", "apply_update", "state_name", "mirrored_kind", "unhooked", "copy_training", "copy_model",
-           "hyperparameters", "changed_hyperparameter"]
+           "hyperparameters", "changed_hyperparameter", "SCHEDULED_KEYS", "scheduled_name",
+           "scheduled_values", "mirrored_names"]
 
 
 @dataclass
@@ -37,6 +38,7 @@ class ParamUpdate:
     state_keys: list[str] = field(default_factory=list)
     torch_keys: list[str] = field(default_factory=list)  # keys torch keeps in optimizer.state
     init: Any = None   # kind "traced": the optimizer_traced.TracedInit of its lazily made state
+    group: int = 0     # index of its param group (a scheduled learning rate is read per group)
 
 
 def _scalar(v: Any) -> float:
@@ -47,7 +49,7 @@ def plan_updates(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> lis
     """One ParamUpdate per parameter the optimizer updates, in param-group order."""
     kind = _kind(optimizer)
     plans: list[ParamUpdate] = []
-    for group in optimizer.param_groups:
+    for index, group in enumerate(optimizer.param_groups):
         for p in group["params"]:
             if not p.requires_grad:
                 continue
@@ -56,7 +58,7 @@ def plan_updates(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> lis
             hp, keys, tkeys = _PLANNERS[kind](group, kind, optimizer)
             if kind == "nadam":
                 hp["mu_product_dtype"] = _mu_product_dtype(optimizer.state.get(p, {}).get("mu_product"))
-            plans.append(ParamUpdate(names[id(p)], kind, hp, keys, tkeys))
+            plans.append(ParamUpdate(names[id(p)], kind, hp, keys, tkeys, group=index))
     return plans
 
 
@@ -208,16 +210,39 @@ def initial_state(optimizer: torch.optim.Optimizer, plans: list[ParamUpdate],
 _PRIMITIVE = (int, float, bool, complex, str, type(None))
 
 
-def hyperparameters(optimizer: torch.optim.Optimizer | None) -> dict[tuple[int, str], Any]:
+# Param-group keys a learning-rate scheduler sets: with a schedule, the captured step reads ``lr`` from a graph
+# input (``scheduled_name``) and ``initial_lr`` not at all.
+SCHEDULED_KEYS = ("lr", "initial_lr")
+
+
+def scheduled_name(group: int) -> str:
+    """The graph input holding param group ``group``'s learning rate when it follows a schedule (a float64
+    0-dim optimizer-state input the step reads and passes on unchanged)."""
+    return f"opt/group{group}/lr"
+
+
+def scheduled_values(optimizer: torch.optim.Optimizer, scheduled: dict[str, int]) -> dict[str, float]:
+    """Each scheduled learning-rate input's value now (``scheduled``: input name -> param group)."""
+    return {name: _scalar(optimizer.param_groups[g]["lr"]) for name, g in scheduled.items()}
+
+
+def mirrored_names() -> list[str]:
+    """The optimizer classes whose update is mirrored here (``_KINDS``)."""
+    return [cls.__name__ for cls in _KINDS]
+
+
+def hyperparameters(optimizer: torch.optim.Optimizer | None, scheduled: bool = False) -> dict[tuple[int, str], Any]:
     """Each param-group entry a captured update reads as a constant, by (group index, key): Python values
-    (and tuples of them, such as ``betas``) as they are, tensors by identity and version."""
+    (and tuples of them, such as ``betas``) as they are, tensors by identity and version. ``scheduled``: the
+    learning rate is a graph input (``SCHEDULED_KEYS`` left out)."""
     if optimizer is None:
         return {}
+    skip = SCHEDULED_KEYS if scheduled else ()
 
     def key(v):
         return ("tensor", id(v), v._version) if isinstance(v, torch.Tensor) else v
     return {(i, k): key(v) for i, g in enumerate(optimizer.param_groups) for k, v in g.items()
-            if k != "params" and (isinstance(v, _PRIMITIVE + (torch.Tensor,)) or
+            if k != "params" and k not in skip and (isinstance(v, _PRIMITIVE + (torch.Tensor,)) or
                                   isinstance(v, tuple) and all(isinstance(x, _PRIMITIVE) for x in v))}
 
 
@@ -284,14 +309,16 @@ def state_name(param: str, key: str) -> str:
 
 
 def apply_update(plan: ParamUpdate, param: torch.Tensor, grad: torch.Tensor,
-                 state: dict[str, torch.Tensor], scalars: dict | None = None
+                 state: dict[str, torch.Tensor], scalars: dict | None = None, lr: torch.Tensor | None = None
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """New parameter and state (out of place) from one optimizer step.
 
     ``scalars`` caches step-derived scalars (step + 1, bias corrections) by the identity of the step
-    tensor and the hyper-parameters, so parameters sharing one step counter compute them once.
+    tensor and the hyper-parameters, so parameters sharing one step counter compute them once. ``lr``: a
+    float64 0-dim tensor read in place of the captured learning rate (a schedule's, ``scheduled_name``).
     """
-    return _UPDATES[plan.kind](plan.hp, param, grad, state, {} if scalars is None else scalars)
+    hp = plan.hp if lr is None else {**plan.hp, "lr": lr}
+    return _UPDATES[plan.kind](hp, param, grad, state, {} if scalars is None else scalars)
 
 
 def _cached(scalars: dict, key: tuple, make):
@@ -312,7 +339,7 @@ def _sgd(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalars
             new_state["started"] = torch.ones_like(state["started"])
         new_state["momentum_buffer"] = buf
         grad = grad.add(buf, alpha=hp["momentum"]) if hp["nesterov"] else buf
-    return param.add(grad, alpha=-hp["lr"]), new_state
+    return _descend(param, grad, hp["lr"]), new_state
 
 
 def _adam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalars: dict) -> tuple[torch.Tensor, dict]:
@@ -343,14 +370,14 @@ def _adam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalar
     return _addcdiv(param, exp_avg, denom, neg_step_size), new_state
 
 
-def _moments(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, lr: float, beta1: float,
+def _moments(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, lr, beta1: float,
              beta2: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """Adam's, NAdam's and RAdam's weight decay (decoupled: the parameter shrinks by ``lr * wd``; else added
     to the gradient) and their two moments: the parameter, the gradient, ``exp_avg`` and ``exp_avg_sq``."""
     wd = hp["weight_decay"]
     if wd != 0:
         if hp["decoupled"]:
-            param = param.mul(1 - lr * wd)
+            param = param.mul(_as_scalar(1 - lr * wd, param.dtype))
         else:
             grad = grad.add(param, alpha=wd)
     exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
@@ -389,9 +416,9 @@ def _rmsprop(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, sca
     if hp["momentum"] > 0:
         buf = state["momentum_buffer"].mul(hp["momentum"]).addcdiv(grad, avg)
         new_state["momentum_buffer"] = buf
-        return param.add(buf, alpha=-hp["lr"]), new_state
+        return _descend(param, buf, hp["lr"]), new_state
     # torch: param.addcdiv_(grad, avg, value=-lr)
-    return _addcdiv(param, grad, avg, -hp["lr"]), new_state
+    return _addcdiv(param, grad, avg, _as_scalar(-hp["lr"], param.dtype)), new_state
 
 
 def _adagrad(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalars: dict) -> tuple[torch.Tensor, dict]:
@@ -411,9 +438,27 @@ def _adagrad(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, sca
     return _addcdiv(param, grad, std, neg_clr), {"step": step, "sum": state_sum}
 
 
-def _rdiv(num: float, t: torch.Tensor) -> torch.Tensor:
-    """Python's ``num / t`` with one rounding (``num / tensor`` is ``tensor.reciprocal() * num``: two)."""
-    return torch.full_like(t, num) / t
+def _rdiv(num, t: torch.Tensor) -> torch.Tensor:
+    """Python's ``num / t`` with one rounding (``num / tensor`` is ``tensor.reciprocal() * num``: two); ``num``
+    a float or a float64 0-dim tensor (a scheduled learning rate)."""
+    return (num if isinstance(num, torch.Tensor) else torch.full_like(t, num)) / t
+
+
+def _as_scalar(value, dtype: torch.dtype):
+    """A float as it is; a float64 0-dim tensor (a scheduled learning rate, or a value computed from one) in the
+    compute type of ``dtype``'s kernels, as the kernel converts a Python scalar (a float64 0-dim tensor would
+    promote a 0-dim parameter to float64)."""
+    return value.to(_opmath(dtype)) if isinstance(value, torch.Tensor) else value
+
+
+def _descend(param: torch.Tensor, direction: torch.Tensor, lr) -> torch.Tensor:
+    """torch's ``param.add_(direction, alpha=-lr)``. With a scheduled (tensor) learning rate a product, then
+    a sum: the kernel's fused multiply-add cannot take a tensor factor, so results may differ from torch's
+    in the last bit."""
+    if not isinstance(lr, torch.Tensor):
+        return param.add(direction, alpha=-lr)
+    wide = _opmath(param.dtype)
+    return param.to(wide).add(direction.to(wide) * (-lr).to(wide)).to(param.dtype)
 
 
 def _nadam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalars: dict) -> tuple[torch.Tensor, dict]:
@@ -465,7 +510,7 @@ def _radam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scala
     step, rectified, bias_correction1, bias_correction2_sqrt, rect = _cached(
         scalars, ("radam", id(state["step"]), beta1, beta2, param.dtype), step_scalars)
     param, _, exp_avg, exp_avg_sq = _moments(hp, param, grad, state, lr, beta1, beta2)
-    scaled = exp_avg / bias_correction1 * lr
+    scaled = exp_avg / bias_correction1 * _as_scalar(lr, param.dtype)
     # torch: (bias_correction2 ** 0.5) / (exp_avg_sq.sqrt() + eps), a float over a tensor: reciprocal, times
     adaptive_lr = exp_avg_sq.sqrt().add(hp["eps"]).reciprocal() * bias_correction2_sqrt
     update = torch.where(rectified, scaled * adaptive_lr * rect, scaled)
@@ -501,7 +546,7 @@ def _adadelta(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, sc
     std = square_avg.add(eps).sqrt()
     delta = state["acc_delta"].add(eps).sqrt().div(std).mul(grad)
     acc_delta = state["acc_delta"].mul(rho).addcmul(delta, delta, value=1 - rho)
-    return param.add(delta, alpha=-hp["lr"]), {"step": step, "square_avg": square_avg, "acc_delta": acc_delta}
+    return _descend(param, delta, hp["lr"]), {"step": step, "square_avg": square_avg, "acc_delta": acc_delta}
 
 
 _UPDATES = {"sgd": _sgd, "adam": _adam, "rmsprop": _rmsprop, "adagrad": _adagrad, "nadam": _nadam,

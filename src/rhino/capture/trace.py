@@ -33,7 +33,8 @@ from ..ir.verify import verify
 from .amp import autocast_on
 from .fallbacks import fake_fallbacks
 from .module_state import attributes_kept, changed_numbers, python_draws
-from .optim import ParamUpdate, apply_update, initial_state, mirrored_kind, plan_updates, state_meta, state_name
+from .optim import (ParamUpdate, apply_update, initial_state, mirrored_kind, mirrored_names, plan_updates,
+                    scheduled_name, scheduled_values, state_meta, state_name)
 from .optim_traced import plan_traced, traced_update
 from .to_ir import fx_to_ir
 from .workload import Workload, WorkloadError
@@ -64,6 +65,12 @@ class Captured:
     buffer_names: list[str]
     opaque_ops: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    scheduled: dict[str, int] = field(default_factory=dict)   # learning-rate input -> its param group
+
+    @property
+    def schedule_values(self) -> dict[str, float]:
+        """The optimizer's learning rates now, by learning-rate input (``scheduled``)."""
+        return scheduled_values(self.workload.optimizer, self.scheduled)
 
     def initial_state(self) -> dict[str, torch.Tensor]:
         """Current values of every state input, by graph-input name (copies)."""
@@ -73,6 +80,7 @@ class Captured:
         state = {n: params[n].detach().clone() for n in self.param_names + self.frozen_names}
         state.update({n: buffers[n].detach().clone() for n in self.buffer_names})
         state.update(initial_state(opt, self.updates, params))
+        state.update({n: torch.tensor(v, dtype=torch.float64) for n, v in self.schedule_values.items()})
         return state
 
 
@@ -110,6 +118,9 @@ def capture(workload: Workload, verify_graph: bool = True) -> Captured:
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     opt_state = initial_state_meta(optimizer, updates, params)
+    scheduled = _scheduled(workload, updates, traced)
+    rates = scheduled_values(optimizer, scheduled)
+    opt_state.update({n: torch.tensor(v, dtype=torch.float64) for n, v in rates.items()})
     opt_names = list(opt_state)
 
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -123,7 +134,7 @@ def capture(workload: Workload, verify_graph: bool = True) -> Captured:
     # share one counter in the graph, so bias corrections are computed once, not per parameter.
     share = not traced and _steps_equal(optimizer, updates, params)
     step = _make_step(wrapper, workload, updates, param_names, frozen_names, buffer_names, opt_names, counts,
-                      share, traced)
+                      share, traced, bool(scheduled))
 
     with warnings.catch_warnings(), _quiet_logger("torch._subclasses.fake_tensor"), fake_fallbacks():
         warnings.simplefilter("ignore")
@@ -156,7 +167,19 @@ def capture(workload: Workload, verify_graph: bool = True) -> Captured:
         warnings.warn(f"{len(set(opaque))} op(s) unknown to the registry run as opaque ops (never sharded): "
                       f"{', '.join(sorted(set(opaque)))}", stacklevel=2)
     return Captured(graph, workload, updates, param_names, frozen_names, buffer_names, sorted(set(opaque)),
-                    time.perf_counter() - start)
+                    time.perf_counter() - start, scheduled)
+
+
+def _scheduled(workload: Workload, updates: list[ParamUpdate], traced: bool) -> dict[str, int]:
+    """With a learning-rate schedule (the workload's ``lr_scheduler``), each stepped param group's learning
+    rate as a graph input, by input name; else none (the rate is a constant of the step)."""
+    if workload.lr_scheduler is None:
+        return {}
+    if traced:
+        raise CaptureError(f"{workload.spec}: a learning-rate schedule needs one of the optimizers Rhino mirrors "
+                           f"({', '.join(mirrored_names())}); {type(workload.optimizer).__name__} is traced with "
+                           f"its learning rate as a constant: drop lr_scheduler, or build a new step per rate")
+    return {scheduled_name(g): g for g in sorted({u.group for u in updates})}
 
 
 def initial_state_meta(optimizer, updates, params) -> dict[str, torch.Tensor]:
@@ -210,7 +233,7 @@ def _steps_equal(optimizer, updates, params) -> bool:
 
 
 def _make_step(wrapper, workload, updates, param_names, frozen_names, buffer_names, opt_names, counts,
-               share_steps: bool, traced: bool):
+               share_steps: bool, traced: bool, scheduled: bool):
     n_p, n_f, n_b, n_o = counts
     prefixed = lambda names: ["model." + n for n in names]  # noqa: E731
     all_names = prefixed(param_names) + prefixed(frozen_names) + prefixed(buffer_names)
@@ -239,7 +262,8 @@ def _make_step(wrapper, workload, updates, param_names, frozen_names, buffer_nam
             st = {k: opt[state_name(u.name, k)] for k in u.state_keys}
             if shared is not None and "step" in st:
                 st["step"] = shared
-            new_p, new_st = apply_update(u, p.detach(), g, st, scalars)
+            lr = opt.get(scheduled_name(u.group)) if scheduled else None
+            new_p, new_st = apply_update(u, p.detach(), g, st, scalars, lr)
             new_params.append(new_p)
             new_opt.update({state_name(u.name, k): v for k, v in new_st.items()})
         return [loss.detach().reshape(())] + new_params + frozen + buffers + [new_opt[n] for n in opt_names]

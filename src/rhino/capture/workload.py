@@ -44,6 +44,8 @@ class Workload:
     path: str
     func: str
     batches: Callable | None = None   # the file's ``batches()``: an iterator of global batches (training data)
+    # the file's ``lr_scheduler(optimizer)``: a torch.optim.lr_scheduler over the optimizer, stepped after each step
+    lr_scheduler: Callable | None = None
 
     @property
     def spec(self) -> str:
@@ -103,6 +105,11 @@ def _load(spec: str, call: Callable | None = None) -> Workload:
         raise WorkloadError(f"{path}: batches must be a function returning an iterator of batches, "
                             f"got a {type(data).__name__}")
     w.batches = data
+    schedule = getattr(module, "lr_scheduler", None)
+    if schedule is not None and not callable(schedule):
+        raise WorkloadError(f"{path}: lr_scheduler must be a function taking the optimizer and returning a "
+                            f"torch.optim.lr_scheduler scheduler, got a {type(schedule).__name__}")
+    w.lr_scheduler = schedule
     return w
 
 

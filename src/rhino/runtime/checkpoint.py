@@ -172,7 +172,10 @@ def _dtensor(local: torch.Tensor, sharding: Sharding, device_mesh):
 
 
 def _state_inputs(trainer) -> list:
-    return [inp for inp in trainer.cap.graph.inputs if inp.role is not Role.BATCH]
+    """The state a checkpoint holds: every non-batch input but scheduled learning rates (the scheduler,
+    replayed to the checkpoint's step on resume, gives them)."""
+    return [inp for inp in trainer.cap.graph.inputs
+            if inp.role is not Role.BATCH and inp.name not in trainer.cap.scheduled]
 
 
 def _held_inputs(trainer) -> list:
@@ -318,6 +321,8 @@ def load_checkpoint(trainer, path: str | os.PathLike) -> CheckpointInfo:
         if "cuda" in rng:
             torch.cuda.set_rng_state(rng["cuda"], trainer.device)
     trainer.steps_done = info.step
+    if trainer.schedule is not None:
+        trainer.schedule.rewind(info.step)
     trainer.set_data_position(info.data_position)
     return info
 

@@ -22,6 +22,7 @@ import torch
 from ..capture import Captured, default_dtype
 from ..capture.amp import autocast_on
 from ..capture.optim import copy_training, state_name
+from ..capture.schedule import LrSchedule
 from ..check import as_float64, eager_steps
 from ..ir.graph import Role
 from ..sharding.plan import ResolvedPlan
@@ -100,7 +101,8 @@ class Reference:
     initial: dict[str, torch.Tensor] = field(default_factory=dict)  # parameters before the first step
 
 
-def accumulation_steps(model, optimizer, loss_fn, batch: tuple, steps: int, microbatches: int) -> list[float]:
+def accumulation_steps(model, optimizer, loss_fn, batch: tuple, steps: int, microbatches: int,
+                       after=None) -> list[float]:
     """PyTorch's gradient-accumulation loop (design11.md interface 3): per step, for each of the m
     contiguous micro-batches along dim 0, ``(loss_fn(model, *mb) / m).backward()``; then one
     ``optimizer.step()``. The loss of a step is ``sum_k loss_k / m``."""
@@ -116,6 +118,8 @@ def accumulation_steps(model, optimizer, loss_fn, batch: tuple, steps: int, micr
             (loss / m).backward()
             total += float(loss.detach())
         optimizer.step()
+        if after is not None:    # a learning-rate scheduler's step
+            after()
         losses.append(total / m)
     return losses
 
@@ -126,11 +130,12 @@ def reference_run(cap: Captured, steps: int, microbatches: int = 1) -> Reference
     with ``microbatches > 1`` the accumulation loop of ``accumulation_steps``."""
     w = cap.workload
     model, optimizer = copy_training(w.model, w.optimizer)
+    after = LrSchedule(optimizer, w.lr_scheduler, cap.scheduled, w.spec).advance if cap.scheduled else None
     with default_dtype(torch.float64 if state_dtype(cap) is torch.float64 else None):
         if microbatches > 1:
-            losses = accumulation_steps(model, optimizer, w.loss_fn, w.batch, steps, microbatches)
+            losses = accumulation_steps(model, optimizer, w.loss_fn, w.batch, steps, microbatches, after)
         else:
-            losses = [float(x) for x in eager_steps(model, optimizer, w.loss_fn, w.batch, steps)]
+            losses = [float(x) for x in eager_steps(model, optimizer, w.loss_fn, w.batch, steps, after)]
     params, buffers = dict(model.named_parameters()), dict(model.named_buffers())
     state = {n: params[n].detach() for n in cap.param_names + cap.frozen_names}
     state.update({n: buffers[n].detach() for n in cap.buffer_names})

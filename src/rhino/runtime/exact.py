@@ -14,6 +14,7 @@ import time
 import torch
 
 from ..capture import Captured, default_dtype
+from ..capture.schedule import planned_rates, set_rates
 from ..ir.graph import Role
 from ..lower.simulate_spmd import lockstep
 from ..sharding.plan import ShardingPlan, resolve
@@ -40,22 +41,26 @@ def simulate_plan(cap: Captured, plan: ShardingPlan, steps: int = 2,
               for i in cap.graph.inputs if i.role is not Role.BATCH} for r in range(world)]
     batch = tuple(b.detach() for b in cap.workload.batch)
     with default_dtype(torch.float64 if state_dtype(cap) is torch.float64 else None):
-        res = simulate_rank_steps(rank_steps, state, [batch] * steps)
+        res = simulate_rank_steps(rank_steps, state, [batch] * steps, planned_rates(cap, steps))
     res["held"] = bytes_by_role(cap.graph, state[0])
     results = {r: {"losses": res["rank_losses"][r], "local": state[r],
                    "held": bytes_by_role(cap.graph, state[r])} for r in range(world)}
     return compare_results(cap, rp, rank_steps[0].step_communication(), results, steps, start, tol), res
 
 
-def simulate_rank_steps(rank_steps: list[RankStep], states: list[dict], batches: list[tuple]) -> dict:
-    """Train every rank's ``RankStep`` in lockstep on the global ``batches`` (one per step); ``states``
-    (each rank's local state) are updated in place. Returns {"losses", "rank_losses", "local", "peaks"}:
-    peaks are each rank's live bytes in the first step, counted as ``RankStep.run_measured`` counts them."""
+def simulate_rank_steps(rank_steps: list[RankStep], states: list[dict], batches: list[tuple],
+                        rates: list | None = None) -> dict:
+    """Train every rank's ``RankStep`` in lockstep on the global ``batches`` (one per step; ``rates``: each
+    step's scheduled learning rates, ``capture.schedule``); ``states`` (each rank's local state) are updated
+    in place. Returns {"losses", "rank_losses", "local", "peaks"}: peaks are each rank's live bytes in the
+    first step, counted as ``RankStep.run_measured`` counts them."""
     world = len(rank_steps)
     mesh = rank_steps[0].plan.mesh
     rank_losses: list[list[float]] = [[] for _ in range(world)]
     peaks = [0] * world
     for step, batch in enumerate(batches):
+        for st in states:
+            set_rates(st, rates[step] if rates else None)
         locs = [rs.local_batch(batch) for rs in rank_steps]
         gens = [rs.schedule(states[r], locs[r], release=True) for r, rs in enumerate(rank_steps)]
         outs: list = [None] * world

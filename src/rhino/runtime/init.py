@@ -79,6 +79,9 @@ def local_state(cap: Captured, rp: ResolvedPlan, rank: int, source: Deferred | N
         if inp.role is Role.BATCH:
             continue
         sharding = rp.value[inp.value]
+        if inp.name in cap.scheduled:          # a scheduled learning rate: the trainer sets it before each step
+            out[inp.name] = torch.tensor(cap.schedule_values[inp.name], dtype=torch.float64, device=device)
+            continue
         if inp.role is Role.OPT_STATE:
             u, key = updates[inp.name]
             held = opt_state.get(params[u.name], {})

@@ -14,6 +14,7 @@ import time
 import torch
 
 from ..capture import Captured
+from ..capture.schedule import planned_rates, set_rates
 from ..ir.graph import Graph, Role
 from ..lower.spmd_ops import set_context
 from ..sharding.plan import ShardingPlan
@@ -36,7 +37,7 @@ def pipeline_rank_state(step: PipelineStep, state: dict, device) -> dict[str, to
 
 
 def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, steps: int, timeout_s: float,
-               micro_json: str | None):
+               micro_json: str | None, rates: list | None = None):
     graph = Graph.from_json(graph_json)
     plan = ShardingPlan.from_json(plan_json)
     groups = build_stage_groups(plan.mesh, plan.stages, timeout_s)
@@ -46,7 +47,10 @@ def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, 
     local = pipeline_rank_state(step_fn, state, ctx.device)
     batch_local = step_fn.local_batch(batch)
     held = bytes_by_role(graph, local)
-    losses = [step_fn.run(local, batch_local) for _ in range(steps)]
+    losses = []
+    for k in range(steps):
+        set_rates(local, rates[k] if rates else None)
+        losses.append(step_fn.run(local, batch_local))
     return {"losses": losses, "local": {n: t.detach().cpu() for n, t in local.items()}, "held": held,
             "stage_times": [(t.busy, t.idle) for t in step_fn.times], "sent_bytes": [t.sent_bytes for t in step_fn.times]}
 
@@ -62,7 +66,7 @@ def run_pipeline(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, 
     step0 = PipelineStep(cap.graph, plan, 0, micro_graph=micro)   # checks the plan before processes start
     args = (cap.graph.to_json(), plan.to_json(), cap.initial_state(),
             tuple(b.detach() for b in cap.workload.batch), steps, timeout_s,
-            micro.to_json() if micro is not None else None)
+            micro.to_json() if micro is not None else None, planned_rates(cap, steps))
     if in_torchrun():
         results = {int(os.environ["RANK"]): run_from_env(_rank_main, *args, timeout_s=timeout_s)}
     else:

@@ -8,6 +8,7 @@ import torch
 import torch.distributed as dist
 
 from ..capture import Captured
+from ..capture.schedule import planned_rates, set_rates
 from ..ir.graph import Graph, Role
 from ..ir.registry import draws_rng
 from ..lower.spmd_ops import set_context
@@ -54,7 +55,7 @@ class RunResult:
 
 def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, steps: int, timeout_s: float,
                measure: bool = False, micro_json: str | None = None, overlap: bool = False,
-               memory_plan: str | None = None, rank_plans: dict | None = None):
+               memory_plan: str | None = None, rank_plans: dict | None = None, rates: list | None = None):
     graph = Graph.from_json(graph_json)
     plan = ShardingPlan.from_json(plan_json)
     rp = resolve(graph, plan)
@@ -74,6 +75,7 @@ def _rank_main(ctx, graph_json: str, plan_json: str, state: dict, batch: tuple, 
     held = bytes_by_role(graph, local)
     losses, times, peak = [], [], 0
     for step in range(steps):
+        set_rates(local, rates[step] if rates else None)
         if measure and step == 0:  # the first step runs node by node and counts live bytes
             loss, peak = step_fn.run_measured(local, batch_local)
         else:
@@ -142,7 +144,7 @@ def run_plan(cap: Captured, plan: ShardingPlan, nproc: int, steps: int = 2, time
     # each distinct rank program planned once, here, before the ranks start (under torchrun each rank plans its own)
     rank_plans = plan_ranks(graph, plan, memory_plan) if memory_plan and not in_torchrun() else None
     args = (graph.to_json(), plan.to_json(), state, batch, steps, timeout_s, measure,
-            micro.to_json() if micro is not None else None, overlap, memory_plan, rank_plans)
+            micro.to_json() if micro is not None else None, overlap, memory_plan, rank_plans, planned_rates(cap, steps))
     if in_torchrun():
         results = {int(__import__("os").environ["RANK"]): run_from_env(_rank_main, *args, timeout_s=timeout_s)}
     else:

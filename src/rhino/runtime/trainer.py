@@ -30,6 +30,7 @@ import torch.distributed as dist
 
 from ..capture import Captured, Workload, capture, default_dtype
 from ..capture.optim import changed_hyperparameter, hyperparameters
+from ..capture.schedule import LrSchedule, set_rates
 from ..ir.graph import Role
 from ..sharding.plan import PlanError, ShardingPlan, resolve
 from ..sharding.presets import parse_strategy, preset_plan, unsplit_batch
@@ -65,13 +66,16 @@ class Trainer:
     so the resident set follows the live bytes; for models near the memory limit (costs page faults).
     ``memory_plan``: a memory-planning level (O1, O2): the step runs in its planned order inside one arena
     (``runtime.arena_step.ArenaRankStep``; blocking collectives, one micro-batch).
+    ``lr_scheduler``: ``f(optimizer)`` returning a ``torch.optim.lr_scheduler`` scheduler (in place of the
+    workload file's ``lr_scheduler``); each step runs at its current rates and then steps it
+    (``capture/schedule.py``; ``self.schedule.scheduler`` is the scheduler).
     """
 
     def __init__(self, workload, plan: ShardingPlan | str | None = None, *, strategy: str | None = None,
                  cluster: str | None = None, level: str = "O1", time_limit: float = 20.0,
                  dtype: torch.dtype | None = None, overlap: bool = True, timeout_s: float = 300.0,
                  release_memory: bool = False, progress: Callable[[str], None] | None = None,
-                 memory_plan: str | None = None) -> None:
+                 memory_plan: str | None = None, lr_scheduler: Callable | None = None) -> None:
         if sum(x is not None for x in (plan, strategy, cluster)) != 1:
             raise ValueError("give exactly one of plan, strategy or cluster")
         say = progress or (lambda message: None)
@@ -84,9 +88,13 @@ class Trainer:
         self.device = self.ctx.device
         with default_dtype(dtype):
             self.workload, self._source = _load(workload, dtype)
+            if lr_scheduler is not None:
+                self.workload.lr_scheduler = lr_scheduler
             say("capturing the training step ...")
             self.cap: Captured = capture(self.workload)
-            self._hyperparameters = hyperparameters(self.workload.optimizer)
+            self.schedule = LrSchedule(self.workload.optimizer, self.workload.lr_scheduler, self.cap.scheduled,
+                                       self.workload.spec) if self.cap.scheduled else None
+            self._hyperparameters = hyperparameters(self.workload.optimizer, scheduled=bool(self.cap.scheduled))
             self.plan = self._plan(plan, strategy, cluster, level, time_limit, say)
         if self.plan.world != self.world:
             raise ValueError(f"the plan has {self.plan.world} devices ({self.plan.stages} stage(s) of mesh "
@@ -121,6 +129,8 @@ class Trainer:
         self.state = self._local_state()
         self._stream = None
         self.steps_done = 0
+        self.peak_live_bytes = 0          # of the last step run with measure=True
+        self.last_rates: dict[str, float] = {}   # the learning rates of the last step, when scheduled
         self.data_position = 0            # global batches taken from the stream by next_batch (checkpointed)
 
     # ------------------------------------------------------------------ set-up
@@ -192,21 +202,31 @@ class Trainer:
         from .init import example_batch
         return example_batch(self._source, self.workload)
 
-    def step(self, batch=None) -> float:
-        """One training step on a global batch (``None``: the next one); returns the loss (same on every rank)."""
+    def step(self, batch=None, measure: bool = False) -> float:
+        """One training step on a global batch (``None``: the next one); returns the loss (same on every rank).
+        ``measure``: run it node by node, counting live tensor bytes (``peak_live_bytes``, this rank's)."""
         changed = changed_hyperparameter(self._hyperparameters, self.workload.optimizer)
         if changed:
             raise ValueError(f"the optimizer's {changed} after the step was captured (a learning-rate "
-                             f"scheduler?); the captured update keeps the value it was captured with, and "
-                             f"Rhino does not follow hyper-parameter changes: keep them fixed, or build a new "
-                             f"Trainer after the change (save and resume to carry the state over)")
+                             f"scheduler?); the captured update keeps the value it was captured with: give the "
+                             f"scheduler to Rhino (the workload file's lr_scheduler(optimizer), or Trainer(..., "
+                             f"lr_scheduler=...)), which follows the learning rate, or build a new Trainer after "
+                             f"the change (save and resume to carry the state over)")
         batch = check_batch(self.cap.graph, self.next_batch() if batch is None else batch,
                             f"the batch of step {self.steps_done + 1}")
         local = rank_batch(batch, self.rp, self.mesh_rank, self.microbatches, self.device)
         set_context(self.plan.mesh, self.mesh_rank, self.groups, TORCH_COLLECTIVES)   # another trainer in this process may have set its own
+        if self.schedule is not None:
+            self.last_rates = self.schedule.rates()
+            set_rates(self.state, self.last_rates)
         with explain_microbatch_errors(self.microbatches):
-            loss = self.program.run(self.state, local)
+            if measure:
+                loss, self.peak_live_bytes = self.program.run_measured(self.state, local)
+            else:
+                loss = self.program.run(self.state, local)
         self.steps_done += 1
+        if self.schedule is not None:
+            self.schedule.advance()
         return float(loss)
 
     # ------------------------------------------------------------------ checkpoints
@@ -472,19 +492,18 @@ def train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, over
             batch = trainer.next_batch()
             samples = samples_in(batch)
             t0 = time.perf_counter()
+            loss = trainer.step(batch, measure=measure_live and step == first)
             if measure_live and step == first:
-                with explain_microbatch_errors(trainer.microbatches):
-                    loss, peak_live = trainer.program.run_measured(trainer.state, rank_batch(
-                        check_batch(trainer.cap.graph, batch, f"the batch of step {step + 1}"), trainer.rp,
-                        trainer.mesh_rank, trainer.microbatches, trainer.device))
-                trainer.steps_done += 1
-            else:
-                loss = trainer.step(batch)
+                peak_live = trainer.peak_live_bytes
             dt = time.perf_counter() - t0
             losses.append(float(loss))
             times.append(dt)
             line = {"step": step + 1, "loss": float(loss), "seconds": dt, "samples_per_second": samples / dt}
-            say(f"step {step + 1}/{steps}  loss {float(loss):.6g}  {dt * 1e3:.1f} ms  {samples / dt:.1f} samples/s")
+            rates = f"  lr {' '.join(f'{r:.4g}' for r in trainer.last_rates.values())}" if trainer.last_rates else ""
+            if trainer.last_rates:
+                line["lr"] = list(trainer.last_rates.values())     # per scheduled param group
+            say(f"step {step + 1}/{steps}  loss {float(loss):.6g}{rates}  {dt * 1e3:.1f} ms  "
+                f"{samples / dt:.1f} samples/s")
             if logf is not None:
                 import json
                 logf.write(json.dumps(line) + "\n")
