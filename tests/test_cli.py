@@ -62,6 +62,7 @@ def test_capture_into_missing_directory_fails_cleanly(capsys, tmp_path):
     ("foreign_optimizer", "not a parameter of the model"),
     ("batchnorm_cumulative", "give each BatchNorm a numeric momentum"),
     ("boolean_selection", "keep every element and mask the result instead of selecting"),
+    ("adaptive_softmax", "compute the loss as F.nll_loss(asm.log_prob(input), target)"),
     ("unsupported_optimizer", "re-evaluates the model several times inside step() through a closure"),
     ("no_such_function", "has no function 'no_such_function'"),
 ])

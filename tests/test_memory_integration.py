@@ -205,6 +205,15 @@ def test_arena_on_optimizer_variants(func):
     assert bitwise, f"max abs diff {diff}"
 
 
+def test_arena_keeps_an_out_overload_only_if_its_outputs_may_share_one_storage():
+    """``linalg_qr.out`` with column-major Q and R in one storage (arena slots) writes a wrong R; alone each is right.
+    The out= trial now also runs with the outputs in one buffer, so the arena computes QR and copies instead."""
+    cap = _cap(str(ROOT / "tests" / "workloads" / "heldout33.py:qr_both"))
+    problem, mapping = problem_from_graph(cap.graph)
+    bitwise, diff, _ = _run_both(cap, problem, mapping, _greedy(problem, problem.op_ids()))
+    assert bitwise, f"max abs diff {diff}"
+
+
 def test_aligned_offsets_repairs_an_unaligned_layout():
     cap = _cap("gpt")
     problem, mapping = problem_from_graph(cap.graph)

@@ -410,3 +410,16 @@ def test_a_preset_whose_dp_splits_no_batch_tensor_says_so():
     assert note is not None and "dp=4 splits no batch tensor (rows along dim 0: 6, not multiples of 4)" in note
     for fine in ("dp=2", "tp=2", "dp=1"):
         assert unsplit_batch(cap.graph, preset_plan(cap.graph, parse_strategy(fine))) is None, fine
+
+
+@pytest.mark.parametrize("func", ["gates", "skew"])
+@pytest.mark.parametrize("preset", ["tp=2", "dp=2,tp=2"])
+def test_presets_on_chunked_gates_and_a_parameter_beside_its_transpose(func, preset):
+    """Two crashes of the preset's propagation: a Linear's output in four chunks of 5 under tp=2 (the rule offered
+    only the chunk-wise split, which 5 does not divide; replication is now the fallback), and ``S - S.t()``
+    (the view's source resolved first by the same consumer). Every rank equals one device."""
+    with warnings.catch_warnings(), default_dtype(torch.float64):
+        warnings.simplefilter("ignore")
+        cap = capture(load_workload(str(ROOT / "tests" / "workloads" / f"heldout33.py:{func}"), dtype=torch.float64))
+        r, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy(preset)), steps=2)
+    assert r.ok and r.max_abs_diff < 1e-12, (r.first_mismatch, r.max_abs_diff)

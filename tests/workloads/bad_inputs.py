@@ -124,3 +124,11 @@ def boolean_selection():
     model = _mlp()
     x = torch.randn(8, 8)
     return model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, x: m(x)[m(x) > 0].mean(), (x,)
+
+
+def adaptive_softmax():
+    """nn.AdaptiveLogSoftmaxWithLoss's forward selects each cluster's rows by target (inside torch)."""
+    torch.manual_seed(0)
+    model = nn.ModuleDict({"body": nn.Linear(8, 16), "asm": nn.AdaptiveLogSoftmaxWithLoss(16, 20, cutoffs=[4, 10])})
+    x, y = torch.randn(8, 8), torch.randint(0, 20, (8,))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, x, y: m["asm"](m["body"](x), y).loss, (x, y)

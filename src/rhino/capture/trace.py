@@ -363,7 +363,7 @@ def _trace(step, flat, workload: Workload) -> torch.fx.GraphModule:
         with autocast_on("cpu"), torch.backends.mkldnn.flags(enabled=False), _value_checks_off():
             return make_fx(step, tracing_mode="fake")(*flat)
     except _DATA_DEPENDENT as exc:
-        fix = _VALUE_SHAPE_FIXES.get(getattr(exc, "func", None)) or _module_fix(exc) or \
+        fix = _module_fix(exc) or _VALUE_SHAPE_FIXES.get(getattr(exc, "func", None)) or \
             "use tensor ops such as torch.where instead"
         raise CaptureError(f"tracing stopped at {_user_frame(exc, workload)}: Python control flow or a "
                            f"shape depends on a tensor's value (.item(), bool(tensor), boolean indexing), "
@@ -381,7 +381,10 @@ def _trace(step, flat, workload: Workload) -> torch.fx.GraphModule:
 _MODULE_VALUE_FIXES = {
     ("nn", "modules", "batchnorm.py"): "give each BatchNorm a numeric momentum (momentum=None keeps a cumulative "
                                        "average whose factor 1 / num_batches_tracked is read as a Python number "
-                                       "every step)"}
+                                       "every step)",
+    ("nn", "modules", "adaptive.py"): "nn.AdaptiveLogSoftmaxWithLoss's forward selects each cluster's rows by "
+                                      "target, which the user cannot mask: compute the loss as "
+                                      "F.nll_loss(asm.log_prob(input), target) instead"}
 
 
 def _module_fix(exc: BaseException) -> str | None:

@@ -444,7 +444,29 @@ class ArenaProgram:
             return False
         return all(v.data_ptr() == q and v.shape == t.shape and v.stride() == t.stride() and
                    b.untyped_storage().nbytes() == b.numel() and bool((b[:pad] == 0xA5).all()) and
-                   _same_values(v, r) for v, q, t, b, r in zip(views, ptrs, slots, bufs, refs))
+                   _same_values(v, r) for v, q, t, b, r in zip(views, ptrs, slots, bufs, refs)) and \
+            self._shared_out_equal(ov, args, kwargs, slots, refs, pad)
+
+    @staticmethod
+    def _shared_out_equal(ov, args, kwargs, slots: list[torch.Tensor], refs: list, pad: int) -> bool:
+        """Several out tensors in one buffer (as the arena's slots share its storage), guard bytes between them:
+        the op's values, and no guard byte changed. ``linalg_qr.out`` writes R as zeros when Q and R are views
+        of one storage (PyTorch 2.13, CPU), though each alone is right."""
+        if len(slots) < 2:
+            return True
+        sizes = [t.numel() * t.element_size() for t in slots]
+        starts = [pad]
+        for n in sizes[:-1]:      # the next slot after guard bytes, 64-byte aligned
+            starts.append(starts[-1] + -(-(n + pad) // 64) * 64)
+        buf = torch.full((starts[-1] + sizes[-1],), 0xA5, dtype=torch.uint8, device=slots[0].device)
+        views = [buf[a:a + n].view(t.dtype).as_strided(t.shape, t.stride()) for a, n, t in zip(starts, sizes, slots)]
+        try:
+            ov[0](*args, **kwargs, **dict(zip(ov[1], views)))
+        except RuntimeError:
+            return False
+        guards = [buf[a - pad:a] for a in starts]
+        return buf.untyped_storage().nbytes() == buf.numel() and all(bool((g == 0xA5).all()) for g in guards) and \
+            all(v.shape == t.shape and _same_values(v, r) for v, t, r in zip(views, slots, refs))
 
     @staticmethod
     def _grows_out(ov, args, kwargs, slots: list[torch.Tensor]) -> bool:

@@ -459,6 +459,10 @@ class PipelineStep:
         def send(dst: int, index: int, k: int, t: torch.Tensor):
             if dst % devices == self.stage:
                 local[index * (m + 1) + k] = t.clone()
+            elif k < m and _storage(t) in {_storage(g) for g in grads.values()}:
+                # a view of a gradient accumulator (a parameter-derived value read by another stage): the
+                # next micro-batch adds into it while the send may still be reading it
+                yield Send(dst % devices, index * (m + 1) + k, t.clone())
             else:
                 yield Send(dst % devices, index * (m + 1) + k, t)
 
@@ -481,8 +485,10 @@ class PipelineStep:
                 else:
                     box[x] = t
             if first:
+                sent = {_storage(box[vid]) for vid, _, _ in ps.sends}
                 for u, t in zip(ps.grads, outs[len(ps.outputs):]):
-                    grads[u] = t.clone() if u in box else t   # a sent tensor is never added into
+                    # a sent tensor (or one sharing its storage) is never added into
+                    grads[u] = t.clone() if u in box or _storage(t) in sent else t
             for vid, dst, index in ps.sends:
                 yield from send(dst, index, k, box[vid])
             if key == "B":
@@ -628,3 +634,8 @@ def compare_stages(rp: ResolvedPlan, spec: PipelineSpec, results: dict[int, dict
         if out.ok and not c.ok:
             out.ok, out.first_mismatch = False, f"stage {stage}, global rank {r}: {c.first_mismatch}"
     return out
+
+
+def _storage(t: torch.Tensor) -> int:
+    """The address of ``t``'s storage: views of one tensor share it."""
+    return t.untyped_storage().data_ptr()

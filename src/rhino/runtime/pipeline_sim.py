@@ -66,6 +66,7 @@ def _one_step(ranks: list[PipelineStep], local: list[dict], shares: list[tuple],
             result[r] = stop.value
 
     mailbox: dict[tuple, torch.Tensor] = {}
+    in_flight: list[tuple] = []    # (rank, tag, the tensor sent, its value then): a send may read it until the step ends
     sent = 0
     with torch.no_grad():
         for r in range(len(ranks)):
@@ -80,6 +81,7 @@ def _one_step(ranks: list[PipelineStep], local: list[dict], shares: list[tuple],
                         act = acts[r]
                         if isinstance(act, Send):
                             mailbox[(s, act.dst, r % W, act.tag)] = act.tensor.clone()
+                            in_flight.append((r, act.tag, act.tensor, mailbox[(s, act.dst, r % W, act.tag)]))
                             sent += 1
                             advance(r, None)
                         else:
@@ -100,4 +102,7 @@ def _one_step(ranks: list[PipelineStep], local: list[dict], shares: list[tuple],
                 waiting = {r: a for r, a in enumerate(acts) if a is not done}
                 raise PipelineDeadlock(f"no stage can advance; waiting ranks: {sorted(waiting)}")
     assert not mailbox, sorted(mailbox)
+    for r, tag, tensor, then in in_flight:
+        if not torch.equal(tensor, then):   # an asynchronous send (dist.isend) would have read either value
+            raise AssertionError(f"rank {r} changed the tensor of its send {tag} before the step ended")
     return result, sent

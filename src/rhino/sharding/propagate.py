@@ -167,7 +167,7 @@ class Propagator:
             if sig is not None:
                 self._letters[(sig, n)] = letters
         if allowed is not None:
-            return [x for x in allowed if x is None or split_letter(x)[0] in letters] or [None]
+            return [x for x in allowed if x is None or self._divides(x, letters, sizes, n)] or [None]
         opts: list = [None] + letters
         refs = node.input_refs()
         opts += self._strided_options(refs, ann, sizes, axis, letters)
@@ -184,6 +184,13 @@ class Propagator:
                 if set(partial_at) == set(group):
                     opts.append(passthrough(group, len(refs)))
         return opts
+
+    @staticmethod
+    def _divides(entry: str, letters: list[str], sizes: dict, n: int) -> bool:
+        """A rule's split ``x`` or ``x/k`` can be taken on ``n`` devices: ``x`` splits, and into ``k * n``
+        parts (a fused weight chunked in 4 whose chunks ``n`` does not divide is replicated instead)."""
+        letter, blocks = split_letter(entry)
+        return letter in letters and sizes[letter] % (blocks * n) == 0
 
     def _strided_options(self, refs, ann, sizes, axis: int, letters: list[str]) -> list[str]:
         """``"x/k"`` entries that keep an input's strided shard (blocks beyond its dim's own parts)."""
@@ -265,7 +272,13 @@ class Propagator:
         had = [any(isinstance(sh[axis], Shard) for _, sh in arrived) for axis in range(self.mesh.ndim)]
         lazy_at = [k for k, r in enumerate(refs) if r.id in self.lazy]
         moved = [(k, r.id, self.actual[r.id]) for k, r in enumerate(refs) if r.id not in self.lazy]
-        for idx, strategy in enumerate(itertools.product(*options)):
+        chosen = list(itertools.product(*options))
+        # a rule's choices (``_options``) may all be illegal here (a split the local size does not divide):
+        # replication, legal everywhere, is then the fallback
+        fallback = [] if all(None in o for o in options) else [tuple(None for _ in options)]
+        for idx, strategy in enumerate(chosen + fallback):
+            if idx == len(chosen) and best is not None:
+                break
             ns = self._ns_cache.get((sig, strategy))
             if ns is None:
                 try:
@@ -381,6 +394,19 @@ class Propagator:
         call = call_of(self.graph, node)
         ann = annotate(call)
         sizes = letter_sizes(ann, [t.shape for t in call.in_types])
+        source = node.input_refs()[0].id
+        if source not in self.lazy:
+            # the view's source was resolved first, by another input of the same consumer (S - S.t()): the
+            # view follows the source's sharding; the consumer redistributes what it gets if it must
+            strategy = self._strategy_producing(ann, sizes, self.actual[source], ann.inputs[0])
+            try:
+                ns = shardings_for(ann, [t.shape for t in call.in_types], strategy, self.mesh)
+            except (StrategyError, ValueError):
+                strategy = (None,) * self.mesh.ndim
+                ns = shardings_for(ann, [t.shape for t in call.in_types], strategy, self.mesh)
+            self.strategies[node.name] = strategy
+            self.actual[vid] = ns.outputs[0]
+            return
         strategy = self._strategy_producing(ann, sizes, want)
         try:
             ns = shardings_for(ann, [t.shape for t in call.in_types], strategy, self.mesh)
@@ -410,8 +436,10 @@ class Propagator:
                 return tuple(Shard(d) if a == axis else p for a, p in enumerate(want))
         return want
 
-    def _strategy_producing(self, ann, sizes: dict, want: Sharding) -> tuple:
-        """The view's strategy whose output sharding is ``want`` (a strided shard gives ``"x/k"``)."""
+    def _strategy_producing(self, ann, sizes: dict, want: Sharding, dims=None) -> tuple:
+        """The view's strategy whose output sharding is ``want`` (a strided shard gives ``"x/k"``); with ``dims``
+        (``ann.inputs[0]``), the strategy taking an input sharded as ``want``."""
+        dims = ann.outputs[0] if dims is None else dims
         local = dict(sizes)
         out = []
         for axis, p in enumerate(want):
@@ -419,7 +447,7 @@ class Propagator:
             if isinstance(p, Shard):
                 n = self.mesh.sizes[axis]
                 prefix = 1
-                for x in ann.outputs[0][p.dim]:
+                for x in dims[p.dim]:
                     if p.blocks % prefix == 0 and x not in ann.fixed and local[x] % (n * (p.blocks // prefix)) == 0:
                         entry = strided(x, p.blocks // prefix)
                         local[x] //= n
