@@ -395,26 +395,19 @@ class Propagator:
         ann = annotate(call)
         sizes = letter_sizes(ann, [t.shape for t in call.in_types])
         source = node.input_refs()[0].id
-        if source not in self.lazy:
-            # the view's source was resolved first, by another input of the same consumer (S - S.t()): the
-            # view follows the source's sharding; the consumer redistributes what it gets if it must
-            strategy = self._strategy_producing(ann, sizes, self.actual[source], ann.inputs[0])
-            try:
-                ns = shardings_for(ann, [t.shape for t in call.in_types], strategy, self.mesh)
-            except (StrategyError, ValueError):
-                strategy = (None,) * self.mesh.ndim
-                ns = shardings_for(ann, [t.shape for t in call.in_types], strategy, self.mesh)
-            self.strategies[node.name] = strategy
-            self.actual[vid] = ns.outputs[0]
-            return
-        strategy = self._strategy_producing(ann, sizes, want)
+        # the view's source may have been resolved first, by another input of the same consumer (S - S.t()):
+        # the view then follows the source's sharding, and the consumer redistributes what it gets if it must
+        resolved = source not in self.lazy
+        strategy = self._strategy_producing(ann, sizes, self.actual[source], ann.inputs[0]) if resolved else \
+            self._strategy_producing(ann, sizes, want)
         try:
             ns = shardings_for(ann, [t.shape for t in call.in_types], strategy, self.mesh)
         except (StrategyError, ValueError):
             strategy = (None,) * self.mesh.ndim
             ns = shardings_for(ann, [t.shape for t in call.in_types], strategy, self.mesh)
         self.strategies[node.name] = strategy
-        self._resolve(node.input_refs()[0].id, ns.inputs[0])
+        if not resolved:
+            self._resolve(source, ns.inputs[0])
         self.actual[vid] = ns.outputs[0]
 
     def _zero_sharding(self, vid: int, want: Sharding, role: Role | None) -> Sharding:
