@@ -110,7 +110,7 @@ def test_schedules_rhino_cannot_follow_are_one_sentence():
 
 @pytest.mark.multiprocess
 def test_rhino_train_follows_the_schedule_across_a_resume_under_another_plan(tmp_path):
-    """``rhino train``: 4 steps under dp=4,zero=3 saved, resumed under tp=2 up to 8; the 8 losses equal the plain
+    """``rhino train``: 4 steps under dp=2,zero=3 saved, resumed under tp=2 up to 8; the 8 losses equal the plain
     loop's with the scheduler (the resumed run replays the schedule to step 4: the checkpoint holds no rates)."""
     def train(*args):
         out = subprocess.run([sys.executable, "-m", "rhino.cli.main", "train", SCHEDULED, "--dtype", "float64",
@@ -118,7 +118,7 @@ def test_rhino_train_follows_the_schedule_across_a_resume_under_another_plan(tmp
                              capture_output=True, text=True, cwd=ROOT, timeout=600)
         assert out.returncode == 0, out.stderr[-2000:]
         return json.loads(out.stdout)
-    first = train("--nproc", "4", "--strategy", "dp=4,zero=3", "--steps", "4", "--log", str(tmp_path / "log.jsonl"))
+    first = train("--nproc", "2", "--strategy", "dp=2,zero=3", "--steps", "4", "--log", str(tmp_path / "log.jsonl"))
     second = train("--nproc", "2", "--strategy", "tp=2", "--steps", "8", "--resume")
     assert second["resumed_from_step"] == 4
     got, want = first["losses"] + second["losses"], eager_losses(SCHEDULED, 8)
