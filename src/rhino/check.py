@@ -9,7 +9,7 @@ import torch
 from .capture import Captured
 from .capture.amp import autocast_on
 from .capture.optim import copy_training, state_name
-from .capture.schedule import LrSchedule, planned_rates, set_rates
+from .capture.schedule import LrSchedule, set_rates
 from .capture.workload import WorkloadError
 from .lower import StepProgram
 
@@ -61,13 +61,17 @@ def check_captured(cap: Captured, steps: int = 2, seed: int = 0, rtol: float = R
     model, optimizer = copy_training(w.model, w.optimizer)
     state = cap.initial_state()
     program = StepProgram(cap.graph)
-    rates = planned_rates(cap, steps) or [None] * steps
     schedule = LrSchedule(optimizer, w.lr_scheduler, cap.scheduled, w.spec) if cap.scheduled else None
+    rates = [schedule.rates() if schedule else None]       # each step's, as the eager loop's scheduler gives them
+
+    def advance():
+        schedule.advance()
+        rates.append(schedule.rates())
     # plain PyTorch first: a step that fails there (capture's fake tensors are more lenient than some
     # kernels: a float32 target beside float64 logits) is the workload's mistake, said in one sentence
     torch.manual_seed(seed)
     try:
-        theirs = eager_steps(model, optimizer, w.loss_fn, w.batch, steps, schedule and schedule.advance)
+        theirs = eager_steps(model, optimizer, w.loss_fn, w.batch, steps, advance if schedule else None)
     except RuntimeError as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise WorkloadError(f"the training step fails in plain PyTorch ({first}); fix the workload so that "
@@ -75,7 +79,7 @@ def check_captured(cap: Captured, steps: int = 2, seed: int = 0, rtol: float = R
     torch.manual_seed(seed)
     ours = []
     for k in range(steps):
-        set_rates(state, rates[k])
+        set_rates(state, rates[k] if schedule else None)
         ours.append(program.step(state, w.batch).detach().clone())
 
     pairs: list[tuple[str, torch.Tensor, torch.Tensor]] = []

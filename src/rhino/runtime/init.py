@@ -75,12 +75,13 @@ def local_state(cap: Captured, rp: ResolvedPlan, rank: int, source: Deferred | N
     params = dict(cap.workload.model.named_parameters())
     opt_state = cap.workload.optimizer.state
     out: dict[str, torch.Tensor] = {}
+    rates = cap.schedule_values
     for inp in cap.graph.inputs:
         if inp.role is Role.BATCH:
             continue
         sharding = rp.value[inp.value]
         if inp.name in cap.scheduled:          # a scheduled learning rate: the trainer sets it before each step
-            out[inp.name] = torch.tensor(cap.schedule_values[inp.name], dtype=torch.float64, device=device)
+            out[inp.name] = torch.tensor(rates[inp.name], dtype=torch.float64, device=device)
             continue
         if inp.role is Role.OPT_STATE:
             u, key = updates[inp.name]

@@ -446,6 +446,7 @@ class PipelineStep:
         rows = [b.shape[0] // m if b.dim() else 0 for b in local_batch]
         stash: dict[tuple[int, int], dict[int, torch.Tensor]] = {}
         grads: dict[int, torch.Tensor] = {}
+        accumulating: set[int] = set()                 # storages of ``grads``: later micro-batches add into them
         local: dict[int, torch.Tensor] = {}            # tag -> tensor sent from one of this rank's chunks to another
         later: list[list] = []                         # the arguments of update programs still to run
         self._in_flight = (stash, grads, local, later)  # what ``run_measured`` counts as held between programs
@@ -459,7 +460,7 @@ class PipelineStep:
         def send(dst: int, index: int, k: int, t: torch.Tensor):
             if dst % devices == self.stage:
                 local[index * (m + 1) + k] = t.clone()
-            elif k < m and _storage(t) in {_storage(g) for g in grads.values()}:
+            elif k < m and _storage(t) in accumulating:
                 # a view of a gradient accumulator (a parameter-derived value read by another stage): the
                 # next micro-batch adds into it while the send may still be reading it
                 yield Send(dst % devices, index * (m + 1) + k, t.clone())
@@ -489,6 +490,7 @@ class PipelineStep:
                 for u, t in zip(ps.grads, outs[len(ps.outputs):]):
                     # a sent tensor (or one sharing its storage) is never added into
                     grads[u] = t.clone() if u in box or _storage(t) in sent else t
+                    accumulating.add(_storage(grads[u]))
             for vid, dst, index in ps.sends:
                 yield from send(dst, index, k, box[vid])
             if key == "B":
