@@ -461,8 +461,7 @@ class PipelineStep:
             if dst % devices == self.stage:
                 local[index * (m + 1) + k] = t.clone()
             elif k < m and _storage(t) in accumulating:
-                # a view of a gradient accumulator (a parameter-derived value read by another stage): the
-                # next micro-batch adds into it while the send may still be reading it
+                # a view of a gradient accumulator, which the next micro-batch adds into while the send reads it
                 yield Send(dst % devices, index * (m + 1) + k, t.clone())
             else:
                 yield Send(dst % devices, index * (m + 1) + k, t)
