@@ -75,25 +75,95 @@ def test_param_groups_keep_their_own_rates_under_a_sharded_plan():
     assert r.ok and r.max_abs_diff <= EXACT, (r.first_mismatch, r.max_abs_diff)
 
 
-def test_a_scheduler_that_changes_more_than_the_rate_is_refused():
-    """OneCycleLR cycles Adam's beta1 by default, which the captured update holds as a constant."""
-    def one_cycle(opt):
-        return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10)
-    cap = _scheduled(scheduler=one_cycle)
-    with pytest.raises(WorkloadError, match=r"changed the optimizer's param_groups\[0\]\['betas'\].*"
-                                            r"cycle_momentum=False") as e:
-        planned_rates(cap, 3)
+CYCLED = {   # OneCycleLR's default cycle_momentum=True moves SGD's and RMSprop's momentum, the Adam family's beta1
+    "sgd": (OPTIMIZERS["sgd"], "momentum"),
+    "sgd_without_momentum": (lambda p: torch.optim.SGD(p, lr=0.1), "momentum"),   # built: momentum 0 -> 0.95
+    "sgd_dampening": (lambda p: torch.optim.SGD(p, lr=0.1, momentum=0.9, dampening=0.1), "momentum"),
+    "rmsprop": (OPTIMIZERS["rmsprop"], "momentum"),
+    "adam": (OPTIMIZERS["adam"], "beta1"),
+    "adamw": (OPTIMIZERS["adamw"], "beta1"),
+    "nadam": (OPTIMIZERS["nadam"], "beta1"),
+    "radam": (OPTIMIZERS["radam"], "beta1"),
+    "adamax": (OPTIMIZERS["adamax"], "beta1"),
+}
+
+
+def _one_cycle(opt):
+    return torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=10)
+
+
+@pytest.mark.parametrize("name", sorted(CYCLED))
+def test_a_cycled_momentum_or_beta1_is_followed_too(name):
+    """OneCycleLR with its defaults (cycle_momentum=True): the momentum or beta1 it moves becomes an input
+    beside the rate; five steps equal torch.optim with the scheduler, and the program run with that input held
+    at its first value differs."""
+    optimizer, key = CYCLED[name]
+    cap = _scheduled(optimizer, _one_cycle)
+    assert sorted(cap.scheduled) == sorted(["opt/group0/lr", f"opt/group0/{key}"])
+    planned = planned_rates(cap, 5)
+    assert len({r[f"opt/group0/{key}"] for r in planned}) == 5
+    with default_dtype(torch.float64):
+        r = check_captured(cap, steps=5, rtol=EXACT, atol=EXACT)
+    assert r.ok, r.first_mismatch
+    state, program = cap.initial_state(), StepProgram(cap.graph)
+    held = []
+    for rates in planned:
+        state["opt/group0/lr"].fill_(rates["opt/group0/lr"])
+        state[f"opt/group0/{key}"].fill_(planned[0][f"opt/group0/{key}"])
+        held.append(float(program.step(state, cap.workload.batch)))
+    assert max(abs(a - b) for a, b in zip(held, r.eager_losses)) > 1e-9
+
+
+def test_cycled_momenta_of_param_groups_under_a_sharded_plan():
+    """CyclicLR (cycle_momentum defaults to True) over SGD's two param groups, four steps of dp=2,tp=2 in
+    lockstep: every rank's shards equal single-device training."""
+    cap = _scheduled(scheduler=lambda opt: torch.optim.lr_scheduler.CyclicLR(opt, 0.01, 0.1, step_size_up=2),
+                     func="sgd_groups")
+    assert sorted(cap.scheduled) == ["opt/group0/lr", "opt/group0/momentum", "opt/group1/lr",
+                                     "opt/group1/momentum"]
+    r, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy("dp=2,tp=2")), steps=4)
+    assert r.ok and r.max_abs_diff <= EXACT, (r.first_mismatch, r.max_abs_diff)
+
+
+class _Late(torch.optim.lr_scheduler.LRScheduler):
+    """A user-written scheduler: a constant rate, and a momentum it sets from step ``at`` on."""
+
+    def __init__(self, optimizer, at, momentum):
+        self.at, self.momentum = at, momentum
+        super().__init__(optimizer)
+
+    def get_lr(self):
+        if self.last_epoch >= self.at:
+            for g in self.optimizer.param_groups:
+                g["momentum"] = self.momentum
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+
+def test_momenta_a_schedule_cannot_be_followed_in_are_one_sentence():
+    """A momentum moved only after the probe's steps is a constant of the step: refused when it moves; a
+    scheduled momentum set to 0 (torch then skips the buffer the step keeps) is refused."""
+    sgd = OPTIMIZERS["sgd"]
+    cap = _scheduled(sgd, lambda opt: _Late(opt, 4, 0.5))
+    assert list(cap.scheduled) == ["opt/group0/lr"]
+    with pytest.raises(WorkloadError, match=r"the optimizer's param_groups\[0\]\['momentum'\] changed from "
+                                            r"0.9 to 0.5; only the learning rate, and a momentum") as e:
+        planned_rates(cap, 5)
     assert "\n" not in str(e.value)
+    cap = _scheduled(sgd, lambda opt: _Late(opt, 1, 0.0))
+    assert sorted(cap.scheduled) == ["opt/group0/lr", "opt/group0/momentum"]
+    with pytest.raises(WorkloadError, match=r"set param_groups\[0\]\['momentum'\] to 0 after 1 steps.*"
+                                            r"keep the scheduled momentum above 0"):
+        planned_rates(cap, 3)
     cap = _scheduled(scheduler=lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10,
                                                                                cycle_momentum=False))
+    assert list(cap.scheduled) == ["opt/group0/lr"]
     with default_dtype(torch.float64):
         assert check_captured(cap, steps=3, rtol=EXACT, atol=EXACT).ok
 
 
 def test_schedules_rhino_cannot_follow_are_one_sentence():
-    cap = _scheduled(scheduler=lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
     with pytest.raises(WorkloadError, match="got a ReduceLROnPlateau \\(it steps on a metric\\)"):
-        planned_rates(cap, 2)
+        _scheduled(scheduler=lambda opt: torch.optim.lr_scheduler.ReduceLROnPlateau(opt))
 
     class Signs(torch.optim.Optimizer):          # a user-written optimizer: its step() is traced
         def __init__(self, params, lr):

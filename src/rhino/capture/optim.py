@@ -24,8 +24,8 @@ from .workload import WorkloadError
 
 __all__ = ["ParamUpdate", "SCALAR_KEYS", "plan_updates", "initial_state", "lazy_value", "scalar_dtype",
            "state_meta", "apply_update", "state_name", "mirrored_kind", "unhooked", "copy_training", "copy_model",
-           "hyperparameters", "changed_hyperparameter", "SCHEDULED_KEYS", "scheduled_name",
-           "scheduled_values", "mirrored_names"]
+           "hyperparameters", "changed_hyperparameter", "SCHEDULABLE", "scheduled_name",
+           "scheduled_values", "group_value", "mirrored_names"]
 
 
 @dataclass
@@ -210,20 +210,28 @@ def initial_state(optimizer: torch.optim.Optimizer, plans: list[ParamUpdate],
 _PRIMITIVE = (int, float, bool, complex, str, type(None))
 
 
-# Param-group keys a learning-rate scheduler sets: with a schedule, the captured step reads ``lr`` from a graph
-# input (``scheduled_name``) and ``initial_lr`` not at all.
-SCHEDULED_KEYS = ("lr", "initial_lr")
+# The hyper-parameters a scheduler may move: the learning rate always (with any schedule), and the momentum (SGD,
+# RMSprop) or beta1 (the Adam family) where the scheduler cycles it (OneCycleLR's and CyclicLR's
+# ``cycle_momentum``). A scheduled one is read from a float64 0-dim graph input (``scheduled_name``).
+SCHEDULABLE = ("lr", "momentum", "beta1")
+# keys a scheduler adds or sets that the step never reads
+_SCHEDULER_KEYS = ("initial_lr",)
 
 
-def scheduled_name(group: int) -> str:
-    """The graph input holding param group ``group``'s learning rate when it follows a schedule (a float64
-    0-dim optimizer-state input the step reads and passes on unchanged)."""
-    return f"opt/group{group}/lr"
+def scheduled_name(group: int, key: str = "lr") -> str:
+    """The graph input holding param group ``group``'s hyper-parameter ``key`` (one of ``SCHEDULABLE``) when it
+    follows a schedule (a float64 0-dim optimizer-state input the step reads and passes on unchanged)."""
+    return f"opt/group{group}/{key}"
 
 
-def scheduled_values(optimizer: torch.optim.Optimizer, scheduled: dict[str, int]) -> dict[str, float]:
-    """Each scheduled learning-rate input's value now (``scheduled``: input name -> param group)."""
-    return {name: _scalar(optimizer.param_groups[g]["lr"]) for name, g in scheduled.items()}
+def group_value(group: dict, key: str) -> float:
+    """Param group ``group``'s value of ``key`` (one of ``SCHEDULABLE``; ``beta1`` is ``betas[0]``)."""
+    return _scalar(group["betas"][0] if key == "beta1" else group[key])
+
+
+def scheduled_values(optimizer: torch.optim.Optimizer, scheduled: dict[str, tuple[int, str]]) -> dict[str, float]:
+    """Each scheduled input's value now (``scheduled``: input name -> (param group, key))."""
+    return {name: group_value(optimizer.param_groups[g], key) for name, (g, key) in scheduled.items()}
 
 
 def mirrored_names() -> list[str]:
@@ -231,24 +239,33 @@ def mirrored_names() -> list[str]:
     return [cls.__name__ for cls in _KINDS]
 
 
-def hyperparameters(optimizer: torch.optim.Optimizer | None, scheduled: bool = False) -> dict[tuple[int, str], Any]:
+def hyperparameters(optimizer: torch.optim.Optimizer | None,
+                    scheduled: dict[str, tuple[int, str]] | None = None) -> dict[tuple[int, str], Any]:
     """Each param-group entry a captured update reads as a constant, by (group index, key): Python values
     (and tuples of them, such as ``betas``) as they are, tensors by identity and version. ``scheduled``: the
-    learning rate is a graph input (``SCHEDULED_KEYS`` left out)."""
+    graph inputs of a schedule (``scheduled_values``); with one, every group's learning rate is left out, and
+    a scheduled momentum or beta1 (of ``betas`` only beta2 and the rest are kept)."""
     if optimizer is None:
         return {}
-    skip = SCHEDULED_KEYS if scheduled else ()
+    moved = {(g, key) for g, key in (scheduled or {}).values()}
 
-    def key(v):
+    def key(i, k, v):
+        if k == "betas" and (i, "beta1") in moved:
+            v = v[1:]
         return ("tensor", id(v), v._version) if isinstance(v, torch.Tensor) else v
-    return {(i, k): key(v) for i, g in enumerate(optimizer.param_groups) for k, v in g.items()
-            if k != "params" and k not in skip and (isinstance(v, _PRIMITIVE + (torch.Tensor,)) or
-                                  isinstance(v, tuple) and all(isinstance(x, _PRIMITIVE) for x in v))}
+
+    def fixed(i, k):
+        return not (scheduled and (k in ("lr",) + _SCHEDULER_KEYS or (i, k) in moved))
+    return {(i, k): key(i, k, v) for i, g in enumerate(optimizer.param_groups) for k, v in g.items()
+            if k != "params" and fixed(i, k) and (isinstance(v, _PRIMITIVE + (torch.Tensor,)) or
+                                                  isinstance(v, tuple) and all(isinstance(x, _PRIMITIVE) for x in v))}
 
 
-def changed_hyperparameter(before: dict[tuple[int, str], Any], optimizer: torch.optim.Optimizer | None) -> str | None:
-    """A sentence naming the first entry of ``hyperparameters(optimizer)`` that differs from ``before``."""
-    now = hyperparameters(optimizer)
+def changed_hyperparameter(before: dict[tuple[int, str], Any], optimizer: torch.optim.Optimizer | None,
+                           scheduled: dict[str, tuple[int, str]] | None = None) -> str | None:
+    """A sentence naming the first entry of ``hyperparameters(optimizer, scheduled)`` that differs from
+    ``before``."""
+    now = hyperparameters(optimizer, scheduled)
     for (i, k), v in before.items():
         if now.get((i, k), v) != v:
             if isinstance(v, tuple) and v[:1] == ("tensor",):
@@ -309,15 +326,16 @@ def state_name(param: str, key: str) -> str:
 
 
 def apply_update(plan: ParamUpdate, param: torch.Tensor, grad: torch.Tensor,
-                 state: dict[str, torch.Tensor], scalars: dict | None = None, lr: torch.Tensor | None = None
-                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 state: dict[str, torch.Tensor], scalars: dict | None = None,
+                 scheduled: dict[str, torch.Tensor] | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """New parameter and state (out of place) from one optimizer step.
 
     ``scalars`` caches step-derived scalars (step + 1, bias corrections) by the identity of the step
-    tensor and the hyper-parameters, so parameters sharing one step counter compute them once. ``lr``: a
-    float64 0-dim tensor read in place of the captured learning rate (a schedule's, ``scheduled_name``).
+    tensor and the hyper-parameters, so parameters sharing one step counter compute them once. ``scheduled``:
+    float64 0-dim tensors read in place of the captured hyper-parameters they name (a schedule's learning rate,
+    momentum or beta1: ``scheduled_name``).
     """
-    hp = plan.hp if lr is None else {**plan.hp, "lr": lr}
+    hp = {**plan.hp, **scheduled} if scheduled else plan.hp
     return _UPDATES[plan.kind](hp, param, grad, state, {} if scalars is None else scalars)
 
 
@@ -332,13 +350,14 @@ def _sgd(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalars
     if hp["weight_decay"] != 0:
         grad = grad.add(param, alpha=hp["weight_decay"])
     new_state = {}
-    if hp["momentum"] != 0:
-        buf = state["momentum_buffer"].mul(hp["momentum"]).add(grad, alpha=1 - hp["dampening"])
+    momentum = hp["momentum"]
+    if _on(momentum):
+        buf = state["momentum_buffer"].mul(_as_scalar(momentum, grad.dtype)).add(grad, alpha=1 - hp["dampening"])
         if "started" in state:
             buf = torch.where(state["started"] > 0, buf, grad)
             new_state["started"] = torch.ones_like(state["started"])
         new_state["momentum_buffer"] = buf
-        grad = grad.add(buf, alpha=hp["momentum"]) if hp["nesterov"] else buf
+        grad = _add_scaled(grad, buf, momentum) if hp["nesterov"] else buf
     return _descend(param, grad, hp["lr"]), new_state
 
 
@@ -380,7 +399,7 @@ def _moments(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, lr,
             param = param.mul(_as_scalar(1 - lr * wd, param.dtype))
         else:
             grad = grad.add(param, alpha=wd)
-    exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
+    exp_avg = _lerp(state["exp_avg"], grad, 1 - beta1)
     exp_avg_sq = state["exp_avg_sq"].mul(beta2).addcmul(grad, grad, value=1 - beta2)
     return param, grad, exp_avg, exp_avg_sq
 
@@ -413,8 +432,8 @@ def _rmsprop(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, sca
     else:
         avg = square_avg.sqrt()
     avg = avg.add(hp["eps"])
-    if hp["momentum"] > 0:
-        buf = state["momentum_buffer"].mul(hp["momentum"]).addcdiv(grad, avg)
+    if _on(hp["momentum"]):
+        buf = state["momentum_buffer"].mul(_as_scalar(hp["momentum"], grad.dtype)).addcdiv(grad, avg)
         new_state["momentum_buffer"] = buf
         return _descend(param, buf, hp["lr"]), new_state
     # torch: param.addcdiv_(grad, avg, value=-lr)
@@ -452,13 +471,32 @@ def _as_scalar(value, dtype: torch.dtype):
 
 
 def _descend(param: torch.Tensor, direction: torch.Tensor, lr) -> torch.Tensor:
-    """torch's ``param.add_(direction, alpha=-lr)``. With a scheduled (tensor) learning rate a product, then
-    a sum: the kernel's fused multiply-add cannot take a tensor factor, so results may differ from torch's
-    in the last bit."""
-    if not isinstance(lr, torch.Tensor):
-        return param.add(direction, alpha=-lr)
-    wide = _opmath(param.dtype)
-    return param.to(wide).add(direction.to(wide) * (-lr).to(wide)).to(param.dtype)
+    """torch's ``param.add_(direction, alpha=-lr)``."""
+    return _add_scaled(param, direction, -lr)
+
+
+def _add_scaled(x: torch.Tensor, y: torch.Tensor, alpha) -> torch.Tensor:
+    """torch's ``x.add(y, alpha=alpha)``. With a scheduled (tensor) factor a product, then a sum: the kernel's
+    fused multiply-add cannot take a tensor factor, so results may differ from torch's in the last bit."""
+    if not isinstance(alpha, torch.Tensor):
+        return x.add(y, alpha=alpha)
+    wide = _opmath(x.dtype)
+    return x.to(wide).add(y.to(wide) * alpha.to(wide)).to(x.dtype)
+
+
+def _lerp(start: torch.Tensor, end: torch.Tensor, weight) -> torch.Tensor:
+    """``start.lerp(end, weight)``; a scheduled (tensor) weight in the kernel's compute type, as it converts a
+    Python scalar (the same formula either way)."""
+    if not isinstance(weight, torch.Tensor):
+        return start.lerp(end, weight)
+    wide = _opmath(start.dtype)
+    return start.to(wide).lerp(end.to(wide), weight.to(wide)).to(start.dtype)
+
+
+def _on(momentum) -> bool:
+    """Whether a momentum term runs: a scheduled momentum always (the schedule keeps it above 0,
+    ``capture.schedule``), a constant one where it is not 0."""
+    return isinstance(momentum, torch.Tensor) or momentum != 0
 
 
 def _nadam(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scalars: dict) -> tuple[torch.Tensor, dict]:
@@ -529,7 +567,7 @@ def _adamax(hp: dict, param: torch.Tensor, grad: torch.Tensor, state: dict, scal
     grad = -grad if hp["maximize"] else grad
     if hp["weight_decay"] != 0:
         grad = grad.add(param, alpha=hp["weight_decay"])
-    exp_avg = state["exp_avg"].lerp(grad, 1 - beta1)
+    exp_avg = _lerp(state["exp_avg"], grad, 1 - beta1)
     exp_inf = torch.maximum(state["exp_inf"].mul(hp["beta2"]), grad.abs().add(hp["eps"]))
     # torch: param.addcdiv_(exp_avg, exp_inf, value=-clr)
     return _addcdiv(param, exp_avg, exp_inf, neg_clr), {"step": step, "exp_avg": exp_avg, "exp_inf": exp_inf}

@@ -36,6 +36,7 @@ from .module_state import attributes_kept, changed_numbers, python_draws
 from .optim import (ParamUpdate, apply_update, initial_state, mirrored_kind, mirrored_names, plan_updates,
                     scheduled_name, scheduled_values, state_meta, state_name)
 from .optim_traced import plan_traced, traced_update
+from .schedule import probe
 from .to_ir import fx_to_ir
 from .workload import Workload, WorkloadError
 
@@ -65,11 +66,12 @@ class Captured:
     buffer_names: list[str]
     opaque_ops: list[str] = field(default_factory=list)
     seconds: float = 0.0
-    scheduled: dict[str, int] = field(default_factory=dict)   # learning-rate input -> its param group
+    # a schedule's inputs (learning rates, cycled momenta) -> (param group, key)
+    scheduled: dict[str, tuple[int, str]] = field(default_factory=dict)
 
     @property
     def schedule_values(self) -> dict[str, float]:
-        """The optimizer's learning rates now, by learning-rate input (``scheduled``)."""
+        """The optimizer's scheduled hyper-parameters now, by input (``scheduled``)."""
         return scheduled_values(self.workload.optimizer, self.scheduled)
 
     def initial_state(self) -> dict[str, torch.Tensor]:
@@ -110,7 +112,10 @@ def capture(workload: Workload, verify_graph: bool = True) -> Captured:
     _materialize_lazy(workload)
     names = {id(p): n for n, p in model.named_parameters()}
     traced = mirrored_kind(optimizer) is None
-    updates = plan_traced(optimizer, names) if traced else plan_updates(optimizer, names)
+    _refuse_traced_schedule(workload, traced)
+    # with a schedule, the update's structure follows the hyper-parameters as its scheduler leaves them when built
+    built, moved = probe(workload) if workload.lr_scheduler is not None else (optimizer, set())
+    updates = plan_traced(optimizer, names) if traced else plan_updates(built, names)
     trained = {u.name for u in updates}
     param_names = [u.name for u in updates]
     frozen_names = [n for n, _ in model.named_parameters() if n not in trained]
@@ -118,7 +123,7 @@ def capture(workload: Workload, verify_graph: bool = True) -> Captured:
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
     opt_state = initial_state_meta(optimizer, updates, params)
-    scheduled = _scheduled(workload, updates, traced)
+    scheduled = _scheduled(workload, updates, moved)
     rates = scheduled_values(optimizer, scheduled)
     opt_state.update({n: torch.tensor(v, dtype=torch.float64) for n, v in rates.items()})
     opt_names = list(opt_state)
@@ -134,7 +139,7 @@ def capture(workload: Workload, verify_graph: bool = True) -> Captured:
     # share one counter in the graph, so bias corrections are computed once, not per parameter.
     share = not traced and _steps_equal(optimizer, updates, params)
     step = _make_step(wrapper, workload, updates, param_names, frozen_names, buffer_names, opt_names, counts,
-                      share, traced, bool(scheduled))
+                      share, traced, scheduled)
 
     with warnings.catch_warnings(), _quiet_logger("torch._subclasses.fake_tensor"), fake_fallbacks():
         warnings.simplefilter("ignore")
@@ -170,16 +175,23 @@ def capture(workload: Workload, verify_graph: bool = True) -> Captured:
                     time.perf_counter() - start, scheduled)
 
 
-def _scheduled(workload: Workload, updates: list[ParamUpdate], traced: bool) -> dict[str, int]:
-    """With a learning-rate schedule (the workload's ``lr_scheduler``), each stepped param group's learning
-    rate as a graph input, by input name; else none (the rate is a constant of the step)."""
-    if workload.lr_scheduler is None:
-        return {}
-    if traced:
+def _refuse_traced_schedule(workload: Workload, traced: bool) -> None:
+    if workload.lr_scheduler is not None and traced:
         raise CaptureError(f"{workload.spec}: a learning-rate schedule needs one of the optimizers Rhino mirrors "
                            f"({', '.join(mirrored_names())}); {type(workload.optimizer).__name__} is traced with "
                            f"its learning rate as a constant: drop lr_scheduler, or build a new step per rate")
-    return {scheduled_name(g): g for g in sorted({u.group for u in updates})}
+
+
+def _scheduled(workload: Workload, updates: list[ParamUpdate], moved: set[tuple[int, str]]
+               ) -> dict[str, tuple[int, str]]:
+    """With a learning-rate schedule (the workload's ``lr_scheduler``), each stepped param group's learning
+    rate, and the momenta its scheduler moves (``moved``), as graph inputs, by input name; else none (they are
+    constants of the step)."""
+    if workload.lr_scheduler is None:
+        return {}
+    groups = sorted({u.group for u in updates})
+    keys = [(g, "lr") for g in groups] + sorted((g, k) for g, k in moved if g in groups)
+    return {scheduled_name(g, k): (g, k) for g, k in keys}
 
 
 def initial_state_meta(optimizer, updates, params) -> dict[str, torch.Tensor]:
@@ -233,7 +245,7 @@ def _steps_equal(optimizer, updates, params) -> bool:
 
 
 def _make_step(wrapper, workload, updates, param_names, frozen_names, buffer_names, opt_names, counts,
-               share_steps: bool, traced: bool, scheduled: bool):
+               share_steps: bool, traced: bool, scheduled: dict[str, tuple[int, str]]):
     n_p, n_f, n_b, n_o = counts
     prefixed = lambda names: ["model." + n for n in names]  # noqa: E731
     all_names = prefixed(param_names) + prefixed(frozen_names) + prefixed(buffer_names)
@@ -262,8 +274,8 @@ def _make_step(wrapper, workload, updates, param_names, frozen_names, buffer_nam
             st = {k: opt[state_name(u.name, k)] for k in u.state_keys}
             if shared is not None and "step" in st:
                 st["step"] = shared
-            lr = opt.get(scheduled_name(u.group)) if scheduled else None
-            new_p, new_st = apply_update(u, p.detach(), g, st, scalars, lr)
+            hp = {k: opt[n] for n, (group, k) in scheduled.items() if group == u.group}
+            new_p, new_st = apply_update(u, p.detach(), g, st, scalars, hp)
             new_params.append(new_p)
             new_opt.update({state_name(u.name, k): v for k, v in new_st.items()})
         return [loss.detach().reshape(())] + new_params + frozen + buffers + [new_opt[n] for n in opt_names]

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 
 from ..capture import Captured, Workload, capture, default_dtype
-from ..capture.optim import changed_hyperparameter, hyperparameters
+from ..capture.optim import SCHEDULABLE, changed_hyperparameter, hyperparameters
 from ..capture.schedule import LrSchedule, set_rates
 from ..ir.graph import Role
 from ..sharding.plan import PlanError, ShardingPlan, resolve
@@ -94,7 +94,7 @@ class Trainer:
             self.cap: Captured = capture(self.workload)
             self.schedule = LrSchedule(self.workload.optimizer, self.workload.lr_scheduler, self.cap.scheduled,
                                        self.workload.spec) if self.cap.scheduled else None
-            self._hyperparameters = hyperparameters(self.workload.optimizer, scheduled=bool(self.cap.scheduled))
+            self._hyperparameters = hyperparameters(self.workload.optimizer, self.cap.scheduled)
             self.plan = self._plan(plan, strategy, cluster, level, time_limit, say)
         if self.plan.world != self.world:
             raise ValueError(f"the plan has {self.plan.world} devices ({self.plan.stages} stage(s) of mesh "
@@ -130,7 +130,7 @@ class Trainer:
         self._stream = None
         self.steps_done = 0
         self.peak_live_bytes = 0          # of the last step run with measure=True
-        self.last_rates: dict[str, float] = {}   # the learning rates of the last step, when scheduled
+        self.last_rates: dict[str, float] = {}   # the scheduled inputs of the last step (lr, momenta), if any
         self.data_position = 0            # global batches taken from the stream by next_batch (checkpointed)
 
     # ------------------------------------------------------------------ set-up
@@ -205,12 +205,12 @@ class Trainer:
     def step(self, batch=None, measure: bool = False) -> float:
         """One training step on a global batch (``None``: the next one); returns the loss (same on every rank).
         ``measure``: run it node by node, counting live tensor bytes (``peak_live_bytes``, this rank's)."""
-        changed = changed_hyperparameter(self._hyperparameters, self.workload.optimizer)
+        changed = changed_hyperparameter(self._hyperparameters, self.workload.optimizer, self.cap.scheduled)
         if changed:
             raise ValueError(f"the optimizer's {changed} after the step was captured (a learning-rate "
                              f"scheduler?); the captured update keeps the value it was captured with: give the "
                              f"scheduler to Rhino (the workload file's lr_scheduler(optimizer), or Trainer(..., "
-                             f"lr_scheduler=...)), which follows the learning rate, or build a new Trainer after "
+                             f"lr_scheduler=...)), which follows the learning rate and a cycled momentum, or build a new Trainer after "
                              f"the change (save and resume to carry the state over)")
         batch = check_batch(self.cap.graph, self.next_batch() if batch is None else batch,
                             f"the batch of step {self.steps_done + 1}")
@@ -499,9 +499,9 @@ def train_rank(ctx, workload, plan, strategy, cluster, level, steps, dtype, over
             losses.append(float(loss))
             times.append(dt)
             line = {"step": step + 1, "loss": float(loss), "seconds": dt, "samples_per_second": samples / dt}
-            rates = f"  lr {' '.join(f'{r:.4g}' for r in trainer.last_rates.values())}" if trainer.last_rates else ""
-            if trainer.last_rates:
-                line["lr"] = list(trainer.last_rates.values())     # per scheduled param group
+            scheduled = _by_key(trainer.cap.scheduled, trainer.last_rates)   # lr (and momentum, beta1) per group
+            line.update(scheduled)
+            rates = "".join(f"  {k} {' '.join(f'{r:.4g}' for r in v)}" for k, v in scheduled.items())
             say(f"step {step + 1}/{steps}  loss {float(loss):.6g}{rates}  {dt * 1e3:.1f} ms  "
                 f"{samples / dt:.1f} samples/s")
             if logf is not None:
@@ -528,3 +528,12 @@ def _resume(trainer: Trainer, checkpoint: str, say) -> int | None:
     say(f"resumed from {info.path} (step {info.step}, saved on {info.world_size} process(es), mesh {info.mesh}"
         f"{', ' + info.strategy if info.strategy else ''})")
     return info.step
+
+
+def _by_key(scheduled: dict[str, tuple[int, str]], values: dict[str, float]) -> dict[str, list[float]]:
+    """A step's scheduled values by hyper-parameter (``lr``, ``momentum``, ``beta1``), in param-group order."""
+    out: dict[str, list[float]] = {}
+    for name, (_, key) in sorted(scheduled.items(), key=lambda kv: kv[1]):
+        if name in values:
+            out.setdefault(key, []).append(values[name])
+    return {k: out[k] for k in sorted(out, key=SCHEDULABLE.index)}
