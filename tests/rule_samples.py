@@ -275,6 +275,12 @@ def samples() -> list[tuple[str, tuple, dict]]:
             add(f"{kind}_pad{n}d.default", xi, pad)
             add(f"{kind}_pad{n}d_backward.default", r(*padded.shape), xi, pad)
     add("im2col.default", x4, [2, 2], [1, 1], [0, 0], [2, 2])
+    for n, mode, pad, corners in ((2, 0, 0, False), (2, 1, 1, True), (2, 2, 2, False), (3, 0, 1, True)):
+        xi, grid = r(*shapes[n]), torch.rand(2, *([2] * (n - 1)), 4, n, dtype=F) * 2.2 - 1.1
+        add(f"grid_sampler_{n}d.default", xi, grid, mode, pad, corners)
+        sampled = getattr(aten, f"grid_sampler_{n}d").default(xi, grid, mode, pad, corners)
+        for wanted in ([True, True], [False, True]):
+            add(f"grid_sampler_{n}d_backward.default", r(*sampled.shape), xi, grid, mode, pad, corners, wanted)
     add("col2im.default", r(2, 16, 16), [8, 8], [2, 2], [1, 1], [0, 0], [2, 2])
 
     # along one dim, norms
@@ -282,6 +288,14 @@ def samples() -> list[tuple[str, tuple, dict]]:
         add(f"{name}.default", x3, 2)
         add(f"{name}.default", x3, 0)
     add("_softmax.default", x3, 2, False)
+    for v, g, d in ((r(4, 2, 2), r(4, 1, 1), 0), (r(4, 8), r(1, 8), 1)):
+        add("_weight_norm_interface.default", v, g, d)
+        norms = aten._weight_norm_interface.default(v, g, d)[1]
+        add("_weight_norm_interface_backward.default", r(*v.shape), v, g, norms, d)
+    masked = x3.clone()
+    masked[1, 0] = float("-inf")     # a fully masked row: _safe_softmax gives 0 there, _softmax NaN
+    add("_safe_softmax.default", masked, 2)
+    add("_safe_softmax.default", x3, 0)
     add("_log_softmax.default", x3, 2, False)
     add("_log_softmax.default", x3, 0, False)
     add("_softmax_backward_data.default", r(4, 2, 8), torch.softmax(x3, 2), 2, F)
@@ -355,6 +369,11 @@ def samples() -> list[tuple[str, tuple, dict]]:
     add("constant_pad_nd.default", x, [1, 1])
     add("constant_pad_nd.default", x4, [1, 1, 0, 2], 0.5)
     add("diagonal.default", r(4, 4, 2))
+    add("diag_embed.default", r(4, 2))
+    add("diag_embed.default", r(2, 4, 2), 1, 0, 2)
+    add("diag_embed.default", r(4, 2, 2), -2, 3, 1)
+    add("diagonal_backward.default", r(2, 4), [4, 4, 2], 0, 0, 1)
+    add("diagonal_backward.default", r(4, 4, 2), [4, 2, 4, 4], -2, 3, 1)
     add("as_strided.default", x, [4, 4], [8, 1])
     add("unfold.default", x, 1, 2, 2)
     add("slice_scatter.default", x, r(4, 4), 1, 0, 4)
@@ -368,6 +387,7 @@ def samples() -> list[tuple[str, tuple, dict]]:
     add("mm.default", x, r(8, 4))
     add("bmm.default", r(2, 4, 8), r(2, 8, 4))
     add("dot.default", r(8), r(8))
+    add("vdot.default", r(8), r(8))
     add("mv.default", x, r(8))
     add("addmm.default", r(4), x, r(8, 4))
     add("addmm.default", r(4, 4), x, r(8, 4), beta=0.5, alpha=2.0)
@@ -467,6 +487,8 @@ def samples() -> list[tuple[str, tuple, dict]]:
     # creation
     add("full.default", [4, 8], 2.0, dtype=F)
     add("zeros.default", [4, 8], dtype=F)
+    add("eye.default", 4, dtype=F)
+    add("eye.m", 4, 8, dtype=F)
     add("ones.default", [4, 8], dtype=F)
     add("empty.memory_format", [4, 8], dtype=F)
     add("rand.default", [4, 8], dtype=F)

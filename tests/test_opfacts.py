@@ -22,7 +22,8 @@ import torch
 from rhino.cost.step import custom_reduce_bytes, custom_reduces
 from rhino.ir.graph import Graph, Node, Ref, Role
 from rhino.ir.ops_shape import expand_rule
-from rhino.ir.registry import (REGISTRY, Linear, Lowering, OpDef, OpKind, OutputRule, SizeArg, SizeRule, lookup)
+from rhino.ir.registry import (REGISTRY, InputLayout, Linear, Lowering, OpDef, OpKind, OutputRule, SizeArg, SizeRule,
+                               lookup)
 from rhino.ir.types import DType, TensorType
 from rhino.lower import spmd, spmd_custom
 from rhino.lower.rulecheck import MESHES, check_call, record_call, strategies
@@ -203,11 +204,15 @@ def test_every_op_gives_its_values_whatever_the_layout_of_its_inputs():
 
 
 def test_an_opaque_op_runs_on_contiguous_inputs():
-    """Opaque ops are called on contiguous inputs: PyTorch's ``_weight_norm_interface_backward`` kernel reads a
-    transposed gradient as if it were contiguous (a weight-normed Linear under a random plan was off by 0.08)."""
-    from rhino.lower.fx import resolve_op
+    """Opaque ops, and ops with the contiguous ``input_layout`` fact, are called on contiguous inputs: PyTorch's
+    ``_weight_norm_interface_backward`` kernel reads a transposed gradient as if it were contiguous (a
+    weight-normed Linear under a random plan was off by 0.08 while it was opaque; it now has a rule and the
+    fact)."""
+    from rhino.lower.fx import OnContiguous, resolve_op
+    assert lookup("aten.special_erfcx.default") is None and \
+        isinstance(resolve_op("aten.special_erfcx.default"), OnContiguous)      # opaque: wrapped
     op = "aten._weight_norm_interface_backward.default"
-    assert lookup(op) is None                       # opaque
+    assert lookup(op).input_layout is InputLayout.CONTIGUOUS
     g = torch.Generator().manual_seed(0)
     grad, v = torch.randn(16, 8, generator=g, dtype=torch.float64), torch.randn(16, 8, generator=g, dtype=torch.float64)
     w_g = torch.rand(16, 1, generator=g, dtype=torch.float64) + 0.5

@@ -68,6 +68,23 @@ def test_a_sent_view_of_a_gradient_accumulator_is_not_added_into_before_it_is_se
         assert cmp.ok and cmp.max_abs_diff < 1e-12, (strategy, cmp.first_mismatch)
 
 
+def test_the_default_cut_keeps_a_buffer_renewed_in_the_forward_on_one_stage():
+    """An EMA codebook read at the start of the forward and renewed at its end: the FLOP-balanced cut fell
+    between them and the runtime refused the plan ("buffer embed is read on stages 0, 1 but its new value is
+    made on stage 1"); the cut now avoids a renewed buffer's span, and every rank equals one device."""
+    from rhino.cost.pipeline import stage_refusal
+    from rhino.ir.stages import assign_stages, contiguous_cut
+    with warnings.catch_warnings(), default_dtype(torch.float64):
+        warnings.simplefilter("ignore")
+        cap = capture(load_workload(str(ROOT / "tests" / "workloads" / "heldout34.py:ema_codebook"),
+                                    dtype=torch.float64))
+    g = cap.graph
+    assert stage_refusal(g, assign_stages(g, contiguous_cut(g, 2), 2)) is None
+    for strategy in ("pp=2,microbatches=2", "pp=2,microbatches=4,schedule=gpipe"):
+        cmp, _, _ = _check(cap, strategy)
+        assert cmp.ok and cmp.max_abs_diff < 1e-12, (strategy, cmp.first_mismatch)
+
+
 @pytest.fixture(scope="module")
 def gpt():
     return _cap("gpt")

@@ -117,7 +117,8 @@ def _log_softmax_rule(dim_index: int):
     return rule
 
 
-register("aten._softmax.default aten.cumsum.default aten.cumprod.default "
+# _safe_softmax: softmax whose fully masked rows give 0 (scaled_dot_product_attention's math path)
+register("aten._softmax.default aten._safe_softmax.default aten.cumsum.default aten.cumprod.default "
          "aten.logcumsumexp.default", OpKind.NORM, _along_dim(1), flops=5)
 # over a split class dim: all-reduced row max and sum of exp (forward), row sum of the gradient (backward)
 register("aten._log_softmax.default", OpKind.NORM, _log_softmax_rule(1), flops=5, lowering=Lowering.LOG_SOFTMAX,

@@ -1,5 +1,5 @@
 """Image and signal ops on ``(batch, channels, *spatial)`` tensors: resampling, reflection and replication
-padding, ``unfold`` / ``fold`` (registered on import). The batch and channel dims pass through and may be
+padding, ``unfold`` / ``fold``, grid sampling (registered on import). The batch and channel dims pass through and may be
 split; the spatial dims are fixed (each output pixel reads a neighbourhood of input pixels)."""
 from __future__ import annotations
 
@@ -90,3 +90,36 @@ def _shuffle_rule(call: OpCall) -> Annotation:
 
 register("aten.pixel_shuffle.default aten.pixel_unshuffle.default aten.channel_shuffle.default "
          "aten.native_channel_shuffle.default", OpKind.DATA_MOVEMENT, _shuffle_rule)
+
+
+def _grid_specs(call: OpCall, x_at: int) -> tuple:
+    """(input, grid, output) letters of ``grid_sampler_{2,3}d``: ``n c *spatial``, ``n *out 2|3`` and
+    ``n c *out``; the sampled spatial dims and the grid's coordinates are fixed (any output pixel may read any
+    input pixel), the batch, the channels and the output's spatial dims (the grid's) pass through."""
+    x, grid = call.in_types[x_at], call.in_types[x_at + 1]
+    n_sp = x.rank - 2
+    new = NewLetters("s")
+    sp, out = [new(n) for n in x.shape[2:]], letters("o", n_sp)
+    xs = (("n",), ("c",)) + tuple((h,) for h in sp)
+    gs = (("n",),) + tuple((o,) for o in out) + ((new(grid.shape[-1]),),)
+    return xs, gs, (("n",), ("c",)) + tuple((o,) for o in out), new
+
+
+def grid_sampler_rule(call: OpCall) -> Annotation:
+    """``grid_sampler_2d / 3d(input, grid, mode, padding_mode, align_corners)``: ``_grid_specs``."""
+    xs, gs, outs, new = _grid_specs(call, 0)
+    return Annotation((xs, gs), (outs,), fixed=frozenset(new.sizes), sizes=new.sizes)
+
+
+def grid_sampler_backward_rule(call: OpCall) -> Annotation:
+    """``grid_sampler_2d_backward(grad_out, input, grid, ..., output_mask)`` -> (grad_input, grad_grid): the
+    grid's gradient sums over the channels (a split of them makes it partial)."""
+    xs, gs, outs, new = _grid_specs(call, 1)
+    mask = call.arg(6, "output_mask", (True, True))
+    res = tuple(o if t is not None and m else None for o, t, m in zip((xs, gs), call.out_types, mask))
+    return Annotation((outs, xs, gs), res, reduced=frozenset({"c"}), fixed=frozenset(new.sizes), sizes=new.sizes)
+
+
+register("aten.grid_sampler_2d.default aten.grid_sampler_3d.default", M, grid_sampler_rule)
+register("aten.grid_sampler_2d_backward.default aten.grid_sampler_3d_backward.default", M,
+         grid_sampler_backward_rule)

@@ -8,12 +8,12 @@ from .annotation import Annotation, Dim, parse
 from .graph import Ref
 from .registry import (Accumulate, Family, InputLayout, Linear, Lowering, OpCall, OpKind, OutputRule, SizeArg,
                        SizeRule, register)
-from .rules import NewLetters, elementwise, letters
+from .rules import NewLetters, elementwise, letters, norm_dim
 
 M = OpKind.MATMUL
 register("aten.mm.default", M, "m k+, k+ n -> m n", linear=Linear.ONE, accumulate=Accumulate.MATMUL)
 register("aten.bmm.default", M, "b m k+, b k+ n -> b m n", linear=Linear.ONE)
-register("aten.dot.default", M, "k+, k+ -> ")
+register("aten.dot.default aten.vdot.default", M, "k+, k+ -> ")
 register("aten.mv.default", M, "m k+, k+ -> m")
 
 
@@ -363,6 +363,23 @@ def group_norm_backward_rule(call: OpCall) -> Annotation:
     return Annotation(tuple(ins), outs, reduced=frozenset({"n"}), fixed=frozenset({"c", "g", *sp}))
 
 
+def weight_norm_rule(call: OpCall) -> Annotation:
+    """``_weight_norm_interface(v, g, dim)`` -> (w, norms) and its backward ``(grad_w, v, g, norms, dim)`` ->
+    (grad_v, grad_g): ``w = v * g / norm(v)``, the norm over every dim but ``dim``; ``dim`` passes through (a split
+    of a Linear's output rows), the others are fixed (a norm over a split would need their sum)."""
+    backward = call.op.startswith("aten._weight_norm_interface_backward")
+    v = call.in_types[1 if backward else 0]
+    d = norm_dim(call.arg(4 if backward else 2, "dim", 0), v.rank)
+    new = NewLetters("f")
+    vs = tuple(("k",) if i == d else (new(n),) for i, n in enumerate(v.shape))
+    gs = tuple(("k",) if i == d else (new(1),) for i in range(v.rank))
+    ins = (vs, vs, gs, gs) if backward else (vs, gs)
+    return Annotation(ins, (vs, gs), fixed=frozenset(new.sizes), sizes=new.sizes)
+
+
+# the backward kernel reads a transposed gradient as if it were contiguous (tests/test_opfacts.py)
+register("aten._weight_norm_interface.default aten._weight_norm_interface_backward.default", N, weight_norm_rule,
+         flops=6, input_layout=InputLayout.CONTIGUOUS)
 register("aten.native_layer_norm.default", N, layer_norm_rule, flops=8)
 register("aten.native_layer_norm_backward.default", N, layer_norm_backward_rule, flops=10,
          input_layout=InputLayout.CONTIGUOUS)

@@ -346,6 +346,8 @@ def sized_creation_rule(call: OpCall) -> Annotation:
 C = OpKind.CREATION
 _SIZE_0, _SIZE_1 = (SizeArg(0, SizeRule.OUT_SHAPE),), (SizeArg(1, SizeRule.OUT_SHAPE),)
 register("aten.full.default aten.zeros.default aten.ones.default", C, sized_creation_rule, size_args=_SIZE_0)
+# an identity: every dim fixed (a rank's share of it is not a smaller identity), so it is made whole everywhere
+register("aten.eye.default aten.eye.m", C, fixed_from_types)
 register("aten.empty.memory_format", C, sized_creation_rule, size_args=_SIZE_0, values=Values.UNINITIALIZED)
 register("aten.rand.default aten.randn.default", C, sized_creation_rule, size_args=_SIZE_0, values=Values.NOISE)
 register("aten.arange.default aten.arange.start aten.arange.start_step aten.scalar_tensor.default", C,
@@ -431,6 +433,27 @@ def index_put_rule(call: OpCall) -> Annotation:
 
 register("aten.index_put.default aten._unsafe_index_put.default", I, index_put_rule)
 register("aten.masked_scatter.default aten.diagonal.default aten.as_strided.default", I, fixed_from_types)
+
+
+def diagonal_planes_rule(call: OpCall) -> Annotation:
+    """``diag_embed(x, offset, dim1, dim2)`` (x's last dim becomes the diagonal of the output's planes
+    ``dim1, dim2``) and ``diagonal_backward(grad, sizes, offset, dim1, dim2)`` (grad's last dim, the diagonal,
+    written back into the planes ``dim1, dim2`` of a zero tensor of ``sizes``): the diagonal and the planes are
+    fixed, every other dim passes through in order (a batch of matrices is built independently)."""
+    x, out = call.in_types[0], call.out_types[0]
+    embed = call.op.startswith("aten.diag_embed")
+    d1 = norm_dim(call.arg(2 if embed else 3, "dim1", -2 if embed else 0), out.rank)
+    d2 = norm_dim(call.arg(3 if embed else 4, "dim2", -1 if embed else 1), out.rank)
+    new = NewLetters("f")
+    batch = letters("e", x.rank - 1)
+    ins = _spec(batch + [new(x.shape[-1])])
+    rest = iter(batch)
+    outs = tuple((new(n),) if i in (d1, d2) else (next(rest),) for i, n in enumerate(out.shape))
+    return Annotation((ins,), (outs,), fixed=frozenset(new.sizes), sizes=new.sizes)
+
+
+register("aten.diag_embed.default", I, diagonal_planes_rule)
+register("aten.diagonal_backward.default", I, diagonal_planes_rule, size_args=(SizeArg(1, SizeRule.OUT_SHAPE),))
 
 
 # Ops that move data along some dims and leave the others alone: the untouched dims pass through

@@ -437,18 +437,37 @@ def contiguous_cut(graph: Graph, stages: int, slack: float = DEFAULT_SLACK) -> d
         prefix.append(prefix[-1] + w)
     total = prefix[-1]
     cross = _cross_bytes(graph, a)
+    spans = _renewed_spans(graph, a)
     cuts = [0]
     for s in range(1, stages):
         lo, hi = cuts[-1] + 1, len(fwd) - (stages - s)   # cut before position c: both sides non-empty
         target, window = total * s / stages, slack * total / stages
-        cands = [c for c in range(lo, hi + 1) if abs(prefix[c] - target) <= window]
+        # a cut inside a renewed buffer's span would read it on one stage and renew it on another
+        legal = [c for c in range(lo, hi + 1) if not any(first < c <= last for first, last in spans)]
+        cands = [c for c in legal if abs(prefix[c] - target) <= window]
         if cands:
             best = min(cands, key=lambda c: (cross[c], abs(prefix[c] - target), c))
         else:
-            best = min(range(lo, hi + 1), key=lambda c: (abs(prefix[c] - target), c))
+            best = min(legal or range(lo, hi + 1), key=lambda c: (abs(prefix[c] - target), c))
         cuts.append(best)
     cuts.append(len(fwd))
     return {graph.nodes[fwd[p]].name: s for s in range(stages) for p in range(cuts[s], cuts[s + 1])}
+
+
+def _renewed_spans(graph: Graph, a) -> list[tuple[int, int]]:
+    """(first, last) forward position of each buffer the forward renews (a BatchNorm's running statistics, an
+    EMA codebook): its forward readers and the node making its new value, which a pipeline must keep on one
+    stage (``cost.pipeline.stage_refusal``)."""
+    buffers = {i.name: i.value for i in graph.inputs if i.role is Role.BUFFER}
+    readers = _direct_readers(graph)
+    out = []
+    for o in graph.outputs:
+        p = a.producer.get(o.value)
+        if o.role is not Role.BUFFER or o.name not in buffers or p is None or not a.is_forward(p):
+            continue
+        at = [u for u in readers.get(buffers[o.name], ()) if a.is_forward(u)] + [p]
+        out.append((min(at), max(at)))
+    return out
 
 
 def _cross_bytes(graph: Graph, a) -> list[int]:
