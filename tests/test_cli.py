@@ -63,6 +63,7 @@ def test_capture_into_missing_directory_fails_cleanly(capsys, tmp_path):
     ("batchnorm_cumulative", "give each BatchNorm a numeric momentum"),
     ("boolean_selection", "keep every element and mask the result instead of selecting"),
     ("adaptive_softmax", "compute the loss as F.nll_loss(asm.log_prob(input), target)"),
+    ("complex_parameter", "parameter filt is complex, which Rhino does not support; hold its real and imaginary"),
     ("unsupported_optimizer", "re-evaluates the model several times inside step() through a closure"),
     ("no_such_function", "has no function 'no_such_function'"),
 ])

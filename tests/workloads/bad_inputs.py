@@ -126,6 +126,16 @@ def boolean_selection():
     return model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, x: m(x)[m(x) > 0].mean(), (x,)
 
 
+def complex_parameter():
+    """A complex nn.Parameter (a filter applied in the frequency domain)."""
+    torch.manual_seed(0)
+    model = nn.Linear(5, 5)
+    model.filt = nn.Parameter(torch.randn(5, dtype=torch.complex64))
+    x = torch.randn(8, 8)
+    return model, torch.optim.Adam(model.parameters(), lr=0.1), \
+        lambda m, x: torch.fft.irfft(torch.fft.rfft(x) * m.filt, n=8).pow(2).mean(), (x,)
+
+
 def adaptive_softmax():
     """nn.AdaptiveLogSoftmaxWithLoss's forward selects each cluster's rows by target (inside torch)."""
     torch.manual_seed(0)

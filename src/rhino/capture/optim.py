@@ -54,7 +54,9 @@ def plan_updates(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> lis
             if not p.requires_grad:
                 continue
             if p.is_complex():
-                raise WorkloadError("complex parameters are not supported; use real tensors")
+                raise WorkloadError(f"parameter {names[id(p)]} is complex, which Rhino does not support; hold its "
+                                    f"real and imaginary parts as two real parameters (torch.complex(re, im) in "
+                                    f"forward)")
             hp, keys, tkeys = _PLANNERS[kind](group, kind, optimizer)
             if kind == "nadam":
                 hp["mu_product_dtype"] = _mu_product_dtype(optimizer.state.get(p, {}).get("mu_product"))

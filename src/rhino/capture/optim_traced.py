@@ -275,8 +275,10 @@ def plan_traced(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list
                             "captures one forward, one backward and one update per step: use another optimizer")
     trained = _trained(optimizer)
     frozen = [p for g in optimizer.param_groups for p in g["params"] if not p.requires_grad]
-    if any(p.is_complex() for p in trained):
-        raise WorkloadError("complex parameters are not supported; use real tensors")
+    complex_ = [names[id(p)] for p in trained if p.is_complex()]
+    if complex_:
+        raise WorkloadError(f"parameter {complex_[0]} is complex, which Rhino does not support; hold its real and "
+                            f"imaginary parts as two real parameters (torch.complex(re, im) in forward)")
     order = [names[id(p)] for p in trained]
     held = {id(p): {k: v for k, v in optimizer.state.get(p, {}).items()} for p in trained}
     held_tensors = [(i, k, v) for i, p in enumerate(trained) for k, v in held[id(p)].items()
