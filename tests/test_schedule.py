@@ -154,6 +154,8 @@ def test_momenta_a_schedule_cannot_be_followed_in_are_one_sentence():
     with pytest.raises(WorkloadError, match=r"set param_groups\[0\]\['momentum'\] to 0 after 1 steps.*"
                                             r"keep the scheduled momentum above 0"):
         planned_rates(cap, 3)
+    with pytest.raises(WorkloadError, match=r"set param_groups\[0\]\['momentum'\] to 0 after 0 steps"):
+        _scheduled(sgd, lambda opt: _Late(opt, 0, 0.0))    # 0 when built: the step would have no buffer
     cap = _scheduled(scheduler=lambda opt: torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.1, total_steps=10,
                                                                                cycle_momentum=False))
     assert list(cap.scheduled) == ["opt/group0/lr"]
@@ -215,3 +217,20 @@ def test_rhino_train_follows_the_schedule_across_a_resume_under_another_plan(tmp
             warnings.simplefilter("ignore")
             scheduler.step()
     assert logged == rates and len({r[0] for r in rates}) == 3
+
+
+@pytest.mark.parametrize("name", ["sgd", "adamw"])
+def test_a_rewound_schedule_gives_each_step_its_cycled_momentum_again(name):
+    """A resumed run replays the schedule from its start (``LrSchedule.rewind``): the rate and the cycled
+    momentum or beta1 of every step come back, step 0 included (the value the scheduler set when built)."""
+    from rhino.capture.schedule import LrSchedule
+    cap = _scheduled(CYCLED[name][0], _one_cycle)
+    schedule = LrSchedule(cap.workload.optimizer, _one_cycle, cap.scheduled)
+    seen = []
+    for _ in range(4):
+        seen.append(schedule.rates())
+        schedule.advance()
+    assert len({tuple(r.values()) for r in seen}) == 4
+    for k in (3, 0, 2):
+        schedule.rewind(k)
+        assert schedule.rates() == seen[k]

@@ -34,17 +34,17 @@ _NOT_STEPPED = r"(Detected call of `lr_scheduler\.step\(\)` before|Seems like `o
 
 
 class LrSchedule:
-    """The scheduler ``make(optimizer)`` over ``optimizer`` (the workload's or a copy of it), and the rates it
-    gives the learning-rate inputs ``scheduled`` (input name -> param group)."""
+    """The scheduler ``make(optimizer)`` over ``optimizer`` (the workload's or a copy of it), and the values it
+    gives the scheduled inputs ``scheduled`` (input name -> (param group, key))."""
 
     def __init__(self, optimizer: torch.optim.Optimizer, make: Callable, scheduled: dict[str, tuple[int, str]],
                  spec: str = "the workload") -> None:
-        self.optimizer, self.scheduled, self.spec = optimizer, scheduled, spec
+        self.optimizer, self.scheduled, self.spec, self.steps = optimizer, scheduled, spec, 0
         self._fixed = hyperparameters(optimizer, scheduled)
         self.scheduler = _build(optimizer, make, spec)
         self._check()
-        self._start = (copy.deepcopy(self.scheduler.state_dict()), [g["lr"] for g in optimizer.param_groups])
-        self.steps = 0
+        self._start = (copy.deepcopy(self.scheduler.state_dict()), [g["lr"] for g in optimizer.param_groups],
+                       {(g, key): group_value(optimizer.param_groups[g], key) for g, key in scheduled.values()})
 
     def rates(self) -> dict[str, float]:
         """The value of each scheduled input (learning rates, momenta) for the next step."""
@@ -58,10 +58,16 @@ class LrSchedule:
 
     def rewind(self, steps: int) -> None:
         """The scheduler as after ``steps`` steps from its start (a resumed run), replayed from its start."""
-        state, lrs = self._start
+        state, lrs, values = self._start
         self.scheduler.load_state_dict(copy.deepcopy(state))
         for g, lr in zip(self.optimizer.param_groups, lrs):
             g["lr"] = lr
+        for (g, key), value in values.items():       # a cycled momentum as the scheduler set it when built
+            group = self.optimizer.param_groups[g]
+            if key == "beta1":
+                group["betas"] = (value, *group["betas"][1:])
+            elif key == "momentum":
+                group["momentum"] = value
         self.steps = 0
         for _ in range(steps):
             self.advance()
@@ -72,11 +78,17 @@ class LrSchedule:
             raise WorkloadError(f"{self.spec}: with the learning-rate scheduler, the optimizer's {changed}; only "
                                 f"the learning rate, and a momentum or beta1 that it moves from its first steps, "
                                 f"may follow a schedule (the captured update holds the rest as constants)")
-        for name, (g, key) in self.scheduled.items():
-            if key == "momentum" and group_value(self.optimizer.param_groups[g], key) == 0:
-                raise WorkloadError(f"{self.spec}: the scheduler set param_groups[{g}]['momentum'] to 0 after "
-                                    f"{self.steps} steps; the captured update keeps its momentum buffer, which "
-                                    f"torch skips at 0: keep the scheduled momentum above 0")
+        _momenta_on(self.optimizer, {g for g, key in self.scheduled.values() if key == "momentum"}, self.steps,
+                    self.spec)
+
+
+def _momenta_on(optimizer: torch.optim.Optimizer, groups, steps: int, spec: str) -> None:
+    """Refuse a scheduled momentum (of param groups ``groups``) at 0: the captured update keeps its buffer."""
+    for g in sorted(groups):
+        if group_value(optimizer.param_groups[g], "momentum") == 0:
+            raise WorkloadError(f"{spec}: the scheduler set param_groups[{g}]['momentum'] to 0 after {steps} steps; "
+                                f"the captured update keeps its momentum buffer, which torch skips at 0: keep the "
+                                f"scheduled momentum above 0")
 
 
 def _build(optimizer: torch.optim.Optimizer, make: Callable, spec: str):
@@ -122,6 +134,7 @@ def probe(workload: Workload) -> tuple[torch.optim.Optimizer, set[tuple[int, str
             _step(scheduler)
         for i, g in enumerate(optimizer.param_groups):
             moved |= {(i, k) for k, v in before[i].items() if cycling or group_value(g, k) != v}
+    _momenta_on(built, {g for g, k in moved if k == "momentum"}, 0, workload.spec)
     return built, moved
 
 
