@@ -9,7 +9,8 @@ import torch
 from conftest import ROOT
 from rhino.capture import capture, default_dtype, load_workload
 from rhino.runtime import pipeline_run
-from rhino.runtime.pipeline import PipelineStep
+from rhino.runtime.compare import TOLERANCES, reference_run
+from rhino.runtime.pipeline import PipelineStep, compare_stages
 from rhino.runtime.pipeline_sim import simulate_pipeline
 from rhino.sharding.plan import PlanError
 from rhino.sharding.presets import parse_strategy, preset_plan
@@ -43,19 +44,37 @@ def test_a_pipelined_mismatch_from_random_ops_says_so(monkeypatch):
     assert not out.ok and "draws random numbers (aten." in out.first_mismatch, out.first_mismatch
 
 
-def test_a_buffer_updated_on_two_stages_is_refused_in_one_sentence_naming_the_change():
-    """One BatchNorm applied at both ends: its running statistics are read on stage 0 and renewed on stage 1;
-    the refusal said "held by stages [0]; put its readers on one stage" (no way to do that with a strategy)."""
-    cap = _cap(f"{HELDOUT}:shared_norm")
+def _split_norm_plan(cap, monkeypatch):
+    """pp=2 cut where FLOPs balance, between the shared BatchNorm's two uses (the default cut before session 34,
+    which now keeps a renewed buffer's uses on one stage: the cut a plan file may still give)."""
+    from rhino.ir import stages
     plan = preset_plan(cap.graph, parse_strategy("pp=2,microbatches=2"))
+    with monkeypatch.context() as m:
+        m.setattr(stages, "_renewed_spans", lambda graph, a: [])
+        plan.stage_of = stages.contiguous_cut(cap.graph, 2)
+    return plan
+
+
+def test_a_buffer_updated_on_two_stages_is_refused_in_one_sentence_naming_the_change(monkeypatch):
+    """One BatchNorm applied at both ends, a cut between them: its running statistics are read on stage 0 and
+    renewed on stage 1; the refusal said "held by stages [0]; put its readers on one stage" (no way to do that
+    with a strategy). The default cut keeps both uses on one stage and runs."""
+    cap = _cap(f"{HELDOUT}:shared_norm")
     with pytest.raises(PlanError) as err:
-        PipelineStep(cap, plan, 0)
+        PipelineStep(cap, _split_norm_plan(cap, monkeypatch), 0)
     msg = str(err.value)
     assert msg.startswith("buffer bn.running_mean is read on stage 0 but its new value is made on stage 1")
     assert "use fewer pipeline stages" in msg and msg.count(". ") == 0 and "[" not in msg
+    plan = preset_plan(cap.graph, parse_strategy("pp=2,microbatches=2"))
+    with default_dtype(torch.float64):
+        res = simulate_pipeline(cap, plan, 2)
+    st = res["steps"][0]
+    results = {r: {"losses": res["losses"][r], "local": res["local"][r]} for r in res["losses"]}
+    cmp = compare_stages(st.rp, st.spec, results, reference_run(cap, 2, plan.microbatches), TOLERANCES[torch.float64])
+    assert cmp.ok and cmp.max_abs_diff < 1e-12, cmp.first_mismatch
 
 
-def test_a_stage_cut_the_runtime_refuses_does_not_fit_and_is_not_chosen():
+def test_a_stage_cut_the_runtime_refuses_does_not_fit_and_is_not_chosen(monkeypatch):
     """The shared BatchNorm under pp=2: ``rhino estimate`` priced the cut as fitting (the refusal lived in the
     runtime alone), so a search could pick a plan that cannot run. The estimate now carries the runtime's
     sentence and does not fit; a search told to try pipelines returns a plan that runs."""
@@ -64,7 +83,7 @@ def test_a_stage_cut_the_runtime_refuses_does_not_fit_and_is_not_chosen():
     from rhino.search import SearchOptions, search
     cap = _cap(f"{HELDOUT}:shared_norm")
     cluster = parse_cluster("cpu:2")
-    plan = preset_plan(cap.graph, parse_strategy("pp=2,microbatches=2"))
+    plan = _split_norm_plan(cap, monkeypatch)
     with pytest.raises(PlanError) as err:
         PipelineStep(cap, plan, 0)
     est = estimate(cap.graph, cluster, plan)
