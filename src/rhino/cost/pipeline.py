@@ -379,10 +379,10 @@ def stage_refusal(graph: Graph, sa: StageAssignment) -> str | None:
             continue
         read = sorted(sa.holders.get(name, ()))
         read = f"stage{'s' if len(read) > 1 else ''} {', '.join(map(str, read))}"
-        return (f"buffer {name} is read on {read} but its new value is made on stage {s} (its module runs on "
-                f"more than one stage, as a BatchNorm applied twice does), and a pipeline updates a buffer where "
-                f"it is read: use fewer pipeline stages, or a plan (--plan) whose cut keeps every use of that "
-                f"module on one stage")
+        return (f"buffer {name} is read on {read} but its new value is made on stage {s} (the cut falls between "
+                f"its reads and its update, as for a BatchNorm applied twice or a cut with too few nodes between "
+                f"such spans), and a pipeline updates a buffer where it is read: use fewer pipeline stages, or a "
+                f"plan (--plan) whose cut keeps the buffer's reads and its update on one stage")
     return None
 
 
