@@ -214,6 +214,20 @@ def test_arena_keeps_an_out_overload_only_if_its_outputs_may_share_one_storage()
     assert bitwise, f"max abs diff {diff}"
 
 
+def test_a_layer_norm_under_cpu_autocast_gets_the_kernels_float32_statistics():
+    """A float32 LayerNorm on a bf16 activation (CPU autocast): the CPU kernel keeps mean and rstd in float32, the
+    fake kernel capture traced with said bf16, so their arena slots were half their size and the arena refused the
+    step ("returned torch.float32 ... but the graph gives it torch.bfloat16"). The graph now has the kernel's types
+    (the registry's ``cpu_dtypes``) and the arena runs the step bitwise."""
+    from rhino.ir.types import DType
+    cap = _cap(str(ROOT / "tests" / "workloads" / "heldout34.py:autocast_layer_norm"))
+    norm = next(n for n in cap.graph.nodes if n.op == "aten.native_layer_norm.default")
+    assert [cap.graph.types[v].dtype for v in norm.outputs] == [DType.bfloat16, DType.float32, DType.float32]
+    problem, mapping = problem_from_graph(cap.graph)
+    bitwise, diff, _ = _run_both(cap, problem, mapping, _greedy(problem, problem.op_ids()))
+    assert bitwise, f"max abs diff {diff}"
+
+
 def test_aligned_offsets_repairs_an_unaligned_layout():
     cap = _cap("gpt")
     problem, mapping = problem_from_graph(cap.graph)

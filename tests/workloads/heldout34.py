@@ -61,3 +61,28 @@ def attention():
     # SGD: the key bias gets an exactly-zero gradient (softmax ignores a constant), which Adam would blow up from
     # rounding noise (about 1e-12 here) and so hide a wrong rule
     return m, torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9), lambda m, x: m(x), (x,)
+
+
+class _AutocastNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc, self.ln = nn.Linear(3, 8), nn.LayerNorm(8)
+
+    def forward(self, x):
+        return self.ln(self.fc(x)).sum(-1)
+
+
+def _autocast_loss(m, x, y):
+    with torch.autocast(x.device.type, dtype=torch.bfloat16):
+        out = m(x)
+    return F.mse_loss(out.to(x.dtype), y)
+
+
+def autocast_layer_norm():
+    """A float32 LayerNorm on a bf16 activation under CPU autocast (the CPU kernel keeps mean and rstd in float32,
+    the fake kernel said bf16)."""
+    torch.manual_seed(0)
+    m = _AutocastNorm()
+    g = torch.Generator().manual_seed(30)
+    return m, torch.optim.SGD(m.parameters(), lr=1e-2), _autocast_loss, \
+        (torch.randn(8, 3, generator=g), torch.randn(8, generator=g))

@@ -5,6 +5,7 @@ import operator
 
 import torch
 import torch.fx
+from torch.utils._pytree import tree_leaves
 
 from ..ir.graph import Graph, GraphOutput, Node, Ref, Role
 from ..ir.ops_shape import WITHOUT_INPUT
@@ -29,6 +30,17 @@ def torch_dtype(dt: DType) -> torch.dtype:
 
 def _ttype(val) -> TensorType:
     return TensorType(tuple(int(s) for s in val.shape), ir_dtype(val.dtype))
+
+
+def _cpu_types(op: str, args, kwargs, types: list[TensorType | None]) -> list[TensorType | None]:
+    """The output types the CPU kernel gives where the fake kernel's differ (the registry's ``cpu_dtypes``)."""
+    fix = getattr(lookup(op), "cpu_dtypes", None)
+    if fix is None:
+        return types
+    ins = [ir_dtype(a.meta["val"].dtype) for a in tree_leaves((args, kwargs))
+           if isinstance(a, torch.fx.Node) and isinstance(a.meta.get("val"), torch.Tensor)]
+    dtypes = fix(ins, [t.dtype if t is not None else None for t in types])
+    return [t if t is None or d is None else TensorType(t.shape, d) for t, d in zip(types, dtypes)]
 
 
 def fx_to_ir(gm: torch.fx.GraphModule, in_roles: list[tuple[str, Role]],
@@ -58,7 +70,8 @@ def fx_to_ir(gm: torch.fx.GraphModule, in_roles: list[tuple[str, Role]],
             val = node.meta.get("val")
             multi = isinstance(val, (tuple, list))
             vals = list(val) if multi else [val]
-            outs = [g.new_value(_ttype(v)) if isinstance(v, torch.Tensor) else None for v in vals]
+            types = _cpu_types(op, args, kwargs, [_ttype(v) if isinstance(v, torch.Tensor) else None for v in vals])
+            outs = [g.new_value(t) if t is not None else None for t in types]
             counter += 1
             g.nodes.append(Node(f"n{counter}_{node.name}", op, fx_arg(args, env), fx_arg(kwargs, env), outs, multi))
             if lookup(op) is None:

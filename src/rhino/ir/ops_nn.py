@@ -6,6 +6,7 @@ from typing import Mapping
 
 from .annotation import Annotation, Dim, parse
 from .graph import Ref
+from .types import DType
 from .registry import (Accumulate, Family, InputLayout, Linear, Lowering, OpCall, OpKind, OutputRule, SizeArg,
                        SizeRule, register)
 from .rules import NewLetters, elementwise, letters, norm_dim
@@ -380,7 +381,15 @@ def weight_norm_rule(call: OpCall) -> Annotation:
 # the backward kernel reads a transposed gradient as if it were contiguous (tests/test_opfacts.py)
 register("aten._weight_norm_interface.default aten._weight_norm_interface_backward.default", N, weight_norm_rule,
          flops=6, input_layout=InputLayout.CONTIGUOUS)
-register("aten.native_layer_norm.default", N, layer_norm_rule, flops=8)
+def layer_norm_cpu_dtypes(ins: list[DType], outs: list[DType | None]) -> list[DType | None]:
+    """The CPU ``native_layer_norm`` of a bf16/fp16 input with float32 weight or bias (a LayerNorm under CPU
+    autocast) keeps its mean and rstd in float32 ("mixed type"); the fake kernel gives them the input's dtype."""
+    if ins[0] in (DType.bfloat16, DType.float16) and DType.float32 in ins[1:]:
+        return [outs[0], DType.float32, DType.float32]
+    return outs
+
+
+register("aten.native_layer_norm.default", N, layer_norm_rule, flops=8, cpu_dtypes=layer_norm_cpu_dtypes)
 register("aten.native_layer_norm_backward.default", N, layer_norm_backward_rule, flops=10,
          input_layout=InputLayout.CONTIGUOUS)
 # batch norm in training over a split batch: one all-reduce of [2, C] statistics (lower/spmd_bn.py)

@@ -19,7 +19,8 @@ into a matrix product, ``lower.accumulate``, can see through or fuse) and ``inpu
 kernel assumes of its tensor inputs, as its callers in eager PyTorch guarantee: contiguous, or stride 1 along the
 last dimension; a rank's input may be laid out otherwise after a redistribution, so the lowering passes
 contiguous copies of the inputs that are not: ``lower.fx.resolve_op``, which treats every opaque op as needing
-contiguous inputs).
+contiguous inputs) and ``cpu_dtypes`` (the CPU kernel's output dtypes from its tensor inputs' dtypes, where the fake
+kernel capture traces with answers otherwise: ``capture.to_ir``, ``lower.rank_graph``).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from typing import Any, Callable, Mapping
 
 from .annotation import Annotation, letter_sizes, parse
 from .graph import Graph, Node, Ref
-from .types import TensorType
+from .types import DType, TensorType
 
 __all__ = ["OpKind", "OpDef", "OpCall", "Linear", "SizeRule", "SizeArg", "Lowering", "OutputRule", "Family",
            "Values", "register", "lookup", "is_known", "annotate", "call_signature", "flops_of", "bytes_of",
@@ -202,6 +203,7 @@ class OpDef:
     values: Values = Values.COMPUTED
     accumulate: Accumulate | None = None
     input_layout: InputLayout | None = None
+    cpu_dtypes: Callable[[list[DType], list[DType | None]], list[DType | None]] | None = None
 
 
 REGISTRY: dict[str, OpDef] = {}

@@ -38,16 +38,16 @@ from dataclasses import dataclass
 import torch
 import torch.fx
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from ..ir.graph import STATE_ROLES, Graph, GraphInput, GraphOutput, Node, Ref, Role
-from ..ir.registry import is_known
+from ..ir.registry import is_known, lookup
 from ..ir.types import TensorType
 from ..memory.from_graph import GraphMemory, problem_from_graph
 from ..memory.problem import MemProblem
 from ..sharding.plan import ResolvedPlan
 from ..capture.fallbacks import fake_fallbacks
-from ..capture.to_ir import fx_arg, ir_dtype
+from ..capture.to_ir import fx_arg, ir_dtype, torch_dtype
 from ..sharding.steps import after_step
 from .fx import overload_of
 from .spmd import lower_rank
@@ -196,12 +196,22 @@ def _meta_call(op, args, kwargs):
 
 
 def _fake_cpu_call(op, args, kwargs):
+    """``op`` on fake CPU tensors, as capture ran it, with the output dtypes the CPU kernel gives where the fake
+    kernel's differ (the registry's ``cpu_dtypes``); meta tensors out."""
     with FakeTensorMode():
         fake = tree_map(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype)
                         if isinstance(t, torch.Tensor) else t, (args, kwargs))
         out = op(*fake[0], **fake[1])
-    return tree_map(lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
-                    if isinstance(t, torch.Tensor) else t, out)
+    fix = getattr(lookup(_op_name(op)), "cpu_dtypes", None)
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    dtypes = [t.dtype if isinstance(t, torch.Tensor) else None for t in outs]
+    if fix is not None:
+        ins = [ir_dtype(t.dtype) for t in tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        fixed = fix(ins, [ir_dtype(d) if d is not None else None for d in dtypes])
+        dtypes = [torch_dtype(f) if f is not None else d for f, d in zip(fixed, dtypes)]
+    metas = [torch.empty_strided(t.shape, t.stride(), dtype=d, device="meta") if isinstance(t, torch.Tensor) else t
+             for t, d in zip(outs, dtypes)]
+    return type(out)(metas) if isinstance(out, (tuple, list)) else metas[0]
 
 
 def _cpu_outputs(op, args, kwargs) -> tuple | None:
