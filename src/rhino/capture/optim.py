@@ -25,7 +25,7 @@ from .workload import WorkloadError
 __all__ = ["ParamUpdate", "SCALAR_KEYS", "plan_updates", "initial_state", "lazy_value", "scalar_dtype",
            "state_meta", "apply_update", "state_name", "mirrored_kind", "unhooked", "copy_training", "copy_model",
            "hyperparameters", "changed_hyperparameter", "SCHEDULABLE", "scheduled_name",
-           "scheduled_values", "group_value", "mirrored_names"]
+           "scheduled_values", "group_value", "set_group_value", "mirrored_names"]
 
 
 @dataclass
@@ -229,6 +229,14 @@ def scheduled_name(group: int, key: str = "lr") -> str:
 def group_value(group: dict, key: str) -> float:
     """Param group ``group``'s value of ``key`` (one of ``SCHEDULABLE``; ``beta1`` is ``betas[0]``)."""
     return _scalar(group["betas"][0] if key == "beta1" else group[key])
+
+
+def set_group_value(group: dict, key: str, value: float) -> None:
+    """Set param group ``group``'s ``key`` (one of ``SCHEDULABLE``; ``beta1`` is ``betas[0]``) to ``value``."""
+    if key == "beta1":
+        group["betas"] = (value, *group["betas"][1:])
+    else:
+        group[key] = value
 
 
 def scheduled_values(optimizer: torch.optim.Optimizer, scheduled: dict[str, tuple[int, str]]) -> dict[str, float]:

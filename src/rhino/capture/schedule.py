@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Callable
 
 import torch
 
-from .optim import changed_hyperparameter, group_value, hyperparameters, scheduled_values
+from .optim import (SCHEDULABLE, changed_hyperparameter, group_value, hyperparameters, scheduled_values,
+                    set_group_value)
 from .workload import Workload, WorkloadError
 
 if TYPE_CHECKING:
@@ -63,11 +64,7 @@ class LrSchedule:
         for g, lr in zip(self.optimizer.param_groups, lrs):
             g["lr"] = lr
         for (g, key), value in values.items():       # a cycled momentum as the scheduler set it when built
-            group = self.optimizer.param_groups[g]
-            if key == "beta1":
-                group["betas"] = (value, *group["betas"][1:])
-            elif key == "momentum":
-                group["momentum"] = value
+            set_group_value(self.optimizer.param_groups[g], key, value)
         self.steps = 0
         for _ in range(steps):
             self.advance()
@@ -138,7 +135,7 @@ def probe(workload: Workload) -> tuple[torch.optim.Optimizer, set[tuple[int, str
     return built, moved
 
 
-_MOMENTA = ("momentum", "beta1")
+_MOMENTA = SCHEDULABLE[1:]     # momentum, beta1
 
 
 def _has(group: dict, key: str) -> bool:
