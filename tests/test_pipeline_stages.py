@@ -177,7 +177,6 @@ def test_in_flight_activations_per_schedule():
 
 def test_search_tries_pipelines_by_rule_and_reports_them():
     from rhino.search import SearchOptions, search
-    from rhino.search.planning import plan_workload
     g = graph("gpt")
     cluster = parse_cluster("8xA100-80G")
     on = search(g, cluster, SearchOptions(level="O1", pipeline="always", time_limit=20))
@@ -203,10 +202,10 @@ def test_search_tries_pipelines_by_rule_and_reports_them():
     off = search(g, cluster, SearchOptions(level="O1", pipeline="never", time_limit=20))
     assert all(c.estimate is None or c.estimate.pp == 1 for c in off.candidates)
     assert on.estimate.step_seconds <= off.estimate.step_seconds
-    plan, report = plan_workload(g, cluster, level="O1", time_limit=20, presets=False)
-    d = report.to_dict()
-    assert d["pipeline"] == {"stages": report.estimate.pp, "microbatches": report.estimate.microbatches,
-                             "schedule": "1f1b"}
+    c = off.best
+    one = build_report(g, cluster, resolve(g, c.plan), c.estimate, workload="gpt", level="O1", search_seconds=0.0,
+                       presets=[], best=None, source="search", recompute=c.recompute, candidates=[]).to_dict()
+    assert one["pipeline"] == {"stages": 1, "microbatches": 1, "schedule": "1f1b"}
 
 
 def test_pipeline_rule_auto():

@@ -425,15 +425,17 @@ def test_presets_on_chunked_gates_and_a_parameter_beside_its_transpose(func, pre
     assert r.ok and r.max_abs_diff < 1e-12, (r.first_mismatch, r.max_abs_diff)
 
 
-@pytest.mark.parametrize("preset", ["dp=2", "dp=2,tp=2"])
-def test_attention_without_a_mask_diag_embed_and_vdot_are_sharded(preset):
+@pytest.mark.parametrize("preset", ["dp=2", "dp=2,tp=2", "tp=4"])
+@pytest.mark.parametrize("spec", ["heldout34.py:attention", "heldout35.py:bilinear"])
+def test_attention_without_a_mask_diag_embed_vdot_and_bilinear_are_sharded(spec, preset):
     """scaled_dot_product_attention without a mask traces ``_safe_softmax``, which the registry did not know: it
     ran opaque, so data parallelism all-gathered the scores and every rank took the softmax of the whole batch;
-    ``diag_embed``, ``diagonal_backward`` and ``vdot`` likewise. They have rules now (checked op by op in
-    tests/test_rule_exhaustive.py); the step has no opaque op and every rank equals one device."""
+    ``diag_embed``, ``diagonal_backward``, ``vdot`` and nn.Bilinear's ``_trilinear`` likewise. They have rules
+    now (checked op by op in tests/test_rule_exhaustive.py); the step has no opaque op and every rank equals one
+    device."""
     with warnings.catch_warnings(), default_dtype(torch.float64):
         warnings.simplefilter("ignore")
-        cap = capture(load_workload(str(ROOT / "tests" / "workloads" / "heldout34.py:attention"), dtype=torch.float64))
+        cap = capture(load_workload(str(ROOT / "tests" / "workloads" / spec), dtype=torch.float64))
         r, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy(preset)), steps=2)
     assert cap.opaque_ops == []
     assert r.ok and r.max_abs_diff < 1e-12, (r.first_mismatch, r.max_abs_diff)

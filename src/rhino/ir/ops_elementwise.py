@@ -83,7 +83,7 @@ register("aten.amax.default", R, _dims_keep(1, 2, "max"))
 register("aten.amin.default", R, _dims_keep(1, 2, "min"))
 register("aten.max.default", R, _all("max"))
 register("aten.min.default", R, _all("min"))
-register("aten.any.default aten.all.default aten.prod.default", R, _all(splittable=False))
+register("aten.any.default aten.all.default aten.prod.default aten.norm.Scalar", R, _all(splittable=False))
 register("aten.any.dim aten.all.dim aten.argmax.default aten.argmin.default aten.logsumexp.default",
          R, _dims_keep(1, 2, splittable=False))
 register("aten.any.dims", R, _dims_keep(1, 2, splittable=False, empty_is_all=False))  # dim=[] reduces nothing

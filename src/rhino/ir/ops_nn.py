@@ -48,6 +48,38 @@ register("aten.addmv.default", M, _addmm("m k+, k+ -> m"), flops=_addmm_flops)
 register("aten.addr.default", M, _addmm("m, n -> m n"), flops=_addmm_flops)
 
 
+def trilinear_rule(call: OpCall) -> Annotation:
+    """``_trilinear(i1, i2, i3, expand1, expand2, expand3, sumdim)`` (nn.Bilinear, forward and backward): each
+    input unsqueezed at its ``expand`` dims to one rank, the three multiplied and summed over ``sumdim``, which
+    the output drops. An einsum: a dim an input lacks broadcasts it, a summed dim is reduced (the product is
+    linear in each input, so a split summed dim gives partial sums)."""
+    total = call.in_types[0].rank + len(call.arg(3, "expand1"))
+    sumdim = {norm_dim(d, total) for d in call.arg(6, "sumdim")}
+    names = letters("t", total)
+    new = NewLetters("u")
+    sizes = [1] * total
+    ins = []
+    for j, t in enumerate(call.in_types[:3]):
+        expand = {norm_dim(d, total) for d in call.arg(3 + j, f"expand{j + 1}")}
+        kept = [i for i in range(total) if i not in expand]
+        for i, n in zip(kept, t.shape):
+            sizes[i] = max(sizes[i], n)
+        ins.append(kept)
+    specs = tuple(tuple((names[i],) if sizes[i] == n else (new(n),) for i, n in zip(kept, t.shape))
+                  for kept, t in zip(ins, call.in_types))
+    present = {x for spec in specs for d in spec for x in d}
+    out = tuple((names[i],) if names[i] in present else (new(1),) for i in range(total) if i not in sumdim)
+    return Annotation(specs, (out,), reduced=frozenset(names[i] for i in sumdim),
+                      fixed=frozenset(new.sizes), sizes=new.sizes)
+
+
+def _trilinear_flops(call: OpCall, ann: Annotation, sizes: Mapping[str, int]) -> int:
+    return 2 * prod(sizes[x] for x in ann.letters())
+
+
+register("aten._trilinear.default", M, trilinear_rule, flops=_trilinear_flops)
+
+
 # -- convolution -------------------------------------------------------------
 def _conv_out(size: int, k: int, s: int, p: int, d: int, transposed: bool, op: int) -> int:
     if transposed:

@@ -432,7 +432,29 @@ def index_put_rule(call: OpCall) -> Annotation:
 
 
 register("aten.index_put.default aten._unsafe_index_put.default", I, index_put_rule)
-register("aten.masked_scatter.default aten.diagonal.default aten.as_strided.default", I, fixed_from_types)
+register("aten.masked_scatter.default aten.as_strided.default", I, fixed_from_types)
+
+
+def diagonal_rule(call: OpCall) -> Annotation:
+    """``diagonal(x, offset, dim1, dim2)`` (x's other dims in order, then the diagonal) and ``diagonal_scatter(x,
+    src, offset, dim1, dim2)`` (src, shaped like that diagonal, written into a copy of x): the planes ``dim1,
+    dim2`` and the diagonal are fixed, every other dim passes through (each matrix of a batch on its own)."""
+    x = call.in_types[0]
+    scatter = call.op.startswith("aten.diagonal_scatter")
+    first = 3 if scatter else 2
+    d1 = norm_dim(call.arg(first, "dim1", 0), x.rank)
+    d2 = norm_dim(call.arg(first + 1, "dim2", 1), x.rank)
+    new = NewLetters("f")
+    batch = iter(letters("e", x.rank - 2))
+    full = tuple((new(n),) if i in (d1, d2) else (next(batch),) for i, n in enumerate(x.shape))
+    diag = _spec(letters("e", x.rank - 2)) + ((new(call.in_types[1].shape[-1] if scatter
+                                                   else call.out_types[0].shape[-1]),),)
+    if scatter:
+        return Annotation((full, diag), (full,), fixed=frozenset(new.sizes), sizes=new.sizes)
+    return Annotation((full,), (diag,), fixed=frozenset(new.sizes), sizes=new.sizes)
+
+
+register("aten.diagonal.default aten.diagonal_scatter.default", I, diagonal_rule)
 
 
 def diagonal_planes_rule(call: OpCall) -> Annotation:
