@@ -27,6 +27,21 @@ def test_steps_equal_pytorch_in_float64(name):
     assert r.losses[0] != r.losses[2]
 
 
+def test_functionalization_keeps_a_loss_whole_with_its_dtypes():
+    """torch.func.functionalize (functorch) traced BCE-with-logits through functorch's out-of-place copy of its
+    kernel, computing in the logits' float64 where the kernel rounds to the float32 target's dtype (losses 9e-9
+    apart); FunctionalTensorMode keeps the op whole. The backward's formula, traced out of place, still keeps
+    float64 where eager autograd rounds in place to float32 (gradients ~2e-10 apart)."""
+    with warnings.catch_warnings(), default_dtype(torch.float64):
+        warnings.simplefilter("ignore")
+        cap = capture(load_workload(str(ROOT / "tests" / "workloads" / "heldout35.py:bce_float32_target"),
+                                    dtype=torch.float64))
+        r = check_captured(cap, steps=3)
+    losses = [n for n in cap.graph.nodes if n.op == "aten.binary_cross_entropy_with_logits.default"]
+    assert len(losses) == 1 and str(cap.graph.types[losses[0].outputs[0]].dtype) == "DType.float32"
+    assert r.ok and r.losses == r.eager_losses, (r.losses, r.eager_losses)
+
+
 def test_packed_sequences_and_sparse_embeddings_are_one_sentence():
     with pytest.raises(CaptureError, match="run the RNN on the padded batch and mask"):
         _capture("packed_lstm")

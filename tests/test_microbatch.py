@@ -163,6 +163,10 @@ def test_micro_batch_errors_are_one_clear_sentence(mlp):
         c = _cap(f"{heldout}:{func}")   # per-step constants in the batch: named, not "choose microbatches dividing"
         with pytest.raises(ValueError, match=match):
             RankStep(c, preset_plan(c.graph, parse_strategy("dp=2,microbatches=2")), 0)
+    c = _cap(str(ROOT / "tests" / "workloads" / "heldout35.py:ctc_lengths"))   # names the argument, not "became"
+    with pytest.raises(ValueError, match=r"node n\d+__ctc_loss \(aten._ctc_loss.default\): its argument 2 is a list "
+                                         r"of 4 values instead of 8\)"):
+        RankStep(c, preset_plan(c.graph, parse_strategy("microbatches=2")), 0)
     with pytest.raises(ValueError, match="give RankStep the Captured step"):
         RankStep(cap.graph, preset_plan(cap.graph, parse_strategy("dp=2,microbatches=4")), 0)
     with pytest.raises(ValueError, match="differs from the whole-batch step"):

@@ -6,7 +6,9 @@ model with parameters, buffers and batch as inputs, ``torch.autograd.grad``
 gives the gradients (the same aten backward ops eager autograd runs), and the
 functional optimizer of ``optim.py`` computes the new state. If the trace has
 in-place ops (BatchNorm running statistics, ``relu_``, ...), a second trace
-through ``torch.func.functionalize`` replaces them by pure ops. Ops whose fake kernel refuses
+under ``FunctionalTensorMode`` (AOTAutograd's functionalization) replaces them by pure ops; not
+``torch.func.functionalize``, whose functorch layer swaps BCE-with-logits for an out-of-place copy of its kernel
+that computes in the logits' dtype where the kernel rounds to the target's. Ops whose fake kernel refuses
 inputs the real kernel accepts trace through the fallbacks of ``fallbacks.py``.
 """
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.nn.modules.transformer as transformer_module
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException,
                                            FakeTensorMode)
+from torch._subclasses.functional_tensor import FunctionalTensorMode, dispatch_functionalize
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 from torch.nn.parameter import UninitializedParameter
 
@@ -444,7 +447,7 @@ def _functionalize(gm: torch.fx.GraphModule, flat: list) -> torch.fx.GraphModule
         return gm
     with torch.no_grad():
         inputs = [t.detach() for t in flat]
-        gm2 = make_fx(torch.func.functionalize(gm, remove="mutations"), tracing_mode="fake")(*inputs)
+        gm2 = make_fx(dispatch_functionalize(gm, FunctionalTensorMode()), tracing_mode="fake")(*inputs)
     # functionalize writes mutated inputs back with copy_; the new values are outputs already.
     for node in reversed(list(gm2.graph.nodes)):
         if node.op == "call_function" and node.target is torch.ops.aten.copy_.default \

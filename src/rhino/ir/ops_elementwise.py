@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from .annotation import Annotation
 from .registry import Linear, Lowering, OpCall, OpKind, Values, register
-from .rules import NewLetters, elementwise, letters, norm_dim, reduce_dims
+from .rules import NewLetters, elementwise, fixed_from_types, letters, norm_dim, reduce_dims
 
 E = OpKind.ELEMENTWISE
 
@@ -84,6 +84,7 @@ register("aten.amin.default", R, _dims_keep(1, 2, "min"))
 register("aten.max.default", R, _all("max"))
 register("aten.min.default", R, _all("min"))
 register("aten.any.default aten.all.default aten.prod.default aten.norm.Scalar", R, _all(splittable=False))
+register("aten.trace.default", R, fixed_from_types)   # the diagonal's sum: both dims fixed
 register("aten.any.dim aten.all.dim aten.argmax.default aten.argmin.default aten.logsumexp.default",
          R, _dims_keep(1, 2, splittable=False))
 register("aten.any.dims", R, _dims_keep(1, 2, splittable=False, empty_is_all=False))  # dim=[] reduces nothing

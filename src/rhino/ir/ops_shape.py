@@ -432,7 +432,21 @@ def index_put_rule(call: OpCall) -> Annotation:
 
 
 register("aten.index_put.default aten._unsafe_index_put.default", I, index_put_rule)
-register("aten.masked_scatter.default aten.as_strided.default", I, fixed_from_types)
+register("aten.masked_scatter.default aten.as_strided.default aten.as_strided_scatter.default", I, fixed_from_types)
+
+
+def index_fill_rule(call: OpCall) -> Annotation:
+    """``index_fill(x, dim, index, value)``: the rows ``index`` of ``dim`` set to ``value`` (a number or a 0-d
+    tensor); ``dim`` and the index are fixed, every other dim passes through."""
+    x = call.in_types[0].shape
+    d = norm_dim(call.arg(1, "dim"), len(x))
+    xs = list(_spec(letters("k", len(x))))
+    xs[d] = ("xd",)
+    ins = [tuple(xs), (("ix",),)] + [()] * (len(call.in_types) - 2)
+    return Annotation(tuple(ins), (tuple(xs),), fixed=frozenset({"xd", "ix"}))
+
+
+register("aten.index_fill.int_Tensor aten.index_fill.int_Scalar", I, index_fill_rule)
 
 
 def diagonal_rule(call: OpCall) -> Annotation:

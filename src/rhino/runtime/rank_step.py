@@ -80,6 +80,13 @@ def _same_args(a, b) -> bool:
     return a == b
 
 
+def _differ(a, b) -> str:
+    """How argument ``a`` of the whole-batch step became ``b``: lists of other lengths by their lengths."""
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) != len(b):
+        return f"a list of {len(b)} values instead of {len(a)}"
+    return f"{b!r} instead of {a!r}"
+
+
 def same_structure(full: Graph, micro: Graph, microbatches: int) -> None:
     """ValueError unless ``micro`` is ``full`` at batch B/m: same inputs, nodes, ops and wiring; batch
     inputs with dim 0 divided by m; state inputs alike."""
@@ -97,9 +104,15 @@ def same_structure(full: Graph, micro: Graph, microbatches: int) -> None:
     if len(full.nodes) != len(micro.nodes):
         fail(f"{len(micro.nodes)} nodes instead of {len(full.nodes)}")
     for x, y in zip(full.nodes, micro.nodes):
-        if (x.name, x.op, x.outputs) != (y.name, y.op, y.outputs) or not _same_args(x.args, y.args) \
-                or not _same_args(x.kwargs, y.kwargs):
+        if (x.name, x.op, x.outputs) != (y.name, y.op, y.outputs):
             fail(f"node {x.name} ({x.op}) became {y.name} ({y.op})")
+        pairs = list(zip(x.args, y.args)) + [(x.kwargs.get(k), y.kwargs.get(k)) for k in x.kwargs.keys() | y.kwargs]
+        names = [f"argument {i}" for i in range(len(x.args))] + [f"argument {k}" for k in x.kwargs.keys() | y.kwargs]
+        if len(x.args) != len(y.args):
+            fail(f"node {x.name} ({x.op}) has {len(y.args)} arguments instead of {len(x.args)}")
+        for what, (a, b) in zip(names, pairs):
+            if not _same_args(a, b):
+                fail(f"node {x.name} ({x.op}): its {what} is {_differ(a, b)}")
     if [(o.name, o.value) for o in full.outputs] != [(o.name, o.value) for o in micro.outputs]:
         fail("other outputs")
 
