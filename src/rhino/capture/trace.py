@@ -448,7 +448,7 @@ def _functionalize(gm: torch.fx.GraphModule, flat: list) -> torch.fx.GraphModule
     with torch.no_grad():
         inputs = [t.detach() for t in flat]
         gm2 = make_fx(dispatch_functionalize(gm, FunctionalTensorMode()), tracing_mode="fake")(*inputs)
-    # functionalize writes mutated inputs back with copy_; the new values are outputs already.
+    # the mutated inputs' new values are outputs already: a write back into an input (copy_) is dropped
     for node in reversed(list(gm2.graph.nodes)):
         if node.op == "call_function" and node.target is torch.ops.aten.copy_.default \
                 and node.args[0].op == "placeholder" and not node.users:

@@ -106,13 +106,13 @@ def same_structure(full: Graph, micro: Graph, microbatches: int) -> None:
     for x, y in zip(full.nodes, micro.nodes):
         if (x.name, x.op, x.outputs) != (y.name, y.op, y.outputs):
             fail(f"node {x.name} ({x.op}) became {y.name} ({y.op})")
-        pairs = list(zip(x.args, y.args)) + [(x.kwargs.get(k), y.kwargs.get(k)) for k in x.kwargs.keys() | y.kwargs]
-        names = [f"argument {i}" for i in range(len(x.args))] + [f"argument {k}" for k in x.kwargs.keys() | y.kwargs]
         if len(x.args) != len(y.args):
             fail(f"node {x.name} ({x.op}) has {len(y.args)} arguments instead of {len(x.args)}")
-        for what, (a, b) in zip(names, pairs):
+        keys = sorted(x.kwargs.keys() | y.kwargs.keys())
+        for what, a, b in [*zip(range(len(x.args)), x.args, y.args),
+                           *((k, x.kwargs.get(k), y.kwargs.get(k)) for k in keys)]:
             if not _same_args(a, b):
-                fail(f"node {x.name} ({x.op}): its {what} is {_differ(a, b)}")
+                fail(f"node {x.name} ({x.op}): its argument {what} is {_differ(a, b)}")
     if [(o.name, o.value) for o in full.outputs] != [(o.name, o.value) for o in micro.outputs]:
         fail("other outputs")
 
