@@ -231,6 +231,17 @@ def _in_layout(t: torch.Tensor, v: _View) -> torch.UntypedStorage:
     return storage
 
 
+def _generator_as_kwarg(func, args: tuple, kwargs: dict) -> tuple:
+    """``func``'s positional arguments without a generator passed by position (``torch.poisson(x, g)`` calls
+    ``aten.poisson(x, g)``): it moves to ``kwargs``, with the arguments after it, by name, where recording and
+    replay look for it."""
+    for i, a in enumerate(args):
+        if isinstance(a, torch.Generator):
+            kwargs.update(zip([x.name for x in func._schema.arguments][i:], args[i:]))
+            return tuple(args[:i])
+    return args
+
+
 @contextlib.contextmanager
 def _generator_state(rng: tuple[str, torch.Tensor] | None, kwargs: dict):
     """Run a random op with its recorded generator state; the caller's generators are left as they were."""
@@ -267,12 +278,15 @@ class _Recorder(TorchDispatchMode):
         if "device" in kwargs and kwargs["device"] is not None:
             kwargs["device"] = _CPU                 # every device is built as the CPU (see module docstring)
         log = self.log
+        random = _is_random(func)
+        if random:
+            args = _generator_as_kwarg(func, args, kwargs)
         written = _written(func, args, kwargs)
         entry = _Entry(func, tree_map(log.ref, args), tree_map(log.ref, kwargs), torch.get_default_dtype(),
                        writes=tuple(dict.fromkeys(k for k in map(log.key_of, written) if k is not None)))
         entry.reads = tuple(dict.fromkeys(
             v.storage for v in tree_flatten((entry.args, entry.kwargs))[0] if isinstance(v, _View)))
-        if _is_random(func):
+        if random:
             entry.rng = self._advance(func, args, kwargs, written, entry)
         try:
             out = func(*args, **kwargs)
