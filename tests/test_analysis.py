@@ -297,7 +297,10 @@ def test_draws_rng_names_the_sampling_ops():
     from rhino.ir.registry import draws_rng
     yes = ["aten.native_dropout.default", "aten.dropout.default", "aten.bernoulli_.float", "aten.rand.default",
            "aten.randn_like.default", "aten.randint.low", "aten.randperm.default", "aten.normal_.default",
-           "aten.uniform_.default", "aten.multinomial.default", "aten.exponential_.default", "aten.random_.from"]
+           "aten.uniform_.default", "aten.multinomial.default", "aten.exponential_.default", "aten.random_.from",
+           # torch.distributions' samplers
+           "aten.poisson.default", "aten.binomial.default", "aten._standard_gamma.default",
+           "aten._sample_dirichlet.default"]
     no = ["aten.relu.default", "aten.operand.default", "aten.abnormal.default", "aten.brand.default",
           "aten.randomize.default", "aten.mm.default"]
     assert [op for op in yes if not draws_rng(op)] == [] and [op for op in no if draws_rng(op)] == []

@@ -238,6 +238,7 @@ def is_random(op: str) -> bool:
 # ops drawing from the generator's stream, by name (registered or not); ``draws_rng``
 _RNG_NAME = re.compile(r"(^|\.)(_?native_dropout|dropout|bernoulli|rand|randn|randint|randperm|rand_like|randn_like|"
                        r"randint_like|normal|uniform|multinomial|exponential|geometric|cauchy|log_normal|random|"
+                       r"poisson|binomial|_standard_gamma|_sample_dirichlet|"
                        r"rrelu_with_noise_functional)"
                        r"(_|\.|$)")
 
