@@ -95,3 +95,41 @@ def test_a_stage_cut_the_runtime_refuses_does_not_fit_and_is_not_chosen(monkeypa
     found = search(cap.graph, cluster, SearchOptions(level="O1", pipeline="always", time_limit=10))
     assert found.estimate.refused is None and found.estimate.fits
     assert all(not c.fits for c in found.candidates if c.estimate is not None and c.estimate.refused)
+
+
+HELDOUT36 = str(ROOT / "tests" / "workloads" / "heldout36.py")
+
+
+@pytest.mark.parametrize("name,buffer", [("write_only_buffer", "last"),
+                                         ("spectral_last", "4.parametrizations.weight.0._u")])
+def test_a_buffer_the_forward_writes_without_reading_is_held_where_it_is_renewed(name, buffer):
+    """A buffer written through ``out=`` (``torch.mean(h, 0, out=buf)``; spectral_norm's power iteration writes
+    ``_u`` so) has no reader: it was held by stage 0 while stage 1 renewed it, and every pipeline refused the
+    step ("read on stage 0 but its new value is made on stage 1"). It is held by the stage renewing it, and
+    every stage matches PyTorch's accumulation loop (float64)."""
+    from rhino.cost.pipeline import stage_refusal
+    from rhino.ir.stages import assign_stages, contiguous_cut
+    cap = _cap(f"{HELDOUT36}:{name}")
+    g = cap.graph
+    sa = assign_stages(g, contiguous_cut(g, 2), 2)
+    assert sa.holders[buffer] == {1} and stage_refusal(g, sa) is None
+    plan = preset_plan(g, parse_strategy("pp=2,microbatches=2"))
+    with default_dtype(torch.float64):
+        res = simulate_pipeline(cap, plan, 2)
+    st = res["steps"][0]
+    assert any(buffer in res["local"][r] for r in res["local"])
+    results = {r: {"losses": res["losses"][r], "local": res["local"][r]} for r in res["losses"]}
+    cmp = compare_stages(st.rp, st.spec, results, reference_run(cap, 2, plan.microbatches), TOLERANCES[torch.float64])
+    assert cmp.ok and cmp.max_abs_diff < 1e-12, cmp.first_mismatch
+
+
+def test_a_step_no_pipeline_can_cut_names_pp_not_micro_batches():
+    """nn.Embedding(max_norm=...) under pp=2,microbatches=1: the refusal advised "use microbatches=1", which it
+    had; a pipeline always runs the update apart from the gradient part, so the sentence now says pp=1."""
+    from rhino.cost.accumulate import SplitError
+    cap = _cap(f"{HELDOUT36}:maxnorm")
+    with pytest.raises(SplitError) as err:
+        PipelineStep(cap, preset_plan(cap.graph, parse_strategy("pp=2,microbatches=1")), 0)
+    msg = str(err.value)
+    assert msg.startswith("a pipeline runs the step's gradient part per micro-batch") and msg.endswith("; use pp=1")
+    assert "embedding_renorm" in msg and "microbatches=1" not in msg

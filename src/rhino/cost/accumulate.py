@@ -32,7 +32,12 @@ __all__ = ["StepSplit", "split_step", "SplitError", "accumulation_windows"]
 
 
 class SplitError(ValueError):
-    """The step cannot be cut into a gradient part and an update part."""
+    """The step cannot be cut into a gradient part and an update part: ``reason`` says why; the message adds
+    ``advice`` for gradient accumulation (a pipeline gives its own, ``runtime.pipeline``)."""
+
+    def __init__(self, reason: str, advice: str = ""):
+        super().__init__(f"{reason}; {advice}" if advice else reason)
+        self.reason = reason
 
 
 @dataclass
@@ -91,7 +96,7 @@ def split_step(graph: Graph) -> StepSplit:
             node = nodes[producer[vid]]
             raise SplitError(f"the optimizer update reads {node.name} ({node.op}), a forward value computed from the "
                              f"batch (a parameter changed in the forward, as nn.Embedding(max_norm=...) renormalises "
-                             f"its rows), which micro-batches cannot carry from one to the next; use microbatches=1")
+                             f"its rows), which micro-batches cannot carry from one to the next", "use microbatches=1")
         if not graph.types[vid].dtype.is_floating:
             raise SplitError(f"the optimizer update reads a {graph.types[vid].dtype.value} value computed from "
                              f"the batch; only floating-point gradients can be accumulated")

@@ -31,7 +31,7 @@ FORWARD and LOSS). ``assign_stages`` derives (node roles and values from ``ir.an
   reads it. **Optimizer nodes** (OPTIMIZER role) run on every stage holding a state whose new value they
   feed (a tied weight's update runs on both stages, from the same summed gradient, so both copies stay
   equal); holders and update stages are grown together to a fixpoint. A state nobody reads is held by
-  stage 0.
+  the stage whose forward makes its new value (a buffer written through ``out=``), else by stage 0.
 - **Crossings**: a value made on stage ``a`` and read on stage ``b != a``: in the forward phase (a forward
   value; sent when made), the backward phase (a backward value; ``a > b``) or the update phase (a
   batch-dependent value, e.g. a gradient, read by an optimizer node on ``b``: sent once after the last
@@ -364,12 +364,23 @@ def _holders_and_updates(graph: Graph, a, node_stage: dict[str, int]):
     anc = _facts(graph, a)[0]
     update: dict[int, set[int]] = {i: set() for i in a.optimizer}
     _grow(nodes, state, holders, anc, update)
-    for h in holders.values():
-        if not h:
-            h.add(0)
+    renewer = _renewing_stages(graph, a, node_stage)
+    for name, h in holders.items():
+        if not h:   # read by nobody: held where the forward renews it (a buffer written through out=), else stage 0
+            h.add(renewer.get(name, 0))
     _grow(nodes, state, holders, anc, update)
     return ({n: frozenset(h) for n, h in holders.items()},
             {nodes[i].name: frozenset(s) for i, s in sorted(update.items())})
+
+
+def _renewing_stages(graph: Graph, a, node_stage: dict[str, int]) -> dict[str, int]:
+    """Buffer name -> stage of the forward node making its new value."""
+    out = {}
+    for o in graph.outputs:
+        p = a.producer.get(o.value)
+        if o.role is Role.BUFFER and p is not None and a.is_forward(p) and graph.nodes[p].name in node_stage:
+            out[o.name] = node_stage[graph.nodes[p].name]
+    return out
 
 
 def _grow(nodes, state: dict[int, str], holders: dict[str, set[int]], anc: dict[str, set[int]],

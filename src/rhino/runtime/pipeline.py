@@ -49,7 +49,7 @@ import torch.distributed as dist
 
 from ..capture import Captured
 from ..capture.to_ir import torch_dtype
-from ..cost.accumulate import StepSplit, split_step
+from ..cost.accumulate import SplitError, StepSplit, split_step
 from ..cost.pipeline import stage_refusal
 from ..ir.analysis import analyze
 from ..cost.remat import remat, remat_plan
@@ -169,7 +169,11 @@ def pipeline_spec(graph: Graph, plan: ShardingPlan, full_graph: Graph | None = N
     S = plan.stages * plan.chunks
     stage_of = plan.stage_of or contiguous_cut(full_graph or graph, S)
     sa = assign_stages(graph, stage_of, S)
-    split = split_step(graph)
+    try:
+        split = split_step(graph)
+    except SplitError as exc:   # (its advice is gradient accumulation's: fewer micro-batches)
+        raise SplitError(f"a pipeline runs the step's gradient part per micro-batch and its optimizer update once "
+                         f"after them, which this step does not allow ({exc.reason})", "use pp=1") from None
     a = analyze(graph)
     grad_nodes = set(split.grad_nodes)
     out_value = {o.name: o.value for o in graph.outputs}
