@@ -375,11 +375,18 @@ def _holders_and_updates(graph: Graph, a, node_stage: dict[str, int]):
 
 def _renewing_stages(graph: Graph, a, node_stage: dict[str, int]) -> dict[str, int]:
     """Buffer name -> stage of the forward node making its new value."""
+    names = ((b, graph.nodes[p].name) for b, p in _forward_renewers(graph, a).items())
+    return {b: node_stage[n] for b, n in names if n in node_stage}
+
+
+def _forward_renewers(graph: Graph, a) -> dict[str, int]:
+    """Buffer name -> position of the forward node making its new value, per buffer the forward renews."""
+    buffers = {i.name for i in graph.inputs if i.role is Role.BUFFER}
     out = {}
     for o in graph.outputs:
         p = a.producer.get(o.value)
-        if o.role is Role.BUFFER and p is not None and a.is_forward(p) and graph.nodes[p].name in node_stage:
-            out[o.name] = node_stage[graph.nodes[p].name]
+        if o.role is Role.BUFFER and o.name in buffers and p is not None and a.is_forward(p):
+            out[o.name] = p
     return out
 
 
@@ -472,11 +479,8 @@ def _renewed_spans(graph: Graph, a) -> list[tuple[int, int]]:
     buffers = {i.name: i.value for i in graph.inputs if i.role is Role.BUFFER}
     readers = _direct_readers(graph)
     out = []
-    for o in graph.outputs:
-        p = a.producer.get(o.value)
-        if o.role is not Role.BUFFER or o.name not in buffers or p is None or not a.is_forward(p):
-            continue
-        at = [u for u in readers.get(buffers[o.name], ()) if a.is_forward(u)] + [p]
+    for name, p in _forward_renewers(graph, a).items():
+        at = [u for u in readers.get(buffers[name], ()) if a.is_forward(u)] + [p]
         out.append((min(at), max(at)))
     return out
 
