@@ -284,6 +284,10 @@ def samples() -> list[tuple[str, tuple, dict]]:
         for wanted in ([True, True], [False, True]):
             add(f"grid_sampler_{n}d_backward.default", r(*sampled.shape), xi, grid, mode, pad, corners, wanted)
     add("col2im.default", r(2, 16, 16), [8, 8], [2, 2], [1, 1], [0, 0], [2, 2])
+    for theta, size in ((r(4, 2, 3), [4, 3, 5, 6]), (r(4, 3, 4), [4, 2, 3, 4, 5])):
+        for corners in (False, True):
+            add("affine_grid_generator.default", theta, size, corners)
+            add("affine_grid_generator_backward.default", r(4, *size[2:], len(size) - 2), size, corners)
 
     # along one dim, norms
     for name in ("cumsum", "cumprod", "logcumsumexp"):
@@ -503,6 +507,8 @@ def samples() -> list[tuple[str, tuple, dict]]:
     add("zeros.default", [4, 8], dtype=F)
     add("eye.default", 4, dtype=F)
     add("eye.m", 4, 8, dtype=F)
+    add("linspace.default", -1, 1, 6, dtype=F)
+    add("logspace.default", -1, 1, 6, 2.0, dtype=F)
     add("ones.default", [4, 8], dtype=F)
     add("empty.memory_format", [4, 8], dtype=F)
     add("rand.default", [4, 8], dtype=F)

@@ -207,7 +207,7 @@ def _tied_autoencoder(strategy: str = "dp=2,tp=2"):
     torch.set_default_dtype(torch.float64)
     try:
         with warnings.catch_warnings():
-            warnings.simplefilter("ignore")   # affine_grid / grid_sample run as opaque ops
+            warnings.simplefilter("ignore")
             cap = capture(load_workload(str(ROOT / "tests" / "workloads" / "heldout23.py") + ":tied_autoencoder"))
     finally:
         torch.set_default_dtype(old)

@@ -426,11 +426,13 @@ def test_presets_on_chunked_gates_and_a_parameter_beside_its_transpose(func, pre
 
 
 @pytest.mark.parametrize("preset", ["dp=2", "dp=2,tp=2", "tp=4"])
-@pytest.mark.parametrize("spec", ["heldout34.py:attention", "heldout35.py:bilinear"])
+@pytest.mark.parametrize("spec", ["heldout34.py:attention", "heldout35.py:bilinear",
+                                  "heldout36.py:spatial_transformer"])
 def test_attention_without_a_mask_diag_embed_vdot_and_bilinear_are_sharded(spec, preset):
     """scaled_dot_product_attention without a mask traces ``_safe_softmax``, which the registry did not know: it
     ran opaque, so data parallelism all-gathered the scores and every rank took the softmax of the whole batch;
-    ``diag_embed``, ``diagonal_backward``, ``vdot`` and nn.Bilinear's ``_trilinear`` likewise. They have rules
+    ``diag_embed``, ``diagonal_backward``, ``vdot``, nn.Bilinear's ``_trilinear`` and a spatial transformer's
+    ``affine_grid_generator`` (its size argument's batch is the rank's) likewise. They have rules
     now (checked op by op in tests/test_rule_exhaustive.py); the step has no opaque op and every rank equals one
     device."""
     with warnings.catch_warnings(), default_dtype(torch.float64):

@@ -55,3 +55,26 @@ def maxnorm():
     t, y = torch.randint(0, 12, (8, 5), generator=g), torch.randint(0, 3, (8,), generator=g)
     m = MaxNorm()
     return m, torch.optim.SGD(m.parameters(), lr=0.1), lambda m, t, y: F.cross_entropy(m(t), y), (t, y)
+
+
+class SpatialTransformer(nn.Module):
+    """A localisation net predicts each sample's affine ``theta``; ``affine_grid`` + ``grid_sample`` warp the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.loc = nn.Sequential(nn.Flatten(), nn.Linear(2 * 6 * 6, 8), nn.Tanh(), nn.Linear(8, 6))
+        self.conv = nn.Conv2d(2, 4, 3, padding=1)
+        self.head = nn.Linear(4 * 6 * 6, 3)
+
+    def forward(self, x):
+        theta = self.loc(x).view(-1, 2, 3) + torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]])
+        grid = F.affine_grid(theta, list(x.shape), align_corners=False)
+        return self.head(torch.relu(self.conv(F.grid_sample(x, grid, align_corners=False))).flatten(1))
+
+
+def spatial_transformer():
+    torch.manual_seed(0)
+    m = SpatialTransformer()
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(8, 2, 6, 6, generator=g), torch.randint(0, 3, (8,), generator=g)
+    return m, torch.optim.Adam(m.parameters(), lr=1e-2), lambda m, x, y: F.cross_entropy(m(x), y), (x, y)

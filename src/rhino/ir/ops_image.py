@@ -1,5 +1,5 @@
 """Image and signal ops on ``(batch, channels, *spatial)`` tensors: resampling, reflection and replication
-padding, ``unfold`` / ``fold``, grid sampling (registered on import). The batch and channel dims pass through and may be
+padding, ``unfold`` / ``fold``, affine grids and grid sampling (registered on import). The batch and channel dims pass through and may be
 split; the spatial dims are fixed (each output pixel reads a neighbourhood of input pixels)."""
 from __future__ import annotations
 
@@ -123,3 +123,20 @@ def grid_sampler_backward_rule(call: OpCall) -> Annotation:
 register("aten.grid_sampler_2d.default aten.grid_sampler_3d.default", M, grid_sampler_rule)
 register("aten.grid_sampler_2d_backward.default aten.grid_sampler_3d_backward.default", M,
          grid_sampler_backward_rule)
+
+
+def affine_grid_rule(call: OpCall) -> Annotation:
+    """``affine_grid_generator(theta [n, d, d + 1], size [n, c, *spatial], align_corners)`` -> ``[n, *spatial, d]``
+    and its backward ``(grad [n, *spatial, d], size, align_corners)`` -> ``[n, d, d + 1]``: the batch passes through
+    (the size's first element becomes the rank's batch, ``SizeRule.OUT_DIM_IN_LIST``); the other dims are fixed."""
+    new = NewLetters("s")
+
+    def spec(shape: tuple[int, ...]) -> tuple:
+        return (("n",),) + tuple((new(k),) for k in shape[1:])
+
+    return Annotation((spec(call.in_types[0].shape),), (spec(call.out_types[0].shape),), fixed=frozenset(new.sizes),
+                      sizes=new.sizes)
+
+
+register("aten.affine_grid_generator.default aten.affine_grid_generator_backward.default", M, affine_grid_rule,
+         size_args=(SizeArg(1, SizeRule.OUT_DIM_IN_LIST),))

@@ -348,6 +348,8 @@ _SIZE_0, _SIZE_1 = (SizeArg(0, SizeRule.OUT_SHAPE),), (SizeArg(1, SizeRule.OUT_S
 register("aten.full.default aten.zeros.default aten.ones.default", C, sized_creation_rule, size_args=_SIZE_0)
 # an identity: every dim fixed (a rank's share of it is not a smaller identity), so it is made whole everywhere
 register("aten.eye.default aten.eye.m", C, fixed_from_types)
+# evenly spaced points: each value depends on its global index (affine_grid's backward makes its base grid so)
+register("aten.linspace.default aten.logspace.default", C, fixed_from_types)
 register("aten.empty.memory_format", C, sized_creation_rule, size_args=_SIZE_0, values=Values.UNINITIALIZED)
 register("aten.rand.default aten.randn.default", C, sized_creation_rule, size_args=_SIZE_0, values=Values.NOISE)
 register("aten.arange.default aten.arange.start aten.arange.start_step aten.scalar_tensor.default", C,

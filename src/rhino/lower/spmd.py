@@ -98,6 +98,12 @@ def _out_dim_list(sa: SizeArg, node, rp, need, outs, args, kwargs) -> None:
         args[sa.at] = [outs[sa.index][sa.dim]]
 
 
+def _out_dim_in_list(sa: SizeArg, node, rp, need, outs, args, kwargs) -> None:
+    size = list(args[sa.at])
+    size[sa.dim] = outs[sa.index][sa.dim]
+    args[sa.at] = size
+
+
 def _split_size(sa: SizeArg, node, rp, need, outs, args, kwargs) -> None:
     if len(outs) > 1:
         dim = _split_dim(args, kwargs)
@@ -140,7 +146,7 @@ def _squeezed(sa: SizeArg, node, rp, need, outs, args, kwargs) -> None:
 
 _REWRITE = {SizeRule.OUT_SHAPE: _out_shape, SizeRule.OUT_DIM: _out_dim, SizeRule.OUT_DIM_LIST: _out_dim_list,
             SizeRule.SPLIT_SIZE: _split_size, SizeRule.SPLIT_SIZES: _split_sizes, SizeRule.IN_DIM: _in_dim,
-            SizeRule.GROUPS: _groups, SizeRule.SQUEEZED: _squeezed}
+            SizeRule.GROUPS: _groups, SizeRule.SQUEEZED: _squeezed, SizeRule.OUT_DIM_IN_LIST: _out_dim_in_list}
 
 
 def whole_step(rp: ResolvedPlan) -> Part:
