@@ -1,6 +1,7 @@
 """Image and signal ops on ``(batch, channels, *spatial)`` tensors: resampling, reflection and replication
-padding, ``unfold`` / ``fold``, affine grids and grid sampling (registered on import). The batch and channel dims pass through and may be
-split; the spatial dims are fixed (each output pixel reads a neighbourhood of input pixels)."""
+padding, ``unfold`` / ``fold``, affine grids and grid sampling (registered on import). The batch and channel dims
+pass through and may be split; the spatial dims are fixed (each output pixel reads a neighbourhood of input
+pixels)."""
 from __future__ import annotations
 
 from .annotation import Annotation, parse

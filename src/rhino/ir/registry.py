@@ -77,7 +77,7 @@ class SizeRule(str, Enum):
     IN_DIM = "in_dim"              # the local size of dim ``dim`` of the tensor argument ``index``
     GROUPS = "groups"              # a group count (when not 1) scaled by the local share of argument ``index``'s dim
     SQUEEZED = "squeezed"          # the dims of global size 1 the op removes; later arguments dropped
-    OUT_DIM_IN_LIST = "out_dim_in_list"  # element ``dim`` of a size list: the local size of output ``index``'s dim ``dim``
+    OUT_DIM_IN_LIST = "out_dim_in_list"  # element ``dim`` of a size list: local size of that dim of output ``index``
 
 
 @dataclass(frozen=True)
