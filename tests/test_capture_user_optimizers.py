@@ -25,7 +25,7 @@ from rhino.sharding.plan import resolve
 from rhino.sharding.presets import parse_strategy, preset_plan
 
 SPEC = str(ROOT / "tests" / "workloads" / "user_optimizers.py")
-TRACED = ["lion", "clipsgd", "tensorstep", "rprop", "slow", "gram", "oldstyle", "foreach", "lamb"]
+TRACED = ["lion", "clipsgd", "tensorstep", "rprop", "slow", "gram", "oldstyle", "foreach", "lamb", "sgdclone"]
 STEPS = 4
 TOLERANCE = 1e-12
 
@@ -78,7 +78,6 @@ def test_state_made_at_the_first_step_is_made_from_each_parameter():
 @pytest.mark.parametrize("name, says", [
     ("intstep", "state 'step' at every step"),
     ("counter", "self.t at every step"),
-    ("sgdclone", "computed from the gradient"),
     ("asgd", "reads a tensor's value as a Python number at .*asgd.py"),
     ("lbfgs", "closure"),
     ("needsclosure", "this optimizer needs a closure"),
@@ -282,3 +281,45 @@ def test_a_tied_weights_gradients_are_summed_before_their_one_reduction():
         return RankStep(c.graph, preset_plan(c.graph, parse_strategy("dp=2")), 0).programs[0].comm_bytes
 
     assert sent(lion) == sent(adamw) > 0
+
+
+HELDOUT37 = str(ROOT / "tests" / "workloads" / "heldout37.py")
+
+
+@pytest.mark.parametrize("name", ["clip_norm_sgd", "clip_value_adamw", "started_from_gradient"])
+def test_a_first_step_that_differs_from_the_later_ones_runs_as_torch_does(name):
+    """Session 37's held-out batch: gradient clipping in subclasses of torch's SGD (momentum with dampening: its
+    first step starts the buffer as ``torch.clone(grad)``, not the later rule on zeros) and AdamW (whose step
+    read its counter with ``.item()`` when not traced as torch.compile does), and a user's optimizer whose first
+    step is another update. The first two were refused; the traced step keeps a first-step branch picked by a
+    ``started`` state (``capture.optim_traced``). Every step equals eager PyTorch (float64), also with two
+    micro-batches, where the first branch's clipping norm is update arithmetic run once on the summed gradient
+    (``ir.analysis`` rules 3-5 to a fixpoint), and in a pipeline of two stages."""
+    from rhino.runtime.exact import simulate_plan
+    with warnings.catch_warnings(), default_dtype(torch.float64):
+        warnings.simplefilter("ignore")
+        cap = capture(load_workload(f"{HELDOUT37}:{name}", dtype=torch.float64))
+        r = check_captured(cap, steps=STEPS, rtol=0.0, atol=TOLERANCE)
+    assert r.ok, r.first_mismatch
+    branched = name != "clip_value_adamw"
+    assert all(("started" in u.state_keys) == branched and "started" not in u.torch_keys for u in cap.updates)
+    for strategy in ("dp=2,microbatches=2", "dp=1,tp=2,microbatches=2"):
+        with default_dtype(torch.float64):
+            res, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy(strategy)), 3)
+        assert res.ok and res.max_abs_diff < 1e-12, (strategy, res.first_mismatch)
+
+
+@pytest.mark.parametrize("name", ["clip_norm_sgd", "started_from_gradient"])
+def test_a_first_step_branch_runs_in_a_pipeline(name):
+    from rhino.runtime.compare import TOLERANCES, reference_run
+    from rhino.runtime.pipeline import compare_stages
+    from rhino.runtime.pipeline_sim import simulate_pipeline
+    with warnings.catch_warnings(), default_dtype(torch.float64):
+        warnings.simplefilter("ignore")
+        cap = capture(load_workload(f"{HELDOUT37}:{name}", dtype=torch.float64))
+        plan = preset_plan(cap.graph, parse_strategy("pp=2,microbatches=2"))
+        res = simulate_pipeline(cap, plan, 3)
+        results = {r: {"losses": res["losses"][r], "local": res["local"][r]} for r in res["losses"]}
+        cmp = compare_stages(res["steps"][0].rp, res["steps"][0].spec, results,
+                             reference_run(cap, 3, plan.microbatches), TOLERANCES[torch.float64])
+    assert cmp.ok and cmp.max_abs_diff < 1e-12, cmp.first_mismatch

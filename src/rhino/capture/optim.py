@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.optim.optimizer as torch_optimizer   # torch's global step hooks
 
 from .workload import WorkloadError
 
@@ -137,7 +138,11 @@ SCALAR_KEYS = ("step", "started", "mu_product")
 
 def mirrored_kind(optimizer: torch.optim.Optimizer) -> str | None:
     """The kind of the update mirrored here, if ``optimizer`` runs one: a class of ``_KINDS`` or a subclass that
-    overrides none of its update (else None: its own step() is traced, ``optim_traced``)."""
+    overrides none of its update (else None: its own step() is traced, ``optim_traced``). An optimizer with step
+    hooks (``register_step_pre_hook``, ``register_step_post_hook``, or torch's global ones) is traced with them."""
+    if optimizer._optimizer_step_pre_hooks or optimizer._optimizer_step_post_hooks or \
+            torch_optimizer._global_optimizer_pre_hooks or torch_optimizer._global_optimizer_post_hooks:
+        return None
     cls = type(optimizer)
     for base, kind in _KINDS.items():
         if issubclass(cls, base) and all(unhooked(getattr(cls, m, None)) is unhooked(getattr(base, m, None))
@@ -160,8 +165,10 @@ def _kind(optimizer: torch.optim.Optimizer) -> str:
 
 def lazy_value(plan: ParamUpdate, key: str, held: dict) -> float:
     """The fill value of state ``key`` that torch creates at the first step (``held``: what it holds now)."""
-    if key == "started":
-        return 1.0 if held.get("momentum_buffer") is not None else 0.0
+    if key == "started":    # SGD's momentum buffer, or any state a traced step() made (optim_traced), is there
+        made = held.get("momentum_buffer") is not None if plan.init is None else \
+            any(isinstance(v, torch.Tensor) for v in held.values())
+        return 1.0 if made else 0.0
     if key == "sum":
         return plan.hp["initial_accumulator_value"]
     return 1.0 if key == "mu_product" else 0.0
@@ -192,7 +199,9 @@ def initial_state(optimizer: torch.optim.Optimizer, plans: list[ParamUpdate],
         state = optimizer.state.get(p, {})
         for key in plan.state_keys:
             existing = state.get(key)
-            if plan.init is not None:
+            if plan.init is not None and key == "started":
+                value = torch.tensor(lazy_value(plan, key, state), device=p.device, dtype=scalar_dtype(plan, key))
+            elif plan.init is not None:
                 value = existing.detach().clone() if isinstance(existing, torch.Tensor) else \
                     plan.init.value(plan.name, key, lambda n: params[n].detach())
             elif key == "started":
@@ -294,6 +303,11 @@ def copy_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
     for key, value in vars(optimizer).items():
         if key not in vars(optimizer_copy):
             setattr(optimizer_copy, key, copy.deepcopy(value, memo))
+    for key in ("_optimizer_step_pre_hooks", "_optimizer_step_post_hooks"):   # __getstate__ drops them
+        hooks = getattr(optimizer, key, None)
+        if hooks:
+            setattr(optimizer_copy, key, type(hooks)(hooks))
+            _rebind(getattr(optimizer_copy, key), memo)
     return model_copy, optimizer_copy
 
 
@@ -302,6 +316,12 @@ def copy_model(model: torch.nn.Module, memo: dict | None = None) -> torch.nn.Mod
     memo = {} if memo is None else memo
     out = copy.deepcopy(model, memo)
     _rebind_hooks(out, memo)
+    copies = dict(out.named_parameters())
+    for name, p in model.named_parameters():   # a tensor's deep copy drops its gradient hooks
+        if p._backward_hooks and not copies[name]._backward_hooks:
+            for fn in p._backward_hooks.values():
+                copies[name].register_hook(fn)
+            _rebind(copies[name]._backward_hooks, memo)
     return out
 
 
@@ -311,14 +331,19 @@ def _rebind_hooks(model_copy: torch.nn.Module, memo: dict) -> None:
     copies of what they captured (bound methods are rebound by ``copy.deepcopy`` itself)."""
     for m in model_copy.modules():
         for hooks in (v for k, v in vars(m).items() if "hooks" in k and isinstance(v, dict)):
-            for key, fn in list(hooks.items()):
-                cells = getattr(fn, "__closure__", None)
-                held = [_content(c) for c in cells or ()]
-                if not isinstance(fn, types.FunctionType) or not any(id(x) in memo for x in held if x is not _EMPTY):
-                    continue
-                new = tuple(types.CellType() if x is _EMPTY else types.CellType(memo.get(id(x), x)) for x in held)
-                hooks[key] = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, new)
-                hooks[key].__kwdefaults__ = fn.__kwdefaults__
+            _rebind(hooks, memo)
+
+
+def _rebind(hooks: dict, memo: dict) -> None:
+    """Each closure in ``hooks`` over something ``memo`` copied, as a closure over the copy."""
+    for key, fn in list(hooks.items()):
+        cells = getattr(fn, "__closure__", None)
+        held = [_content(c) for c in cells or ()]
+        if not isinstance(fn, types.FunctionType) or not any(id(x) in memo for x in held if x is not _EMPTY):
+            continue
+        new = tuple(types.CellType() if x is _EMPTY else types.CellType(memo.get(id(x), x)) for x in held)
+        hooks[key] = types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, new)
+        hooks[key].__kwdefaults__ = fn.__kwdefaults__
 
 
 _EMPTY = object()

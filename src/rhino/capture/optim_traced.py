@@ -11,11 +11,23 @@ creates lazily at its first step (``state["exp_avg"] = torch.zeros_like(p)``) ne
 first step. ``plan_traced`` finds it by a first trace of ``step()`` over fake tensors (nothing allocated)
 with a state dict that records the first tensor stored under each key the optimizer did not hold: the
 recorded values, as functions of the parameters (``TracedInit``), are evaluated later on each parameter's
-real value. During the captured step the state is already there, so the lazy branch is not taken. Refused
-with one sentence each: a first value read from the gradient (the step's own state is then not a function
-of the state before it), a Python number in the state, a param group or the optimizer that changes every
-step (traced once, it would stay at its first value), a state tensor whose shape or dtype changes, and
-closures (LBFGS re-evaluates the model inside ``step``).
+real value. During the captured step the state is already there, so the lazy branch is not taken.
+
+A first value read from the gradient (torch's SGD starts its momentum buffer as ``torch.clone(grad)``, which
+with ``dampening`` is not the later rule applied to zeros) is no function of the state before the step. Then
+every parameter gets a 0-dim state ``started`` (0 before its first step, as torch holding no state for it) and
+the captured step runs ``step()`` twice: on copies of the parameters and gradients with empty state (the
+first-step branch) and on the state it holds (the later steps); ``torch.where(started > 0, later, first)``
+picks each new parameter and state tensor, so every step is torch's own arithmetic. The state's values before
+the first step are then stand-ins of the right shape (the recorded values with the gradient read as the
+parameter), which only the discarded branch reads.
+
+Refused with one sentence each: a first value read from a frozen parameter or from state held before, a Python
+number in the state, a param group or the optimizer that changes every step (traced once, it would stay at its
+first value), a state tensor whose shape or dtype changes, and closures (LBFGS re-evaluates the model inside
+``step``). A subclass of a torch optimizer whose own ``step()`` calls ``super().step()`` (clipping first) is
+traced with torch's flags as below, and ``capturable`` on (tensor-only arithmetic: Adam's other path reads its
+step as a number).
 
 torch's own optimizers read their step counters with ``.item()`` unless ``torch.compiler.is_compiling()``;
 their steps are traced as torch.compile would trace them (that flag on, single-tensor code: ``foreach`` and
@@ -37,12 +49,15 @@ from torch._subclasses.fake_tensor import (DataDependentOutputException, Dynamic
                                            FakeTensorMode)
 from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from .optim import ParamUpdate, hyperparameters, unhooked
+import torch.optim.optimizer as torch_optimizer   # torch's global step hooks
+
+from .optim import ParamUpdate, hyperparameters, scalar_dtype, unhooked
 from .workload import WorkloadError
 
 __all__ = ["TracedInit", "plan_traced", "traced_update"]
 
 TRACED = "traced"
+STARTED = "started"   # the 0-dim state of a first-step branch (0 before the parameter's first step)
 _PRIMITIVE = (int, float, bool, complex, str, type(None))
 
 
@@ -58,6 +73,7 @@ class TracedInit:
     index: dict[tuple[str, str], int]
     meta: dict[tuple[str, str], torch.Tensor]
     constants: dict[str, dict[str, object]] = field(default_factory=dict)   # non-tensor state, fixed
+    from_gradient: bool = False   # a first value reads the gradient: the step keeps a first-step branch
     _param_of: dict = field(default_factory=dict, repr=False)              # placeholder -> parameter name
 
     def value(self, name: str, key: str, param_value: Callable[[str], torch.Tensor]) -> torch.Tensor:
@@ -213,13 +229,46 @@ def _with_grads(trained, params, grads) -> dict[int, torch.Tensor]:
 
 
 def _run_step(optimizer, shadow) -> None:
-    """``optimizer``'s class's own ``step()`` on ``shadow``, as tracing follows it (module docstring)."""
-    with _compiling(_torch_step(optimizer)), _data_assignment_copies(), _foreach_per_tensor():
-        _raw_step(optimizer)(shadow)
+    """``optimizer``'s class's own ``step()`` on ``shadow``, as tracing follows it (module docstring), between
+    the step hooks registered on it and on every optimizer (``register_step_pre_hook`` and its kind)."""
+    with _compiling(_torch_based(optimizer)), _data_assignment_copies(), _foreach_per_tensor(), \
+            _unhooked_bases(optimizer):
+        args, kwargs = (shadow,), {}      # as torch's wrapper calls them: self, (self, ...), {...}
+        pre = (*torch_optimizer._global_optimizer_pre_hooks.values(), *optimizer._optimizer_step_pre_hooks.values())
+        for hook in pre:
+            out = hook(shadow, args, kwargs)
+            if out is not None:
+                args, kwargs = out
+        _raw_step(optimizer)(*args, **kwargs)
+        post = (*optimizer._optimizer_step_post_hooks.values(), *torch_optimizer._global_optimizer_post_hooks.values())
+        for hook in post:
+            hook(shadow, args, kwargs)
+
+
+@contextlib.contextmanager
+def _unhooked_bases(optimizer):
+    """torch's classes' ``step`` without its profiling wrapper while tracing (a subclass's ``super().step()``
+    would record profiler ops and run the step hooks a second time)."""
+    saved = [(c, c.__dict__["step"]) for c in type(optimizer).__mro__[1:]
+             if getattr(c.__dict__.get("step"), "hooked", False)]
+    for c, method in saved:
+        setattr(c, "step", unhooked(method))
+    try:
+        yield
+    finally:
+        for c, method in saved:
+            setattr(c, "step", method)
 
 
 def _torch_step(optimizer) -> bool:
     return getattr(_raw_step(optimizer), "__module__", "").startswith("torch.")
+
+
+def _torch_based(optimizer) -> bool:
+    """Its step is torch's, or a subclass's that may call torch's (``super().step()`` after clipping)."""
+    return _torch_step(optimizer) or any(
+        c is not torch.optim.Optimizer and issubclass(c, torch.optim.Optimizer)
+        and c.__module__.startswith("torch.optim") for c in type(optimizer).__mro__)
 
 
 def _shadow(optimizer: torch.optim.Optimizer, tensor_of: dict[int, torch.Tensor],
@@ -232,8 +281,10 @@ def _shadow(optimizer: torch.optim.Optimizer, tensor_of: dict[int, torch.Tensor]
     for group in optimizer.param_groups:
         g = dict(group, params=[tensor_of[id(p)] for p in group["params"]])
         for flag in ("foreach", "fused"):
-            if flag in g and _torch_step(optimizer):
+            if flag in g and _torch_based(optimizer):
                 g[flag] = False
+        if "capturable" in g and _torch_based(optimizer) and not _torch_step(optimizer):
+            g["capturable"] = True   # a subclass's super().step(): torch's tensor-only path (Adam's reads .item())
         groups.append(g)
     shadow.param_groups = groups
     shadow.state = defaultdict(dict)
@@ -335,7 +386,7 @@ def plan_traced(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list
         if after.get(k, v) != v:
             where = f"param_groups[{k[1]}][{k[2]!r}]" if k[0] == "group" else f"self.{k[1]}"
             raise _changed_number(where, v, after[k])
-    return _updates(optimizer, trained, order, held, firsts, finals, _init_graph(gm, len(trained)))
+    return _updates(optimizer, trained, order, held, firsts, finals, *_init_graph(gm, len(trained)))
 
 
 def _step_frame(exc: BaseException) -> str:
@@ -373,9 +424,9 @@ _SHAPE_ONLY = frozenset({_aten.zeros_like.default, _aten.ones_like.default, _ate
                          _aten.new_full.default, _aten.new_empty.default})
 
 
-def _init_graph(gm: torch.fx.GraphModule, n: int) -> torch.fx.GraphModule:
-    """The traced first step reduced to what the recorded first values are computed from; refused if that
-    reads a gradient."""
+def _init_graph(gm: torch.fx.GraphModule, n: int) -> tuple[torch.fx.GraphModule, bool]:
+    """The traced first step reduced to what the recorded first values are computed from, and whether that
+    reads a gradient (then read as the parameter: stand-ins, see the module docstring)."""
     graph = gm.graph
     for node in reversed(list(graph.nodes)):     # write-backs of mutated inputs: the step's own effects
         if node.op == "call_function" and node.target is torch.ops.aten.copy_.default \
@@ -390,21 +441,20 @@ def _init_graph(gm: torch.fx.GraphModule, n: int) -> torch.fx.GraphModule:
         for user in list(grad.users):          # torch.full_like(grad, lr): the gradient's shape, not its values
             if user.target in _SHAPE_ONLY and user.args[0] is grad:
                 user.args = (param, *user.args[1:])
-    if any(p.users for p in placeholders[n:2 * n]):
-        raise WorkloadError("the optimizer's first step stores state computed from the gradient (e.g. a "
-                            "momentum buffer started as grad.clone()), so its state is not a function of the "
-                            "state before the step; start it from zeros or from the parameter instead")
-    return gm
+    from_gradient = any(p.users for p in placeholders[n:2 * n])
+    for param, grad in zip(placeholders[:n], placeholders[n:2 * n]):
+        grad.replace_all_uses_with(param)
+    return gm, from_gradient
 
 
-def _updates(optimizer, trained, order, held, firsts, finals, module) -> list[ParamUpdate]:
+def _updates(optimizer, trained, order, held, firsts, finals, module, from_gradient: bool) -> list[ParamUpdate]:
     index, meta, constants, k = {}, {}, {}, 0
     for p, name in zip(trained, order):
         for key, v in firsts[id(p)].items():
             if isinstance(v, torch.Tensor):
                 index[(name, key)] = k
                 k += 1
-    init = TracedInit(module, order, index, meta, constants)
+    init = TracedInit(module, order, index, meta, constants, from_gradient)
     plans = []
     for p, name in zip(trained, order):
         final = finals[id(p)]
@@ -429,7 +479,11 @@ def _updates(optimizer, trained, order, held, firsts, finals, module) -> list[Pa
                                     f"being stored as state[{key!r}] = tensor; store it so")
             meta[(name, key)] = torch.empty(v.shape, dtype=v.dtype, device="meta")
             keys.append(key)
-        plans.append(ParamUpdate(name, TRACED, {}, keys, list(keys), init=init))
+        torch_keys = list(keys)
+        if from_gradient:
+            keys.append(STARTED)
+            meta[(name, STARTED)] = torch.empty((), dtype=scalar_dtype(None, STARTED), device="meta")
+        plans.append(ParamUpdate(name, TRACED, {}, keys, torch_keys, init=init))
     return plans
 
 
@@ -440,9 +494,31 @@ def traced_update(optimizer: torch.optim.Optimizer, updates: list[ParamUpdate], 
     state -> (new parameters, new state by graph-input name). ``frozen``: the traced tensor of each frozen
     parameter the optimizer holds, by the id of the workload's parameter."""
     trained = _trained(optimizer)
+    branched = bool(updates) and updates[0].init.from_gradient
+    if branched:    # before the step below changes the parameters (and a clipping step the gradients) in place
+        first = _stepped(optimizer, updates, trained, [p.clone() for p in params],
+                         [None if g is None else g.clone() for g in grads], frozen, None, state_name)
+    new_params, new_state = _stepped(optimizer, updates, trained, params, grads, frozen, state, state_name)
+    if branched:
+        for i, (u, g) in enumerate(zip(updates, grads)):
+            started = state[state_name(u.name, STARTED)]
+            later = started > 0
+            new_params[i] = torch.where(later, new_params[i], first[0][i])
+            for k in u.state_keys:
+                name = state_name(u.name, k)
+                if k != STARTED and name in first[1]:
+                    new_state[name] = torch.where(later, new_state[name], first[1][name])
+            # torch skips a parameter without a gradient: no state made, its first step still to come
+            new_state[state_name(u.name, STARTED)] = started if g is None else torch.ones_like(started)
+    return new_params, new_state
+
+
+def _stepped(optimizer, updates, trained, params, grads, frozen, state, state_name) -> tuple[list, dict]:
+    """``step()`` on ``params`` with ``grads``: from ``state`` (by graph-input name), or from no state at all
+    (``None``: the first step) -> (new parameters, new state by graph-input name, where the step made it)."""
     tensor_of, states = _with_grads(trained, params, grads), {}
     for p, u in zip(trained, updates):
-        st = {k: state[state_name(u.name, k)] for k in u.state_keys}
+        st = {} if state is None else {k: state[state_name(u.name, k)] for k in u.state_keys if k != STARTED}
         st.update(u.init.constants.get(u.name, {}))
         states[id(p)] = st
     for group in optimizer.param_groups:
@@ -455,5 +531,6 @@ def traced_update(optimizer: torch.optim.Optimizer, updates: list[ParamUpdate], 
     for p, u in zip(trained, updates):
         st = shadow.state[tensor_of[id(p)]]
         for k in u.state_keys:
-            new_state[state_name(u.name, k)] = st[k]
+            if k in st:
+                new_state[state_name(u.name, k)] = st[k]
     return [tensor_of[id(p)] for p in trained], new_state

@@ -68,6 +68,7 @@ def fx_to_ir(gm: torch.fx.GraphModule, in_roles: list[tuple[str, Role]],
                 raise AssertionError(f"unexpected non-aten call {node.target} in the traced graph")
             op, args, kwargs = _creation_without_input(node)
             val = node.meta.get("val")
+            _fix_default_dtype(node, kwargs, val)
             multi = isinstance(val, (tuple, list))
             vals = list(val) if multi else [val]
             types = _cpu_types(op, args, kwargs, [_ttype(v) if isinstance(v, torch.Tensor) else None for v in vals])
@@ -100,6 +101,18 @@ def _creation_without_input(node: torch.fx.Node) -> tuple[str, tuple, dict]:
     if kwargs.get("device") is None:
         kwargs["device"] = src.device
     return plain, tuple(node.args[1:1 + kept]), kwargs
+
+
+def _fix_default_dtype(node: torch.fx.Node, kwargs: dict, val) -> None:
+    """A creation op traced without ``dtype`` (``torch.zeros(n, m)``) made the default dtype of the trace; a rank
+    process has its own default (float32 where the step was captured in float64), so the dtype is written in."""
+    if kwargs.get("dtype") is not None or not isinstance(val, torch.Tensor):
+        return
+    schema = getattr(node.target, "_schema", None)
+    if schema is None or not any(a.name == "dtype" and a.kwarg_only for a in schema.arguments):
+        return
+    if not any(isinstance(a, torch.fx.Node) for a in tree_leaves((node.args, node.kwargs))):
+        kwargs["dtype"] = val.dtype
 
 
 def fx_arg(a, env):

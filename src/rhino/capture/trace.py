@@ -113,6 +113,7 @@ def capture(workload: Workload, verify_graph: bool = True) -> Captured:
     start = time.perf_counter()
     model, optimizer = workload.model, workload.optimizer
     _materialize_lazy(workload)
+    _refuse_post_accumulate_hooks(workload)
     names = {id(p): n for n, p in model.named_parameters()}
     traced = mirrored_kind(optimizer) is None
     _refuse_traced_schedule(workload, traced)
@@ -224,6 +225,29 @@ class _Faker:
         return out.requires_grad_(True) if grad else out
 
 
+def _gradient_hooks(model: torch.nn.Module, param_names: list[str], grads) -> list:
+    """Each gradient through the hooks its parameter holds (``p.register_hook(fn)``: ``fn(grad)`` in order, a
+    returned tensor replacing the gradient), as backward calls them on a leaf's summed gradient: the traced
+    parameters are other tensors, so autograd does not."""
+    params = dict(model.named_parameters())
+    out = list(grads)
+    for i, name in enumerate(param_names):
+        hooks = params[name]._backward_hooks
+        if hooks and out[i] is not None:
+            for fn in hooks.values():
+                g = fn(out[i])
+                out[i] = out[i] if g is None else g
+    return out
+
+
+def _refuse_post_accumulate_hooks(workload: Workload) -> None:
+    for name, p in workload.model.named_parameters():
+        if getattr(p, "_post_accumulate_grad_hooks", None):
+            raise WorkloadError(f"{workload.spec}: parameter {name} has a hook registered with "
+                                f"register_post_accumulate_grad_hook, which runs on .grad outside the traced step; "
+                                f"change the gradient with p.register_hook(fn) or in the optimizer's step() instead")
+
+
 def _shared_step(updates, grads, opt) -> torch.Tensor | None:
     """The step counter of the first stepped parameter: all counters are equal, so one stands for all."""
     for u, g in zip(updates, grads):
@@ -260,6 +284,7 @@ def _make_step(wrapper, workload, updates, param_names, frozen_names, buffer_nam
         params = list(flat[:n_p])
         loss, grads = torch.func.functional_call(wrapper, tensors, tuple(batch), {"grad_of": params,
                                                  "spec": workload.spec}, tie_weights=True, strict=False)
+        grads = _gradient_hooks(workload.model, param_names, grads)
         frozen = [t.detach() for t in flat[n_p:n_p + n_f]]
         buffers = [tensors[n] for n in prefixed(buffer_names)]
         if traced:

@@ -48,16 +48,20 @@ Definitions (``n`` nodes in program order, ``graph.nodes[0..n-1]``):
      is not, hence unknown ops count as non-linear);
 
   5. *linear start of the update*: it is not a view, reads no batch input and no storage made at or before
-     the loss, reads exactly one storage made after the boundary by a non-optimizer node (a parameter's
-     gradient, or a node of this rule), is linear in it (Lion's ``g * (1 - beta1)``, Rprop's ``g.clone()``,
-     a user's ``g / world``), and that storage and every storage it makes are read (by non-view nodes) by
-     optimizer nodes (rules 1-5) only, the latter by at least one: the greatest such set. A gradient of the
-     backward is read by no other backward node (an activation's gradient is: a bias's ``sum`` stays
-     BACKWARD), so the update starts at the gradient and gradient accumulation sums the gradient, once per
-     step, not its scaled copy per micro-batch (exact either way, as rule 4 says). A node reading two such
-     storages (a tied weight's ``g1 + g2``) stays BACKWARD: one gradient, not two;
+     the loss, reads exactly one storage made after the boundary from the batch by a non-optimizer node (a
+     parameter's gradient, or a node of this rule; a copy of a parameter is no such storage), is linear in it
+     (Lion's ``g * (1 - beta1)``, Rprop's ``g.clone()``, a user's ``g / world``), and that storage and every
+     storage it makes are read (by non-view nodes) by optimizer nodes (rules 1-5) only, the latter by at least
+     one: the greatest such set. A gradient of the backward is read by no other backward node (an
+     activation's gradient is: a bias's ``sum`` stays BACKWARD), so the update starts at the gradient and
+     gradient accumulation sums the gradient, once per step, not its scaled copy per micro-batch (exact either
+     way, as rule 4 says). A node reading two such storages (a tied weight's ``g1 + g2``) stays BACKWARD: one
+     gradient, not two;
 
-  every other node after the boundary is BACKWARD. ``optimizer`` is the set of OPTIMIZER nodes.
+  rules 4, 3 and 5 are applied again until none adds a node (an optimizer's first-step branch,
+  ``capture.optim_traced``, copies each parameter and gradient: the copies are rule 3's and rule 5's only once
+  their readers are known to be the update's); every other node after the boundary is BACKWARD.
+  ``optimizer`` is the set of OPTIMIZER nodes.
 - **Activations**: storages made at or before the boundary and live after it (``is_activation``).
 - **Gradients**: storages made after the boundary by a non-optimizer node and read by an optimizer
   node (the values the update consumes from the backward; what gradient accumulation accumulates
@@ -261,22 +265,33 @@ def _storages(graph: Graph):
 
 def _optimizer_nodes(graph: Graph, boundary: int, root, born, is_view, node_roots, opt_in, state_in,
                      batch, state_out) -> set[int]:
-    """Rules 1-3 of the module docstring."""
+    """Rules 1-5 of the module docstring; rules 4, 3 and 5 repeated until none adds a node (a first-step
+    branch, ``capture.optim_traced``: its copy of a parameter is rule 3's once a rule-5 node reads it, its
+    clipping norm rule 4's once the clipped gradient's copy is rule 5's)."""
     nodes = graph.nodes
-    n = len(nodes)
     opt: set[int] = set()
     made: set[int] = set()            # storages made by optimizer (non-view) nodes
-    for i in range(boundary + 1, n):  # rules 1 and 2, program order
+    for i in range(boundary + 1, len(nodes)):  # rules 1 and 2, program order
         rr = node_roots[i]
         outs = [v for v in nodes[i].outputs if v is not None]
         if any(s in opt_in or s in made for s in rr) or any(v in state_out for v in outs):
             opt.add(i)
             if not is_view[i]:
                 made.update(outs)
-    _nonlinear_uses(graph, boundary, root, born, is_view, node_roots, batch, opt)
+    while True:
+        size = len(opt)
+        _nonlinear_uses(graph, boundary, root, born, is_view, node_roots, batch, opt)
+        _state_closure(nodes, boundary, root, born, is_view, node_roots, state_in, batch, opt)
+        _linear_prefix(graph, boundary, root, born, is_view, node_roots, batch, opt)
+        if len(opt) == size:
+            return opt
+
+
+def _state_closure(nodes, boundary: int, root, born, is_view, node_roots, state_in, batch, opt: set[int]) -> None:
+    """Rule 3 of the module docstring, in reverse program order: adds its nodes to ``opt``."""
     opt_read: set[int] = set()        # storages read by optimizer nodes
     other_read: set[int] = set()      # storages read by other non-view nodes
-    for i in range(n - 1, boundary, -1):  # rule 3, reverse program order
+    for i in range(len(nodes) - 1, boundary, -1):
         if is_view[i]:
             continue
         rr = node_roots[i]
@@ -286,8 +301,6 @@ def _optimizer_nodes(graph: Graph, boundary: int, root, born, is_view, node_root
             if outs and all(o in opt_read and o not in other_read for o in outs):
                 opt.add(i)
         (opt_read if i in opt else other_read).update(rr)
-    _linear_prefix(graph, boundary, root, born, is_view, node_roots, batch, opt)
-    return opt
 
 
 def _linear_prefix(graph: Graph, boundary: int, roots, born, is_view, node_roots, batch, opt: set[int]) -> None:
@@ -296,6 +309,10 @@ def _linear_prefix(graph: Graph, boundary: int, roots, born, is_view, node_roots
     from_loss = {s for s, b in born.items() if b == boundary}
     reads: dict[int, set[int]] = {}       # storage -> its non-view readers after the boundary
     inner: dict[int, int] = {}            # candidate -> the one storage it reads from the backward (or a candidate)
+    dep = set(batch)                      # storages computed from the batch (the backward's, recomputed ones)
+    for i in range(len(nodes)):
+        if any(s in dep for s in node_roots[i]):
+            dep.update(_made(nodes[i], born, i))
     for i in range(boundary + 1, len(nodes)):
         rr = node_roots[i]
         if not is_view[i]:
@@ -306,7 +323,8 @@ def _linear_prefix(graph: Graph, boundary: int, roots, born, is_view, node_roots
         if i in opt or is_view[i] or any(s in batch or 0 <= born[s] <= boundary for s in rr):
             continue
         refs = nodes[i].input_refs()
-        flags = [born[roots[r.id]] > boundary and born[roots[r.id]] not in opt for r in refs]
+        flags = [born[roots[r.id]] > boundary and born[roots[r.id]] not in opt and roots[r.id] in dep
+                 for r in refs]
         back = {roots[r.id] for r, f in zip(refs, flags) if f}
         if sum(flags) == 1 and back <= from_loss and _made(nodes[i], born, i) and \
                 not _nonlinear_in(nodes[i], flags):

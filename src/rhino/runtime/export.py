@@ -69,7 +69,7 @@ def _optimizer_state(meta: dict, full: dict[str, torch.Tensor]) -> dict:
             slots = {key.rsplit("/", 1)[1]: t for key, t in full.items() if key.startswith(f"opt/{name}/")}
             started = slots.pop("started", None)
             if started is not None and float(started) == 0.0:
-                slots.pop("momentum_buffer", None)       # torch has no buffer before the first step
+                slots = {}       # torch holds no state for a parameter before its first step
             for slot in _INTERNAL_SLOTS:
                 slots.pop(slot, None)
             if slots:

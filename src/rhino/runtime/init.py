@@ -89,7 +89,9 @@ def local_state(cap: Captured, rp: ResolvedPlan, rank: int, source: Deferred | N
             if key not in held and u.init is None:
                 out[inp.name] = _lazy_state(cap, inp, u, key, held, sharding, mesh, rank, device)
                 continue
-            if key not in held:     # made by the optimizer's own first step, from the parameters' values
+            if key == "started":    # a traced step()'s first-step branch (capture.optim_traced)
+                full = torch.tensor(lazy_value(u, key, held))
+            elif key not in held:   # made by the optimizer's own first step, from the parameters' values
                 full = u.init.value(u.name, key, lambda n: _value(_tensor_of(cap, n), source))
             elif isinstance(held[key], torch.Tensor):
                 full = _value(held[key], source)
