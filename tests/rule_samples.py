@@ -284,6 +284,12 @@ def samples() -> list[tuple[str, tuple, dict]]:
         for wanted in ([True, True], [False, True]):
             add(f"grid_sampler_{n}d_backward.default", r(*sampled.shape), xi, grid, mode, pad, corners, wanted)
     add("col2im.default", r(2, 16, 16), [8, 8], [2, 2], [1, 1], [0, 0], [2, 2])
+    bounds = torch.tensor([-0.5, 0.0, 0.5], dtype=F)
+    for right in (False, True):
+        add("bucketize.Tensor", r(4, 8), bounds, right=right)
+        add("searchsorted.Tensor", bounds, r(4, 8), right=right)
+        add("searchsorted.Tensor", torch.sort(r(4, 6), -1).values, r(4, 8), right=right)
+    add("zero.default", r(4, 8))
     for theta, size in ((r(4, 2, 3), [4, 3, 5, 6]), (r(4, 3, 4), [4, 2, 3, 4, 5])):
         for corners in (False, True):
             add("affine_grid_generator.default", theta, size, corners)

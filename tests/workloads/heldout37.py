@@ -145,3 +145,28 @@ def post_accumulate_hook():
     for p in m.parameters():
         p.register_post_accumulate_grad_hook(lambda p: p.grad.mul_(0.5))
     return m, opt, loss, batch
+
+
+class FFTKernel(nn.Module):
+    """A learned kernel applied as a product of spectra: its gradient comes back through rfft's backward, whose
+    last storage is complex (the real gradient a view of it); a pipeline's stages exchange complex values."""
+
+    def __init__(self, d=8, n=8):
+        super().__init__()
+        self.k = nn.Parameter(torch.randn(d, n) * 0.1)
+        self.proj = nn.Linear(d, d)
+        self.head = nn.Linear(d, 4)
+
+    def forward(self, x):                        # x: [batch, n, d]
+        u = self.proj(x).transpose(1, 2)
+        n = u.shape[-1]
+        y = torch.fft.irfft(torch.fft.rfft(u, n=2 * n) * torch.fft.rfft(self.k, n=2 * n), n=2 * n)[..., :n]
+        return self.head(y.transpose(1, 2).mean(1))
+
+
+def fft_kernel():
+    torch.manual_seed(6)
+    m = FFTKernel()
+    g = torch.Generator().manual_seed(6)
+    return m, torch.optim.SGD(m.parameters(), lr=0.1), lambda m, x, y: F.mse_loss(m(x), y), \
+        (torch.randn(8, 8, 8, generator=g), torch.randn(8, 4, generator=g))

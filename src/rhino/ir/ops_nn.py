@@ -672,3 +672,20 @@ register("aten.max_pool2d_with_indices_backward.default aten.max_pool3d_with_ind
          "aten.avg_pool2d_backward.default aten.avg_pool3d_backward.default "
          "aten._adaptive_avg_pool2d_backward.default aten._adaptive_avg_pool3d_backward.default "
          "aten.adaptive_max_pool2d_backward.default", P, pool_backward_rule)
+
+
+def search_rule(sequence_first: bool):
+    """bucketize(x [*], boundaries [b]) -> [*] and searchsorted(sorted [b] or [* b], x [*] or [* k]) -> x's shape:
+    each element of ``x`` is looked up on its own (its dims split), the sorted values whole."""
+    def rule(call: OpCall) -> Annotation:
+        if not sequence_first:
+            spec = "*, b^ -> *"
+        else:
+            spec = "b^, * -> *" if call.in_types[0].rank == 1 else "* b^, * k -> * k"
+        ann = parse(spec, call.ranks)
+        return Annotation(ann.inputs, ann.outputs, fixed=ann.fixed)
+    return rule
+
+
+register("aten.bucketize.Tensor", OpKind.INDEX, search_rule(False))
+register("aten.searchsorted.Tensor", OpKind.INDEX, search_rule(True))

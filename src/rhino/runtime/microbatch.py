@@ -44,6 +44,11 @@ class _NotAFunctionOfK(Exception):
 def microbatch_graph(cap: Captured, microbatches: int) -> Graph:
     """The training step at batch B/m (module docstring)."""
     from .rank_step import same_structure
+    hooked = [n for n, p in cap.workload.model.named_parameters() if p._backward_hooks and n in cap.param_names]
+    if hooked and microbatches > 1:
+        raise ValueError(f"parameter {hooked[0]} has a gradient hook (register_hook), which PyTorch's accumulation "
+                         f"loop runs on each micro-batch's gradient and the captured step on the whole batch's; "
+                         f"use microbatches=1")
     direct = _capture_units(cap, microbatches, 1)
     try:
         same_structure(cap.graph, direct, microbatches)

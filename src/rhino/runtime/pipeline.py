@@ -620,6 +620,10 @@ def _wire_dtype(dtype: torch.dtype) -> torch.dtype:
 
 
 def _wire_tensor(t: torch.Tensor) -> torch.Tensor:
+    """A tensor as sent: booleans as bytes, a complex view with lazy conjugation or negation resolved (the
+    send views its memory as real, which torch refuses on such a view)."""
+    if t.is_complex():
+        return t.resolve_conj().resolve_neg()
     return t.view(torch.uint8) if t.dtype is torch.bool else t
 
 
