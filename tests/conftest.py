@@ -33,6 +33,23 @@ def eager_losses(spec: str, steps: int) -> list[float]:
     return losses
 
 
+def simulated_pipeline(cap, strategy: str, steps: int):
+    """``strategy`` (with stages) run in one process (``runtime.pipeline_sim``) and compared, stage by stage, with
+    PyTorch's accumulation loop in float64: ``runtime.pipeline.compare_stages``'s result."""
+    import torch
+    from rhino.capture import default_dtype
+    from rhino.runtime.compare import TOLERANCES, reference_run
+    from rhino.runtime.pipeline import compare_stages
+    from rhino.runtime.pipeline_sim import simulate_pipeline
+    from rhino.sharding.presets import parse_strategy, preset_plan
+    plan = preset_plan(cap.graph, parse_strategy(strategy))
+    with default_dtype(torch.float64):
+        res = simulate_pipeline(cap, plan, steps)
+        results = {r: {"losses": res["losses"][r], "local": res["local"][r]} for r in res["losses"]}
+        return compare_stages(res["steps"][0].rp, res["steps"][0].spec, results,
+                              reference_run(cap, steps, plan.microbatches), TOLERANCES[torch.float64])
+
+
 def torchrun_train(tmp_path: Path, spec: str, strategy: str, steps: int) -> tuple[dict, dict, list[dict]]:
     """``rhino train`` as the 2 ranks of a ``torchrun --standalone`` job and with the local launcher:
     (torchrun's result, the local result, the torchrun job's log lines)."""

@@ -311,15 +311,9 @@ def test_a_first_step_that_differs_from_the_later_ones_runs_as_torch_does(name):
 
 @pytest.mark.parametrize("name", ["clip_norm_sgd", "started_from_gradient"])
 def test_a_first_step_branch_runs_in_a_pipeline(name):
-    from rhino.runtime.compare import TOLERANCES, reference_run
-    from rhino.runtime.pipeline import compare_stages
-    from rhino.runtime.pipeline_sim import simulate_pipeline
+    from conftest import simulated_pipeline
     with warnings.catch_warnings(), default_dtype(torch.float64):
         warnings.simplefilter("ignore")
         cap = capture(load_workload(f"{HELDOUT37}:{name}", dtype=torch.float64))
-        plan = preset_plan(cap.graph, parse_strategy("pp=2,microbatches=2"))
-        res = simulate_pipeline(cap, plan, 3)
-        results = {r: {"losses": res["losses"][r], "local": res["local"][r]} for r in res["losses"]}
-        cmp = compare_stages(res["steps"][0].rp, res["steps"][0].spec, results,
-                             reference_run(cap, 3, plan.microbatches), TOLERANCES[torch.float64])
+    cmp = simulated_pipeline(cap, "pp=2,microbatches=2", 3)
     assert cmp.ok and cmp.max_abs_diff < 1e-12, cmp.first_mismatch

@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, simulated_pipeline
 from rhino.capture import capture, default_dtype, load_workload
 from rhino.ir.types import DType
 from rhino.sharding.presets import parse_strategy, preset_plan
@@ -41,24 +41,6 @@ def test_a_creation_op_runs_in_rank_processes_of_another_default_dtype():
     assert r.ok and r.max_abs_diff < 1e-9, r.first_mismatch
 
 
-def _eager_losses(name: str, steps: int) -> list[float]:
-    """The workload's own objects trained by a plain PyTorch loop (no copy: a deep copy drops tensor hooks)."""
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("heldout37_eager", HELDOUT37)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    with default_dtype(torch.float64):
-        model, opt, loss_fn, batch = getattr(module, name)()
-        out = []
-        for _ in range(steps):
-            opt.zero_grad()
-            loss = loss_fn(model, *batch)
-            loss.backward()
-            opt.step()
-            out.append(float(loss.detach()))
-    return out
-
-
 @pytest.mark.parametrize("name", ["param_hook", "step_hooks"])
 def test_gradient_and_step_hooks_are_part_of_the_step(name):
     """A parameter's gradient hook and an optimizer's step hooks were dropped, and ``rhino check`` said OK: its
@@ -71,7 +53,15 @@ def test_gradient_and_step_hooks_are_part_of_the_step(name):
     with default_dtype(torch.float64):
         r = check_captured(cap, steps=4, rtol=0.0, atol=1e-12)
     assert r.ok, r.first_mismatch
-    eager = _eager_losses(name, 4)
+    with default_dtype(torch.float64):     # the workload's own objects, no copy (a deep copy drops tensor hooks)
+        w = load_workload(f"{HELDOUT37}:{name}", dtype=torch.float64)
+        eager = []
+        for _ in range(4):
+            w.optimizer.zero_grad()
+            loss = w.loss_fn(w.model, *w.batch)
+            loss.backward()
+            w.optimizer.step()
+            eager.append(loss.item())
     assert r.losses == pytest.approx(eager, abs=1e-12) and r.eager_losses == pytest.approx(eager, abs=1e-12)
     with default_dtype(torch.float64):
         res, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy("dp=2,tp=2")), 3)
@@ -90,20 +80,13 @@ def test_a_gradient_made_through_a_complex_storage_is_accumulated():
     accumulation refused ("only floating-point gradients can be accumulated"), so micro-batches and every
     pipeline refused the step. Complex storages are summed like real ones; two micro-batches (with dp=2) and a
     two-stage pipeline equal PyTorch's accumulation loop (float64)."""
-    from rhino.runtime.compare import TOLERANCES, reference_run
     from rhino.runtime.exact import simulate_plan
-    from rhino.runtime.pipeline import compare_stages
-    from rhino.runtime.pipeline_sim import simulate_pipeline
     cap = _cap("fft_kernel")
     with default_dtype(torch.float64):
         for strategy in ("microbatches=2", "dp=2,microbatches=2"):
             res, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy(strategy)), 2)
             assert res.ok and res.max_abs_diff < 1e-12, (strategy, res.first_mismatch)
-        plan = preset_plan(cap.graph, parse_strategy("pp=2,microbatches=2"))
-        res = simulate_pipeline(cap, plan, 2)
-        results = {r: {"losses": res["losses"][r], "local": res["local"][r]} for r in res["losses"]}
-        cmp = compare_stages(res["steps"][0].rp, res["steps"][0].spec, results,
-                             reference_run(cap, 2, plan.microbatches), TOLERANCES[torch.float64])
+    cmp = simulated_pipeline(cap, "pp=2,microbatches=2", 2)
     assert cmp.ok and cmp.max_abs_diff < 1e-12, cmp.first_mismatch
 
 
