@@ -372,6 +372,7 @@ def samples() -> list[tuple[str, tuple, dict]]:
     add("_unsafe_index_put.default", x, [rows], r(2, 8))
     add("index_add.default", x, 0, ints(4, 6), r(6, 8))
     add("masked_scatter.default", x, m, r(4, 8))
+    add("masked_scatter_backward.default", r(4, 8), m, [4, 8])
     add("one_hot.default", ints(8, 4, 2), 8)
     add("repeat.default", x, [2, 1])
     add("roll.default", x, [1], [1])
