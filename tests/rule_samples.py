@@ -373,6 +373,7 @@ def samples() -> list[tuple[str, tuple, dict]]:
     add("index_add.default", x, 0, ints(4, 6), r(6, 8))
     add("masked_scatter.default", x, m, r(4, 8))
     add("masked_scatter_backward.default", r(4, 8), m, [4, 8])
+    add("embedding_renorm.default", r(10, 4), ints(10, 6), 1.0, 2.0)
     add("one_hot.default", ints(8, 4, 2), 8)
     add("repeat.default", x, [2, 1])
     add("roll.default", x, [1], [1])

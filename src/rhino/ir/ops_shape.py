@@ -436,6 +436,8 @@ def index_put_rule(call: OpCall) -> Annotation:
 register("aten.index_put.default aten._unsafe_index_put.default", I, index_put_rule)
 register("aten.masked_scatter.default aten.masked_scatter_backward.default aten.as_strided.default "
          "aten.as_strided_scatter.default", I, fixed_from_types)
+# nn.Embedding(max_norm=...): the rows its indices look up rescaled to the norm, in a whole weight
+register("aten.embedding_renorm.default", I, fixed_from_types)
 
 
 def index_fill_rule(call: OpCall) -> Annotation:
