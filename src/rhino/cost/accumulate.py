@@ -27,7 +27,6 @@ from dataclasses import dataclass
 
 from ..ir.analysis import analyze, batch_dependent
 from ..ir.graph import Graph, Role
-from ..ir.types import DType
 
 __all__ = ["StepSplit", "split_step", "SplitError", "accumulation_windows"]
 
@@ -98,7 +97,7 @@ def split_step(graph: Graph) -> StepSplit:
             raise SplitError(f"the optimizer update reads {node.name} ({node.op}), a forward value computed from the "
                              f"batch (a parameter changed in the forward, as nn.Embedding(max_norm=...) renormalises "
                              f"its rows), which micro-batches cannot carry from one to the next", "use microbatches=1")
-        if not (graph.types[vid].dtype.is_floating or graph.types[vid].dtype in (DType.complex64, DType.complex128)):
+        if not (graph.types[vid].dtype.is_floating or graph.types[vid].dtype.is_complex):
             raise SplitError(f"the optimizer update reads a {graph.types[vid].dtype.value} value computed from "
                              f"the batch; only floating-point (real or complex) gradients can be accumulated")
     return StepSplit([nodes[i].name for i in sorted(grad)], [nodes[i].name for i in sorted(update)],

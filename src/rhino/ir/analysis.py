@@ -278,11 +278,15 @@ def _optimizer_nodes(graph: Graph, boundary: int, root, born, is_view, node_root
             opt.add(i)
             if not is_view[i]:
                 made.update(outs)
+    dep = set(batch)                  # storages computed from the batch (the backward's, recomputed ones)
+    for i in range(len(nodes)):
+        if any(s in dep for s in node_roots[i]):
+            dep.update(_made(nodes[i], born, i))
     while True:
         size = len(opt)
         _nonlinear_uses(graph, boundary, root, born, is_view, node_roots, batch, opt)
         _state_closure(nodes, boundary, root, born, is_view, node_roots, state_in, batch, opt)
-        _linear_prefix(graph, boundary, root, born, is_view, node_roots, batch, opt)
+        _linear_prefix(graph, boundary, root, born, is_view, node_roots, batch, dep, opt)
         if len(opt) == size:
             return opt
 
@@ -303,16 +307,14 @@ def _state_closure(nodes, boundary: int, root, born, is_view, node_roots, state_
         (opt_read if i in opt else other_read).update(rr)
 
 
-def _linear_prefix(graph: Graph, boundary: int, roots, born, is_view, node_roots, batch, opt: set[int]) -> None:
-    """Rule 5 of the module docstring: adds its nodes to ``opt`` (rules 1-4 given)."""
+def _linear_prefix(graph: Graph, boundary: int, roots, born, is_view, node_roots, batch, dep: set[int],
+                   opt: set[int]) -> None:
+    """Rule 5 of the module docstring: adds its nodes to ``opt`` (rules 1-4 given; ``dep``: the storages computed
+    from the batch)."""
     nodes = graph.nodes
     from_loss = {s for s, b in born.items() if b == boundary}
     reads: dict[int, set[int]] = {}       # storage -> its non-view readers after the boundary
     inner: dict[int, int] = {}            # candidate -> the one storage it reads from the backward (or a candidate)
-    dep = set(batch)                      # storages computed from the batch (the backward's, recomputed ones)
-    for i in range(len(nodes)):
-        if any(s in dep for s in node_roots[i]):
-            dep.update(_made(nodes[i], born, i))
     for i in range(boundary + 1, len(nodes)):
         rr = node_roots[i]
         if not is_view[i]:

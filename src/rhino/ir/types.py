@@ -32,6 +32,10 @@ class DType(str, Enum):
     def is_floating(self) -> bool:
         return self in (DType.float64, DType.float32, DType.float16, DType.bfloat16)
 
+    @property
+    def is_complex(self) -> bool:
+        return self in (DType.complex64, DType.complex128)
+
 
 _ITEMSIZE = {
     DType.float64: 8, DType.float32: 4, DType.float16: 2, DType.bfloat16: 2,

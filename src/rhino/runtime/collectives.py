@@ -45,8 +45,8 @@ from ..sharding.steps import (AllGather, AllReduce, AllToAll, LocalScale, LocalS
 from ..lower.spmd_ops import Collectives
 from .groups import MeshGroups
 
-__all__ = ["NATIVE_BACKENDS", "TORCH_COLLECTIVES", "apply_step", "start_step", "Pending", "all_reduce_tensor", "shard_tensor", "gather_tensor", "slice_piece",
-           "join_pieces"]
+__all__ = ["NATIVE_BACKENDS", "TORCH_COLLECTIVES", "apply_step", "resolved", "start_step", "Pending", "all_reduce_tensor",
+           "shard_tensor", "gather_tensor", "slice_piece", "join_pieces"]
 
 NATIVE_BACKENDS = frozenset({"nccl", "gloo"})
 
@@ -97,7 +97,7 @@ def join_pieces(stacked: torch.Tensor, dim: int, blocks: int) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- collectives
 
-def _resolved(t: torch.Tensor) -> torch.Tensor:
+def resolved(t: torch.Tensor) -> torch.Tensor:
     """``t`` with its lazy conjugation and negation applied (a view of a complex tensor through ``conj``
     carries them as bits; the collectives send the memory, and ``view_as_real`` refuses such a tensor)."""
     return t.resolve_conj().resolve_neg()
@@ -183,7 +183,7 @@ def apply_step(tensor: torch.Tensor, step: Step, mesh: Mesh, rank: int, groups: 
         return slice_piece(tensor, step.dim, step.blocks, n, c)
     if not isinstance(step, (AllReduce, AllGather, ReduceScatter, AllToAll)):
         raise ValueError(f"unknown redistribution step {step!r}")
-    tensor = _resolved(tensor)
+    tensor = resolved(tensor)
     if n == 1:                                  # a one-rank axis: every step is the identity
         return _single_rank(tensor, step)
     group = groups.group(rank, step.axis)
@@ -387,7 +387,7 @@ def start_step(tensors: list[torch.Tensor], step: Step, mesh: Mesh, rank: int, g
     collectives, an all-to-all within one dim) run at once and return a completed ``Pending``."""
     if not tensors:
         raise ValueError("start_step needs at least one tensor")
-    tensors = [_resolved(t) for t in tensors]
+    tensors = [resolved(t) for t in tensors]
     n = mesh.sizes[step.axis] if 0 <= step.axis < mesh.ndim else 0
     group = groups.group(rank, step.axis) if n > 1 and is_communication(step) else None
     if native is None and group is not None:

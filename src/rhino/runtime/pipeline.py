@@ -61,6 +61,7 @@ from ..sharding.placement import Partial, ReduceOp, replicated
 from ..sharding.plan import PlanError, ResolvedPlan, ShardingPlan, resolve
 from ..sharding.rebatch import rebatch_plan
 from ..sharding.vocab import Recompute
+from .collectives import resolved
 from .pipeline_messages import message_events, send_releases
 
 __all__ = ["Run", "Send", "Recv", "StageSpec", "PipelineSpec", "pipeline_spec", "PipelineStep", "stage_order",
@@ -623,7 +624,7 @@ def _wire_tensor(t: torch.Tensor) -> torch.Tensor:
     """A tensor as sent: booleans as bytes, a complex view with lazy conjugation or negation resolved (the
     send views its memory as real, which torch refuses on such a view)."""
     if t.is_complex():
-        return t.resolve_conj().resolve_neg()
+        return resolved(t)
     return t.view(torch.uint8) if t.dtype is torch.bool else t
 
 
