@@ -410,6 +410,13 @@ def _trace(step, flat, workload: Workload) -> torch.fx.GraphModule:
                            f"which a training-step graph cannot hold; {fix}") from None
     except CaptureError:
         raise
+    except SyntaxError as exc:  # torch.fx writes each traced graph as Python source
+        line = (exc.text or "").strip()
+        fix = ("x.random_(low, high) traces to an op named aten.random_.from, which torch.fx writes as invalid Python "
+               "(`from` is a keyword): write x.random_(high - low).add_(low) instead") if ".from(" in line else \
+            "rewrite the call on that line"
+        raise CaptureError(f"torch.fx could not write the traced step as Python ({line.split(';')[0]}); "
+                           f"{fix}") from None
     except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as exc:
         first = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else type(exc).__name__
         reason = f"tracing the training step failed at {_user_frame(exc, workload)}: {first}"

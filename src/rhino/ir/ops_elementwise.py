@@ -55,7 +55,13 @@ register("aten.div.Tensor", E, elementwise, linear=Linear.FIRST)
 register("aten._to_copy.default", E, elementwise, linear=Linear.CAST)
 # values not computed from the inputs
 register("aten.native_dropout.default aten.bernoulli.p aten.bernoulli.default", E, elementwise, values=Values.RANDOM)
-register("aten.rand_like.default aten.randn_like.default", E, elementwise, values=Values.NOISE)
+# the functional forms of the in-place draws (``x.normal_(m, s)``, ``torch.normal(mean_t, s)``, ``torch.poisson``)
+register("aten.normal.Tensor_float aten.normal.float_Tensor aten.normal.Tensor_Tensor aten.poisson.default "
+         "aten.binomial.default", E, elementwise, values=Values.RANDOM)
+register("aten.rand_like.default aten.randn_like.default aten.randint_like.default aten.randint_like.low_dtype "
+         "aten.uniform.default aten.normal_functional.default aten.exponential.default aten.geometric.default "
+         "aten.cauchy.default aten.log_normal.default aten.random.default aten.random.to", E,
+         elementwise, values=Values.NOISE)
 register("aten.empty_like.default", E, elementwise, values=Values.UNINITIALIZED)
 
 

@@ -328,6 +328,8 @@ def _creation_shape(call: OpCall) -> tuple[int, ...]:
         return (max(0, ceil((end - start) / step)),)
     if op == "aten.scalar_tensor.default":
         return ()
+    if op in ("aten.randint.default", "aten.randint.low", "aten.normal.float_float"):  # (..., size) after numbers
+        return tuple(call.arg(1 if op == "aten.randint.default" else 2, "size"))
     size = call.arg(1 if op.startswith("aten.new_") else 0, "size")
     return tuple(size)
 
@@ -352,6 +354,9 @@ register("aten.eye.default aten.eye.m", C, fixed_from_types)
 register("aten.linspace.default aten.logspace.default", C, fixed_from_types)
 register("aten.empty.memory_format", C, sized_creation_rule, size_args=_SIZE_0, values=Values.UNINITIALIZED)
 register("aten.rand.default aten.randn.default", C, sized_creation_rule, size_args=_SIZE_0, values=Values.NOISE)
+register("aten.randint.default", C, sized_creation_rule, size_args=_SIZE_1, values=Values.NOISE)
+register("aten.randint.low aten.normal.float_float", C, sized_creation_rule,
+         size_args=(SizeArg(2, SizeRule.OUT_SHAPE),), values=Values.NOISE)
 register("aten.arange.default aten.arange.start aten.arange.start_step aten.scalar_tensor.default", C,
          sized_creation_rule)
 register("aten.new_zeros.default aten.new_ones.default aten.new_full.default", C, sized_creation_rule,

@@ -1,0 +1,44 @@
+"""Held-out workloads of session 38 (tests/test_heldout38.py)."""
+import torch
+import torch.nn as nn
+
+
+class Draws(nn.Module):
+    """Every common way of drawing noise in a forward (Gumbel noise from ``exponential_``, ``uniform_``,
+    ``normal_``, ``torch.normal`` with a tensor mean, ``torch.randint``, ``random_``), each scaled by zero so
+    that one device and any plan agree."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.lin(x)
+        gumbel = -torch.empty_like(h).exponential_().log()
+        noise = (torch.empty_like(h).uniform_(-0.1, 0.1) + torch.empty_like(h).normal_(0, 0.01)
+                 + torch.normal(torch.zeros_like(h), 0.01) + torch.randint(0, 2, h.shape).to(h.dtype)
+                 + torch.empty_like(h).random_(10))
+        return h + 0 * (gumbel + noise)
+
+
+class DrawsInRange(Draws):
+    """``x.random_(low, high)``, which torch.fx cannot write as Python (its overload is named ``from``)."""
+
+    def forward(self, x):
+        return super().forward(x) + 0 * torch.empty_like(x).random_(2, 5)
+
+
+def _workload(model):
+    g = torch.Generator().manual_seed(0)
+    return (model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, x: m(x).pow(2).mean(),
+            (torch.randn(8, 8, generator=g),))
+
+
+def random_draws():
+    torch.manual_seed(0)
+    return _workload(Draws())
+
+
+def random_in_range():
+    torch.manual_seed(0)
+    return _workload(DrawsInRange())
