@@ -32,3 +32,19 @@ def test_random_in_a_range_is_refused_in_one_sentence():
     """torch.fx writes ``aten.random_.from`` as ``torch.ops.aten.random_.from(...)``: a SyntaxError traceback."""
     with pytest.raises(CaptureError, match=r"write x\.random_\(high - low\)\.add_\(low\) instead"):
         _cap("random_in_range")
+
+
+@pytest.mark.parametrize("name, changed", [
+    ("annealed_in_closure", r"state\['step'\] \(0 -> 1\) in the closure of annealed_in_closure.<locals>.loss"),
+    ("global_counter", r"ANNEAL\['step'\] \(0 -> 1\) in the globals of heldout38.py"),
+    ("nonlocal_counter", r"calls \(0 -> 1\) in the closure of nonlocal_counter.<locals>.loss")])
+def test_a_python_number_the_step_changes_outside_the_modules_is_refused(name, changed):
+    """A number in the loss function's closure or in a module-level global that the step advances was frozen at
+    its value while tracing: `rhino train` exited 0 with other losses than eager PyTorch (only module attributes
+    were watched). Refused in one sentence, and put back (the eager reference starts where the user's did)."""
+    w = load_workload(f"{HELDOUT38}:{name}", dtype=torch.float64)
+    with pytest.raises(CaptureError, match=r"the training step changes " + changed + ", a Python number"):
+        capture(w)
+    held = [c.cell_contents for c in w.loss_fn.__closure__ or ()]
+    held.append(w.loss_fn.__globals__["ANNEAL"])
+    assert all(v in (0, {"step": 0}) for v in held if isinstance(v, (int, dict)))

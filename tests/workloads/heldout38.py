@@ -42,3 +42,54 @@ def random_draws():
 def random_in_range():
     torch.manual_seed(0)
     return _workload(DrawsInRange())
+
+
+def _pair():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g)
+
+
+ANNEAL = {"step": 0}
+
+
+def annealed_in_closure():
+    """A KL-annealing weight kept in the loss function's closure: a captured step would hold its first value."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 4)
+    state = {"step": 0}
+
+    def loss(model, x, y):
+        state["step"] += 1
+        return nn.functional.mse_loss(model(x), y) + min(1.0, state["step"] / 3) * model.weight.pow(2).sum()
+    return m, torch.optim.SGD(m.parameters(), lr=0.1), loss, _pair()
+
+
+class GlobalCounter(nn.Module):
+    """A forward that advances a module-level counter and scales by it."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        ANNEAL["step"] += 1
+        return self.lin(x) * (1.0 + 0.5 * ANNEAL["step"])
+
+
+def global_counter():
+    torch.manual_seed(0)
+    m = GlobalCounter()
+    return m, torch.optim.SGD(m.parameters(), lr=0.1), lambda m, x, y: nn.functional.mse_loss(m(x), y), _pair()
+
+
+def nonlocal_counter():
+    """``nonlocal calls; calls += 1`` in the loss function."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 4)
+    calls = 0
+
+    def loss(model, x, y):
+        nonlocal calls
+        calls += 1
+        return nn.functional.mse_loss(model(x), y) * calls
+    return m, torch.optim.SGD(m.parameters(), lr=0.1), loss, _pair()
