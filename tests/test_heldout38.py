@@ -15,7 +15,7 @@ HELDOUT38 = str(ROOT / "tests" / "workloads" / "heldout38.py")
 
 def _cap(name: str):
     with warnings.catch_warnings(), default_dtype(torch.float64):
-        warnings.simplefilter("error")   # an op unknown to the registry warns
+        warnings.simplefilter("error", UserWarning)   # an op unknown to the registry warns
         return capture(load_workload(f"{HELDOUT38}:{name}", dtype=torch.float64))
 
 
@@ -48,3 +48,13 @@ def test_a_python_number_the_step_changes_outside_the_modules_is_refused(name, c
     held = [c.cell_contents for c in w.loss_fn.__closure__ or ()]
     held.append(w.loss_fn.__globals__["ANNEAL"])
     assert all(v in (0, {"step": 0}) for v in held if isinstance(v, (int, dict)))
+
+
+def test_a_model_with_legacy_weight_norm_is_checked_against_its_copy():
+    """``rhino check`` and ``rhino run`` deep-copy the model for their reference: a traceback ("Only Tensors created
+    explicitly by the user (graph leaves) support the deepcopy protocol") on every command."""
+    from rhino.check import check_captured
+    cap = _cap("legacy_weight_norm")
+    with default_dtype(torch.float64):
+        r = check_captured(cap, steps=3, rtol=0.0, atol=1e-12)
+    assert r.ok, r.first_mismatch

@@ -93,3 +93,14 @@ def nonlocal_counter():
         calls += 1
         return nn.functional.mse_loss(model(x), y) * calls
     return m, torch.optim.SGD(m.parameters(), lr=0.1), loss, _pair()
+
+
+def legacy_weight_norm():
+    """Dilated convolutions under ``torch.nn.utils.weight_norm`` (the hook-based one, which keeps ``weight`` as a
+    computed tensor that ``copy.deepcopy`` refuses)."""
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.utils.weight_norm(nn.Conv1d(4, 8, 3, padding=1)), nn.Tanh(),
+                      nn.utils.weight_norm(nn.Conv1d(8, 4, 3, padding=2, dilation=2)))
+    g = torch.Generator().manual_seed(1)
+    return m, torch.optim.Adam(m.parameters(), lr=1e-2), lambda m, x: m(x).pow(2).mean(), \
+        (torch.randn(8, 4, 16, generator=g),)

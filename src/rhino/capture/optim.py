@@ -314,6 +314,10 @@ def copy_training(model: torch.nn.Module, optimizer: torch.optim.Optimizer):
 def copy_model(model: torch.nn.Module, memo: dict | None = None) -> torch.nn.Module:
     """A deep copy of ``model`` whose hooks close over the copy (``_rebind_hooks``)."""
     memo = {} if memo is None else memo
+    for m in model.modules():   # torch.nn.utils.weight_norm keeps ``weight`` as a computed tensor, which deepcopy
+        for v in vars(m).values():  # refuses: its copy is a detached one, which the copy's pre-hook recomputes
+            if isinstance(v, torch.Tensor) and not v.is_leaf:
+                memo.setdefault(id(v), v.detach().clone())
     out = copy.deepcopy(model, memo)
     _rebind_hooks(out, memo)
     copies = dict(out.named_parameters())
