@@ -37,7 +37,8 @@ def test_random_in_a_range_is_refused_in_one_sentence():
 @pytest.mark.parametrize("name, changed", [
     ("annealed_in_closure", r"state\['step'\] \(0 -> 1\) in the closure of annealed_in_closure.<locals>.loss"),
     ("global_counter", r"ANNEAL\['step'\] \(0 -> 1\) in the globals of heldout38.py"),
-    ("nonlocal_counter", r"calls \(0 -> 1\) in the closure of nonlocal_counter.<locals>.loss")])
+    ("nonlocal_counter", r"calls \(0 -> 1\) in the closure of nonlocal_counter.<locals>.loss"),
+    ("counter_in_a_helper", r"WARM\[0\] \(0 -> 1\) in the globals of heldout38.py")])
 def test_a_python_number_the_step_changes_outside_the_modules_is_refused(name, changed):
     """A number in the loss function's closure or in a module-level global that the step advances was frozen at
     its value while tracing: `rhino train` exited 0 with other losses than eager PyTorch (only module attributes

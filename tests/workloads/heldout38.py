@@ -104,3 +104,19 @@ def legacy_weight_norm():
     g = torch.Generator().manual_seed(1)
     return m, torch.optim.Adam(m.parameters(), lr=1e-2), lambda m, x: m(x).pow(2).mean(), \
         (torch.randn(8, 4, 16, generator=g),)
+
+
+WARM = [0]
+
+
+def _kl_weight():
+    WARM[0] += 1
+    return min(1.0, WARM[0] / 4)
+
+
+def counter_in_a_helper():
+    """The loss function calls a module-level helper that advances a global warm-up counter."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 4)
+    return (m, torch.optim.SGD(m.parameters(), lr=0.1),
+            lambda model, x, y: nn.functional.mse_loss(model(x), y) + _kl_weight() * model.weight.abs().sum(), _pair())

@@ -34,24 +34,33 @@ _NUMBER = (int, float)
 
 class _Reached:
     """The numbers that functions reach by name (closure cells, and the globals their code names, nested code
-    included) holding a number, a list or a dict, by (name, where: ``"in the closure of loss"``)."""
+    included) holding a number, a list or a dict, by (name, where: ``"in the closure of loss"``); a user function
+    reached so (``kl_weight()`` called by the loss function) is followed, ``_DEPTH`` calls deep."""
 
     def __init__(self, fns) -> None:
         self.places: dict[tuple[str, str], tuple] = {}  # (name, where) -> (holder or None, object, value or copy)
-        for fn in fns:
+        seen: set[int] = set()
+        todo = [(fn, 0) for fn in fns]
+        while todo:
+            fn, depth = todo.pop()
             code = getattr(fn, "__code__", None)
-            if code is None:
+            if code is None or id(fn) in seen:
                 continue
+            seen.add(id(fn))
             label = getattr(fn, "__qualname__", "loss_fn")
+            reached = []
             for var, cell in zip(code.co_freevars, fn.__closure__ or ()):
                 try:
-                    self._add((var, f"in the closure of {label}"), cell.cell_contents, cell)
+                    reached.append(((var, f"in the closure of {label}"), cell.cell_contents, cell))
                 except ValueError:    # an empty cell
                     continue
-            for name in _names(code):
-                if name in fn.__globals__:
-                    where = f"in the globals of {Path(fn.__globals__.get('__file__') or '?').name}"
-                    self._add((name, where), fn.__globals__[name], (fn.__globals__, name))
+            where = f"in the globals of {Path(fn.__globals__.get('__file__') or '?').name}"
+            reached += [((name, where), fn.__globals__[name], (fn.__globals__, name)) for name in _names(code)
+                        if name in fn.__globals__]
+            for key, value, holder in reached:
+                self._add(key, value, holder)
+                if depth < _DEPTH and _user_function(value):
+                    todo.append((value, depth + 1))
 
     def _add(self, where: tuple[str, str], value, holder) -> None:
         if type(value) in _NUMBER:
@@ -81,6 +90,18 @@ class _Reached:
                 holder[0][holder[1]] = old
             else:
                 holder.cell_contents = old
+
+
+_DEPTH = 3   # calls followed from the loss function and the module classes' functions
+
+
+_NOT_USER = sys.stdlib_module_names | {"torch", "rhino", "numpy"}
+
+
+def _user_function(value) -> bool:
+    """A plain Python function that is not torch's nor the standard library's (by its module's name)."""
+    mod = getattr(value, "__module__", None) or ""
+    return isinstance(value, types.FunctionType) and mod.split(".")[0] not in _NOT_USER
 
 
 def _held(holder):
