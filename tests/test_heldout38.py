@@ -59,3 +59,20 @@ def test_a_model_with_legacy_weight_norm_is_checked_against_its_copy():
     with default_dtype(torch.float64):
         r = check_captured(cap, steps=3, rtol=0.0, atol=1e-12)
     assert r.ok, r.first_mismatch
+
+
+@pytest.mark.parametrize("name, what", [
+    ("tensor_in_closure", r"run_mean \(in the closure of tensor_in_closure.<locals>.loss\) in place \(aten.mul_.Tensor\)"),
+    ("tensor_attribute", r"model.scale in place \(aten.mul_.Tensor\)")])
+def test_a_plain_tensor_the_step_updates_is_refused_naming_it(name, what):
+    """A tensor the step held as a constant and updated in place: a PyTorch INTERNAL ASSERT traceback (closure) or
+    "in-place ops remain after functionalization: aten.mul_.Tensor" (module attribute, through a view)."""
+    with pytest.raises(CaptureError, match=r"the step updates " + what + r", a tensor that is not a parameter"):
+        _cap(name)
+
+
+def test_tensors_made_in_the_forward_may_change_in_place():
+    from rhino.check import check_captured
+    cap = _cap("fresh_tensors")
+    with default_dtype(torch.float64):
+        assert check_captured(cap, steps=2, rtol=0.0, atol=1e-12).ok

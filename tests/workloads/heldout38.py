@@ -120,3 +120,56 @@ def counter_in_a_helper():
     m = nn.Linear(4, 4)
     return (m, torch.optim.SGD(m.parameters(), lr=0.1),
             lambda model, x, y: nn.functional.mse_loss(model(x), y) + _kl_weight() * model.weight.abs().sum(), _pair())
+
+
+def tensor_in_closure():
+    """A running mean kept as a plain tensor in the loss function's closure, updated in place every step."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 4)
+    run_mean = torch.zeros(4)
+
+    def loss(model, x, y):
+        with torch.no_grad():
+            run_mean.mul_(0.5).add_(0.5 * y.mean(0))
+        return nn.functional.mse_loss(model(x), y - run_mean)
+    return m, torch.optim.SGD(m.parameters(), lr=0.1), loss, _pair()
+
+
+class PlainTensorAttribute(nn.Module):
+    """A plain tensor attribute (not a buffer) that the forward scales in place."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.scale = torch.ones(4)
+
+    def forward(self, x):
+        out = self.lin(x) * self.scale.clone()
+        with torch.no_grad():
+            self.scale[:2].mul_(1.5)
+        return out
+
+
+def tensor_attribute():
+    torch.manual_seed(0)
+    m = PlainTensorAttribute()
+    return m, torch.optim.SGD(m.parameters(), lr=0.1), lambda m, x, y: nn.functional.mse_loss(m(x), y), _pair()
+
+
+class FreshTensors(nn.Module):
+    """Tensors made in the forward (``torch.tensor``, ``torch.ones``) and changed in place: part of the step."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        c = torch.tensor([1.0, 2.0, 3.0, 4.0])
+        c.mul_(2)
+        return self.lin(x) * c * torch.ones(4).add_(1)
+
+
+def fresh_tensors():
+    torch.manual_seed(0)
+    m = FreshTensors()
+    return m, torch.optim.SGD(m.parameters(), lr=0.1), lambda m, x, y: nn.functional.mse_loss(m(x), y), _pair()

@@ -160,6 +160,7 @@ def capture(workload: Workload, verify_graph: bool = True) -> Captured:
             raise CaptureError(f"{workload.spec}: {who} changes {changed[0]}{more}, a Python number, "
                                f"which the captured step would hold at the value seen while tracing; keep it in a "
                                f"buffer (self.register_buffer) updated with tensor ops, or pass it in the batch")
+        _refuse_mutated_constants(gm, workload)
         gm = _functionalize(gm, flat)
     _simplify(gm)
     roles = ([(n, Role.PARAM) for n in param_names] + [(n, Role.FROZEN) for n in frozen_names] +
@@ -472,6 +473,47 @@ def _fix_legacy_mutators(gm: torch.fx.GraphModule) -> None:
 def _is_mutating(node: torch.fx.Node) -> bool:
     schema = getattr(node.target, "_schema", None)
     return node.op == "call_function" and schema is not None and schema.is_mutable
+
+
+def _written_bases(node: torch.fx.Node) -> list[torch.fx.Node]:
+    """The nodes whose storage a mutating ``node`` writes (its written arguments, followed back through views)."""
+    out = []
+    for i, arg in enumerate(node.target._schema.arguments):
+        if arg.alias_info is None or not arg.alias_info.is_write:
+            continue
+        val = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        while isinstance(val, torch.fx.Node) and val.op == "call_function" and val.args and \
+                getattr(val.target, "is_view", False):
+            val = val.args[0]
+        if isinstance(val, torch.fx.Node):
+            out.append(val)
+    return out
+
+
+def _refuse_mutated_constants(gm: torch.fx.GraphModule, workload: Workload) -> None:
+    """A tensor the step holds as a constant (a module's plain tensor attribute, a tensor in the loss function's
+    closure) and updates in place has nowhere to keep its new value: refused in one sentence, naming it."""
+    for node in gm.graph.nodes:
+        if not _is_mutating(node):
+            continue
+        for base in _written_bases(node):
+            if base.op == "get_attr":
+                raise CaptureError(f"{workload.spec}: the step updates {_tensor_name(getattr(gm, base.target), workload)} "
+                                   f"in place ({node.target}), a tensor that is not a parameter, buffer or batch "
+                                   f"tensor, so its new value would be lost after each step; register it as a buffer "
+                                   f"of a module (self.register_buffer) or keep it out of the step")
+
+
+def _tensor_name(t: torch.Tensor, workload: Workload) -> str:
+    for name, m in workload.model.named_modules():
+        for key, v in vars(m).items():
+            if v is t:
+                return f"model.{name + '.' if name else ''}{key}"
+    fn = workload.loss_fn
+    for var, cell in zip(getattr(getattr(fn, "__code__", None), "co_freevars", ()), fn.__closure__ or ()):
+        if cell.cell_contents is t:
+            return f"{var} (in the closure of {fn.__qualname__})"
+    return "a tensor"
 
 
 def _functionalize(gm: torch.fx.GraphModule, flat: list) -> torch.fx.GraphModule:
