@@ -173,3 +173,35 @@ def fresh_tensors():
     torch.manual_seed(0)
     m = FreshTensors()
     return m, torch.optim.SGD(m.parameters(), lr=0.1), lambda m, x, y: nn.functional.mse_loss(m(x), y), _pair()
+
+
+class Determinants(nn.Module):
+    """A Glow-style invertible 1x1 mixing: ``x @ W.T`` with ``slogdet(W)``, ``det`` and ``logdet`` in the loss.
+    ``qr``: W from a QR factorisation (not C-contiguous, as Glow initialises it), else C-contiguous."""
+
+    def __init__(self, qr: bool):
+        super().__init__()
+        w = torch.linalg.qr(torch.randn(4, 4))[0] if qr else torch.randn(4, 4) + 3 * torch.eye(4)
+        self.W = nn.Parameter(w)
+        self.B = nn.Parameter(torch.randn(2, 4, 4) + 3 * torch.eye(4))   # a batch of matrices
+
+    def forward(self, x):
+        lad = torch.linalg.slogdet(self.W)[1] + torch.logdet(self.B @ self.B.mT + torch.eye(4)).sum()
+        return x @ self.W.T, lad + 0.1 * torch.linalg.det(self.W) + 0.1 * torch.det(self.B.mT).sum()
+
+
+def _flow_nll(model, x):
+    z, logdet = model(x)
+    return (0.5 * (z ** 2).sum(-1) - logdet).mean()
+
+
+def determinants_qr():
+    torch.manual_seed(0)
+    m = Determinants(qr=True)
+    return m, torch.optim.Adam(m.parameters(), lr=1e-2), _flow_nll, (torch.randn(8, 4),)
+
+
+def determinants_contiguous():
+    torch.manual_seed(0)
+    m = Determinants(qr=False)
+    return m, torch.optim.Adam(m.parameters(), lr=1e-2), _flow_nll, (torch.randn(8, 4),)

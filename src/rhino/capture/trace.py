@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import operator
 import time
 import traceback
 import warnings
@@ -546,8 +547,33 @@ def _simplify(gm: torch.fx.GraphModule) -> None:
             gm.graph.erase_node(node)
     _hardtanh_backward_reads_output(gm.graph)
     _two_norms_as_sums(gm.graph)
+    _det_solves_for_contiguous(gm.graph)
     gm.graph.eliminate_dead_code()
     gm.recompile()
+
+
+#: determinant ops -> the index of their pivots output (``(det, LU, pivots)``, ``(sign, logabsdet, LU, pivots)``)
+_DETERMINANTS = {torch.ops.aten._linalg_det.default: 2, torch.ops.aten._linalg_slogdet.default: 3}
+
+
+def _det_solves_for_contiguous(graph: torch.fx.Graph) -> None:
+    """``det`` and ``slogdet`` factor ``A``, or ``A^T`` where ``A`` is C-contiguous (the same determinant, no copy),
+    and their backward solves with that factorization, its ``adjoint`` flag fixed by ``A``'s strides while tracing.
+    A rank's ``A`` may have other strides (an all-gathered parameter is C-contiguous, a QR-initialised one is not:
+    wrong gradients under tensor parallelism and ZeRO-3). Ranks call both ops on a C-contiguous ``A``
+    (``input_layout``, ``ir.ops_linalg``), so where the traced ``A`` was not, the solves reading their pivots
+    (``linalg_lu_solve``) get the other ``adjoint``: with the factors of ``A^T``, solving with ``A`` is the adjoint
+    solve and the other way round."""
+    for node in [n for n in graph.nodes if n.op == "call_function" and n.target in _DETERMINANTS]:
+        val = node.args[0].meta.get("val") if isinstance(node.args[0], torch.fx.Node) else None
+        if val is None or val.is_contiguous():
+            continue
+        index = _DETERMINANTS[node.target]
+        for piv in [u for u in node.users if u.target is operator.getitem and u.args[1] == index]:
+            for solve in [u for u in piv.users if u.target is torch.ops.aten.linalg_lu_solve.default]:
+                if solve.args[1] is not piv:
+                    continue
+                solve.kwargs = {**solve.kwargs, "adjoint": not solve.kwargs.get("adjoint", False)}
 
 
 _VECTOR_NORM = torch.ops.aten.linalg_vector_norm.default

@@ -40,9 +40,13 @@ def batched_matrix_rule(call: OpCall) -> Annotation:
 register("""
 aten.linalg_inv_ex.default aten._linalg_solve_ex.default
 aten.linalg_cholesky_ex.default aten.cholesky_solve.default aten.linalg_solve_triangular.default
-aten._linalg_det.default aten._linalg_slogdet.default aten._linalg_eigh.default aten.linalg_lu_solve.default
+aten._linalg_eigh.default aten.linalg_lu_solve.default
 aten.linalg_lu_factor_ex.default aten.linalg_matrix_exp.default aten.linalg_qr.default
 """.split(), OpKind.INDEX, batched_matrix_rule, flops=lambda call, ann, sizes: _cubic(call))
+# they factor A^T where A is C-contiguous, and A otherwise; their backward's solves follow the traced layout, which
+# capture rewrites for a C-contiguous A (capture.trace._det_solves_for_contiguous): always called on one
+register("aten._linalg_det.default aten._linalg_slogdet.default", OpKind.INDEX, batched_matrix_rule,
+         flops=lambda call, ann, sizes: _cubic(call), input_layout=InputLayout.CONTIGUOUS)
 # its kernel asserts that the error codes are contiguous (registry docstring: input_layout)
 register("aten._linalg_check_errors.default", OpKind.INDEX, batched_matrix_rule,
          flops=lambda call, ann, sizes: _cubic(call), input_layout=InputLayout.CONTIGUOUS)
