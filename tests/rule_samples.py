@@ -235,6 +235,7 @@ def samples() -> list[tuple[str, tuple, dict]]:
     add("prod.dim_int", x3, 0, True)
     add("median.dim", x3, 2)
     add("kthvalue.default", x3, 2, 1, True)
+    add("kthvalue.default", x3, 2)   # dim -1 by default
     add("cummax.default", x3, 2)
     add("cummin.default", x3, 0)
     add("norm.ScalarOpt_dim", x3, 1, [0, 2], True)

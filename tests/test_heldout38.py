@@ -91,3 +91,19 @@ def test_determinant_gradients_do_not_depend_on_the_layout_of_the_matrix(name, s
     with default_dtype(torch.float64):
         r, _ = simulate_plan(cap, plan, steps=3)
     assert r.ok and r.max_abs_diff < 1e-9, r.first_mismatch
+
+
+@pytest.mark.parametrize("strategy", ["dp=2,tp=2", "dp=2,zero=3"])
+def test_checked_linalg_beside_an_in_place_op(strategy):
+    """torch marks ``_linalg_check_errors`` as an ordered effect: functionalizing a step with an in-place op failed
+    ("Could not find a token for effect EffectType.ORDERED"); ``kthvalue`` without a dim was annotated as a
+    reduction of every dim ("invalid IR: ... recorded shape [8], annotation implies []")."""
+    from rhino.check import check_captured
+    from rhino.runtime.exact import simulate_plan
+    from rhino.sharding.presets import parse_strategy, preset_plan
+    cap = _cap("checked_linalg")
+    assert any(n.op == "aten._linalg_check_errors.default" for n in cap.graph.nodes)
+    with default_dtype(torch.float64):
+        assert check_captured(cap, steps=2, rtol=0.0, atol=1e-12).ok
+        r, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy(strategy)), steps=2)
+    assert r.ok and r.max_abs_diff < 1e-9, r.first_mismatch

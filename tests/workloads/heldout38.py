@@ -205,3 +205,26 @@ def determinants_contiguous():
     torch.manual_seed(0)
     m = Determinants(qr=False)
     return m, torch.optim.Adam(m.parameters(), lr=1e-2), _flow_nll, (torch.randn(8, 4),)
+
+
+class CheckedLinalg(nn.Module):
+    """``linalg.cholesky`` and ``linalg.solve`` (each checks its factorization: ``_linalg_check_errors``) in a step
+    with an in-place op, and ``kthvalue`` along its default last dim."""
+
+    def __init__(self):
+        super().__init__()
+        self.A = nn.Parameter(torch.randn(4, 4) * 0.3)
+        self.lin = nn.Linear(4, 4)
+
+    def forward(self, x):
+        s = self.A @ self.A.T + torch.eye(4)
+        h = self.lin(x) @ torch.linalg.cholesky(s)
+        h = torch.linalg.solve(s, h.T).T
+        h = h.clone().add_(1.0)
+        return h + torch.kthvalue(h, 2).values.unsqueeze(-1)
+
+
+def checked_linalg():
+    torch.manual_seed(0)
+    m = CheckedLinalg()
+    return m, torch.optim.Adam(m.parameters(), lr=1e-2), lambda m, x, y: nn.functional.mse_loss(m(x), y), _pair()

@@ -517,11 +517,26 @@ def _tensor_name(t: torch.Tensor, workload: Workload) -> str:
     return "a tensor"
 
 
+@contextlib.contextmanager
+def _check_errors_without_effect_token():
+    """torch marks ``_linalg_check_errors`` (``linalg.cholesky``'s, ``linalg.solve``'s check of the factorization) as
+    an ordered side effect, which functionalization threads through an effect token that only export sets up:
+    "Could not find a token for effect EffectType.ORDERED" for any step with an in-place op and a checked linalg
+    call. Functionalized as a plain op; the mark is back for everything after (dead-code elimination keeps it)."""
+    holder = torch._library.simple_registry.singleton.find("aten::_linalg_check_errors").effect
+    before = holder.effect
+    holder.register(None)
+    try:
+        yield
+    finally:
+        holder.register(before)
+
+
 def _functionalize(gm: torch.fx.GraphModule, flat: list) -> torch.fx.GraphModule:
     _fix_legacy_mutators(gm)
     if not any(_is_mutating(n) for n in gm.graph.nodes):
         return gm
-    with torch.no_grad():
+    with torch.no_grad(), _check_errors_without_effect_token():
         inputs = [t.detach() for t in flat]
         gm2 = make_fx(dispatch_functionalize(gm, FunctionalTensorMode()), tracing_mode="fake")(*inputs)
     # the mutated inputs' new values are outputs already: a write back into an input (copy_) is dropped

@@ -66,9 +66,10 @@ register("aten.empty_like.default", E, elementwise, values=Values.UNINITIALIZED)
 
 
 def _dims_keep(dims_index: int, keep_index: int, kind: str = "sum", splittable: bool = True,
-               n_outputs: int = 1, empty_is_all: bool = True):
+               n_outputs: int = 1, empty_is_all: bool = True, default_dim: int | None = None):
+    """``default_dim``: the dim when the call gives none (``kthvalue``'s -1; None: every dim)."""
     def rule(call: OpCall) -> Annotation:
-        dims = call.arg(dims_index, "dim")
+        dims = call.arg(dims_index, "dim", default_dim)
         if isinstance(dims, int):
             dims = [dims]
         return reduce_dims(call, dims, bool(call.arg(keep_index, "keepdim", False)), kind, splittable, n_outputs,
@@ -100,7 +101,7 @@ register("aten.var_mean.correction", R, _dims_keep(1, 3, splittable=False, n_out
 register("aten.linalg_vector_norm.default aten.norm.ScalarOpt_dim", R, _dims_keep(2, 3, splittable=False))
 register("aten.prod.dim_int", R, _dims_keep(1, 2, splittable=False))
 register("aten.median.dim", R, _dims_keep(1, 2, splittable=False, n_outputs=2))
-register("aten.kthvalue.default", R, _dims_keep(2, 3, splittable=False, n_outputs=2))
+register("aten.kthvalue.default", R, _dims_keep(2, 3, splittable=False, n_outputs=2, default_dim=-1))
 # F.rrelu: its functional form returns the noise it drew (training) beside the result
 register("aten.rrelu_with_noise_functional.default", E, elementwise, values=Values.RANDOM)
 
