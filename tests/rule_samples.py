@@ -22,10 +22,11 @@ NO_CPU_KERNEL = {
 UNARY = """neg abs exp exp2 expm1 sin cos tanh sigmoid erf sign sgn floor ceil round trunc relu gelu silu mish elu
 leaky_relu hardtanh hardswish hardsigmoid softplus clone _to_copy lift_fresh_copy alias detach isnan isinf
 nan_to_num ones_like zeros_like empty_like rand_like randn_like celu softshrink hardshrink sinc lgamma frac atan
-asinh sinh cosh tan""".split()
+asinh sinh cosh tan deg2rad rad2deg erfc i0 special_i0e special_i1 special_i1e special_log_ndtr special_erfcx angle
+special_bessel_j0 special_bessel_j1 signbit isposinf isneginf""".split()
 #: defined on (0, 1) (inverse trigonometric and hyperbolic functions, logit, erfinv)
-UNIT = "logit asin acos atanh erfinv".split()
-POSITIVE = "log log1p log2 sqrt rsqrt reciprocal".split()
+UNIT = "logit asin acos atanh erfinv special_ndtri".split()
+POSITIVE = "log log1p log2 log10 sqrt rsqrt reciprocal".split()
 BINARY = """add.Tensor sub.Tensor rsub.Tensor mul.Tensor div.Tensor pow.Tensor_Tensor maximum.default minimum.default
 remainder.Tensor fmod.Tensor floor_divide.default eq.Tensor ne.Tensor lt.Tensor le.Tensor gt.Tensor
 ge.Tensor copy.default atan2.default hypot.default logaddexp.default logaddexp2.default copysign.Tensor
@@ -236,6 +237,9 @@ def samples() -> list[tuple[str, tuple, dict]]:
     add("median.dim", x3, 2)
     add("kthvalue.default", x3, 2, 1, True)
     add("kthvalue.default", x3, 2)   # dim -1 by default
+    add("acosh.default", x.abs() + 1)
+    add("mvlgamma.default", x.abs() + 2, 2)
+    add("round.decimals", x, decimals=2)
     add("cummax.default", x3, 2)
     add("cummin.default", x3, 0)
     add("norm.ScalarOpt_dim", x3, 1, [0, 2], True)

@@ -107,3 +107,10 @@ def test_checked_linalg_beside_an_in_place_op(strategy):
         assert check_captured(cap, steps=2, rtol=0.0, atol=1e-12).ok
         r, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy(strategy)), steps=2)
     assert r.ok and r.max_abs_diff < 1e-9, r.first_mismatch
+
+
+def test_a_learned_loss_weight_outside_the_model_is_refused_with_the_change_to_make():
+    from rhino.capture import WorkloadError
+    with pytest.raises(WorkloadError, match=r"shape \[2\] that is not a parameter of the model .*read it in loss_fn "
+                                            r"as model.log_vars"):
+        load_workload(f"{HELDOUT38}:loss_weights_outside")

@@ -228,3 +228,15 @@ def checked_linalg():
     torch.manual_seed(0)
     m = CheckedLinalg()
     return m, torch.optim.Adam(m.parameters(), lr=1e-2), lambda m, x, y: nn.functional.mse_loss(m(x), y), _pair()
+
+
+def loss_weights_outside():
+    """Multi-task uncertainty weights (Kendall et al.) trained by the optimizer but kept outside the model."""
+    torch.manual_seed(0)
+    m = nn.Linear(4, 2)
+    log_vars = nn.Parameter(torch.zeros(2))
+
+    def loss(model, x, y):
+        per_task = ((model(x) - y[:, :2]) ** 2).mean(0)
+        return (torch.exp(-log_vars) * per_task + log_vars).sum()
+    return m, torch.optim.Adam(list(m.parameters()) + [log_vars], lr=1e-2), loss, _pair()

@@ -160,5 +160,7 @@ def validate_workload(result, path: Path, func: str) -> Workload:
         for p in group["params"]:
             if id(p) not in model_params:
                 raise WorkloadError(f"{where}: the optimizer holds a tensor of shape {list(p.shape)} that is not a "
-                                    f"parameter of the model; build the optimizer over model.parameters()")
+                                    f"parameter of the model (a learned loss weight kept beside it?); make it one "
+                                    f"(model.log_vars = nn.Parameter(...)), read it in loss_fn as model.log_vars, "
+                                    f"and build the optimizer over model.parameters()")
     return Workload(model, optimizer, loss_fn, tuple(batch), str(path), func)

@@ -28,6 +28,10 @@ aten.logaddexp2.default aten.copysign.Tensor aten.fmax.default aten.fmin.default
 aten.digamma.default aten.polygamma.default aten.special_entr.default aten.erfinv.default aten.frac.default
 aten.atan.default aten.asin.default aten.acos.default aten.asinh.default aten.atanh.default aten.sinh.default
 aten.cosh.default aten.tan.default aten.rrelu_with_noise_backward.default
+aten.acosh.default aten.deg2rad.default aten.rad2deg.default aten.erfc.default aten.log10.default aten.angle.default
+aten.i0.default aten.special_i0e.default aten.special_i1.default aten.special_i1e.default aten.special_erfcx.default
+aten.special_log_ndtr.default aten.special_ndtri.default aten.special_bessel_j0.default aten.special_bessel_j1.default
+aten.mvlgamma.default aten.round.decimals aten.signbit.default aten.isposinf.default aten.isneginf.default
 aten.remainder.Scalar aten.remainder.Tensor aten.fmod.Scalar aten.fmod.Tensor aten.floor_divide.default
 aten.eq.Scalar aten.eq.Tensor aten.ne.Scalar aten.ne.Tensor aten.lt.Scalar aten.lt.Tensor
 aten.le.Scalar aten.le.Tensor aten.gt.Scalar aten.gt.Tensor aten.ge.Scalar aten.ge.Tensor
