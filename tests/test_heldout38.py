@@ -114,3 +114,31 @@ def test_a_learned_loss_weight_outside_the_model_is_refused_with_the_change_to_m
     with pytest.raises(WorkloadError, match=r"shape \[2\] that is not a parameter of the model .*read it in loss_fn "
                                             r"as model.log_vars"):
         load_workload(f"{HELDOUT38}:loss_weights_outside")
+
+
+def test_tensor_parallelism_that_splits_nothing_says_so():
+    """A language model with odd sizes (vocabulary 17, width 15) under tp=4 ran replicated on every rank, no note."""
+    from rhino.capture import Workload
+    from rhino.sharding.presets import parse_strategy, preset_plan, unsplit_model
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Embedding(17, 15), torch.nn.Linear(15, 17))
+    batch = (torch.randint(0, 17, (8, 5)), torch.randint(0, 17, (8, 5)))
+    loss = lambda model, x, y: torch.nn.functional.cross_entropy(model(x).flatten(0, 1), y.flatten())  # noqa: E731
+    cap = capture(Workload(m, torch.optim.SGD(m.parameters(), lr=0.1), loss, batch, "inline", "odd"))
+    note = unsplit_model(cap.graph, preset_plan(cap.graph, parse_strategy("tp=4")))
+    assert note is not None and note.startswith("tp=4 splits no parameter")
+    for fine in ("dp=4", "tp=1"):
+        assert unsplit_model(cap.graph, preset_plan(cap.graph, parse_strategy(fine))) is None, fine
+    m2 = torch.nn.Sequential(torch.nn.Embedding(16, 16), torch.nn.Linear(16, 16))
+    cap2 = capture(Workload(m2, torch.optim.SGD(m2.parameters(), lr=0.1), loss, (batch[0] % 16, batch[1] % 16),
+                            "inline", "even"))
+    assert unsplit_model(cap2.graph, preset_plan(cap2.graph, parse_strategy("tp=4"))) is None
+
+
+@pytest.mark.parametrize("example, said", [("gpt.py", True), ("mlp.py", False)])
+def test_check_says_that_batches_is_not_used(capsys, example, said):
+    """``rhino check`` repeats the example batch; a file's ``batches()`` (a varying sequence length, a short last
+    batch) passed check without a word, and only ``rhino train`` refused it."""
+    from rhino.cli.main import main
+    assert main(["check", str(ROOT / "examples" / example), "--steps", "1"]) == 0
+    assert ("note: the file's batches() is not used here" in capsys.readouterr().err) is said

@@ -31,6 +31,9 @@ def _run(args) -> int:
     status(f"capturing {args.workload} ...", not args.json)
     with quiet_warnings():
         cap = capture(w)
+    if w.batches is not None:
+        status("note: the file's batches() is not used here: the example batch repeats (rhino train iterates it)",
+               not args.json)
     status(f"running {args.steps} steps through Rhino and through PyTorch ...", not args.json)
     r = check_captured(cap, steps=args.steps)
     nodes = len(cap.graph.nodes)

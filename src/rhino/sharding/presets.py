@@ -34,7 +34,7 @@ from .plan import ShardingPlan
 from .propagate import Propagator
 from .vocab import RECOMPUTE_MODES, Recompute, strided
 
-__all__ = ["StrategySpec", "parse_strategy", "preset_plan", "unsplit_batch"]
+__all__ = ["StrategySpec", "parse_strategy", "preset_plan", "unsplit_batch", "unsplit_model"]
 
 
 @dataclass(frozen=True)
@@ -313,3 +313,18 @@ def unsplit_batch(graph: Graph, plan: ShardingPlan) -> str | None:
     rows = sorted({graph.types[i.value].shape[0] for i in batch})
     return (f"dp={n} splits no batch tensor (rows along dim 0: {', '.join(map(str, rows))}, not multiples of {n}), "
             f"so every rank computes the whole batch; use a batch size divisible by {n} for data parallelism")
+
+
+def unsplit_model(graph: Graph, plan: ShardingPlan) -> str | None:
+    """For a preset plan: a sentence when its tensor-parallel axis (``tp``, more than one rank) splits no parameter,
+    so every rank holds and computes the whole model (the plan is correct; the note says why it is not smaller)."""
+    mesh = plan.mesh
+    if "tp" not in mesh.names or mesh.sizes[mesh.names.index("tp")] < 2:
+        return None
+    axis, n = mesh.names.index("tp"), mesh.sizes[mesh.names.index("tp")]
+    params = [i for i in graph.inputs if i.role is Role.PARAM]
+    if not params or any(isinstance(plan.inputs.get(i.name, (None,) * mesh.ndim)[axis], Shard) for i in params):
+        return None
+    return (f"tp={n} splits no parameter (the preset splits matmul and embedding weights along a dimension that {n} "
+            f"divides; none here), so every rank holds and computes the whole model; use sizes divisible by {n} "
+            f"for tensor parallelism")
