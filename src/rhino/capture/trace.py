@@ -499,7 +499,8 @@ def _refuse_mutated_constants(gm: torch.fx.GraphModule, workload: Workload) -> N
             continue
         for base in _written_bases(node):
             if base.op == "get_attr":
-                raise CaptureError(f"{workload.spec}: the step updates {_tensor_name(getattr(gm, base.target), workload)} "
+                name = _tensor_name(getattr(gm, base.target), workload)
+                raise CaptureError(f"{workload.spec}: the step updates {name} "
                                    f"in place ({node.target}), a tensor that is not a parameter, buffer or batch "
                                    f"tensor, so its new value would be lost after each step; register it as a buffer "
                                    f"of a module (self.register_buffer) or keep it out of the step")
