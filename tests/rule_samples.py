@@ -22,7 +22,7 @@ NO_CPU_KERNEL = {
 UNARY = """neg abs exp exp2 expm1 sin cos tanh sigmoid erf sign sgn floor ceil round trunc relu gelu silu mish elu
 leaky_relu hardtanh hardswish hardsigmoid softplus clone _to_copy lift_fresh_copy alias detach isnan isinf
 nan_to_num ones_like zeros_like empty_like rand_like randn_like celu softshrink hardshrink sinc lgamma frac atan
-asinh sinh cosh tan deg2rad rad2deg erfc i0 special_i0e special_i1 special_i1e special_log_ndtr special_erfcx angle
+asinh sinh cosh tan deg2rad rad2deg erfc i0 special_i0e special_i1 special_i1e special_log_ndtr angle
 special_bessel_j0 special_bessel_j1 signbit isposinf isneginf""".split()
 #: defined on (0, 1) (inverse trigonometric and hyperbolic functions, logit, erfinv)
 UNIT = "logit asin acos atanh erfinv special_ndtri".split()

@@ -415,8 +415,8 @@ def _trace(step, flat, workload: Workload) -> torch.fx.GraphModule:
         raise
     except SyntaxError as exc:  # torch.fx writes each traced graph as Python source
         line = (exc.text or "").strip()
-        fix = ("x.random_(low, high) traces to an op named aten.random_.from, which torch.fx writes as invalid Python "
-               "(`from` is a keyword): write x.random_(high - low).add_(low) instead") if ".from(" in line else \
+        fix = ("x.random_(low, high) traces to an op whose overload torch.fx writes as invalid Python (it is named "
+               "`from`, a keyword): write x.random_(high - low).add_(low) instead") if ".from(" in line else \
             "rewrite the call on that line"
         raise CaptureError(f"torch.fx could not write the traced step as Python ({line.split(';')[0]}); "
                            f"{fix}") from None
