@@ -175,14 +175,15 @@ def python_draws(before: _Before) -> list[str]:
 
 
 def changed_numbers(before: _Before) -> list[str]:
-    """``module.attribute (old -> new)`` for each Python number (not a bool) that changed since ``before``."""
+    """``module.attribute (old -> new)`` for each Python number (not a bool) of a module attribute that changed since
+    ``before`` (the numbers reached by name: ``before.reached.changed()``)."""
     out = []
     for name, m, saved in before:
         for key, old in saved.items():
             new = m.__dict__.get(key, old)
             if type(old) in _NUMBER and type(new) in _NUMBER and new != old:
                 out.append(f"{name + '.' if name else ''}{key} ({old!r} -> {new!r})")
-    return out + before.reached.changed()
+    return out
 
 
 @contextlib.contextmanager

@@ -150,14 +150,15 @@ def capture(workload: Workload, verify_graph: bool = True) -> Captured:
         warnings.simplefilter("ignore")
         with attributes_kept(model, workload.loss_fn) as before:
             gm = _trace(step, flat, workload)
-            changed, drawn, reached = changed_numbers(before), python_draws(before), before.reached.changed()
+            attributes, drawn, reached = changed_numbers(before), python_draws(before), before.reached.changed()
         if drawn:
             raise CaptureError(f"{workload.spec}: the model's forward draws from {drawn[0]}, so the captured step "
                                f"would take the branch drawn while tracing at every step; draw with torch "
                                f"(torch.rand(()) < p) and choose with torch.where, or pass the draw in the batch")
+        changed = attributes + reached
         if changed:
             more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
-            who = "the training step" if changed[0] in reached else "the model's forward"
+            who = "the model's forward" if attributes else "the training step"
             raise CaptureError(f"{workload.spec}: {who} changes {changed[0]}{more}, a Python number, "
                                f"which the captured step would hold at the value seen while tracing; keep it in a "
                                f"buffer (self.register_buffer) updated with tensor ops, or pass it in the batch")

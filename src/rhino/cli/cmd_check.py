@@ -1,7 +1,7 @@
 """``rhino check FILE[:FUNC] [--steps N] [--json]``."""
 from __future__ import annotations
 
-from .common import DTYPE_NAMES, emit_json, quiet_warnings, status
+from .common import BATCHES_UNUSED, DTYPE_NAMES, emit_json, quiet_warnings, status
 
 
 def add_parser(sub) -> None:
@@ -32,8 +32,7 @@ def _run(args) -> int:
     with quiet_warnings():
         cap = capture(w)
     if w.batches is not None:
-        status("note: the file's batches() is not used here: the example batch repeats (rhino train iterates it)",
-               not args.json)
+        status(f"note: {BATCHES_UNUSED}", not args.json)
     status(f"running {args.steps} steps through Rhino and through PyTorch ...", not args.json)
     r = check_captured(cap, steps=args.steps)
     nodes = len(cap.graph.nodes)

@@ -5,8 +5,8 @@ from pathlib import Path
 
 from ..atomic import check_dir_target, check_file_target
 from ..sharding.plan import resolve
-from ..sharding.presets import parse_strategy, preset_plan, unsplit_batch, unsplit_model
-from .common import DTYPE_NAMES, emit_json, quiet_warnings, status, write_atomic
+from ..sharding.presets import parse_strategy, preset_notes, preset_plan
+from .common import BATCHES_UNUSED, DTYPE_NAMES, emit_json, quiet_warnings, status, write_atomic
 
 
 def add_parser(sub) -> None:
@@ -65,10 +65,10 @@ def _run(args) -> int:
     if plan is None:
         plan = preset_plan(cap.graph, parse_strategy(args.strategy))
     rp = resolve(cap.graph, plan)
-    notes = [unsplit_batch(cap.graph, plan), unsplit_model(cap.graph, plan)] if args.strategy else []
-    if w.batches is not None:   # (a preset above; a searched plan splits as it may)
-        notes.append("the file's batches() is not used here: the example batch repeats (rhino train iterates it)")
-    for note in filter(None, notes):
+    notes = preset_notes(cap.graph, plan) if args.strategy else []    # (a searched plan splits as it may)
+    if w.batches is not None:
+        notes.append(BATCHES_UNUSED)
+    for note in notes:
         status(f"note: {note}", not args.json)
     if args.save_plan:
         write_atomic(args.save_plan, plan.to_json())

@@ -7,7 +7,10 @@ import warnings
 
 from .. import atomic
 
-__all__ = ["emit_json", "write_atomic", "status", "quiet_warnings", "DTYPE_NAMES"]
+__all__ = ["emit_json", "write_atomic", "status", "quiet_warnings", "DTYPE_NAMES", "BATCHES_UNUSED"]
+
+#: what ``rhino check`` and ``rhino run`` say when the workload file defines ``batches()``
+BATCHES_UNUSED = "the file's batches() is not used here: the example batch repeats (rhino train iterates it)"
 
 #: ``capture.DTYPES``'s names, for ``--dtype`` choices without importing torch before the command runs
 #: (``rhino layout`` and ``rhino memory`` never need it; tests/test_cli.py keeps the two equal)

@@ -6,7 +6,7 @@ from math import ceil, prod
 from operator import mul
 
 from .annotation import Annotation, Dim
-from .registry import Accumulate, Family, Linear, OpCall, OpKind, SizeArg, SizeRule, Values, register
+from .registry import Accumulate, Family, Linear, OpCall, OpKind, SizeArg, SizeRule, Values, lookup, register
 from .types import DType
 from .rules import NewLetters, fixed_from_types, letters, norm_dim
 
@@ -328,10 +328,8 @@ def _creation_shape(call: OpCall) -> tuple[int, ...]:
         return (max(0, ceil((end - start) / step)),)
     if op == "aten.scalar_tensor.default":
         return ()
-    if op in ("aten.randint.default", "aten.randint.low", "aten.normal.float_float"):  # (..., size) after numbers
-        return tuple(call.arg(1 if op == "aten.randint.default" else 2, "size"))
-    size = call.arg(1 if op.startswith("aten.new_") else 0, "size")
-    return tuple(size)
+    sizes = lookup(op).size_args     # where the size argument is (``new_zeros(x, size)``, ``randint(lo, hi, size)``)
+    return tuple(call.arg(sizes[0].at if sizes else 0, "size"))
 
 
 def sized_creation_rule(call: OpCall) -> Annotation:

@@ -33,7 +33,7 @@ from ..capture.optim import SCHEDULABLE, changed_hyperparameter, hyperparameters
 from ..capture.schedule import LrSchedule, set_rates
 from ..ir.graph import Role
 from ..sharding.plan import PlanError, ShardingPlan, resolve
-from ..sharding.presets import parse_strategy, preset_plan, unsplit_batch, unsplit_model
+from ..sharding.presets import parse_strategy, preset_notes, preset_plan
 from .collectives import TORCH_COLLECTIVES, gather_tensor
 from .data import batch_stream, check_batch, rank_batch, samples_in
 from .groups import build_groups
@@ -101,9 +101,7 @@ class Trainer:
                              f"{self.plan.mesh}) but the job has {self.world} processes; start {self.plan.world} "
                              f"or choose another plan")
         self.rp = resolve(self.cap.graph, self.plan)
-        notes = [unsplit_batch(self.cap.graph, self.plan), unsplit_model(self.cap.graph, self.plan)] \
-            if strategy is not None else []
-        for note in filter(None, notes):
+        for note in preset_notes(self.cap.graph, self.plan) if strategy is not None else []:
             say(f"note: {note}")
         self.microbatches = getattr(self.plan, "microbatches", 1)
         self.pipelined = self.plan.stages > 1

@@ -34,7 +34,7 @@ from .plan import ShardingPlan
 from .propagate import Propagator
 from .vocab import RECOMPUTE_MODES, Recompute, strided
 
-__all__ = ["StrategySpec", "parse_strategy", "preset_plan", "unsplit_batch", "unsplit_model"]
+__all__ = ["StrategySpec", "parse_strategy", "preset_plan", "preset_notes", "unsplit_batch", "unsplit_model"]
 
 
 @dataclass(frozen=True)
@@ -328,3 +328,8 @@ def unsplit_model(graph: Graph, plan: ShardingPlan) -> str | None:
     return (f"tp={n} splits no parameter (the preset splits matmul and embedding weights along a dimension that {n} "
             f"divides; none here), so every rank holds and computes the whole model; use sizes divisible by {n} "
             f"for tensor parallelism")
+
+
+def preset_notes(graph: Graph, plan: ShardingPlan) -> list[str]:
+    """What ``unsplit_batch`` and ``unsplit_model`` say about a preset plan (``rhino run`` and the Trainer print it)."""
+    return [n for n in (unsplit_batch(graph, plan), unsplit_model(graph, plan)) if n]
