@@ -30,7 +30,7 @@ POSITIVE = "log log1p log2 log10 sqrt rsqrt reciprocal".split()
 BINARY = """add.Tensor sub.Tensor rsub.Tensor mul.Tensor div.Tensor pow.Tensor_Tensor maximum.default minimum.default
 remainder.Tensor fmod.Tensor floor_divide.default eq.Tensor ne.Tensor lt.Tensor le.Tensor gt.Tensor
 ge.Tensor copy.default atan2.default hypot.default logaddexp.default logaddexp2.default copysign.Tensor
-fmax.default fmin.default""".split()
+fmax.default fmin.default complex.default polar.default""".split()
 SCALAR = """add.Scalar sub.Scalar rsub.Scalar mul.Scalar div.Scalar pow.Tensor_Scalar remainder.Scalar fmod.Scalar
 eq.Scalar ne.Scalar lt.Scalar le.Scalar gt.Scalar ge.Scalar clamp_min.default clamp_max.default
 full_like.default fill.Scalar""".split()

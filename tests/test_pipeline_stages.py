@@ -178,7 +178,7 @@ def test_in_flight_activations_per_schedule():
 def test_search_tries_pipelines_by_rule_and_reports_them():
     from rhino.search import SearchOptions, search
     g = graph("gpt")
-    cluster = parse_cluster("8xA100-80G")
+    cluster = parse_cluster("4xA100-80G")       # pp=2 and pp=4 candidates; 8 devices only make the search longer
     on = search(g, cluster, SearchOptions(level="O1", pipeline="always", time_limit=20))
     piped = [c for c in on.candidates if c.estimate is not None and c.estimate.pp > 1]
     assert piped

@@ -230,6 +230,10 @@ def raise_on_rank_one(ctx):
     return ctx.rank
 
 
+def raise_everywhere(ctx):
+    raise ValueError("the workload is refused\nsecond line")
+
+
 def exit_on_rank_one(ctx, stamp: str):
     dist.barrier()
     if ctx.rank == 1:
@@ -251,6 +255,16 @@ def test_rank_that_raises_is_named():
     assert str(err).startswith("rank 1 failed: ValueError: boom at")
     assert "second line" not in str(err)
     assert "raise_on_rank_one" in err.remote_traceback
+
+
+@pytest.mark.multiprocess
+def test_the_same_error_on_every_rank_is_said_once():
+    """A workload every rank refuses alike (a capture refusal in ``rhino train``) is one sentence, not "rank 0
+    failed ... (then rank(s) 1 failed too)"."""
+    with pytest.raises(RankFailedError) as info:
+        launch(raise_everywhere, 2, timeout_s=15)
+    assert str(info.value) == "every rank failed with ValueError: the workload is refused"
+    assert "raise_everywhere" in info.value.remote_traceback
 
 
 @pytest.mark.multiprocess

@@ -135,6 +135,6 @@ def fx_arg(a, env):
         return Layout(str(a).removeprefix("torch."))
     if isinstance(a, torch.memory_format):
         return MemoryFormat(str(a).removeprefix("torch."))
-    if a is None or isinstance(a, (bool, int, float, str)):
+    if a is None or isinstance(a, (bool, int, float, complex, str)):
         return a
     raise ValueError(f"unsupported op argument {a!r} of type {type(a).__name__}")

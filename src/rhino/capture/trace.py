@@ -72,6 +72,9 @@ class Captured:
     seconds: float = 0.0
     # a schedule's inputs (learning rates, cycled momenta) -> (param group, key)
     scheduled: dict[str, tuple[int, str]] = field(default_factory=dict)
+    # the step captured again on fewer rows of the batch tensors (their rows -> graph; runtime.microbatch),
+    # kept with the whole-batch step they must match
+    row_captures: dict[tuple[int, ...], Graph] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @property
     def schedule_values(self) -> dict[str, float]:

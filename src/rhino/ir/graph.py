@@ -221,6 +221,8 @@ def _enc(obj: Any) -> Any:
         if obj != obj or obj in (float("inf"), float("-inf")):
             return {"float": "nan" if obj != obj else ("inf" if obj > 0 else "-inf")}
         return obj
+    if isinstance(obj, complex):        # a backward's scalar (polar, angle: mul by 1j)
+        return {"complex": [_enc(obj.real), _enc(obj.imag)]}
     if isinstance(obj, Device):
         return {"device": obj.name}
     if isinstance(obj, Layout):
@@ -246,6 +248,8 @@ def _dec(obj: Any) -> Any:
         return Ref(val)
     if tag == "float":
         return _SPECIAL_FLOATS[val]
+    if tag == "complex":
+        return complex(*(_dec(x) for x in val))
     if tag == "dtype":
         return DType(val)
     if tag == "device":

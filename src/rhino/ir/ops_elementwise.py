@@ -45,7 +45,7 @@ aten.threshold_backward.default aten.gelu_backward.default aten.silu_backward.de
 aten.sigmoid_backward.default aten.tanh_backward.default aten.elu_backward.default
 aten.leaky_relu_backward.default aten.hardtanh_backward.default aten.hardswish_backward.default
 aten.hardsigmoid_backward.default aten.softplus_backward.default aten.mish_backward.default
-aten.native_dropout_backward.default
+aten.native_dropout_backward.default aten.complex.default aten.polar.default
 aten.ones_like.default aten.zeros_like.default aten.full_like.default aten.zero.default
 aten.fill.Scalar aten.fill.Tensor aten.copy.default aten.lift_fresh_copy.default aten.detach.default
 """.split(), E, elementwise)

@@ -290,7 +290,10 @@ class _Watcher:
             msg = f"rank {rank} failed: {self.reports[rank].payload}"
             tb = self.reports[rank].traceback
         others = sorted((set(self.dead) | {r for _, r in errors}) - {rank})
-        if others:
+        if len(errors) == len(self.procs) > 1 and len({rep.payload for rep in self.reports.values()}) == 1:
+            # the same error everywhere (a workload the capture refuses): one sentence, no rank to blame
+            msg = f"every rank failed with {self.reports[rank].payload}"
+        elif others:
             msg += f" (then rank(s) {', '.join(map(str, others))} failed too)"
         err = RankFailedError(rank, msg, tb)
         if tb and hasattr(err, "add_note"):

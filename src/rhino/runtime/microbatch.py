@@ -109,9 +109,17 @@ def microbatch_error(exc: Exception, microbatches: int) -> ValueError:
 
 
 def _capture_units(cap: Captured, microbatches: int, units: int) -> Graph:
-    """The step captured on ``units`` x B/m rows of every batch tensor (rows past B repeat the batch)."""
-    micro = []
+    """The step captured on ``units`` x B/m rows of every batch tensor (rows past B repeat the batch), once per
+    number of rows of a capture (``Captured.row_captures``)."""
     check_microbatch_rows(cap.workload.batch, microbatches)
+    key = tuple(b.shape[0] // microbatches * units for b in cap.workload.batch)
+    if key not in cap.row_captures:
+        cap.row_captures[key] = _capture_rows(cap, microbatches, units)
+    return cap.row_captures[key]
+
+
+def _capture_rows(cap: Captured, microbatches: int, units: int) -> Graph:
+    micro = []
     for b in cap.workload.batch:
         rows = b.shape[0] // microbatches * units
         if rows > b.shape[0]:
