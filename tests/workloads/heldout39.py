@@ -27,3 +27,46 @@ def phases():
     model = PhaseNet()
     return (model, torch.optim.Adam(model.parameters(), lr=1e-2), lambda m, x, y: (m(x) - y).pow(2).mean(),
             (torch.randn(8, 6, generator=g), torch.randn(8, 2, generator=g)))
+
+
+class Float32Region(nn.Module):
+    """A float64 model that runs one matmul in float32 (``h.float()``, as code does around a kernel that wants it)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b, self.c = nn.Linear(8, 64), nn.Linear(64, 64), nn.Linear(64, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.a(x))
+        h = nn.functional.linear(h.float(), self.b.weight.float(), self.b.bias.float()).to(x.dtype)
+        return self.c(torch.relu(h))
+
+
+def float32_region():
+    torch.manual_seed(31)
+    g = torch.Generator().manual_seed(31)
+    model = Float32Region()
+    return (model, torch.optim.SGD(model.parameters(), lr=0.1), lambda m, x, y: (m(x) - y).pow(2).mean(),
+            (torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)))
+
+
+class ScaledSGD(torch.optim.SGD):
+    """An optimizer that accumulates the gradients' sum into a tensor attribute (outside ``self.state``)."""
+
+    def __init__(self, params, lr):
+        super().__init__(params, lr=lr)
+        self.scale = torch.tensor(4.0)
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        total = sum(p.grad.sum() for g in self.param_groups for p in g["params"])
+        super().step()
+        self.scale.add_(total)
+
+
+def attribute_from_gradients():
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    model = nn.Linear(4, 4)
+    return (model, ScaledSGD(model.parameters(), lr=0.1), lambda m, x: m(x).pow(2).mean(),
+            (torch.randn(8, 4, generator=g),))

@@ -378,9 +378,13 @@ def plan_traced(optimizer: torch.optim.Optimizer, names: dict[int, str]) -> list
                                 f"(aten::{out.group(1)}.out), which cannot be traced as a pure op; assign it or "
                                 f"copy it in instead (x.copy_(torch.{out.group(1)}(...)))") from None
         first = text.splitlines()[0].split(". ")[0].rstrip(".") if text else type(exc).__name__
+        attrs = [k for k, v in vars(optimizer).items() if isinstance(v, torch.Tensor)]
+        # an in-place write of traced values into such a tensor fails inside functionalization, before any check
+        held_note = (f"; it holds self.{attrs[0]}, a tensor outside self.state, which Rhino reads as a constant: "
+                     f"if step() updates it, keep it in self.state[p]") if attrs and "INTERNAL ASSERT" in text else ""
         raise WorkloadError(f"{type(optimizer).__name__}.step() cannot be traced on the model's parameters "
                             f"({first}); Rhino calls step() once, without a closure, with each gradient as "
-                            f"p.grad and the state in self.state[p]") from None
+                            f"p.grad and the state in self.state[p]{held_note}") from None
     before, after = snapshots[0], snapshots[-1]
     for k, v in before.items():
         if after.get(k, v) != v:

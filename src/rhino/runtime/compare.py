@@ -6,7 +6,8 @@ matching piece of the single-device tensor, as ``shard_tensor`` cuts it from the
 Comparing each rank's own shards (instead of a gathered copy from one rank) catches replicas that
 drifted apart and shards that landed on the wrong rank.
 
-Tolerances follow the state's floating dtype (``tolerance_for``): float64 runs are compared at 1e-9,
+Tolerances follow the least precise floating dtype the step holds or computes in (``tolerance_for``): float64
+runs are compared at 1e-9,
 where a wrong sharding rule cannot hide in rounding noise; float32 runs keep the looser contract,
 because Adam turns 1e-8 gradient noise from a different summation order into 1e-5 differences.
 A step that computes in bfloat16 (``torch.autocast`` around the forward, or a bf16 model) is compared
@@ -28,7 +29,8 @@ from ..ir.graph import Role
 from ..sharding.plan import ResolvedPlan
 from .collectives import shard_tensor
 
-__all__ = ["Tolerance", "TOLERANCES", "BF16_UNIT_ROUNDOFF", "bf16_tolerance", "computes_in_bf16", "tolerance_for", "state_dtype", "Reference", "reference_run", "accumulation_steps",
+__all__ = ["Tolerance", "TOLERANCES", "BF16_UNIT_ROUNDOFF", "bf16_tolerance", "computes_in_bf16", "computes_in_float32",
+           "tolerance_for", "state_dtype", "Reference", "reference_run", "accumulation_steps",
            "Comparison", "compare_ranks"]
 
 
@@ -80,12 +82,27 @@ def computes_in_bf16(cap: Captured) -> bool:
     return any(t.dtype.value in ("bfloat16", "float16") for t in cap.graph.types.values())
 
 
+def computes_in_float32(cap: Captured) -> bool:
+    """Whether the step makes a float32 (or complex64) tensor of one element or more that is not a 0-dim scalar
+    (an optimizer's float32 step counter counts exactly): a float64 model with a float32 region (``h.float()``
+    before a matmul) rounds there as float32 does."""
+    for node in cap.graph.nodes:
+        for v in node.outputs:
+            t = cap.graph.types.get(v) if v is not None else None
+            if t is not None and t.shape and t.dtype.value in ("float32", "complex64"):
+                return True
+    return False
+
+
 def tolerance_for(cap: Captured, world: int = 1) -> Tolerance:
-    """The tolerance of the state's dtype (``state_dtype``); ``bf16_tolerance(world)`` when the step
-    computes in 16-bit floats."""
+    """The tolerance of the least precise dtype the step holds or computes in: the state's (``state_dtype``),
+    float32's where a float64 step computes a float32 region (``computes_in_float32``), ``bf16_tolerance(world)``
+    where it computes in 16-bit floats."""
     if computes_in_bf16(cap):
         return bf16_tolerance(world)
     dtype = state_dtype(cap)
+    if dtype is torch.float64 and computes_in_float32(cap):
+        dtype = torch.float32
     if dtype not in TOLERANCES:
         raise ValueError(f"no comparison tolerance is defined for parameters of dtype {dtype}; "
                          f"compare in float32 or float64")
