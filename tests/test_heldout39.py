@@ -63,3 +63,15 @@ def test_an_optimizer_tensor_attribute_written_from_gradients_is_named():
     with pytest.raises(WorkloadError, match=r"holds self\.scale, a tensor outside self\.state.*keep it in "
                                             r"self\.state\[p\]"):
         _cap("attribute_from_gradients")
+
+
+def test_a_workload_file_imports_the_modules_beside_it(tmp_path):
+    """A workload file that imports a module from its own folder (``from blocks import Block``) failed with "No
+    module named 'blocks'": the folder was not on sys.path, as it is for ``python FILE``."""
+    (tmp_path / "sibling_blocks_39.py").write_text("import torch.nn as nn\n\nclass Block(nn.Linear):\n    pass\n")
+    (tmp_path / "uses_sibling.py").write_text(
+        "import torch\nfrom sibling_blocks_39 import Block\n\n"
+        "def workload():\n    m = Block(4, 2)\n"
+        "    return m, torch.optim.SGD(m.parameters(), lr=0.1), lambda m, x: m(x).sum(), (torch.randn(4, 4),)\n")
+    w = load_workload(str(tmp_path / "uses_sibling.py"))
+    assert type(w.model).__name__ == "Block"

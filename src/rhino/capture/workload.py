@@ -86,6 +86,9 @@ def _load(spec: str, call: Callable | None = None) -> Workload:
         raise WorkloadError(f"cannot import {str(path)!r}: it is not a Python file")
     module = importlib.util.module_from_spec(loader)
     sys.modules[module_name] = module
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:      # as `python FILE` has it: the file may import the modules beside it
+        sys.path.append(folder)
     try:
         loader.loader.exec_module(module)
     except SyntaxError as exc:

@@ -325,9 +325,9 @@ def unsplit_model(graph: Graph, plan: ShardingPlan) -> str | None:
     params = [i for i in graph.inputs if i.role is Role.PARAM]
     if not params or any(isinstance(plan.inputs.get(i.name, (None,) * mesh.ndim)[axis], Shard) for i in params):
         return None
-    return (f"tp={n} splits no parameter (the preset splits matmul and embedding weights along a dimension that {n} "
-            f"divides; none here), so every rank holds and computes the whole model; use sizes divisible by {n} "
-            f"for tensor parallelism")
+    return (f"tp={n} splits no parameter (the preset splits matmul and embedding weights {n} ways where the sizes, "
+            f"head counts and expert counts it splits are divisible by {n}; none is here), so every rank holds and "
+            f"computes the whole model; use sizes, heads and experts divisible by {n} for tensor parallelism")
 
 
 def preset_notes(graph: Graph, plan: ShardingPlan) -> list[str]:
