@@ -83,9 +83,9 @@ def computes_in_bf16(cap: Captured) -> bool:
 
 
 def computes_in_float32(cap: Captured) -> bool:
-    """Whether the step makes a float32 (or complex64) tensor of one element or more that is not a 0-dim scalar
-    (an optimizer's float32 step counter counts exactly): a float64 model with a float32 region (``h.float()``
-    before a matmul) rounds there as float32 does."""
+    """Whether the step makes a float32 (or complex64) tensor that is not 0-dim (an optimizer's float32 step
+    counter counts exactly): a float64 model with a float32 region (``h.float()`` before a matmul) rounds there
+    as float32 does."""
     for node in cap.graph.nodes:
         for v in node.outputs:
             t = cap.graph.types.get(v) if v is not None else None
