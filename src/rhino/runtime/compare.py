@@ -83,15 +83,10 @@ def computes_in_bf16(cap: Captured) -> bool:
 
 
 def computes_in_float32(cap: Captured) -> bool:
-    """Whether the step makes a float32 (or complex64) tensor that is not 0-dim (an optimizer's float32 step
-    counter counts exactly): a float64 model with a float32 region (``h.float()`` before a matmul) rounds there
-    as float32 does."""
-    for node in cap.graph.nodes:
-        for v in node.outputs:
-            t = cap.graph.types.get(v) if v is not None else None
-            if t is not None and t.shape and t.dtype.value in ("float32", "complex64"):
-                return True
-    return False
+    """Whether the step holds or makes a float32 (or complex64) tensor that is not 0-dim (an optimizer's float32
+    step counter counts exactly): a float64 model with a float32 region (``h.float()`` before a matmul) rounds
+    there as float32 does."""
+    return any(t.shape and t.dtype.value in ("float32", "complex64") for t in cap.graph.types.values())
 
 
 def tolerance_for(cap: Captured, world: int = 1) -> Tolerance:
