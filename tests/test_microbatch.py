@@ -282,3 +282,30 @@ def test_a_loss_taking_gradients_itself_splits_into_micro_batches():
     check_microbatch_loss(cap, 2)
     r, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy("dp=2,microbatches=2")))
     assert r.ok and r.max_abs_diff < 1e-12, r.first_mismatch
+
+
+# -- micro-batches that change the step (runtime.microbatch.microbatch_note) --------------------------------
+@pytest.mark.parametrize("func,changes", [("time_major", True), ("token_mean", True), ("batch_first", False)])
+def test_a_step_that_micro_batches_change_is_said(func, changes):
+    """Time-major rows (attention mixes the parts of each sequence) and a loss averaged over the tokens that count
+    change the step when split along dim 0; independent rows with a mean loss do not (float64 and float32)."""
+    from rhino.runtime.microbatch import microbatch_note
+    for dtype in (torch.float64, torch.float32):
+        cap = _cap(str(ROOT / "tests" / "workloads" / f"rows.py:{func}"), dtype)
+        note = microbatch_note(cap, 2)
+        assert (note is not None) == changes, note
+        assert microbatch_note(cap, 1) is None
+        if changes:
+            assert note.startswith("microbatches=2 changes the step: the loss of the whole batch is ")
+            assert "not one step on the whole batch: put the batch dimension first or use microbatches=1" in note
+    assert microbatch_note(_cap(MLP, torch.float32), 4) is None
+    assert microbatch_note(_cap(str(ROOT / "examples" / "resnet.py"), torch.float32), 2) is not None  # batch norm
+
+
+@pytest.mark.multiprocess
+def test_rhino_run_says_when_micro_batches_change_the_step(capsys):
+    from rhino.cli.main import main
+    code = main(["run", str(ROOT / "tests" / "workloads" / "rows.py:time_major"), "--strategy", "microbatches=2",
+                 "--dtype", "float64", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 0 and "note: microbatches=2 changes the step" in err

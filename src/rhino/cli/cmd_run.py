@@ -68,6 +68,9 @@ def _run(args) -> int:
     notes = preset_notes(cap.graph, plan) if args.strategy else []    # (a searched plan splits as it may)
     if w.batches is not None:
         notes.append(BATCHES_UNUSED)
+    if plan.microbatches > 1:
+        from ..runtime.microbatch import microbatch_note
+        notes += [n for n in (microbatch_note(cap, plan.microbatches),) if n]
     for note in notes:
         status(f"note: {note}", not args.json)
     if args.save_plan:

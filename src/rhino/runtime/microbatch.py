@@ -27,11 +27,12 @@ import torch
 from ..capture import Captured, CaptureError, capture, default_dtype
 from ..capture.optim import copy_model
 from ..ir.graph import Graph, Ref
+from ..ir.registry import draws_rng
 from ..ir.types import TensorType
 from .data import check_microbatch_rows
 
 __all__ = ["check_microbatch_loss", "checked_microbatch_graph", "explain_microbatch_errors", "microbatch_error",
-           "microbatch_graph"]
+           "microbatch_graph", "microbatch_note"]
 
 _FIT_UNITS = (3, 4)        # k of the two captures every number is fitted on
 _CHECK_UNIT = 2            # k of a third capture each fit must reproduce exactly (as must the whole batch, k = m)
@@ -75,17 +76,54 @@ def check_microbatch_loss(cap: Captured, microbatches: int) -> None:
     independent samples (a graph's edge list indexing its node rows; ``embedding_bag`` offsets, whose second
     micro-batch does not start at 0) fails here with a sentence instead of inside every rank. The capture
     cannot see this: it runs on fake tensors, which do not check index values."""
-    w = cap.workload
-    model = copy_model(w.model)
-    # the caller's random stream stays where it was (dropout would draw from it); gradients on, as in training:
-    # a loss may take gradients itself (a WGAN-GP or R1 penalty calls torch.autograd.grad)
     try:
-        with torch.enable_grad(), torch.random.fork_rng():
-            for k in range(microbatches):
-                w.loss_fn(model, *(b[k * (b.shape[0] // microbatches):(k + 1) * (b.shape[0] // microbatches)]
-                                   for b in w.batch))
+        _losses(cap, microbatches, whole=False)
     except (IndexError, RuntimeError, ValueError) as exc:
         raise microbatch_error(exc, microbatches) from None
+
+
+def _losses(cap: Captured, microbatches: int, whole: bool) -> list[torch.Tensor]:
+    """The loss of each micro-batch (rows ``k B/m`` to ``(k+1) B/m`` of every batch tensor), then, with ``whole``,
+    the whole batch's, in plain PyTorch on one copy of the model (detached)."""
+    w = cap.workload
+    model = copy_model(w.model)
+    parts = [tuple(b[k * (b.shape[0] // microbatches):(k + 1) * (b.shape[0] // microbatches)] for b in w.batch)
+             for k in range(microbatches)]
+    # the caller's random stream stays where it was (dropout would draw from it); gradients on, as in training:
+    # a loss may take gradients itself (a WGAN-GP or R1 penalty calls torch.autograd.grad)
+    with torch.enable_grad(), torch.random.fork_rng():
+        return [w.loss_fn(model, *part).detach() for part in parts + ([tuple(w.batch)] if whole else [])]
+
+
+def microbatch_note(cap: Captured, microbatches: int) -> str | None:
+    """A sentence when ``microbatches`` micro-batches change what a step computes: the loss of the whole batch
+    differs from both the mean and the sum of its micro-batches' losses (``_losses``). Rows along dim 0 that are
+    not independent samples do that (time-major input, whose dim 0 is time: ``nn.MultiheadAttention``'s and
+    ``nn.LSTM``'s default layout; batch norm; terms across the batch), as does a loss that is neither a mean nor
+    a sum over the rows (divided by a count taken from the batch). Such a run still equals PyTorch's accumulation
+    loop over the same micro-batches (its reference); the note says that this is not one step on the whole batch.
+    None where they agree (within 1,000 units of the loss dtype's epsilon, at most 5%), with one micro-batch,
+    where the step draws random numbers (each pass draws other masks), or where the loss fails on a micro-batch
+    (``check_microbatch_loss`` says why)."""
+    if microbatches == 1 or any(draws_rng(n.op) for n in cap.graph.nodes):
+        return None
+    try:
+        *parts, whole = _losses(cap, microbatches, whole=True)
+    except (IndexError, RuntimeError, ValueError):
+        return None
+    if whole.numel() != 1 or not whole.is_floating_point():
+        return None
+    total, loss = float(sum(p.double().sum() for p in parts)), float(whole)
+    mean = total / microbatches
+    rel = min(0.05, 1e3 * torch.finfo(whole.dtype).eps)
+    if any(abs(loss - x) <= rel * max(abs(loss), abs(x)) for x in (mean, total)) or not math.isfinite(loss):
+        return None
+    return (f"microbatches={microbatches} changes the step: the loss of the whole batch is {loss:.6g}, the mean of "
+            f"its {microbatches} micro-batches' losses {mean:.6g} (each takes 1/{microbatches} of the rows along dim 0 "
+            f"of every batch tensor), so those rows are not independent samples (time-major input such as "
+            f"nn.MultiheadAttention's default (L, N, E) layout, batch norm, terms across the batch) or the loss is "
+            f"not a mean over them; the run equals PyTorch's accumulation loop over these micro-batches, not one "
+            f"step on the whole batch: put the batch dimension first or use microbatches=1")
 
 
 @contextlib.contextmanager
