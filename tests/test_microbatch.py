@@ -309,3 +309,7 @@ def test_rhino_run_says_when_micro_batches_change_the_step(capsys):
                  "--dtype", "float64", "--steps", "1"])
     err = capsys.readouterr().err
     assert code == 0 and "note: microbatches=2 changes the step" in err
+    code = main(["run", str(ROOT / "tests" / "workloads" / "rows.py:time_major"), "--strategy", "microbatches=2",
+                 "--dtype", "float64", "--steps", "1", "--json"])
+    out = json.loads(capsys.readouterr().out)
+    assert code == 0 and out["ok"] and out["notes"][0].startswith("microbatches=2 changes the step")

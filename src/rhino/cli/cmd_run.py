@@ -89,7 +89,7 @@ def _run(args) -> int:
     if in_torchrun() and int(__import__("os").environ.get("RANK", "0")) != 0:
         return 0 if r.ok else 1  # rank 0 reports for the job
     if args.json:
-        emit_json(r.to_dict())
+        emit_json({**r.to_dict(), **({"notes": notes} if notes else {})})
     elif r.ok:
         print(f"run OK: nproc={r.nproc} mesh={r.mesh} steps={r.steps} max_abs_diff={r.max_abs_diff:.3g} "
               f"comm_bytes_per_step={r.comm_bytes_per_step}"
