@@ -83,8 +83,9 @@ def check_microbatch_loss(cap: Captured, microbatches: int) -> None:
 
 
 def _losses(cap: Captured, microbatches: int, whole: bool) -> list[torch.Tensor]:
-    """The loss of each micro-batch (rows ``k B/m`` to ``(k+1) B/m`` of every batch tensor), then, with ``whole``,
-    the whole batch's, in plain PyTorch on one copy of the model (detached)."""
+    """The loss of each micro-batch (rows ``k B/m`` to ``(k+1) B/m`` of every batch tensor) in plain PyTorch on one
+    copy of the model (buffers a forward updates carried from one to the next, as in the accumulation loop), then,
+    with ``whole``, the whole batch's on a second copy (detached)."""
     w = cap.workload
     model = copy_model(w.model)
     parts = [tuple(b[k * (b.shape[0] // microbatches):(k + 1) * (b.shape[0] // microbatches)] for b in w.batch)
@@ -92,7 +93,11 @@ def _losses(cap: Captured, microbatches: int, whole: bool) -> list[torch.Tensor]
     # the caller's random stream stays where it was (dropout would draw from it); gradients on, as in training:
     # a loss may take gradients itself (a WGAN-GP or R1 penalty calls torch.autograd.grad)
     with torch.enable_grad(), torch.random.fork_rng():
-        return [w.loss_fn(model, *part).detach() for part in parts + ([tuple(w.batch)] if whole else [])]
+        out = [w.loss_fn(model, *part).detach() for part in parts]
+        if whole:
+            del model
+            out.append(w.loss_fn(copy_model(w.model), *w.batch).detach())
+    return out
 
 
 def microbatch_note(cap: Captured, microbatches: int) -> str | None:
