@@ -209,12 +209,13 @@ def _nll(fg, node: Node, args, kwargs, strategy, ann, rp, rank: int) -> dict[int
     call = fg.call_function(resolve_op(node.op), tuple(args), kwargs)
     total, weight = (fg.call_function(operator.getitem, (call, i)) for i in range(2))
     axes = _axes(strategy, {"n", "c"})
-    scalar = ((), graph.types[node.outputs[0]].dtype.value)     # the summed loss and total weight: 0-dim
-    total = _all_reduce(fg, total, axes, ReduceOp.SUM, scalar, node.name)
+    # the summed loss and total weight: 0-dim, of the input's dtype (a recomputed copy may keep only the weight)
+    scalar = ((), graph.types[node.args[x_at].id].dtype.value)
+    total = _all_reduce(fg, total, axes, ReduceOp.SUM, scalar, node.name) if node.outputs[0] is not None else None
     weight = _all_reduce(fg, weight, axes, ReduceOp.SUM, scalar, node.name)
-    out = {node.outputs[0]: fg.call_function(aten.div.Tensor, (total, weight))}
-    if node.outputs[1] is not None:
-        out[node.outputs[1]] = weight
+    out = {} if node.outputs[1] is None else {node.outputs[1]: weight}
+    if total is not None:
+        out[node.outputs[0]] = fg.call_function(aten.div.Tensor, (total, weight))
     return out
 
 

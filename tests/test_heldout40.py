@@ -1,0 +1,30 @@
+"""Held-out cases of session 40 (tests/workloads/heldout40.py)."""
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+from conftest import ROOT
+from rhino.capture import capture, default_dtype, load_workload
+from rhino.runtime.exact import simulate_plan
+from rhino.sharding.presets import parse_strategy, preset_plan
+
+HELDOUT40 = str(ROOT / "tests" / "workloads" / "heldout40.py")
+
+
+def _cap(name: str):
+    with warnings.catch_warnings(), default_dtype(torch.float64):
+        warnings.simplefilter("error", UserWarning)   # an op unknown to the registry warns
+        return capture(load_workload(f"{HELDOUT40}:{name}", dtype=torch.float64))
+
+
+@pytest.mark.parametrize("strategy", ["dp=2,tp=2,sp=on,recompute=full", "dp=4,recompute=full"])
+def test_a_recomputed_mean_cross_entropy_that_keeps_only_its_total_weight_lowers(strategy):
+    """Recomputation copies ``nll_loss_forward`` for the backward, which reads only its total weight: the copy's
+    loss output is unused (None), and the lowering of a mean over split rows read that output's dtype (KeyError:
+    None before any rank started). Every rank now matches one device."""
+    cap = _cap("uncertainty_weights")
+    r, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy(strategy)), 2)
+    assert r.ok and r.max_abs_diff < 1e-12, (r.first_mismatch, r.max_abs_diff)
