@@ -28,3 +28,22 @@ def test_a_recomputed_mean_cross_entropy_that_keeps_only_its_total_weight_lowers
     cap = _cap("uncertainty_weights")
     r, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy(strategy)), 2)
     assert r.ok and r.max_abs_diff < 1e-12, (r.first_mismatch, r.max_abs_diff)
+
+
+def test_a_time_major_batch_under_micro_batches_is_one_sentence():
+    """Time-major token ids beside a batch-major padding mask: the loss on a micro-batch fails PyTorch's own shape
+    assertion (an AssertionError), which ``rhino run``'s new micro-batch note let through as a traceback; the
+    note is now silent there and the check before the ranks start says what to change. A time-major LSTM's step at
+    half the rows unrolls half the time steps: the structure check names the sequence-first layout."""
+    from rhino.runtime.microbatch import check_microbatch_loss, microbatch_graph, microbatch_note
+    from rhino.runtime.rank_step import same_structure
+    cap = _cap("time_major_padding_mask")
+    assert microbatch_note(cap, 2) is None
+    with pytest.raises(ValueError, match=r"the loss fails on a micro-batch \(AssertionError: Expected key_padded_mask"
+                                         r".*use microbatches=1"):
+        check_microbatch_loss(cap, 2)
+    lstm = _cap("time_major_lstm")
+    assert microbatch_note(lstm, 2).startswith("microbatches=2 changes the step")
+    with pytest.raises(ValueError, match="a sequence-first tensor, nn.LSTM's, nn.GRU's and nn.MultiheadAttention's "
+                                         "default layout, holds time steps there"):
+        same_structure(lstm.graph, microbatch_graph(lstm, 2), 2)

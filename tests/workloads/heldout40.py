@@ -30,3 +30,52 @@ def uncertainty_weights():
         ls = torch.stack([F.cross_entropy(lc, y), F.mse_loss(lr, t)])
         return (torch.exp(-model.log_vars) * ls + model.log_vars).sum()
     return model, torch.optim.Adam(model.parameters(), lr=5e-2), loss, (x, y, t)
+
+
+class EncoderWithPadding(nn.Module):
+    def __init__(self, vocab: int = 20, d: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(vocab, d)
+        self.enc = nn.TransformerEncoder(nn.TransformerEncoderLayer(d, 4, 32, dropout=0.0), 1,
+                                         enable_nested_tensor=False)
+        self.out = nn.Linear(d, vocab)
+
+    def forward(self, x, pad):
+        return self.out(self.enc(self.emb(x), src_key_padding_mask=pad))
+
+
+def time_major_padding_mask():
+    """Time-major token ids (L, N) beside a batch-major (N, L) key padding mask: dim 0 means time in one and
+    samples in the other, so a micro-batch of rows of each does not fit together (PyTorch asserts)."""
+    torch.manual_seed(0)
+    model = EncoderWithPadding()
+    g = torch.Generator().manual_seed(4)
+    x, y = torch.randint(0, 20, (8, 4), generator=g), torch.randint(0, 20, (8, 4), generator=g)
+    pad = torch.zeros(4, 8, dtype=torch.bool)
+    pad[1, 6:] = True
+
+    def loss(model, x, pad, y):
+        return F.cross_entropy(model(x, pad).reshape(-1, 20), y.reshape(-1))
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2), loss, (x, pad, y)
+
+
+class TimeMajorLSTM(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn = nn.LSTM(6, 12)
+        self.head = nn.Linear(12, 3)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
+def time_major_lstm():
+    """nn.LSTM's default (L, N, F) input: dim 0 is time, so the step at half the rows unrolls half the steps."""
+    torch.manual_seed(0)
+    model = TimeMajorLSTM()
+    g = torch.Generator().manual_seed(5)
+    x, y = torch.randn(8, 4, 6, generator=g), torch.randint(0, 3, (8, 4), generator=g)
+
+    def loss(model, x, y):
+        return F.cross_entropy(model(x).reshape(-1, 3), y.reshape(-1))
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), loss, (x, y)

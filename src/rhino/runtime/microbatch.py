@@ -78,7 +78,7 @@ def check_microbatch_loss(cap: Captured, microbatches: int) -> None:
     cannot see this: it runs on fake tensors, which do not check index values."""
     try:
         _losses(cap, microbatches, whole=False)
-    except (IndexError, RuntimeError, ValueError) as exc:
+    except (AssertionError, IndexError, RuntimeError, ValueError) as exc:
         raise microbatch_error(exc, microbatches) from None
 
 
@@ -114,7 +114,7 @@ def microbatch_note(cap: Captured, microbatches: int) -> str | None:
         return None
     try:
         *parts, whole = _losses(cap, microbatches, whole=True)
-    except (IndexError, RuntimeError, ValueError):
+    except (AssertionError, IndexError, RuntimeError, ValueError):
         return None
     if whole.numel() != 1 or not whole.is_floating_point():
         return None

@@ -93,7 +93,9 @@ def same_structure(full: Graph, micro: Graph, microbatches: int) -> None:
     def fail(what: str):
         raise ValueError(f"the step captured at 1/{microbatches} of the batch differs from the whole-batch "
                          f"step ({what}): its graph depends on the batch size beyond the batch dim, so "
-                         f"microbatches={microbatches} cannot run it")
+                         f"microbatches={microbatches} cannot run it (micro-batches take rows along dim 0 of every "
+                         f"batch tensor: a sequence-first tensor, nn.LSTM's, nn.GRU's and nn.MultiheadAttention's "
+                         f"default layout, holds time steps there; put its samples first or use microbatches=1)")
     if [(i.name, i.role, i.value) for i in full.inputs] != [(i.name, i.role, i.value) for i in micro.inputs]:
         fail("other inputs")
     for i in full.inputs:
