@@ -43,7 +43,21 @@ def test_a_time_major_batch_under_micro_batches_is_one_sentence():
                                          r".*use microbatches=1"):
         check_microbatch_loss(cap, 2)
     lstm = _cap("time_major_lstm")
-    assert microbatch_note(lstm, 2).startswith("microbatches=2 changes the step")
+    assert microbatch_note(lstm, 2) is None      # the run refuses it (below), so there is nothing to note
     with pytest.raises(ValueError, match="a sequence-first tensor, nn.LSTM's, nn.GRU's and nn.MultiheadAttention's "
                                          "default layout, holds time steps there"):
         same_structure(lstm.graph, microbatch_graph(lstm, 2), 2)
+
+
+def test_ctc_lengths_longer_than_a_micro_batch_are_refused_not_a_crash():
+    """Capture runs ``_ctc_loss_backward``'s real kernel on zeros (it has no fake kernel): at half the time steps the
+    input lengths read past the log-probs, and every command with micro-batches died of a segmentation fault. The
+    forward's fallback now makes the real kernel's checks, so the trace stops with its sentence."""
+    from rhino.runtime.microbatch import microbatch_graph, microbatch_note
+    with warnings.catch_warnings(), default_dtype(torch.float64):
+        warnings.simplefilter("ignore")   # _ctc_loss is an opaque op
+        cap = capture(load_workload(f"{HELDOUT40}:ctc_time_major", dtype=torch.float64))
+    with pytest.raises(ValueError, match="the step does not trace on a micro-batch .* Expected input_lengths to have "
+                                         "value at most 6, but got value 12"):
+        microbatch_graph(cap, 2)
+    assert microbatch_note(cap, 2) is None

@@ -79,3 +79,16 @@ def time_major_lstm():
     def loss(model, x, y):
         return F.cross_entropy(model(x).reshape(-1, 3), y.reshape(-1))
     return model, torch.optim.SGD(model.parameters(), lr=0.1), loss, (x, y)
+
+
+def ctc_time_major():
+    """CTC on time-major (T, N, C) log-probs with the lengths as lists: a micro-batch of rows along dim 0 is half
+    the time steps, shorter than the input lengths the lists give."""
+    torch.manual_seed(0)
+    model = nn.Linear(6, 5)
+    g = torch.Generator().manual_seed(12)
+    x, tgt = torch.randn(12, 4, 6, generator=g), torch.randint(1, 5, (4, 4), generator=g)
+
+    def loss(model, x, tgt):
+        return F.ctc_loss(model(x).log_softmax(-1), tgt, [12, 12, 12, 12], [4, 3, 2, 4])
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2), loss, (x, tgt)

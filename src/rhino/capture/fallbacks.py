@@ -92,6 +92,13 @@ def _ctc_loss(log_probs, targets, input_lengths, target_lengths, blank=0, zero_i
     the CPU kernel allocates them. Torch's fake kernel calls every form of the op dynamic, as it is where
     the lengths are tensors (their values give the shape), which stay refused."""
     batch = log_probs.size(1) if log_probs.dim() == 3 else 1
+    # the real kernel's checks: the backward's fake is that kernel run on zeros, which reads past the log-probs where
+    # a length exceeds them (a segmentation fault: a time-major step cut into micro-batches along time)
+    torch._check(len(input_lengths) == batch, lambda: "input_lengths must be of size batch_size")
+    torch._check(len(target_lengths) == batch, lambda: "target_lengths must be of size batch_size")
+    for n in input_lengths:
+        torch._check(0 <= n <= log_probs.size(0),
+                     lambda: f"Expected input_lengths to have value at most {log_probs.size(0)}, but got value {n}")
     states = 2 * max(target_lengths, default=0) + 1
     return (log_probs.new_empty([batch]), log_probs.new_empty([batch, log_probs.size(0), states]))
 

@@ -108,10 +108,15 @@ def microbatch_note(cap: Captured, microbatches: int) -> str | None:
     a sum over the rows (divided by a count taken from the batch). Such a run still equals PyTorch's accumulation
     loop over the same micro-batches (its reference); the note says that this is not one step on the whole batch.
     None where they agree (within 1,000 units of the loss dtype's epsilon, at most 5%), with one micro-batch,
-    where the step draws random numbers (each pass draws other masks), or where the loss fails on a micro-batch
-    (``check_microbatch_loss`` says why)."""
+    where the step draws random numbers (each pass draws other masks), or where the step does not trace or the
+    loss fails on a micro-batch (the run says why: ``microbatch_graph``, ``check_microbatch_loss``)."""
     if microbatches == 1 or any(draws_rng(n.op) for n in cap.graph.nodes):
         return None
+    from .rank_step import same_structure
+    try:   # the run checks these first too: a plain PyTorch loss is only tried on micro-batches that trace
+        same_structure(cap.graph, microbatch_graph(cap, microbatches), microbatches)
+    except ValueError:
+        return None     # the run says why
     try:
         *parts, whole = _losses(cap, microbatches, whole=True)
     except (AssertionError, IndexError, RuntimeError, ValueError):
