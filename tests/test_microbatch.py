@@ -285,19 +285,26 @@ def test_a_loss_taking_gradients_itself_splits_into_micro_batches():
 
 
 # -- micro-batches that change the step (runtime.microbatch.microbatch_note) --------------------------------
-@pytest.mark.parametrize("func,changes", [("time_major", True), ("token_mean", True), ("batch_first", False)])
-def test_a_step_that_micro_batches_change_is_said(func, changes):
-    """Time-major rows (attention mixes the parts of each sequence) and a loss averaged over the tokens that count
-    change the step when split along dim 0; independent rows with a mean loss do not (float64 and float32)."""
+@pytest.mark.parametrize("func,why", [("time_major", "rows"), ("token_mean", "rows"), ("zero_valued_term", "rows"),
+                                      ("summed", "sum"), ("batch_first", None)])
+def test_a_step_that_micro_batches_change_is_said(func, why):
+    """Time-major rows (attention mixes the parts of each sequence), a loss averaged over the tokens that count, a
+    zero-valued term across the rows and a loss summed over them change the step when split along dim 0 (the
+    accumulation loop's gradients are not the whole batch's); independent rows with a mean loss do not (float64
+    and float32)."""
     from rhino.runtime.microbatch import microbatch_note
     for dtype in (torch.float64, torch.float32):
         cap = _cap(str(ROOT / "tests" / "workloads" / f"rows.py:{func}"), dtype)
         note = microbatch_note(cap, 2)
-        assert (note is not None) == changes, note
+        assert (note is not None) == (why is not None), note
         assert microbatch_note(cap, 1) is None
-        if changes:
-            assert note.startswith("microbatches=2 changes the step: the loss of the whole batch is ")
-            assert "not one step on the whole batch: put the batch dimension first or use microbatches=1" in note
+        if why is not None:
+            assert note.startswith("microbatches=2 changes the step: PyTorch's accumulation loop over 2 micro-batches")
+            assert note.endswith({"rows": "put the samples first where dim 0 is not the batch dimension",
+                                  "sum": "make it a mean over the rows"}[why]
+                                 + ", or use microbatches=1 for one step on the whole batch"), note
+            if why == "sum":
+                assert " 0.5 (norm-wise, relative) away" in note
     assert microbatch_note(_cap(MLP, torch.float32), 4) is None
     assert microbatch_note(_cap(str(ROOT / "examples" / "resnet.py"), torch.float32), 2) is not None  # batch norm
 

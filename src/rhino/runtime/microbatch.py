@@ -77,63 +77,102 @@ def check_microbatch_loss(cap: Captured, microbatches: int) -> None:
     micro-batch does not start at 0) fails here with a sentence instead of inside every rank. The capture
     cannot see this: it runs on fake tensors, which do not check index values."""
     try:
-        _losses(cap, microbatches, whole=False)
+        _losses(cap, microbatches)
     except (AssertionError, IndexError, RuntimeError, ValueError) as exc:
         raise microbatch_error(exc, microbatches) from None
 
 
-def _losses(cap: Captured, microbatches: int, whole: bool) -> list[torch.Tensor]:
-    """The loss of each micro-batch (rows ``k B/m`` to ``(k+1) B/m`` of every batch tensor) in plain PyTorch on one
-    copy of the model (buffers a forward updates carried from one to the next, as in the accumulation loop), then,
-    with ``whole``, the whole batch's on a second copy (detached)."""
+def _micro_batches(batch: tuple, microbatches: int) -> list[tuple]:
+    """Micro-batch ``k``: rows ``k B/m`` to ``(k+1) B/m`` of every batch tensor."""
+    return [tuple(b[k * (b.shape[0] // microbatches):(k + 1) * (b.shape[0] // microbatches)] for b in batch)
+            for k in range(microbatches)]
+
+
+def _losses(cap: Captured, microbatches: int) -> list[torch.Tensor]:
+    """The loss of each micro-batch (``_micro_batches``) in plain PyTorch on one copy of the model (buffers a forward updates carried from one to the next, as in the accumulation loop)."""
     w = cap.workload
     model = copy_model(w.model)
-    parts = [tuple(b[k * (b.shape[0] // microbatches):(k + 1) * (b.shape[0] // microbatches)] for b in w.batch)
-             for k in range(microbatches)]
+    parts = _micro_batches(w.batch, microbatches)
     # the caller's random stream stays where it was (dropout would draw from it); gradients on, as in training:
     # a loss may take gradients itself (a WGAN-GP or R1 penalty calls torch.autograd.grad)
     with torch.enable_grad(), torch.random.fork_rng():
-        out = [w.loss_fn(model, *part).detach() for part in parts]
-        if whole:
-            del model
-            out.append(w.loss_fn(copy_model(w.model), *w.batch).detach())
-    return out
+        return [w.loss_fn(model, *part).detach() for part in parts]
 
 
 def microbatch_note(cap: Captured, microbatches: int) -> str | None:
-    """A sentence when ``microbatches`` micro-batches change what a step computes: the loss of the whole batch
-    differs from both the mean and the sum of its micro-batches' losses (``_losses``). Rows along dim 0 that are
-    not independent samples do that (time-major input, whose dim 0 is time: ``nn.MultiheadAttention``'s and
-    ``nn.LSTM``'s default layout; batch norm; terms across the batch), as does a loss that is neither a mean nor
-    a sum over the rows (divided by a count taken from the batch). Such a run still equals PyTorch's accumulation
-    loop over the same micro-batches (its reference); the note says that this is not one step on the whole batch.
-    None where they agree (within 1,000 units of the loss dtype's epsilon, at most 5%), with one micro-batch,
-    where the step draws random numbers (each pass draws other masks), or where the step does not trace or the
-    loss fails on a micro-batch (the run says why: ``microbatch_graph``, ``check_microbatch_loss``)."""
+    """A sentence when ``microbatches`` micro-batches change what a step computes: PyTorch's accumulation loop over
+    them (``(loss_k / m).backward()`` for each, ``_accumulated``) gives other parameter gradients than one backward
+    of the whole batch's loss, in plain PyTorch on copies of the model. Rows along dim 0 that are not independent
+    samples do that (time-major input, whose dim 0 is time: ``nn.MultiheadAttention``'s and ``nn.LSTM``'s default
+    layout; batch norm; terms across the batch, even ones whose value is zero), as does a loss that is not a mean
+    over the rows (divided by a count taken from the batch; a sum, whose accumulation takes 1/m of its gradient).
+    Such a run still equals the accumulation loop (its reference); the note says that this is not one step on the
+    whole batch. None where the gradients agree (norm-wise, within 1,000 units of the epsilon of the least precise
+    dtype the step computes in, at most 5%),
+    with one micro-batch, where the step draws random numbers (each pass draws other masks), or where the step
+    does not trace or the loss fails on a micro-batch (the run says why: ``microbatch_graph``,
+    ``check_microbatch_loss``)."""
     if microbatches == 1 or any(draws_rng(n.op) for n in cap.graph.nodes):
         return None
     from .rank_step import same_structure
     try:   # the run checks these first too: a plain PyTorch loss is only tried on micro-batches that trace
         same_structure(cap.graph, microbatch_graph(cap, microbatches), microbatches)
-    except ValueError:
-        return None     # the run says why
-    try:
-        *parts, whole = _losses(cap, microbatches, whole=True)
+        got = _accumulated(cap, microbatches)
     except (AssertionError, IndexError, RuntimeError, ValueError):
+        return None     # the run says why
+    if got is None:
         return None
-    if whole.numel() != 1 or not whole.is_floating_point():
+    (whole, whole_grad), (mean, acc_grad) = got
+    scale = float(whole_grad.norm())
+    rel = min(0.05, 1e3 * torch.finfo(_least_precise(cap)).eps)
+    off = float((acc_grad - whole_grad).norm())
+    if off <= rel * scale or not math.isfinite(off):
         return None
-    total, loss = float(sum(p.double().sum() for p in parts)), float(whole)
-    mean = total / microbatches
-    rel = min(0.05, 1e3 * torch.finfo(whole.dtype).eps)
-    if any(abs(loss - x) <= rel * max(abs(loss), abs(x)) for x in (mean, total)) or not math.isfinite(loss):
-        return None
-    return (f"microbatches={microbatches} changes the step: the loss of the whole batch is {loss:.6g}, the mean of "
-            f"its {microbatches} micro-batches' losses {mean:.6g} (each takes 1/{microbatches} of the rows along dim 0 "
-            f"of every batch tensor), so those rows are not independent samples (time-major input such as "
-            f"nn.MultiheadAttention's default (L, N, E) layout, batch norm, terms across the batch) or the loss is "
-            f"not a mean over them; the run equals PyTorch's accumulation loop over these micro-batches, not one "
-            f"step on the whole batch: put the batch dimension first or use microbatches=1")
+    why = ("the loss sums over the rows, so each micro-batch's share (loss_k / m) takes 1/m of its gradient: make it a "
+           "mean over the rows" if float((acc_grad * microbatches - whole_grad).norm()) <= rel * scale else
+           "the rows along dim 0 are not independent samples (time-major input such as nn.MultiheadAttention's "
+           "default (L, N, E) layout, batch norm, terms across the batch such as a load-balancing loss) or the loss "
+           "is not a mean over them: put the samples first where dim 0 is not the batch dimension")
+    return (f"microbatches={microbatches} changes the step: PyTorch's accumulation loop over {microbatches} "
+            f"micro-batches (1/{microbatches} of the rows along dim 0 of every batch tensor each) gives gradients "
+            f"{off / max(scale, 1e-300):.3g} (norm-wise, relative) away from one backward of the whole batch (losses: "
+            f"{mean:.6g} on average over the micro-batches, {whole:.6g} on the whole batch), and the run equals that "
+            f"loop: {why}, or use microbatches=1 for one step on the whole batch")
+
+
+def _least_precise(cap: Captured) -> torch.dtype:
+    """The least precise floating dtype the step computes in (as ``compare.tolerance_for`` reads it)."""
+    from .compare import computes_in_bf16, computes_in_float32, state_dtype
+    if computes_in_bf16(cap):
+        return torch.bfloat16
+    return torch.float32 if computes_in_float32(cap) else state_dtype(cap)
+
+
+def _accumulated(cap: Captured, microbatches: int):
+    """((the whole batch's loss, its gradients), (the micro-batches' mean loss, the accumulation loop's gradients))
+    in plain PyTorch, gradients flattened over the trainable parameters (float64 sums); None where the loss is not
+    a floating-point scalar or no parameter gets a gradient."""
+    w = cap.workload
+    parts = _micro_batches(w.batch, microbatches)
+
+    def grads(model, batches):
+        params = [p for p in model.parameters() if p.requires_grad]
+        total, losses = 0.0, []
+        for batch in batches:   # buffers a forward updates carry from one micro-batch to the next, as in the loop
+            loss = w.loss_fn(model, *batch)
+            if not params or loss.numel() != 1 or not loss.is_floating_point() or not loss.requires_grad:
+                return None
+            got = torch.autograd.grad(loss / len(batches), params, allow_unused=True)
+            total = total + torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).double()
+                                       for g, p in zip(got, params)])
+            losses.append(float(loss.detach()))
+        return sum(losses) / len(losses), total
+
+    # the caller's random stream stays where it was; gradients on, as in training
+    with torch.enable_grad(), torch.random.fork_rng():
+        acc = grads(copy_model(w.model), parts)
+        whole = grads(copy_model(w.model), [tuple(w.batch)])
+    return None if acc is None or whole is None else (whole, acc)
 
 
 @contextlib.contextmanager
