@@ -92,3 +92,17 @@ def ctc_time_major():
     def loss(model, x, tgt):
         return F.ctc_loss(model(x).log_softmax(-1), tgt, [12, 12, 12, 12], [4, 3, 2, 4])
     return model, torch.optim.Adam(model.parameters(), lr=1e-2), loss, (x, tgt)
+
+
+def adafactor():
+    """torch.optim.Adafactor (factored second moments for matrices, a full one for vectors) in two param groups,
+    one with weight decay: its kernel reads ``.item()`` of the step and of two norms in every step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
+    matrices = [p for p in model.parameters() if p.dim() > 1]
+    vectors = [p for p in model.parameters() if p.dim() == 1]
+    opt = torch.optim.Adafactor([{"params": matrices, "weight_decay": 0.01}, {"params": vectors, "lr": 5e-3}],
+                                lr=1e-2)
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+    return model, opt, lambda model, x, y: F.cross_entropy(model(x), y), (x, y)

@@ -52,6 +52,7 @@ from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 import torch.optim.optimizer as torch_optimizer   # torch's global step hooks
 
 from .optim import ParamUpdate, hyperparameters, scalar_dtype, unhooked
+from .optim_kernels import traceable_kernels
 from .workload import WorkloadError
 
 __all__ = ["TracedInit", "plan_traced", "traced_update"]
@@ -232,7 +233,7 @@ def _run_step(optimizer, shadow) -> None:
     """``optimizer``'s class's own ``step()`` on ``shadow``, as tracing follows it (module docstring), between
     the step hooks registered on it and on every optimizer (``register_step_pre_hook`` and its kind)."""
     with _compiling(_torch_based(optimizer)), _data_assignment_copies(), _foreach_per_tensor(), \
-            _unhooked_bases(optimizer):
+            _unhooked_bases(optimizer), traceable_kernels():
         args, kwargs = (shadow,), {}      # as torch's wrapper calls them: self, (self, ...), {...}
         pre = (*torch_optimizer._global_optimizer_pre_hooks.values(), *optimizer._optimizer_step_pre_hooks.values())
         for hook in pre:
