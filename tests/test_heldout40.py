@@ -64,13 +64,14 @@ def test_ctc_lengths_longer_than_a_micro_batch_are_refused_not_a_crash():
 
 
 @pytest.mark.parametrize("strategy", ["dp=2,tp=2", "dp=4,zero=3", "tp=4", "dp=2,microbatches=2"])
-def test_adafactor_is_captured_and_sharded_exactly(strategy):
-    """``torch.optim.Adafactor``'s kernel takes ``.item()`` of its step and of two norms, so every command refused
-    it; its step is now traced through a tensor-only form of that kernel (``capture.optim_kernels``), and every
-    rank of each plan matches torch's own Adafactor on one device (factored row/column moments included)."""
-    cap = _cap("adafactor")
+@pytest.mark.parametrize("optimizer,keys", [("adafactor", ("row_var", "col_var", "variance")), ("asgd", ("ax", "mu"))])
+def test_optimizers_reading_numbers_are_captured_and_sharded_exactly(optimizer, keys, strategy):
+    """``torch.optim.Adafactor``'s kernel takes ``.item()`` of its step and of two norms, ASGD's branches on
+    ``mu.item()``, so every command refused them; their steps are now traced through tensor-only forms of those
+    kernels (``capture.optim_kernels``), and every rank of each plan matches torch's own optimizer on one device
+    over 3 steps (Adafactor's factored row/column moments, ASGD's averaging once ``mu`` leaves 1)."""
+    cap = _cap(optimizer)
     state = {i.name for i in cap.graph.inputs}
-    assert any("row_var" in n for n in state) and any("col_var" in n for n in state) and \
-        any("variance" in n for n in state)
+    assert all(any(key in n for n in state) for key in keys), state
     r, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy(strategy)), 3)
     assert r.ok and r.max_abs_diff < 1e-12, (r.first_mismatch, r.max_abs_diff)

@@ -106,3 +106,14 @@ def adafactor():
     g = torch.Generator().manual_seed(3)
     x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
     return model, opt, lambda model, x, y: F.cross_entropy(model(x), y), (x, y)
+
+
+def asgd():
+    """torch.optim.ASGD averaging from its first step (t0=1), with weight decay: its default kernel branches on
+    ``mu.item() != 1`` and takes Python's ``max`` of its step counter in every step."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 4))
+    g = torch.Generator().manual_seed(3)
+    x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
+    opt = torch.optim.ASGD(model.parameters(), lr=0.05, t0=1, lambd=1e-3, weight_decay=0.01)
+    return model, opt, lambda model, x, y: F.cross_entropy(model(x), y), (x, y)

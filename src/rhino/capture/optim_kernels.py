@@ -9,7 +9,8 @@ it computes from those numbers (``step ** beta2_decay``, ``min(lr, step ** -0.5)
 hands such a double to a kernel as a scalar (``lerp_``'s weight, ``add_``'s alpha), the kernel rounds it to the
 tensor's dtype; here the 0-dim tensor is rounded to that dtype first, and ``add_``'s ``alpha`` becomes a multiply
 (one rounding more than the fused kernel: float64 steps differ from torch's in the last bits); ``square_`` is
-``pow_(2)``, which it is in ATen (functionalization does not take that composite in-place op).
+``pow_(2)``, which it is in ATen (functionalization does not take that composite in-place op). ``asgd_in_tensors``
+is ASGD's default (non-capturable) path the same way, its branch a ``torch.where`` over both arms.
 """
 from __future__ import annotations
 
@@ -17,19 +18,22 @@ import contextlib
 
 import torch
 import torch.optim._adafactor as torch_adafactor
+import torch.optim.asgd as torch_asgd
 
-__all__ = ["adafactor_in_tensors", "traceable_kernels"]
+__all__ = ["adafactor_in_tensors", "asgd_in_tensors", "traceable_kernels"]
+
+_TORCH_ASGD = torch_asgd._single_tensor_asgd      # torch's kernel, for its capturable path
 
 
 @contextlib.contextmanager
 def traceable_kernels():
     """The kernels of this module in place of torch's while tracing (``adafactor`` looks its kernel up by name)."""
-    before = torch_adafactor._single_tensor_adafactor
-    torch_adafactor._single_tensor_adafactor = adafactor_in_tensors
+    before = torch_adafactor._single_tensor_adafactor, torch_asgd._single_tensor_asgd
+    torch_adafactor._single_tensor_adafactor, torch_asgd._single_tensor_asgd = adafactor_in_tensors, asgd_in_tensors
     try:
         yield
     finally:
-        torch_adafactor._single_tensor_adafactor = before
+        torch_adafactor._single_tensor_adafactor, torch_asgd._single_tensor_asgd = before
 
 
 def adafactor_in_tensors(params, grads, row_vars, col_vars, variances, state_steps, grad_scale, found_inf, *,
@@ -64,3 +68,30 @@ def adafactor_in_tensors(params, grads, row_vars, col_vars, variances, state_ste
         update.mul_(grad)
         denom = torch.clamp(update.norm(2).to(torch.float64) / ((update.numel() ** 0.5) * d), min=1.0)
         param.sub_(update * (alpha / denom).to(param.dtype))
+
+
+def asgd_in_tensors(params, grads, axs, mus, etas, state_steps, *, lambd: float, lr, t0: float, alpha: float,
+                    weight_decay: float, maximize: bool, differentiable: bool, capturable: bool,
+                    has_complex: bool) -> None:
+    """``torch.optim.asgd._single_tensor_asgd``'s default path (``capturable=False``) without ``.item()`` (module
+    docstring); with ``capturable`` torch's own kernel reads no number and runs as it is."""
+    if capturable:
+        return _TORCH_ASGD(params, grads, axs, mus, etas, state_steps, lambd=lambd, lr=lr, t0=t0, alpha=alpha,
+                           weight_decay=weight_decay, maximize=maximize, differentiable=differentiable,
+                           capturable=capturable, has_complex=has_complex)
+    lr = float(lr)
+    for i, param in enumerate(params):
+        grad = grads[i] if not maximize else -grads[i]
+        mu, ax, eta, step_t = mus[i], axs[i], etas[i], state_steps[i]
+        if torch.is_complex(param):
+            grad, param, ax = torch.view_as_real(grad), torch.view_as_real(param), torch.view_as_real(ax)
+        step_t += 1
+        if weight_decay != 0:
+            grad = grad.add(param, alpha=weight_decay)
+        eta_value = eta.to(torch.float64)                    # torch: eta.item()
+        param.mul_((1 - lambd * eta_value).to(param.dtype))
+        param.sub_(grad * eta_value.to(param.dtype))         # torch: add_(grad, alpha=-eta)
+        ax.copy_(torch.where(mu != 1, ax + (param - ax) * mu, param))   # torch: if mu.item() != 1 ... else copy
+        step = step_t.to(torch.float64)                      # torch: step_t.item()
+        eta.copy_(lr / ((1 + lambd * lr * step) ** alpha))
+        mu.copy_(1 / torch.clamp(step - t0, min=1))          # torch: 1 / max(1, step - t0)
