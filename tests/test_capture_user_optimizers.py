@@ -25,7 +25,8 @@ from rhino.sharding.plan import resolve
 from rhino.sharding.presets import parse_strategy, preset_plan
 
 SPEC = str(ROOT / "tests" / "workloads" / "user_optimizers.py")
-TRACED = ["lion", "clipsgd", "tensorstep", "rprop", "slow", "gram", "oldstyle", "foreach", "lamb", "sgdclone"]
+TRACED = ["lion", "clipsgd", "tensorstep", "rprop", "slow", "gram", "oldstyle", "foreach", "lamb", "sgdclone", "asgd",
+          "adafactor"]
 STEPS = 4
 TOLERANCE = 1e-12
 
@@ -78,7 +79,7 @@ def test_state_made_at_the_first_step_is_made_from_each_parameter():
 @pytest.mark.parametrize("name, says", [
     ("intstep", "state 'step' at every step"),
     ("counter", "self.t at every step"),
-    ("asgd", "reads a tensor's value as a Python number at .*asgd.py"),
+    ("normgate", "reads a tensor's value as a Python number at .*user_optimizers.py"),
     ("lbfgs", "closure"),
     ("needsclosure", "this optimizer needs a closure"),
     ("groupcounter", r"param_groups\[0\]\['t'\], a tensor outside self.state"),

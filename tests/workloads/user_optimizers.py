@@ -1,9 +1,10 @@
 """Optimizers Rhino does not mirror, on a small MLP: their own step() is traced (capture/optim_traced.py).
 
 Lion, a clipping SGD (global gradient norm inside step()), an Adam keeping its step counter in a tensor, a
-slow-weights optimizer whose state starts from the parameter, torch's Rprop and a subclass of torch's SGD;
-and ones Rhino refuses with one sentence: a Python step counter (in the state or on the optimizer), a
-momentum buffer started from the gradient, ASGD (reads a tensor's value), LBFGS (a closure).
+slow-weights optimizer whose state starts from the parameter, torch's Rprop, ASGD and Adafactor (the last two
+through ``capture.optim_kernels``) and a subclass of torch's SGD; and ones Rhino refuses with one sentence: a
+Python step counter (in the state or on the optimizer), an SGD skipping gradients by their norm's ``.item()``
+(reads a tensor's value), LBFGS (a closure).
 The MLP has a frozen layer and an unused parameter (no gradient: stepped over).
 """
 import math
@@ -120,6 +121,19 @@ class SGDClone(torch.optim.Optimizer):
                 p.add_(st["buf"], alpha=-group["lr"])
 
 
+class NormGateSGD(torch.optim.Optimizer):
+    """Skips a parameter whose gradient norm is above a threshold, read as a Python number (``.item()``)."""
+    def __init__(self, params, lr=0.05, gate=10.0):
+        super().__init__(params, dict(lr=lr, gate=gate))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None and p.grad.norm().item() <= group["gate"]:
+                    p.add_(p.grad, alpha=-group["lr"])
+
+
 class _MLP(nn.Module):
     def __init__(self):
         super().__init__()
@@ -159,6 +173,7 @@ def sgdclone(): return _w(lambda ps: SGDClone(ps))
 def rprop(): return _w(lambda ps: torch.optim.Rprop(ps, lr=0.01))
 def asgd(): return _w(lambda ps: torch.optim.ASGD(ps, lr=0.01))
 def adafactor(): return _w(lambda ps: torch.optim.Adafactor(ps, lr=0.01))
+def normgate(): return _w(lambda ps: NormGateSGD(ps))
 def sparseadam(): return _w(lambda ps: torch.optim.SparseAdam(list(ps), lr=0.01))
 def lbfgs(): return _w(lambda ps: torch.optim.LBFGS(ps, lr=0.1))
 
