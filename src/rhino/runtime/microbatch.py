@@ -89,7 +89,8 @@ def _micro_batches(batch: tuple, microbatches: int) -> list[tuple]:
 
 
 def _losses(cap: Captured, microbatches: int) -> list[torch.Tensor]:
-    """The loss of each micro-batch (``_micro_batches``) in plain PyTorch on one copy of the model (buffers a forward updates carried from one to the next, as in the accumulation loop)."""
+    """The loss of each micro-batch (``_micro_batches``) in plain PyTorch on one copy of the model (buffers a forward
+    updates carried from one to the next, as in the accumulation loop)."""
     w = cap.workload
     model = copy_model(w.model)
     parts = _micro_batches(w.batch, microbatches)
@@ -108,10 +109,9 @@ def microbatch_note(cap: Captured, microbatches: int) -> str | None:
     over the rows (divided by a count taken from the batch; a sum, whose accumulation takes 1/m of its gradient).
     Such a run still equals the accumulation loop (its reference); the note says that this is not one step on the
     whole batch. None where the gradients agree (norm-wise, within 1,000 units of the epsilon of the least precise
-    dtype the step computes in, at most 5%),
-    with one micro-batch, where the step draws random numbers (each pass draws other masks), or where the step
-    does not trace or the loss fails on a micro-batch (the run says why: ``microbatch_graph``,
-    ``check_microbatch_loss``)."""
+    dtype the step computes in, at most 5%), with one micro-batch, where the step draws random numbers (each pass
+    draws other masks), or where the step does not trace or the loss fails on a micro-batch (the run says why:
+    ``microbatch_graph``, ``check_microbatch_loss``)."""
     if microbatches == 1 or any(draws_rng(n.op) for n in cap.graph.nodes):
         return None
     from .rank_step import same_structure
@@ -163,8 +163,9 @@ def _accumulated(cap: Captured, microbatches: int):
             if not params or loss.numel() != 1 or not loss.is_floating_point() or not loss.requires_grad:
                 return None
             got = torch.autograd.grad(loss / len(batches), params, allow_unused=True)
-            total = total + torch.cat([(g if g is not None else torch.zeros_like(p)).reshape(-1).double()
-                                       for g, p in zip(got, params)])
+            got = [g if g is not None else torch.zeros_like(p) for g, p in zip(got, params)]
+            total = total + torch.cat([(torch.view_as_real(g) if g.is_complex() else g).reshape(-1).double()
+                                       for g in got])
             losses.append(float(loss.detach()))
         return sum(losses) / len(losses), total
 
