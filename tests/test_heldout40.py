@@ -75,3 +75,28 @@ def test_optimizers_reading_numbers_are_captured_and_sharded_exactly(optimizer, 
     assert all(any(key in n for n in state) for key in keys), state
     r, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy(strategy)), 3)
     assert r.ok and r.max_abs_diff < 1e-12, (r.first_mismatch, r.max_abs_diff)
+
+
+def test_a_scripted_submodule_is_copied_with_trainable_parameters():
+    """``rhino check`` and ``rhino run`` failed a model with a ``torch.jit.script`` submodule at step 2 (0.018):
+    Rhino's step was right, the reference was not (its deep copy's scripted parameters were not leaves and its
+    copied optimizer held other tensors). ``copy_model`` now gives the scripted copies leaf parameters that the
+    copied optimizer steps; the reference equals PyTorch on the original model and Rhino matches it."""
+    from rhino.capture.optim import copy_training
+    from rhino.check import check_captured
+    cap = _cap("scripted_submodule")
+    model, opt = copy_training(cap.workload.model, cap.workload.optimizer)
+    held = [p for g in opt.param_groups for p in g["params"]]
+    assert all(p.is_leaf and any(p is q for q in held) for p in model.parameters())
+    with default_dtype(torch.float64):
+        r = check_captured(cap, steps=3, rtol=0.0, atol=1e-12)
+        w = load_workload(f"{HELDOUT40}:scripted_submodule", dtype=torch.float64)
+        eager = []
+        for _ in range(3):
+            w.optimizer.zero_grad()
+            loss = w.loss_fn(w.model, *w.batch)
+            loss.backward()
+            w.optimizer.step()
+            eager.append(loss.item())
+    assert r.ok, r.first_mismatch
+    assert r.losses == pytest.approx(eager, abs=1e-12) and len(set(eager)) == 3

@@ -117,3 +117,23 @@ def asgd():
     x, y = torch.randn(16, 8, generator=g), torch.randint(0, 4, (16,), generator=g)
     opt = torch.optim.ASGD(model.parameters(), lr=0.05, t0=1, lambd=1e-3, weight_decay=0.01)
     return model, opt, lambda model, x, y: F.cross_entropy(model(x), y), (x, y)
+
+
+class ScriptedBody(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.body = torch.jit.script(nn.Sequential(nn.Linear(8, 16), nn.Tanh()))
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(self.body(x))
+
+
+def scripted_submodule():
+    """A torch.jit.script submodule: a deep copy of it holds parameters that are not leaves, made outside the copy's
+    memo, so the single-device reference's optimizer stepped orphan tensors and never moved the scripted layer."""
+    torch.manual_seed(0)
+    model = ScriptedBody()
+    g = torch.Generator().manual_seed(1)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), lambda model, x, y: F.mse_loss(model(x), y), (x, y)

@@ -320,7 +320,19 @@ def copy_model(model: torch.nn.Module, memo: dict | None = None) -> torch.nn.Mod
                 memo.setdefault(id(v), v.detach().clone())
     out = copy.deepcopy(model, memo)
     _rebind_hooks(out, memo)
+    for m in out.modules():   # a torch.jit.script submodule's deep copy holds parameters that are not leaves (torch
+        if isinstance(m, torch.jit.ScriptModule):   # 2.13): no .grad, so an optimizer would never move them
+            for name, p in list(m.named_parameters(recurse=False)):
+                if not p.is_leaf:
+                    setattr(m, name, torch.nn.Parameter(p.detach(), requires_grad=p.requires_grad))
     copies = dict(out.named_parameters())
+    # and makes them without ``memo``: point memo at the copies the copied model runs, so that an optimizer copied
+    # with the same memo steps them (it stepped orphans)
+    for name, p in model.named_parameters():
+        memo[id(p)] = copies[name]
+    copied_buffers = dict(out.named_buffers())
+    for name, b in model.named_buffers():
+        memo[id(b)] = copied_buffers[name]
     for name, p in model.named_parameters():   # a tensor's deep copy drops its gradient hooks
         if p._backward_hooks and not copies[name]._backward_hooks:
             for fn in p._backward_hooks.values():
