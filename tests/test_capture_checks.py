@@ -1,6 +1,7 @@
 """Library calls that read tensor values while tracing (tests/workloads/torch_checks.py): captured steps
 equal PyTorch's in float64, or one sentence saying what to change."""
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -47,6 +48,11 @@ def test_packed_sequences_and_sparse_embeddings_are_one_sentence():
         _capture("packed_lstm")
     with pytest.raises(WorkloadError, match="'emb' has sparse=True.*use sparse=False"):
         _capture("sparse_embedding")
+    from rhino.capture.workload import validate_workload
+    emb = torch.nn.Embedding(30, 8, sparse=True)     # the model itself (its module name is '')
+    with pytest.raises(WorkloadError, match=r"w.py:f\(\): the model, an embedding, has sparse=True.*use sparse=False"):
+        validate_workload((emb, torch.optim.SparseAdam(list(emb.parameters())), None, (torch.zeros(2, dtype=torch.long),)),
+                          Path("w.py"), "f")
 
 
 def test_ctc_lengths_as_tensors_are_one_sentence():

@@ -137,3 +137,29 @@ def scripted_submodule():
     g = torch.Generator().manual_seed(1)
     x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
     return model, torch.optim.SGD(model.parameters(), lr=0.1), lambda model, x, y: F.mse_loss(model(x), y), (x, y)
+
+
+@torch.compile(backend="eager")
+def _compiled_gate(a, b):
+    return torch.tanh(a) * torch.sigmoid(b)
+
+
+class CompiledParts(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 16), nn.Linear(8, 16)
+        self.body = torch.compile(nn.Sequential(nn.Linear(16, 16), nn.Tanh()), backend="eager")
+        self.out = nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.out(self.body(_compiled_gate(self.a(x), self.b(x))))
+
+
+def compiled_parts():
+    """A torch.compile'd submodule and a torch.compile'd function inside the model (the model itself uncompiled):
+    tracing stopped at dynamo's "Detected that you are using FX to symbolically trace a dynamo-optimized function"."""
+    torch.manual_seed(0)
+    model = CompiledParts()
+    g = torch.Generator().manual_seed(2)
+    x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
+    return model, torch.optim.Adam(model.parameters(), lr=1e-2), lambda model, x, y: F.mse_loss(model(x), y), (x, y)

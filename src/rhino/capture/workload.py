@@ -145,7 +145,8 @@ def validate_workload(result, path: Path, func: str) -> Workload:
     sparse = next((name for name, m in model.named_modules()
                    if isinstance(m, (torch.nn.Embedding, torch.nn.EmbeddingBag)) and m.sparse), None)
     if sparse is not None:
-        raise WorkloadError(f"{where}: the embedding {sparse!r} has sparse=True, whose gradient is a sparse tensor "
+        what = f"the embedding {sparse!r}" if sparse else "the model, an embedding,"   # '' names the root module
+        raise WorkloadError(f"{where}: {what} has sparse=True, whose gradient is a sparse tensor "
                             f"(its shape depends on the indices' values), which a training-step graph cannot hold; "
                             f"use sparse=False (a dense gradient, zero in the rows the batch does not index)")
     if not isinstance(optimizer, torch.optim.Optimizer):
