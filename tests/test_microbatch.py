@@ -305,6 +305,10 @@ def test_a_step_that_micro_batches_change_is_said(func, why):
                                  + ", or use microbatches=1 for one step on the whole batch"), note
             if why == "sum":
                 assert " 0.5 (norm-wise, relative) away" in note
+
+
+def test_micro_batch_notes_on_the_examples():
+    from rhino.runtime.microbatch import microbatch_note
     assert microbatch_note(_cap(MLP, torch.float32), 4) is None
     assert microbatch_note(_cap(str(ROOT / "examples" / "resnet.py"), torch.float32), 2) is not None  # batch norm
 
