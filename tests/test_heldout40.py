@@ -117,3 +117,12 @@ def test_compiled_submodules_and_functions_are_traced_as_their_code():
     assert r.ok, r.first_mismatch
     r, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy("dp=2,tp=2")), 2)
     assert r.ok and r.max_abs_diff < 1e-12, (r.first_mismatch, r.max_abs_diff)
+
+
+def test_a_loss_that_calls_torch_distributed_is_told_to_leave_reductions_to_the_plan():
+    """It failed with PyTorch's "Default process group has not been initialized" and advice about batch shapes."""
+    from rhino.capture import CaptureError
+    with pytest.raises(CaptureError, match=r"dist.all_reduce\(value\)\): Default process group has not been "
+                                           r"initialized.*Write the step as for one device: the plan's collectives "
+                                           r"reduce across ranks"):
+        _cap("loss_all_reduces")

@@ -163,3 +163,18 @@ def compiled_parts():
     g = torch.Generator().manual_seed(2)
     x, y = torch.randn(8, 8, generator=g), torch.randn(8, 4, generator=g)
     return model, torch.optim.Adam(model.parameters(), lr=1e-2), lambda model, x, y: F.mse_loss(model(x), y), (x, y)
+
+
+def loss_all_reduces():
+    """A loss written for DDP that all-reduces itself (no process group exists while Rhino captures the step)."""
+    import torch.distributed as dist
+    torch.manual_seed(0)
+    model = nn.Linear(8, 4)
+    g = torch.Generator().manual_seed(6)
+    x, y = torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+    def loss(model, x, y):
+        value = F.cross_entropy(model(x), y)
+        dist.all_reduce(value)
+        return value / dist.get_world_size()
+    return model, torch.optim.SGD(model.parameters(), lr=0.1), loss, (x, y)
