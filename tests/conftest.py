@@ -1,3 +1,4 @@
+import itertools
 import os
 import sys
 import time
@@ -48,14 +49,15 @@ def root() -> Path:
 
 
 def eager_losses(spec: str, steps: int) -> list[float]:
-    """PyTorch's plain single-device loop over the workload file's batches(), float64 (its lr_scheduler stepped
-    after each step): the oracle of the trainer, checkpoint, pipeline and schedule tests."""
+    """PyTorch's plain single-device loop over the workload file's batches() (its example batch every step where it
+    has none), float64, on the workload's own objects (no copy), its lr_scheduler stepped after each step: the
+    oracle of the trainer, checkpoint, pipeline and schedule tests."""
     import torch
     from rhino.capture import default_dtype, load_workload
     with default_dtype(torch.float64):
         w = load_workload(spec)
         scheduler = w.lr_scheduler(w.optimizer) if w.lr_scheduler else None
-        it, losses = w.batches(), []
+        it, losses = w.batches() if w.batches is not None else itertools.repeat(w.batch), []
         for _ in range(steps):
             w.optimizer.zero_grad(set_to_none=True)
             loss = w.loss_fn(w.model, *next(it))

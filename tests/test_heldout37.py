@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import ROOT, simulated_pipeline
+from conftest import ROOT, eager_losses, simulated_pipeline
 from rhino.capture import capture, default_dtype, load_workload
 from rhino.ir.types import DType
 from rhino.sharding.presets import parse_strategy, preset_plan
@@ -53,15 +53,7 @@ def test_gradient_and_step_hooks_are_part_of_the_step(name):
     with default_dtype(torch.float64):
         r = check_captured(cap, steps=4, rtol=0.0, atol=1e-12)
     assert r.ok, r.first_mismatch
-    with default_dtype(torch.float64):     # the workload's own objects, no copy (a deep copy drops tensor hooks)
-        w = load_workload(f"{HELDOUT37}:{name}", dtype=torch.float64)
-        eager = []
-        for _ in range(4):
-            w.optimizer.zero_grad()
-            loss = w.loss_fn(w.model, *w.batch)
-            loss.backward()
-            w.optimizer.step()
-            eager.append(loss.item())
+    eager = eager_losses(f"{HELDOUT37}:{name}", 4)    # the workload's own objects (a deep copy drops tensor hooks)
     assert r.losses == pytest.approx(eager, abs=1e-12) and r.eager_losses == pytest.approx(eager, abs=1e-12)
     with default_dtype(torch.float64):
         res, _ = simulate_plan(cap, preset_plan(cap.graph, parse_strategy("dp=2,tp=2")), 3)

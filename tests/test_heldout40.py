@@ -6,7 +6,7 @@ import warnings
 import pytest
 import torch
 
-from conftest import ROOT
+from conftest import ROOT, eager_losses
 from rhino.capture import capture, default_dtype, load_workload
 from rhino.runtime.exact import simulate_plan
 from rhino.sharding.presets import parse_strategy, preset_plan
@@ -95,14 +95,7 @@ def test_a_scripted_submodule_is_copied_with_trainable_parameters():
     assert all(p.is_leaf and any(p is q for q in held) for p in model.parameters())
     with default_dtype(torch.float64):
         r = check_captured(cap, steps=3, rtol=0.0, atol=1e-12)
-        w = load_workload(f"{HELDOUT40}:scripted_submodule", dtype=torch.float64)
-        eager = []
-        for _ in range(3):
-            w.optimizer.zero_grad()
-            loss = w.loss_fn(w.model, *w.batch)
-            loss.backward()
-            w.optimizer.step()
-            eager.append(loss.item())
+    eager = eager_losses(f"{HELDOUT40}:scripted_submodule", 3)
     assert r.ok, r.first_mismatch
     assert r.losses == pytest.approx(eager, abs=1e-12) and len(set(eager)) == 3
 

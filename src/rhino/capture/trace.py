@@ -337,19 +337,18 @@ def _mask_as_given(mask, is_causal=None, size=None) -> bool:
 
 
 @contextlib.contextmanager
-def _compiled_code_inlined():
+def _compiled_code_as_written():
     """A ``torch.compile``'d function or submodule inside the model runs its own Python code while the step is traced
     (dynamo's ``error_on_nested_fx_trace=False``: it steps aside under FX tracing instead of raising "Detected that
     you are using FX to symbolically trace a dynamo-optimized function"); the eager reference still runs it compiled.
     Only where dynamo is loaded (``torch.compile`` loads it; importing it costs about a second). TorchScript code
     (``torch.jit.script``/``trace``) runs unoptimised: its profiling executor specialises a function after its first
     calls, so a later capture (the step at 1/m of the batch) recorded other ops than the first."""
-    if "torch._dynamo" not in sys.modules:
-        with torch.jit.optimized_execution(False):
-            yield
-        return
-    import torch._dynamo
-    with torch._dynamo.config.patch(error_on_nested_fx_trace=False), torch.jit.optimized_execution(False):
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(torch.jit.optimized_execution(False))
+        if "torch._dynamo" in sys.modules:
+            from torch._dynamo import config as dynamo_config
+            stack.enter_context(dynamo_config.patch(error_on_nested_fx_trace=False))
         yield
 
 
@@ -426,7 +425,7 @@ def _trace(step, flat, workload: Workload) -> torch.fx.GraphModule:
         # to their aten cells (mm, sigmoid, ...): the oneDNN RNN op returns its backward's workspace only
         # under grad mode, which the lowered step (run under no_grad) does not have
         with autocast_on("cpu"), torch.backends.mkldnn.flags(enabled=False), _value_checks_off(), \
-                _compiled_code_inlined():
+                _compiled_code_as_written():
             return make_fx(step, tracing_mode="fake")(*flat)
     except _DATA_DEPENDENT as exc:
         fix = _module_fix(exc) or _VALUE_SHAPE_FIXES.get(getattr(exc, "func", None)) or \

@@ -30,7 +30,7 @@ from ..sharding.plan import ResolvedPlan
 from .collectives import shard_tensor
 
 __all__ = ["Tolerance", "TOLERANCES", "BF16_UNIT_ROUNDOFF", "bf16_tolerance", "computes_in_bf16", "computes_in_float32",
-           "tolerance_for", "state_dtype", "Reference", "reference_run", "accumulation_steps",
+           "least_precise_dtype", "tolerance_for", "state_dtype", "Reference", "reference_run", "accumulation_steps",
            "Comparison", "compare_ranks"]
 
 
@@ -89,15 +89,22 @@ def computes_in_float32(cap: Captured) -> bool:
     return any(t.shape and t.dtype.value in ("float32", "complex64") for t in cap.graph.types.values())
 
 
-def tolerance_for(cap: Captured, world: int = 1) -> Tolerance:
-    """The tolerance of the least precise dtype the step holds or computes in: the state's (``state_dtype``),
-    float32's where a float64 step computes a float32 region (``computes_in_float32``), ``bf16_tolerance(world)``
-    where it computes in 16-bit floats."""
+def least_precise_dtype(cap: Captured) -> torch.dtype:
+    """The least precise floating dtype the step holds or computes in: bfloat16 where it computes in 16-bit floats
+    (``computes_in_bf16``: bf16 or fp16), float32 where a float64 step computes a float32 region
+    (``computes_in_float32``), else the state's (``state_dtype``)."""
     if computes_in_bf16(cap):
-        return bf16_tolerance(world)
+        return torch.bfloat16
     dtype = state_dtype(cap)
-    if dtype is torch.float64 and computes_in_float32(cap):
-        dtype = torch.float32
+    return torch.float32 if dtype is torch.float64 and computes_in_float32(cap) else dtype
+
+
+def tolerance_for(cap: Captured, world: int = 1) -> Tolerance:
+    """The tolerance of the least precise dtype the step holds or computes in (``least_precise_dtype``):
+    ``bf16_tolerance(world)`` for 16-bit floats, else that dtype's entry of ``TOLERANCES``."""
+    dtype = least_precise_dtype(cap)
+    if dtype is torch.bfloat16:
+        return bf16_tolerance(world)
     if dtype not in TOLERANCES:
         raise ValueError(f"no comparison tolerance is defined for parameters of dtype {dtype}; "
                          f"compare in float32 or float64")

@@ -29,6 +29,7 @@ from ..capture.optim import copy_model
 from ..ir.graph import Graph, Ref
 from ..ir.registry import draws_rng
 from ..ir.types import TensorType
+from .compare import least_precise_dtype
 from .data import check_microbatch_rows
 
 __all__ = ["check_microbatch_loss", "checked_microbatch_graph", "explain_microbatch_errors", "microbatch_error",
@@ -124,7 +125,7 @@ def microbatch_note(cap: Captured, microbatches: int) -> str | None:
         return None
     (whole, whole_grad), (mean, acc_grad) = got
     scale = float(whole_grad.norm())
-    rel = min(0.05, 1e3 * torch.finfo(_least_precise(cap)).eps)
+    rel = min(0.05, 1e3 * torch.finfo(least_precise_dtype(cap)).eps)
     off = float((acc_grad - whole_grad).norm())
     if off <= rel * scale or not math.isfinite(off):
         return None
@@ -138,14 +139,6 @@ def microbatch_note(cap: Captured, microbatches: int) -> str | None:
             f"{off / max(scale, 1e-300):.3g} (norm-wise, relative) away from one backward of the whole batch (losses: "
             f"{mean:.6g} on average over the micro-batches, {whole:.6g} on the whole batch), and the run equals that "
             f"loop: {why}, or use microbatches=1 for one step on the whole batch")
-
-
-def _least_precise(cap: Captured) -> torch.dtype:
-    """The least precise floating dtype the step computes in (as ``compare.tolerance_for`` reads it)."""
-    from .compare import computes_in_bf16, computes_in_float32, state_dtype
-    if computes_in_bf16(cap):
-        return torch.bfloat16
-    return torch.float32 if computes_in_float32(cap) else state_dtype(cap)
 
 
 def _accumulated(cap: Captured, microbatches: int):
