@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 from rhino.memory.layout import Buffer, lower_bound, validate_layout
-from rhino.memory.layout_improve import ImproveOptions, plain_skyline, squeaky_wheel
+from rhino.memory.layout_improve import ImproveOptions, plain_skyline, search_kind, squeaky_wheel
 from rhino.memory.layout_skyline import skyline_pass, skyline_search
 from layout_traces import arrays as _arrays, by_id as _with, log_uniform as _trace
 
@@ -88,6 +88,7 @@ def test_the_plain_search_is_the_skyline_where_most_buffers_are_hot():
     fl = np.zeros(len(bufs), np.int64)
     lb = lower_bound(bufs)
     assert plain_skyline(lo, up, sz, fl, lb) and not plain_skyline(lo, up, sz, fl, lb, ImproveOptions(plain="lowest-fit"))
+    assert search_kind(lo, up, sz, fl, lb, ImproveOptions(plain="lowest-fit")) == "lowest-fit"
     off, h, _ = squeaky_wheel(lo, up, sz, al, fl, lb, time.monotonic() + 600, ImproveOptions(max_passes=5))
     ref, href, _ = skyline_search(lo, up, sz, al, fl, lb, time.monotonic() + 600, max_passes=5)
     assert h == href and (off == ref).all()
@@ -108,7 +109,7 @@ def test_plain_forces_the_skyline_search_where_the_focus_would_apply():
     lo, up, sz, al = _arrays(bufs)
     fl = np.zeros(len(bufs), np.int64)
     lb = lower_bound(bufs)
-    assert not plain_skyline(lo, up, sz, fl, lb)
+    assert not plain_skyline(lo, up, sz, fl, lb) and search_kind(lo, up, sz, fl, lb) == "focus"
     off, h, _ = squeaky_wheel(lo, up, sz, al, fl, lb, time.monotonic() + 600, ImproveOptions(max_passes=4),
                               plain=True)
     ref, href, _ = skyline_search(lo, up, sz, al, fl, lb, time.monotonic() + 600, max_passes=4)

@@ -78,7 +78,7 @@ from .layout_check import buffer_arrays, layout_heights, validate_layout
 from .layout_bnb import LayoutOptions, SearchStatus, capacity_in_range, preorder_indices, search_layout
 from .layout_eject import Follower, cores, eject_repair
 from .layout_greedy import greedy_order, lowest_firsts, lowest_fit_passes, place_in_order, slot_stack
-from .layout_improve import plain_skyline, squeaky_wheel
+from .layout_improve import search_kind, squeaky_wheel
 from .layout_peak import peak_split
 from .layout_skyline import SkylineRace, first_priorities
 from .layout_split import decompose, heavy_buffers, splittable
@@ -571,7 +571,8 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
         if follower is not None:
             follower.offer(start, best_h)
         offs, h, passes = squeaky_wheel(lo, up, sz, al, fl, cap, sw_deadline, options.split.improve, start,
-                                        on_best=None if follower is None else follower.offer, plain=skyline)
+                                        on_best=None if follower is None else follower.offer, plain=skyline,
+                                        eject=eject if eject.enabled else None)
         say(f"layout: leaf of {len(bufs):,} buffers: squeaky wheel {h:,} after {passes} passes (greedy {best_h:,})")
         if h < best_h:
             best, best_h, how = _by_id(bufs, offs), h, "squeaky-wheel"
@@ -617,8 +618,9 @@ def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: floa
     ``SplitOptions.allocator``, where lower); then the other greedy passes until ``greedy_share`` of the time, or
     ``skyline.greedy_share`` where the search will be the skyline one (the second, ``SIZE_START``, may run for 1.5
     times the first's time, within ``second_share``): where the skyline pass's excess over ``cap`` is at most
-    ``skyline_switch`` times the first greedy one's, or ``plain_skyline`` says so (asked with the lowest pass as
-    its start, as ``squeaky_wheel`` will be; skyline passes are fast, so the greedy ones get less time)."""
+    ``skyline_switch`` times the first greedy one's, or ``search_kind`` says so (asked with the lowest pass as
+    its start, as ``squeaky_wheel`` will be; skyline passes are fast, so the greedy ones get less time), or
+    ``focus_greedy_share`` where it says the search will be focused."""
     lowest = options.split.lowest_fit
     if not search:
         return (*_leaf_greedy(bufs, floor, cap, deadline, lowest), False)
@@ -667,8 +669,10 @@ def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: floa
         skyline = sky_h - cap <= improve.skyline_switch * (best_h - cap)
         best, best_h, how = _by_id(bufs, sky), sky_h, "skyline"
     start = _starts(bufs, best)
-    skyline = skyline or plain_skyline(lo, up, sz, fl, cap, improve, start)
-    share = improve.skyline.greedy_share if skyline else improve.greedy_share
+    kind = "skyline" if skyline else search_kind(lo, up, sz, fl, cap, improve, start)
+    skyline = kind == "skyline"
+    shares = {"skyline": improve.skyline.greedy_share, "focus": improve.focus_greedy_share}
+    share = shares.get(kind, improve.greedy_share)
     end = now + share * (deadline - now)
     skip = 1
     # (a pass whose time is over is not started: its set-up alone takes ~1.5 s on 1,000,000 buffers)

@@ -46,10 +46,11 @@ from typing import Callable
 import numba
 import numpy as np
 
+from .layout_eject import EjectOptions, eject_repair
 from .layout_greedy import place_in_order, time_index
 from .layout_skyline import SkylineOptions, skyline_search
 
-__all__ = ["ImproveOptions", "hot_buffers", "plain_skyline", "squeaky_wheel"]
+__all__ = ["ImproveOptions", "hot_buffers", "plain_skyline", "search_kind", "squeaky_wheel"]
 
 
 @dataclass(frozen=True)
@@ -83,7 +84,14 @@ class ImproveOptions:
     second lowest-fit pass (``GreedyOrder.SIZE_START``) may run past ``greedy_share`` for 1.5 times the
     first's time, up to this share of the leaf's time (``onesizeplus-1``: at the bound in 3.3 s against 26.8 s
     without; ``paged-1``'s passes take 15-19 s, beyond it, so it stays 0.370% where that pass alone is at
-    the bound)."""
+    the bound). ``focus_greedy_share``: ``greedy_share`` where the search will be the focused one (its hot passes
+    do not start from the greedy layouts, which only set the height to beat). ``completion_eject``: with
+    ``squeaky_wheel``'s ``eject``, a completion that ends above the target gets ejection chains (``layout_eject``)
+    for at most this share of the search's time before it counts: the cold buffers that a completion puts on top
+    of a low hot layout come down instead of raising it. Both measured in session 41 (``solve_layout``, 56 s,
+    ``random-1..8``, ``-11``, ``-14``; ``docs/benchmarks.md``): ``random-11`` 2.599% -> 1.615% (a hot layout at
+    1.858% completed to 3.461% by nine cold buffers of ~3.5 MB, 1.615% after the chains), ``random-4`` 1.153% ->
+    0.957% (the greedy share), the others within 0.07% either way."""
     enabled: bool = True
     greedy_share: float = 0.35
     alpha: float = 0.3
@@ -95,6 +103,8 @@ class ImproveOptions:
     focus_stall: int = 60
     focus_band: float = 1.0
     plain: str = "skyline"
+    focus_greedy_share: float = 0.1
+    completion_eject: float = 0.05
     skyline: SkylineOptions = SkylineOptions()
     skyline_start: bool = True
     skyline_switch: float = 0.5
@@ -115,12 +125,13 @@ def squeaky_wheel(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray
                   deadline: float, options: ImproveOptions = ImproveOptions(),
                   start: np.ndarray | None = None,
                   on_best: Callable[[np.ndarray, int], None] | None = None,
-                  plain: bool = False) -> tuple[np.ndarray | None, int, int]:
+                  plain: bool = False, eject: EjectOptions | None = None) -> tuple[np.ndarray | None, int, int]:
     """The lowest layout (offsets in input order) of the squeaky-wheel passes until ``deadline``
     (``time.monotonic``) or a height at most ``target``; ``start``: a layout to beat (kept when no pass
     is lower); ``on_best(offsets, height)`` is called with every lower layout found; ``plain``: the plain
     search whatever the focus would say (``layout._greedy_phase``: a skyline pass far below the greedy
-    ones). Returns the offsets (None when no pass finished and no ``start``), their height and the
+    ones); ``eject``: the ejection chains of the focused search's completions (``completion_eject``; None: none).
+    Returns the offsets (None when no pass finished and no ``start``), their height and the
     number of passes finished (with ``focus``: hot passes and completions)."""
     lo, up, sz, al, floor = (np.ascontiguousarray(x, np.int64) for x in (lo, up, sz, al, floor))
     best = None if start is None else np.asarray(start, np.int64)
@@ -131,12 +142,10 @@ def squeaky_wheel(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray
     with np.errstate(divide="ignore"):
         pri = np.log(sz.astype(np.float64)) + options.alpha * np.log((up - lo).astype(np.float64))
     step = float(np.log(options.boost))
-    if options.focus > 0 and not plain:
-        hot = hot_buffers(lo, up, sz, floor, target, options)
-        if best is not None:
-            hot |= best + sz > target
-        if hot.sum() <= options.focus_share * len(sz):
-            return _focused(lo, up, sz, al, floor, target, deadline, options, best, best_h, pri, hot, on_best)
+    if not plain:
+        hot = _hot_to_focus(lo, up, sz, floor, target, options, best)
+        if hot is not None:
+            return _focused(lo, up, sz, al, floor, target, deadline, options, best, best_h, pri, hot, on_best, eject)
     if options.plain == "skyline":
         return skyline_search(lo, up, sz, al, floor, target, deadline, options.skyline, best, on_best,
                               options.max_passes)
@@ -171,18 +180,31 @@ def hot_buffers(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, floor: np.ndarra
     return (pressure + options.focus_size * sz >= options.focus * target) & (sz > 0)
 
 
+def _hot_to_focus(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, floor: np.ndarray, target: int,
+                  options: ImproveOptions, start: np.ndarray | None) -> np.ndarray | None:
+    """The hot buffers where the focus applies (``focus`` on, at most ``focus_share`` of the buffers hot, those
+    above the target in ``start`` included), else None."""
+    if options.focus <= 0:
+        return None
+    hot = hot_buffers(lo, up, sz, floor, target, options)
+    if start is not None:
+        hot |= np.asarray(start) + sz > target
+    return hot if hot.sum() <= options.focus_share * len(sz) else None
+
+
+def search_kind(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, floor: np.ndarray, target: int,
+                options: ImproveOptions = ImproveOptions(), start: np.ndarray | None = None) -> str:
+    """The search ``squeaky_wheel`` (without ``plain``) will run on these buffers from ``start``: ``"focus"``
+    (the focus applies), else ``options.plain`` (``"skyline"`` or ``"lowest-fit"``)."""
+    lo, up, sz, floor = (np.ascontiguousarray(x, np.int64) for x in (lo, up, sz, floor))
+    return "focus" if _hot_to_focus(lo, up, sz, floor, target, options, start) is not None else options.plain
+
+
 def plain_skyline(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, floor: np.ndarray, target: int,
                   options: ImproveOptions = ImproveOptions(), start: np.ndarray | None = None) -> bool:
     """Whether ``squeaky_wheel`` on these buffers (from ``start``) will be the skyline search: ``plain``
     is ``"skyline"`` and the focus does not apply (more than ``focus_share`` hot)."""
-    if options.plain != "skyline":
-        return False
-    if options.focus <= 0:
-        return True
-    hot = hot_buffers(lo, up, sz, floor, target, options)
-    if start is not None:
-        hot |= np.asarray(start) + sz > target
-    return hot.sum() > options.focus_share * len(sz)
+    return search_kind(lo, up, sz, floor, target, options, start) == "skyline"
 
 
 def _keep(off: np.ndarray, sz: np.ndarray, best: np.ndarray | None, best_h: int,
@@ -200,11 +222,13 @@ def _keep(off: np.ndarray, sz: np.ndarray, best: np.ndarray | None, best_h: int,
 
 def _focused(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, floor: np.ndarray, target: int,
              deadline: float, options: ImproveOptions, best: np.ndarray | None, best_h: int, pri: np.ndarray,
-             hot: np.ndarray,
-             on_best: Callable[[np.ndarray, int], None] | None = None) -> tuple[np.ndarray | None, int, int]:
+             hot: np.ndarray, on_best: Callable[[np.ndarray, int], None] | None = None,
+             eject: EjectOptions | None = None) -> tuple[np.ndarray | None, int, int]:
     """``squeaky_wheel`` on the hot buffers ``hot`` alone, each best hot layout completed by placing the
-    cold ones around it (see the module docstring). ``pri`` is updated in place."""
+    cold ones around it (see the module docstring), a completion above ``target`` lowered by ejection chains
+    (``eject``, ``completion_eject``). ``pri`` is updated in place."""
     n = len(sz)
+    chains_s = options.completion_eject * max(0.0, deadline - time.monotonic())
     step = float(np.log(options.boost))  # priorities are logarithms (``squeaky_wheel``)
     passes = 0
     comp_s = None  # wall seconds of the last completion (a full pass with the hot buffers given)
@@ -251,6 +275,8 @@ def _focused(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, flo
             break
         comp_s = time.monotonic() - t
         passes += 1
+        if eject is not None and chains_s > 0 and int((off + sz).max()) > target:
+            off = eject_repair(lo, up, sz, al, floor, off, target, min(deadline, time.monotonic() + chains_s), eject)[0]
         end, best, best_h = _keep(off, sz, best, best_h, on_best)
         if best_h <= target:
             break
