@@ -91,7 +91,10 @@ class ImproveOptions:
     of a low hot layout come down instead of raising it. Both measured in session 41 (``solve_layout``, 56 s,
     ``random-1..8``, ``-11``, ``-14``; ``docs/benchmarks.md``): ``random-11`` 2.599% -> 1.615% (a hot layout at
     1.858% completed to 3.461% by nine cold buffers of ~3.5 MB, 1.615% after the chains), ``random-4`` 1.153% ->
-    0.957% (the greedy share), the others within 0.07% either way."""
+    0.957% (the greedy share), the others within 0.07% either way. With the chains, a completion (and a new hot
+    search where cold buffers join the hot ones) pays sooner, so ``focus_stall`` went from 60 to 10 (chosen on
+    ``random-1``, ``-2``, ``-4``, ``-7``, ``-11``, ``-14`` at 60 / 35 / 20 / 10 / 5: ``random-11`` 1.615 / 1.615 /
+    1.236 / 0.998 / 1.289%, ``random-14`` 2.646 / 1.943 / 1.943 / 1.943 / 1.943%)."""
     enabled: bool = True
     greedy_share: float = 0.35
     alpha: float = 0.3
@@ -100,7 +103,7 @@ class ImproveOptions:
     focus: float = 0.9
     focus_size: float = 6.0
     focus_share: float = 0.4
-    focus_stall: int = 60
+    focus_stall: int = 10
     focus_band: float = 1.0
     plain: str = "skyline"
     focus_greedy_share: float = 0.1
