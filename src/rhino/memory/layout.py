@@ -39,8 +39,9 @@ Solvers (``solve_layout``):
    ``split.improve``: lowest-fit passes on the hot buffers where few are hot, else skyline passes,
    ``layout_skyline``, after a shorter greedy phase; a first skyline pass joins the greedy ones and, where far
    lower, chooses the skyline search) for the rest of its share, with ejection chains (``layout_eject``,
-   ``split.eject``: the buffers above the target moved down by moving those in their way) on its best layouts in a
-   thread beside it where there are two cores, else after it in ``split.eject.share`` of the share, then window
+   ``split.eject``: the buffers above the target moved down by moving those in their way) on each completion of
+   the hot search and on its best layouts in a thread beside it where there are two cores, else after it in
+   ``split.eject.share`` of the share, then window
    repair (``layout_window``, ``split.window``: the top buffers' time windows laid out again around the others,
    where such windows are small) in ``split.window.share``; identical leaves (repeated layers or steps) share one
    layout. The branch and bound never sees more than ``split.max_leaf`` buffers there, which bounds its memory
