@@ -367,6 +367,23 @@ def test_all_reduce_keeps_the_input_layout():
         assert out_stride == in_stride and fresh
 
 
+def test_alpha_beta_keeps_a_positive_latency_under_noise():
+    """The alpha-beta fit of message times: exact on a clean line; where noise on the largest message pulls the
+    fitted latency below zero (``rhino profile --nproc 2`` once reported 0.0 s beside another run), the smallest
+    message's time less its bytes' share."""
+    from rhino.runtime.profile import alpha_beta, fit_line
+    sizes = [4096.0, 65536.0, 524288.0, 2097152.0, 8388608.0]
+    clean = [20e-6 + s / 1e9 for s in sizes]
+    slope, lat = alpha_beta(sizes, clean)
+    assert slope == pytest.approx(1e-9) and lat == pytest.approx(20e-6)
+    noisy = clean[:-1] + [clean[-1] * 1.2]
+    assert fit_line(sizes, noisy)[1] <= 0
+    slope, lat = alpha_beta(sizes, noisy)
+    assert lat == pytest.approx(noisy[0] - slope * sizes[0]) and lat > 0
+    slope, lat = alpha_beta(sizes, [1e-6, 1e-6, 1e-6, 1e-6, 3e-2])  # even the smallest time is all bytes: its time
+    assert lat == 1e-6
+
+
 @pytest.mark.multiprocess
 def test_profile_measures_concurrent_ranks(tmp_path):
     """`rhino profile --nproc 2`: both ranks measure compute at once, then all-reduce; the file loads."""

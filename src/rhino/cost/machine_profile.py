@@ -17,7 +17,9 @@ The profile holds absolute numbers measured on the local machine by micro-benchm
   math per element, e.g. ``erf`` in GELU, keeps them below the streaming bandwidth);
 - ``link_bandwidth`` / ``link_latency_s``: alpha-beta fit of all-reduce times over the local
   process group (gloo on CPU) at several sizes, using the ring formula of ``collectives.py``; each
-  all-reduce is timed as the runtime performs a gradient's (copy, all-reduce, divide).
+  all-reduce is timed as the runtime performs a gradient's (copy, all-reduce, divide); where noise on the large
+  sizes makes the fitted latency non-positive, the smallest size's time less its bytes' share
+  (``runtime.profile.alpha_beta``).
 - ``p2p_bandwidth`` / ``p2p_latency_s``: alpha-beta fit of one-way point-to-point message times between
   two processes (half a ping-pong, each message an ``isend`` and an ``irecv(...).wait()`` as
   ``runtime.pipeline`` sends boundary values); the pipeline model prices stage boundaries with it;

@@ -18,7 +18,7 @@ from ..sharding.placement import ReduceOp
 from .collectives import all_reduce_tensor
 from .launch import launch
 
-__all__ = ["measure_profile", "time_call", "fit_line"]
+__all__ = ["alpha_beta", "measure_profile", "time_call", "fit_line"]
 
 _MATMUL_SIZES = (64, 128, 192, 256, 384, 512, 768, 1024)
 _ALLREDUCE_BYTES = (4 << 10, 64 << 10, 512 << 10, 2 << 20, 8 << 20)
@@ -52,6 +52,19 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
     sxx = sum((x - mx) ** 2 for x in xs)
     slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx
     return slope, my - slope * mx
+
+
+def alpha_beta(sizes: list[float], times: list[float]) -> tuple[float, float]:
+    """(seconds per byte, latency) of ``times = latency + sizes * per_byte`` by least squares. Where timing noise
+    on the large messages makes the fitted latency zero or negative, the latency is the smallest message's time
+    less its bytes' share, or that whole time where that is not positive either (every message pays it, so it is
+    at most the smallest message's time): a measured link always has a positive latency."""
+    slope, intercept = fit_line(sizes, times)
+    if intercept > 0:
+        return slope, intercept
+    i = min(range(len(sizes)), key=sizes.__getitem__)
+    rest = times[i] - max(slope, 0.0) * sizes[i]
+    return slope, rest if rest > 0 else times[i]
 
 
 def _overhead() -> float:
@@ -267,12 +280,12 @@ def measure_profile(threads: int | None = None, nproc: int = 2, progress: Callab
         progress(f"  slowest rank: op overhead {overhead * 1e6:.2f} us, matmul {flops / 1e9:.1f} GFLOP/s, "
                  f"memory {bw / 1e9:.2f} GB/s, " + ", ".join(f"{k} {v / 1e9:.2f} GB/s" for k, v in kinds.items()))
         worst = [max(ts) for ts in zip(*(r[2] for r in results))]
-        slope, intercept = fit_line([float(s) for s in _ALLREDUCE_BYTES], worst)
+        slope, intercept = alpha_beta([float(s) for s in _ALLREDUCE_BYTES], worst)
         link_bw = 2 * (nproc - 1) / nproc / slope
-        link_lat = max(0.0, intercept / (2 * (nproc - 1)))
+        link_lat = intercept / (2 * (nproc - 1))
         progress(f"  all-reduce over {nproc} processes: {link_bw / 1e9:.2f} GB/s, {link_lat * 1e6:.1f} us")
-        p_slope, p_lat = fit_line([float(s) for s in _P2P_BYTES], results[0][3])
-        p2p_bw, p2p_lat = 1.0 / max(p_slope, 1e-15), max(0.0, p_lat)
+        p_slope, p2p_lat = alpha_beta([float(s) for s in _P2P_BYTES], results[0][3])
+        p2p_bw = 1.0 / max(p_slope, 1e-15)
         post = results[0][4] / 2
         progress(f"  point-to-point: {p2p_bw / 1e9:.2f} GB/s, {p2p_lat * 1e6:.1f} us; {post * 1e6:.1f} us per message "
                  f"end")
