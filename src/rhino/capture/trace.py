@@ -445,12 +445,12 @@ def _trace(step, flat, workload: Workload) -> torch.fx.GraphModule:
     except (RuntimeError, ValueError, TypeError, IndexError, AssertionError) as exc:
         first = str(exc).strip().splitlines()[0].rstrip(".") if str(exc).strip() else type(exc).__name__
         reason = f"tracing the training step failed at {_user_frame(exc, workload)}: {first}"
-        advice = ("write the step as for one device: the plan's collectives reduce across ranks (a loss that "
+        advice = ("Write the step as for one device: the plan's collectives reduce across ranks (a loss that "
                   "calls torch.distributed itself has no process group to use while Rhino captures it)"
                   if "process group" in first.lower() else
                   "Check that the batch fits the model (shapes, dtypes) and that loss_fn(model, *batch) runs in "
                   "plain PyTorch")
-        raise CaptureError(f"{reason}. {advice[0].upper()}{advice[1:]}", reason) from None
+        raise CaptureError(f"{reason}. {advice}", reason) from None
 
 
 #: torch modules that read a tensor's value in their own forward, by the file of that frame: what to change
