@@ -55,6 +55,11 @@ Traces (MiniMalloc CSV, written to ``--dir``):
 - Session 19, 1,000,000 buffers: ``long-S``, ``densehuge-S``, ``randomhuge-S`` (generators below); ``long-5``
   and ``densehuge-7`` chose ``SplitOptions.fine_cuts_above`` and ``ImproveOptions.huge``, ``randomhuge-7``
   was made after them (held out).
+- Session 42, seven shapes made after every choice (held out): ``realloc-S`` (arrays reallocated at twice their
+  size), ``clique-S`` (every buffer live at one step), ``sawtooth-S`` (phases that free at their end),
+  ``robson-S`` (rounds that free every other buffer, then allocate larger ones), ``dups-S`` (identical buffers in
+  groups), ``steps-S`` (one-step buffers: 200 cliques), ``moe-S`` (a mixture-of-experts training step); their
+  generators below.
 
 Each trace runs the CLI in a child process (``--json``); its peak RSS is the child's ``ru_maxrss``
 (``os.wait4``). Writes the section "Memory layout: large traces" of docs/benchmarks.md.
@@ -385,12 +390,109 @@ def synthetic_randomhuge(seed: int, n: int = 1_000_000) -> list[tuple[int, int, 
     return rows
 
 
+def synthetic_realloc(seed: int, n: int = 60_000) -> list[tuple[int, int, int]]:
+    """Growing arrays (session 42): each starts at 64 B-4 KiB and is reallocated 1-12 times at twice its size,
+    the new buffer allocated one step before the old one is freed, each copy living 5-400 steps."""
+    rng = random.Random(seed + 500)
+    rows, t = [], 0
+    while len(rows) < n:
+        t += rng.randint(1, 20)
+        size, at = 64 * rng.randint(1, 64), t
+        for _ in range(rng.randint(1, 12)):
+            nxt = at + rng.randint(5, 400)
+            rows.append((at, nxt + 1, size))
+            at, size = nxt, 2 * size
+        rows.append((at, at + rng.randint(1, 400), size))
+    return rows[:n]
+
+
+def synthetic_clique(seed: int, n: int = 60_000) -> list[tuple[int, int, int]]:
+    """Every buffer live at one step (session 42): sizes uniform 1 B-1 MiB."""
+    rng = random.Random(seed + 510)
+    return [(0, 1, rng.randint(1, 1 << 20)) for _ in range(n)]
+
+
+def synthetic_sawtooth(seed: int, n: int = 60_000, phases: int = 12) -> list[tuple[int, int, int]]:
+    """Phases that allocate for 8,000 steps and free at their end (session 42): 70% of a phase's buffers live
+    to 1-1,500 steps past its end (into the next phase), the rest 1-50 steps; sizes 64 B-512 KiB."""
+    rng = random.Random(seed + 520)
+    rows, per = [], n // phases
+    for p in range(phases):
+        for k in range(per):
+            lo = 10_000 * p + (k * 8_000) // per
+            up = 10_000 * p + 8_000 + rng.randint(1, 1_500) if rng.random() < 0.7 else lo + rng.randint(1, 50)
+            rows.append((lo, up, 64 * rng.randint(1, 8192)))
+    return rows
+
+
+def synthetic_robson(seed: int, n: int = 60_000) -> list[tuple[int, int, int]]:
+    """A fragmenting pattern (session 42, after Robson's worst cases for allocators): rounds of 400 buffers of
+    one size (64 B-4 KiB) where every other one lives 3,000-6,000 steps and the others 1-30, then 100 buffers
+    four times that size living 50-2,000 steps."""
+    rng = random.Random(seed + 530)
+    rows, t = [], 0
+    while len(rows) < n:
+        size = 64 << rng.randint(0, 6)
+        for k in range(400):
+            rows.append((t, t + (rng.randint(3_000, 6_000) if k % 2 else rng.randint(1, 30)), size))
+            t += 1
+        t += 10
+        for _ in range(100):
+            rows.append((t, t + rng.randint(50, 2_000), 4 * size))
+            t += 1
+    return rows[:n]
+
+
+def synthetic_dups(seed: int, n: int = 60_000) -> list[tuple[int, int, int]]:
+    """Identical buffers in groups of 1-30 (session 42): starts uniform over 100,000 steps, lifetimes
+    exponential (mean 500), sizes 64 B-128 KiB."""
+    rng = random.Random(seed + 540)
+    rows = []
+    while len(rows) < n:
+        lo = rng.randrange(100_000)
+        up = lo + 1 + int(rng.expovariate(1 / 500))
+        rows += [(lo, up, 64 * rng.randint(1, 2048))] * rng.randint(1, 30)
+    return rows[:n]
+
+
+def synthetic_steps(seed: int, n: int = 60_000) -> list[tuple[int, int, int]]:
+    """Buffers of one step each over 200 steps (session 42: 200 cliques of ~300), sizes 1 B-4 MiB."""
+    rng = random.Random(seed + 550)
+    return [(lo, lo + 1, rng.randint(1, 1 << 22)) for lo in (rng.randrange(200) for _ in range(n))]
+
+
+def synthetic_moe(seed: int, layers: int = 96, experts: int = 64) -> list[tuple[int, int, int]]:
+    """A mixture-of-experts training step (session 42): per layer and expert a saved activation of a log-normal
+    size (median ~70 KiB) freed in the backward pass, and three temporaries (median ~190 KiB) of 1-4 steps."""
+    rng = random.Random(seed + 560)
+    rows: list[list[int]] = []
+    saved, t = [], 0
+    lognormal = lambda mu, sigma: 64 * max(1, int(rng.lognormvariate(mu, sigma)))  # noqa: E731
+    for _ in range(layers):
+        keep = []
+        for _ in range(experts):
+            t += 1
+            keep.append(len(rows))
+            rows.append([t, -1, lognormal(7, 1.2)])
+            rows += [[t, t + rng.randint(1, 3), lognormal(8, 1.0)] for _ in range(3)]
+        saved.append(keep)
+    for layer in reversed(range(layers)):
+        for _ in range(experts):
+            t += 1
+            rows += [[t, t + rng.randint(1, 4), lognormal(8, 1.0)] for _ in range(3)]
+        for i in saved[layer]:
+            rows[i][1] = t + 1
+    return [(lo, up, sz) for lo, up, sz in rows]
+
+
 _MORE = {"nested": synthetic_nested, "lifo": synthetic_lifo, "aligned": synthetic_aligned, "dense": synthetic_dense,
          "serving": synthetic_serving, "pipeline": synthetic_pipeline, "hugebytes": synthetic_hugebytes,
          "sparse": synthetic_sparse, "onesize": synthetic_onesize, "onesizeplus": synthetic_onesizeplus,
          "classes": synthetic_classes, "paged": synthetic_paged, "nsaligned": synthetic_nsaligned,
          "bursts": synthetic_bursts, "long": synthetic_long, "densehuge": synthetic_densehuge,
-         "randomhuge": synthetic_randomhuge}
+         "randomhuge": synthetic_randomhuge, "realloc": synthetic_realloc, "clique": synthetic_clique,
+         "sawtooth": synthetic_sawtooth, "robson": synthetic_robson, "dups": synthetic_dups, "steps": synthetic_steps,
+         "moe": synthetic_moe}
 
 
 def make_trace(name: str, out: Path) -> Path:

@@ -237,7 +237,8 @@ def test_a_lowest_fit_pass_that_will_end_in_time_is_kept():
 
 def test_revisit_lowers_the_highest_leaf_from_its_layout():
     """``SplitOptions.revisit`` (``layout._revisit``): two leaves apart in time, one stacked (every buffer
-    on the one before it: valid but high), one laid out greedily. The revisit lowers the stacked leaf,
+    on the one before it: valid but high), one laid out greedily. The revisit (the search of a large leaf:
+    squeaky wheel, ejection chains, window repair) lowers the stacked leaf,
     keeps the other, stops at the other's top or the target, and the result is valid."""
     import numpy as np
 
@@ -249,8 +250,7 @@ def test_revisit_lowers_the_highest_leaf_from_its_layout():
         for _ in range(300):
             lo = base + rng.randint(0, 400)
             bufs.append(Buffer(len(bufs), lo, lo + rng.randint(1, 120), rng.randint(1, 64)))
-    lo, up, sz, al = (np.array([getattr(b, f) for b in bufs], np.int64) for f in ("lower", "upper", "size",
-                                                                                  "alignment"))
+    sz = np.array([b.size for b in bufs], np.int64)
     a, b = np.arange(300), np.arange(300, 600)
     stacked = np.concatenate([[0], np.cumsum(sz[a])[:-1]]).tolist()
     g = greedy_layout(bufs[300:])
@@ -258,13 +258,13 @@ def test_revisit_lowers_the_highest_leaf_from_its_layout():
     top_b = max(g[x.id] + x.size for x in bufs[300:])
     opts = LayoutOptions(split=SplitOptions(improve=ImproveOptions(max_passes=40)))
     target = lower_bound(bufs)
-    _revisit({"a": a, "b": b}, done, lo, up, sz, al, np.zeros(600, np.int64), target, time.monotonic() + 60, opts,
+    _revisit({"a": a, "b": b}, done, bufs, np.zeros(600, np.int64), target, time.monotonic() + 60, opts,
              lambda m: None)
     offs = {x.id: o for x, o in zip(bufs, done["a"][0] + done["b"][0])}
     assert validate_layout(bufs, offs) == []
     top_a = max(offs[x.id] + x.size for x in bufs[:300])
-    assert done["a"][1] == "squeaky-wheel" and top_a <= max(top_b, target) < int(sz[a].sum()), (top_a, top_b)
-    assert done["b"][1] in ("greedy", "squeaky-wheel")
+    assert done["a"][1].startswith("squeaky-wheel") and top_a <= max(top_b, target) < int(sz[a].sum()), (top_a, top_b)
+    assert done["b"][1] == "greedy" or done["b"][1].startswith("squeaky-wheel")
     assert max(offs[x.id] + x.size for x in bufs[300:]) <= top_b
 
 

@@ -48,10 +48,12 @@ Solvers (``solve_layout``):
    (its time-neighbour lists, undo logs and candidate pool grow with buffers x live buffers; buffers live over the
    whole step, such as parameters and optimizer state, neighbour every other one and are exactly what the peel
    removes). Revisit (``split.revisit``): leaves that finish early leave time; while some is left and the height
-   is above ``H``'s start (the bound or the capacity), the leaf whose top is highest gets the squeaky wheel again
-   from its layout, down to the next highest leaf's top, as long as that lowers it (``bimodal-1`` of
-   ``benchmarks/layout_scale.py``: a 3,742-buffer leaf whose exact search found nothing in its share kept its
-   greedy 1.471% above the bound, with 27 s of the 60 s unused; revisited: 0.0005%).
+   is above ``H``'s start (the bound or the capacity), the leaf whose top is highest gets a large leaf's search
+   again (squeaky wheel, ejection chains, window repair) from its layout, down to the next highest leaf's top, as
+   long as that lowers it (``bimodal-1`` of ``benchmarks/layout_scale.py``: a 3,742-buffer leaf whose exact search
+   found nothing in its share kept its greedy 1.471% above the bound, with 27 s of the 60 s unused; revisited by
+   the squeaky wheel: 0.0005%; the chains and the window repair joined it in session 42: the held-out
+   ``realloc-2``, 3.973% -> 2.827%).
 
 Time limit: greedy orders after the first stop at the deadline (the first one places the buffers it has not
 reached on top when it passes), and the exact search runs in threads that are left at the deadline (their set-up
@@ -490,7 +492,7 @@ def _solve_split(buffers: Sequence[Buffer], capacity: int | None, deadline: floa
                 done[key] = (_starts(bufs, offs).tolist(), name)
         H = max(H, int((np.array(done[key][0], np.int64) + sz[x]).max(initial=0)))
     if opts.revisit and opts.improve.enabled and H > target:
-        _revisit(dict(zip(keys, (leaf.index for leaf in leaves))), done, lo, up, sz, al, dec.floor, target,
+        _revisit(dict(zip(keys, (leaf.index for leaf in leaves))), done, buffers, dec.floor, target,
                  deadline - reserve, options, say)
     pos = dec.offsets.astype(np.int64)  # the stacked buffers', then each leaf's
     for leaf, key in zip(leaves, keys):
@@ -518,25 +520,27 @@ def _short_leaf(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, 
     return slot_stack(lo, up, sz, al, fl, 0).tolist(), "slots"
 
 
-def _revisit(index: dict, done: dict, lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray,
-             floor: np.ndarray, target: int, deadline: float, options: LayoutOptions, say: Progress) -> None:
-    """Time left after every leaf had its share (``SplitOptions.revisit``): the squeaky wheel again on the
-    leaf whose top is highest, from its layout, down to the next highest leaf's top (or ``target``);
-    repeated while it lowers that leaf and time is left. ``index``: distinct leaf key -> its buffers;
-    ``done``: key -> (offsets, solver), updated (identical leaves share it)."""
+def _revisit(index: dict, done: dict, buffers: Sequence[Buffer], floor: np.ndarray, target: int, deadline: float,
+             options: LayoutOptions, say: Progress) -> None:
+    """Time left after every leaf had its share (``SplitOptions.revisit``): the search of a large leaf (``_improve``:
+    squeaky wheel, ejection chains, window repair) on the leaf whose top is highest, from its layout, down to the
+    next highest leaf's top (or ``target``); repeated while it lowers that leaf and time is left. ``index``:
+    distinct leaf key -> its buffers (indices into ``buffers``); ``done``: key -> (offsets, solver), updated
+    (identical leaves share it)."""
+    sz = np.fromiter((b.size for b in buffers), np.int64, len(buffers))
     tops = {key: int((np.array(done[key][0], np.int64) + sz[ix]).max(initial=0)) for key, ix in index.items()}
     while time.monotonic() < deadline:
         key = max(tops, key=tops.get)
         if tops[key] <= target:
             return
         rest = max((t for k, t in tops.items() if k != key), default=0)
-        ix = index[key]
-        offs, h, passes = squeaky_wheel(lo[ix], up[ix], sz[ix], al[ix], floor[ix], max(target, rest), deadline,
-                                        options.split.improve, np.array(done[key][0], np.int64))
-        say(f"layout: leaf of {len(ix):,} buffers revisited: {tops[key]:,} -> {h:,} after {passes} passes")
+        bufs = [buffers[i] for i in index[key]]
+        offs, h, how = _improve(bufs, floor[index[key]].tolist(), max(target, rest), deadline, options, say,
+                                dict(zip(map(_ID, bufs), done[key][0])), tops[key], done[key][1], False)
+        say(f"layout: leaf of {len(bufs):,} buffers revisited: {tops[key]:,} -> {h:,}")
         if h >= tops[key]:
             return
-        done[key], tops[key] = (offs.tolist(), "squeaky-wheel"), h
+        done[key], tops[key] = (_starts(bufs, offs).tolist(), how), h
 
 
 def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, options: LayoutOptions,
@@ -557,43 +561,7 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
         if h < best_h:
             best, best_h, how = offs, h, "big-first"
     if search and best_h > cap and not late:
-        lo, up, sz, al = buffer_arrays(bufs)
-        start = _starts(bufs, best)
-        fl = np.array(floor, np.int64)
-        eject, window = options.split.eject, options.split.window
-        # the window repair's share at the end; ejection chains: in a thread beside the search where there
-        # are two cores, else after it
-        repair = window.enabled and windows_small(lo, up, sz, window)
-        search_end = deadline - (window.share * (deadline - time.monotonic()) if repair else 0.0)
-        follower = (Follower(lo, up, sz, al, fl, cap, search_end, eject).start()
-                    if eject.enabled and eject.beside and cores() >= 2 else None)
-        sw_deadline = search_end - (eject.share * (search_end - time.monotonic())
-                                    if eject.enabled and follower is None else 0.0)
-        if follower is not None:
-            follower.offer(start, best_h)
-        offs, h, passes = squeaky_wheel(lo, up, sz, al, fl, cap, sw_deadline, options.split.improve, start,
-                                        on_best=None if follower is None else follower.offer, plain=skyline,
-                                        eject=eject if eject.enabled else None)
-        say(f"layout: leaf of {len(bufs):,} buffers: squeaky wheel {h:,} after {passes} passes (greedy {best_h:,})")
-        if h < best_h:
-            best, best_h, how = _by_id(bufs, offs), h, "squeaky-wheel"
-        if follower is not None:
-            offs, h = follower.finish(wait=best_h > cap)
-            say(f"layout: leaf of {len(bufs):,} buffers: ejection chains beside it {h:,}")
-            if offs is not None and h < best_h:
-                best, best_h, how = _by_id(bufs, offs), h, "squeaky-wheel+eject"
-        elif eject.enabled and best_h > cap:
-            start = _starts(bufs, best)
-            offs, h, moved = eject_repair(lo, up, sz, al, fl, start, cap, search_end, eject)
-            say(f"layout: leaf of {len(bufs):,} buffers: ejection chains {best_h:,} -> {h:,} ({moved} moved)")
-            if h < best_h:
-                best, best_h, how = _by_id(bufs, offs), h, how + "+eject"
-        if repair and best_h > cap:
-            start = _starts(bufs, best)
-            offs, h, fixed = window_repair(lo, up, sz, al, fl, start, cap, deadline, window)
-            say(f"layout: leaf of {len(bufs):,} buffers: window repair {best_h:,} -> {h:,} ({fixed} windows fixed)")
-            if h < best_h:
-                best, best_h, how = _by_id(bufs, offs), h, how + "+window"
+        best, best_h, how = _improve(bufs, floor, cap, deadline, options, say, best, best_h, how, skyline)
     if best_h <= cap:
         return best, how
     say(f"layout: leaf of {len(bufs):,} buffers: greedy {best_h:,} ({how}) above {cap:,}; "
@@ -607,6 +575,52 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
             best, how = lower[0], "peak-split"
     assert best is not None  # the first greedy pass always finishes
     return best, how
+
+
+def _improve(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, options: LayoutOptions, say: Progress,
+             best: dict, best_h: int, how: str, plain: bool) -> tuple[dict, int, str]:
+    """A leaf's search from its lowest layout ``best`` (height ``best_h``, found by ``how``) towards ``cap``: the
+    squeaky wheel (``plain``: the plain search whatever the focus says), ejection chains beside it (two cores) or
+    after it, then window repair where the windows are small (``layout_window.windows_small``). Returns the lowest
+    layout (by id), its height and how it was found."""
+    lo, up, sz, al = buffer_arrays(bufs)
+    start = _starts(bufs, best)
+    fl = np.array(floor, np.int64)
+    eject, window = options.split.eject, options.split.window
+    # the window repair's share at the end; ejection chains: in a thread beside the search where there
+    # are two cores, else after it
+    repair = window.enabled and windows_small(lo, up, sz, window)
+    search_end = deadline - (window.share * (deadline - time.monotonic()) if repair else 0.0)
+    follower = (Follower(lo, up, sz, al, fl, cap, search_end, eject).start()
+                if eject.enabled and eject.beside and cores() >= 2 else None)
+    sw_deadline = search_end - (eject.share * (search_end - time.monotonic())
+                                if eject.enabled and follower is None else 0.0)
+    if follower is not None:
+        follower.offer(start, best_h)
+    offs, h, passes = squeaky_wheel(lo, up, sz, al, fl, cap, sw_deadline, options.split.improve, start,
+                                    on_best=None if follower is None else follower.offer, plain=plain,
+                                    eject=eject if eject.enabled else None)
+    say(f"layout: leaf of {len(bufs):,} buffers: squeaky wheel {h:,} after {passes} passes (greedy {best_h:,})")
+    if h < best_h:
+        best, best_h, how = _by_id(bufs, offs), h, "squeaky-wheel"
+    if follower is not None:
+        offs, h = follower.finish(wait=best_h > cap)
+        say(f"layout: leaf of {len(bufs):,} buffers: ejection chains beside it {h:,}")
+        if offs is not None and h < best_h:
+            best, best_h, how = _by_id(bufs, offs), h, "squeaky-wheel+eject"
+    elif eject.enabled and best_h > cap:
+        start = _starts(bufs, best)
+        offs, h, moved = eject_repair(lo, up, sz, al, fl, start, cap, search_end, eject)
+        say(f"layout: leaf of {len(bufs):,} buffers: ejection chains {best_h:,} -> {h:,} ({moved} moved)")
+        if h < best_h:
+            best, best_h, how = _by_id(bufs, offs), h, how + "+eject"
+    if repair and best_h > cap:
+        start = _starts(bufs, best)
+        offs, h, fixed = window_repair(lo, up, sz, al, fl, start, cap, deadline, window)
+        say(f"layout: leaf of {len(bufs):,} buffers: window repair {best_h:,} -> {h:,} ({fixed} windows fixed)")
+        if h < best_h:
+            best, best_h, how = _by_id(bufs, offs), h, how + "+window"
+    return best, best_h, how
 
 
 def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, options: LayoutOptions,

@@ -74,7 +74,7 @@ class SplitOptions:
     improve: ImproveOptions = ImproveOptions()  # leaves above max_leaf: squeaky wheel after the first pass
     big_first: bool = True  # leaves above max_leaf whose load a few buffers carry: those exactly first
     light_share: float = 0.005  # big_first: the others hold at most this fraction of the target live at once
-    revisit: bool = True  # time left after every leaf: the squeaky wheel again on the highest leaf (bimodal-1)
+    revisit: bool = True  # time left after every leaf: a large leaf's search again on the highest leaf (bimodal-1)
     eject: EjectOptions = EjectOptions()  # leaves above max_leaf: ejection chains after the squeaky wheel
     window: WindowOptions = WindowOptions()  # leaves above max_leaf: window repair after both (layout_window)
 
