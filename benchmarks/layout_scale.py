@@ -60,6 +60,10 @@ Traces (MiniMalloc CSV, written to ``--dir``):
   ``robson-S`` (rounds that free every other buffer, then allocate larger ones), ``dups-S`` (identical buffers in
   groups), ``steps-S`` (one-step buffers: 200 cliques), ``moe-S`` (a mixture-of-experts training step); their
   generators below.
+- Session 43, three shapes made after the core window (``memory.layout_core``) was chosen on ``realloc-2`` and
+  ``realloc-6`` (held out): ``grow15-S`` (lists growing by 1.5x, copies overlapping 1-3 steps), ``spikes-S``
+  (workspace bursts of 256 KiB-8 MiB buffers over a steady background), ``kvcopy-S`` (serving with contiguous KV
+  caches copied into twice their size as they grow); their generators below.
 
 Each trace runs the CLI in a child process (``--json``); its peak RSS is the child's ``ru_maxrss``
 (``os.wait4``). Writes the section "Memory layout: large traces" of docs/benchmarks.md.
@@ -485,6 +489,53 @@ def synthetic_moe(seed: int, layers: int = 96, experts: int = 64) -> list[tuple[
     return [(lo, up, sz) for lo, up, sz in rows]
 
 
+def synthetic_grow15(seed: int, n: int = 60_000) -> list[tuple[int, int, int]]:
+    """Lists growing by 1.5x (session 43): each starts at 64 B-16 KiB and is reallocated 1-15 times at 1.5 times
+    its size (64-byte multiples), the copies overlapping for 1-3 steps, each living 20-600 steps."""
+    rng = random.Random(seed + 570)
+    rows, t = [], 0
+    while len(rows) < n:
+        t += rng.randint(1, 30)
+        size, at = 64 * rng.randint(1, 256), t
+        for _ in range(rng.randint(1, 15)):
+            nxt = at + rng.randint(20, 600)
+            rows.append((at, nxt + rng.randint(1, 3), size))
+            at, size = nxt, 64 * max(1, (3 * size) // 128)
+        rows.append((at, at + rng.randint(1, 600), size))
+    return rows[:n]
+
+
+def synthetic_spikes(seed: int, n: int = 60_000, spikes: int = 30) -> list[tuple[int, int, int]]:
+    """Workspace bursts over a steady background (session 43): ``spikes`` times 20-60 buffers of 256 KiB-8 MiB
+    living 1-30 steps from one step, beside buffers with starts uniform over 100,000 steps, lifetimes
+    exponential (mean 300) and sizes 64 B-64 KiB."""
+    rng = random.Random(seed + 580)
+    rows = []
+    for _ in range(spikes):
+        t = rng.randrange(100_000)
+        rows += [(t, t + rng.randint(1, 30), 64 * rng.randint(4096, 131072)) for _ in range(rng.randint(20, 60))]
+    rows += uniform_exponential(rng, n - len(rows), 100_000, 300, 1024)
+    return rows
+
+
+def synthetic_kvcopy(seed: int, n: int = 60_000) -> list[tuple[int, int, int]]:
+    """Serving with contiguous KV caches (session 43): a request every 1-40 steps whose cache starts at 64 KiB-1 MiB
+    and is copied into one twice its size 0-5 times, every 50-500 steps (the copies overlapping one step), beside
+    four activations per request of 16 KiB-2 MiB living 1-3 steps."""
+    rng = random.Random(seed + 590)
+    rows, t = [], 0
+    while len(rows) < n:
+        t += rng.randint(1, 40)
+        size, at = 65536 * rng.randint(1, 16), t
+        for _ in range(rng.randint(0, 5)):
+            nxt = at + rng.randint(50, 500)
+            rows.append((at, nxt + 1, size))
+            at, size = nxt, 2 * size
+        rows.append((at, at + rng.randint(50, 500), size))
+        rows += [(t + k, t + k + rng.randint(1, 3), 16384 * rng.randint(1, 128)) for k in range(4)]
+    return rows[:n]
+
+
 _MORE = {"nested": synthetic_nested, "lifo": synthetic_lifo, "aligned": synthetic_aligned, "dense": synthetic_dense,
          "serving": synthetic_serving, "pipeline": synthetic_pipeline, "hugebytes": synthetic_hugebytes,
          "sparse": synthetic_sparse, "onesize": synthetic_onesize, "onesizeplus": synthetic_onesizeplus,
@@ -492,7 +543,7 @@ _MORE = {"nested": synthetic_nested, "lifo": synthetic_lifo, "aligned": syntheti
          "bursts": synthetic_bursts, "long": synthetic_long, "densehuge": synthetic_densehuge,
          "randomhuge": synthetic_randomhuge, "realloc": synthetic_realloc, "clique": synthetic_clique,
          "sawtooth": synthetic_sawtooth, "robson": synthetic_robson, "dups": synthetic_dups, "steps": synthetic_steps,
-         "moe": synthetic_moe}
+         "moe": synthetic_moe, "grow15": synthetic_grow15, "spikes": synthetic_spikes, "kvcopy": synthetic_kvcopy}
 
 
 def make_trace(name: str, out: Path) -> Path:

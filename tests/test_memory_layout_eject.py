@@ -105,8 +105,9 @@ def test_large_leaf_runs_the_chains_beside_or_after_the_search():
     stops early, or after it on one core) give a valid layout lower than the search alone (3 passes; no
     skyline start, which is lower than that on this trace; no window repair, which after the ``SIZE_START``
     pass lowers the search alone to within 0.02% of the bound and left the chains' leaf 0.06% above it
-    under load)."""
+    under load; no core window, which lays this trace out before the search starts)."""
     from rhino.memory.layout import LayoutOptions, solve_layout
+    from rhino.memory.layout_core import CoreOptions
     from rhino.memory.layout_improve import ImproveOptions
     from rhino.memory.layout_split import SplitOptions
     from rhino.memory.layout_window import WindowOptions
@@ -117,7 +118,8 @@ def test_large_leaf_runs_the_chains_beside_or_after_the_search():
     def opts(**eject):
         return LayoutOptions(split=SplitOptions(above=0, max_leaf=100, cuts=False, revisit=False,
                                                 improve=ImproveOptions(max_passes=3, skyline_start=False),
-                                                eject=EjectOptions(**eject), window=WindowOptions(enabled=False)))
+                                                eject=EjectOptions(**eject), window=WindowOptions(enabled=False),
+                                                core=CoreOptions(enabled=False)))
     plain = solve_layout(bufs, time_limit=5.0, options=opts(enabled=False))
     for kw in ({"beside": False}, {"beside": True}):
         r = solve_layout(bufs, time_limit=5.0, options=opts(**kw))

@@ -7,6 +7,7 @@ import time
 import numpy as np
 
 from rhino.memory.layout import Buffer, LayoutOptions, lower_bound, solve_layout, validate_layout
+from rhino.memory.layout_core import CoreOptions
 from rhino.memory.layout_greedy import place_in_order, time_index
 from rhino.memory.layout_eject import EjectOptions
 from rhino.memory.layout_improve import ImproveOptions, lifetime_pressure, squeaky_wheel
@@ -67,8 +68,10 @@ def test_large_leaf_uses_the_search_and_never_ends_above_the_first_pass():
     """A leaf above ``max_leaf`` (one random leaf): the result is valid and not above the lowest-fit pass
     alone (``improve`` off), and lower on this seed."""
     bufs = _trace(0)
-    on = LayoutOptions(split=SplitOptions(above=0, max_leaf=100, cuts=False))
-    off = LayoutOptions(split=SplitOptions(above=0, max_leaf=100, cuts=False, improve=ImproveOptions(enabled=False)))
+    no_core = CoreOptions(enabled=False)  # it lays this leaf out alone (``test_memory_layout_core``)
+    on = LayoutOptions(split=SplitOptions(above=0, max_leaf=100, cuts=False, core=no_core))
+    off = LayoutOptions(split=SplitOptions(above=0, max_leaf=100, cuts=False, improve=ImproveOptions(enabled=False),
+                                           core=no_core))
     a, b = solve_layout(bufs, time_limit=3.0, options=on), solve_layout(bufs, time_limit=3.0, options=off)
     assert a.valid and b.valid and validate_layout(bufs, a.offsets) == []
     assert a.height < b.height, (a.height, b.height, a.solver, b.solver)

@@ -9,6 +9,7 @@ from rhino.memory.layout import (Buffer, LayoutOptions, LayoutStatus, greedy_lay
                                  validate_layout)
 from rhino.memory.layout_bnb import SearchStatus, search_layout
 from rhino.memory.layout_cpsat import CpsatRun, CpStrategy
+from rhino.memory.layout_core import CoreOptions
 from rhino.memory.layout_eject import EjectOptions
 from rhino.memory.layout_split import SplitOptions, decompose
 from rhino.memory.layout_window import WindowOptions
@@ -200,7 +201,8 @@ def test_a_huge_leaf_starts_from_its_skyline_pass():
             for i in range(9000)]
     improve = ImproveOptions(huge=1000, huge_skyline_share=0.9, greedy_share=1e-9, max_passes=1)
     opts = LayoutOptions(split=SplitOptions(improve=improve, eject=EjectOptions(enabled=False),
-                                            window=WindowOptions(enabled=False), big_first=False))
+                                            window=WindowOptions(enabled=False), big_first=False,
+                                            core=CoreOptions(enabled=False)))
     said: list[str] = []
     res = solve_layout(bufs, time_limit=20, options=opts, progress=said.append)
     assert res.valid and validate_layout(bufs, res.offsets) == []
@@ -229,7 +231,8 @@ def test_a_lowest_fit_pass_that_will_end_in_time_is_kept():
     assert lowest < int((skyline_pass(lo, up, sz, al, fl, first_priorities(lo, up, sz)) + sz).max())
     improve = ImproveOptions(huge=1000, huge_skyline_share=0.9, greedy_share=1e-9, max_passes=1)
     opts = LayoutOptions(split=SplitOptions(improve=improve, eject=EjectOptions(enabled=False), cuts=False,
-                                            window=WindowOptions(enabled=False), big_first=False))
+                                            window=WindowOptions(enabled=False), big_first=False,
+                                            core=CoreOptions(enabled=False)))
     said: list[str] = []
     res = solve_layout(bufs, time_limit=20, options=opts, progress=said.append)
     assert res.valid and res.height <= lowest and any(f"(greedy {lowest:,})" in m for m in said), said
@@ -238,7 +241,8 @@ def test_a_lowest_fit_pass_that_will_end_in_time_is_kept():
 def test_revisit_lowers_the_highest_leaf_from_its_layout():
     """``SplitOptions.revisit`` (``layout._revisit``): two leaves apart in time, one stacked (every buffer
     on the one before it: valid but high), one laid out greedily. The revisit (the search of a large leaf:
-    squeaky wheel, ejection chains, window repair) lowers the stacked leaf,
+    squeaky wheel, ejection chains, window repair; the core window off, which lays these out alone) lowers the
+    stacked leaf,
     keeps the other, stops at the other's top or the target, and the result is valid."""
     import numpy as np
 
@@ -256,7 +260,7 @@ def test_revisit_lowers_the_highest_leaf_from_its_layout():
     g = greedy_layout(bufs[300:])
     done = {"a": (stacked, "stacked"), "b": ([g[x.id] for x in bufs[300:]], "greedy")}
     top_b = max(g[x.id] + x.size for x in bufs[300:])
-    opts = LayoutOptions(split=SplitOptions(improve=ImproveOptions(max_passes=40)))
+    opts = LayoutOptions(split=SplitOptions(improve=ImproveOptions(max_passes=40), core=CoreOptions(enabled=False)))
     target = lower_bound(bufs)
     _revisit({"a": a, "b": b}, done, bufs, np.zeros(600, np.int64), target, time.monotonic() + 60, opts,
              lambda m: None)

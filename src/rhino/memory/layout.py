@@ -15,10 +15,9 @@ Solvers (``solve_layout``):
    order overlaps only buffers live at its start (with it a clique of the interval graph: at most
    ``load / s - 1`` of them), so a free slot below the bound is left for it and the layout meets the
    bound (the greedy colouring of an interval graph by left ends; Golumbic, "Algorithmic Graph Theory
-   and Perfect Graphs", 1980). On a 60,000-buffer trace of one size (``docs/benchmarks.md``) the squeaky
-   wheel from the ``SIZE`` order ended 0.74% above the bound in 56 s; this order's lowest-fit pass
-   meets it in ~1 s. It is the leaves' second lowest-fit pass, and their first where all sizes are equal
-   (``_greedy_phase`` compares the skyline pass with the ``SIZE`` one, calibrated on that pass).
+   and Perfect Graphs", 1980). On a 60,000-buffer trace of one size (``docs/benchmarks.md``) the squeaky wheel
+   from ``SIZE`` ended 0.74% above the bound in 56 s, this order's lowest-fit pass at it in ~1 s. It is the
+   leaves' second lowest-fit pass, their first where all sizes are equal (``_greedy_phase``: skyline vs ``SIZE``).
 2. Exact, at a capacity: a portfolio of the MiniMalloc-style branch and bound (``layout_bnb``, in this thread) and
    CP-SAT (``layout_cpsat``, canonical then default search in time slices that double, in a second thread from
    half a second on); the first to find a layout or prove there is none stops the other. Without a capacity the
@@ -38,22 +37,20 @@ Solvers (``solve_layout``):
    the rest around them (``split.big_first``), then the squeaky-wheel search (``layout_improve``,
    ``split.improve``: lowest-fit passes on the hot buffers where few are hot, else skyline passes,
    ``layout_skyline``, after a shorter greedy phase; a first skyline pass joins the greedy ones and, where far
-   lower, chooses the skyline search) for the rest of its share, with ejection chains (``layout_eject``,
-   ``split.eject``: the buffers above the target moved down by moving those in their way) on each completion of
-   the hot search and on its best layouts in a thread beside it where there are two cores, else after it in
-   ``split.eject.share`` of the share, then window
-   repair (``layout_window``, ``split.window``: the top buffers' time windows laid out again around the others,
-   where such windows are small) in ``split.window.share``; identical leaves (repeated layers or steps) share one
-   layout. The branch and bound never sees more than ``split.max_leaf`` buffers there, which bounds its memory
-   (its time-neighbour lists, undo logs and candidate pool grow with buffers x live buffers; buffers live over the
-   whole step, such as parameters and optimizer state, neighbour every other one and are exactly what the peel
-   removes). Revisit (``split.revisit``): leaves that finish early leave time; while some is left and the height
-   is above ``H``'s start (the bound or the capacity), the leaf whose top is highest gets a large leaf's search
-   again (squeaky wheel, ejection chains, window repair) from its layout, down to the next highest leaf's top, as
-   long as that lowers it (``bimodal-1`` of ``benchmarks/layout_scale.py``: a 3,742-buffer leaf whose exact search
-   found nothing in its share kept its greedy 1.471% above the bound, with 27 s of the 60 s unused; revisited by
-   the squeaky wheel: 0.0005%; the chains and the window repair joined it in session 42: the held-out
-   ``realloc-2``, 3.973% -> 2.827%).
+   lower, chooses the skyline search) for the rest of its share, first the core window where one applies
+   (``layout_core``, ``split.core``: the buffers around a few full steps close together by the exact search, the
+   rest around them), with ejection chains (``layout_eject``, ``split.eject``: the buffers above the target moved
+   down by moving those in their way) on each completion of the hot search and on its best layouts in a thread
+   beside it where there are two cores, else after it in ``split.eject.share`` of the share, then window repair
+   (``layout_window``, ``split.window``: the top buffers' time windows laid out again around the others, where
+   such windows are small) in ``split.window.share``; identical leaves (repeated layers or steps) share a layout.
+   The branch and bound never sees more than ``split.max_leaf`` buffers there, which bounds its memory (its
+   time-neighbour lists, undo logs and candidate pool grow with buffers x live buffers; buffers live over the whole
+   step, such as parameters and optimizer state, neighbour every other one and are what the peel removes).
+   Revisit (``split.revisit``): while time is left and the height is above ``H``'s start, the highest leaf gets a
+   large leaf's search again from its layout, down to the next highest leaf's top, while that lowers it
+   (``benchmarks/layout_scale.py``: ``bimodal-1``'s 3,742-buffer leaf kept its greedy 1.471% with 27 s of 60 unused,
+   revisited 0.0005%; held-out ``realloc-2``: squeaky wheel 3.973%, with chains and window repair 2.827%, 0 now).
 
 Time limit: greedy orders after the first stop at the deadline (the first one places the buffers it has not
 reached on top when it passes), and the exact search runs in threads that are left at the deadline (their set-up
@@ -77,6 +74,7 @@ import numpy as np
 
 from .layout_alloc import allocator_pass
 from .layout_bound import aligned_bound, max_load
+from .layout_core import CoreSolver, core_window
 from .layout_check import buffer_arrays, layout_heights, validate_layout
 from .layout_bnb import LayoutOptions, SearchStatus, capacity_in_range, preorder_indices, search_layout
 from .layout_eject import Follower, cores, eject_repair
@@ -522,13 +520,13 @@ def _short_leaf(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, 
 
 def _revisit(index: dict, done: dict, buffers: Sequence[Buffer], floor: np.ndarray, target: int, deadline: float,
              options: LayoutOptions, say: Progress) -> None:
-    """Time left after every leaf had its share (``SplitOptions.revisit``): the search of a large leaf (``_improve``:
-    squeaky wheel, ejection chains, window repair) on the leaf whose top is highest, from its layout, down to the
-    next highest leaf's top (or ``target``); repeated while it lowers that leaf and time is left. ``index``:
-    distinct leaf key -> its buffers (indices into ``buffers``); ``done``: key -> (offsets, solver), updated
-    (identical leaves share it)."""
+    """Time left after every leaf had its share (``SplitOptions.revisit``): a large leaf's search (``_improve``; the
+    core window once per leaf) on the leaf whose top is highest, from its layout, down to the next highest leaf's
+    top (or ``target``); repeated while it lowers that leaf and time is left. ``index``: distinct leaf key -> its
+    buffers (indices into ``buffers``); ``done``: key -> (offsets, solver), updated (identical leaves share it)."""
     sz = np.fromiter((b.size for b in buffers), np.int64, len(buffers))
     tops = {key: int((np.array(done[key][0], np.int64) + sz[ix]).max(initial=0)) for key, ix in index.items()}
+    cored = set()
     while time.monotonic() < deadline:
         key = max(tops, key=tops.get)
         if tops[key] <= target:
@@ -536,7 +534,9 @@ def _revisit(index: dict, done: dict, buffers: Sequence[Buffer], floor: np.ndarr
         rest = max((t for k, t in tops.items() if k != key), default=0)
         bufs = [buffers[i] for i in index[key]]
         offs, h, how = _improve(bufs, floor[index[key]].tolist(), max(target, rest), deadline, options, say,
-                                dict(zip(map(_ID, bufs), done[key][0])), tops[key], done[key][1], False)
+                                dict(zip(map(_ID, bufs), done[key][0])), tops[key], done[key][1], False,
+                                core=key not in cored)
+        cored.add(key)
         say(f"layout: leaf of {len(bufs):,} buffers revisited: {tops[key]:,} -> {h:,}")
         if h >= tops[key]:
             return
@@ -545,10 +545,8 @@ def _revisit(index: dict, done: dict, buffers: Sequence[Buffer], floor: np.ndarr
 
 def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, options: LayoutOptions,
           say: Progress) -> tuple[dict, str]:
-    """One leaf at or under ``cap`` if greedy or the exact search finds it in time, else its lowest
-    greedy layout (greedy orders past the first stop at the deadline)."""
-    # above max_leaf (no exact search): greedy, the large buffers exactly (``big_first``), then the
-    # squeaky-wheel search (``layout_improve``)
+    """One leaf at or under ``cap`` if greedy or the exact search (above ``max_leaf``: ``big_first``, ``_improve``)
+    finds it in time, else its lowest greedy layout (greedy orders past the first stop at the deadline)."""
     large = len(bufs) > options.split.max_leaf
     search = large and options.split.improve.enabled
     best, best_h, how, skyline = _greedy_phase(bufs, floor, cap, deadline, options, search)
@@ -578,14 +576,20 @@ def _leaf(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, optio
 
 
 def _improve(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, options: LayoutOptions, say: Progress,
-             best: dict, best_h: int, how: str, plain: bool) -> tuple[dict, int, str]:
-    """A leaf's search from its lowest layout ``best`` (height ``best_h``, found by ``how``) towards ``cap``: the
-    squeaky wheel (``plain``: the plain search whatever the focus says), ejection chains beside it (two cores) or
-    after it, then window repair where the windows are small (``layout_window.windows_small``). Returns the lowest
-    layout (by id), its height and how it was found."""
+             best: dict, best_h: int, how: str, plain: bool, core: bool = True) -> tuple[dict, int, str]:
+    """A leaf's search from its lowest layout ``best`` (height ``best_h``, by ``how``) towards ``cap``: the core window
+    (if ``core``), the squeaky wheel (``plain``: plain whatever the focus says), ejection chains beside it (two cores)
+    or after it, window repair where windows are small (``windows_small``). Returns (layout by id, height, how)."""
     lo, up, sz, al = buffer_arrays(bufs)
-    start = _starts(bufs, best)
     fl = np.array(floor, np.int64)
+    now, co = time.monotonic(), options.split.core  # a few full steps close together: those buffers exactly first
+    offs, h = core_window(lo, up, sz, al, fl, cap, now + co.share * (deadline - now), co, _core_solver(options, say),
+                          say) if core else (None, 0)
+    if offs is not None and h < best_h:
+        best, best_h, how = _by_id(bufs, offs), h, "core-window"
+    if best_h <= cap:
+        return best, best_h, how
+    start = _starts(bufs, best)
     eject, window = options.split.eject, options.split.window
     # the window repair's share at the end; ejection chains: in a thread beside the search where there
     # are two cores, else after it
@@ -621,6 +625,16 @@ def _improve(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, op
         if h < best_h:
             best, best_h, how = _by_id(bufs, offs), h, how + "+window"
     return best, best_h, how
+
+
+def _core_solver(options: LayoutOptions, say: Progress) -> CoreSolver:
+    """``layout_core``'s search of a core: a tenth of its time greedy, then ``_minimize`` from the target up."""
+    def solve(lo, up, sz, al, fl, target, deadline):
+        sub = [Buffer(k, int(a), int(b), int(z), int(g)) for k, (a, b, z, g) in enumerate(zip(lo, up, sz, al))]
+        now = time.monotonic()
+        offs, h, _ = _leaf_greedy(sub, fl.tolist(), target, now + 0.1 * (deadline - now), options.split.lowest_fit)
+        return _starts(sub, _minimize(sub, fl.tolist(), offs, h, target, deadline, options, say)[0])
+    return solve
 
 
 def _greedy_phase(bufs: list[Buffer], floor: list[int], cap: int, deadline: float, options: LayoutOptions,

@@ -50,7 +50,7 @@ from .layout_eject import EjectOptions, eject_repair
 from .layout_greedy import place_in_order, time_index
 from .layout_skyline import SkylineOptions, skyline_search
 
-__all__ = ["ImproveOptions", "hot_buffers", "plain_skyline", "search_kind", "squeaky_wheel"]
+__all__ = ["ImproveOptions", "hot_buffers", "plain_skyline", "search_kind", "squeaky_wheel", "step_pressure"]
 
 
 @dataclass(frozen=True)
@@ -312,14 +312,9 @@ def _top_floor(a, b, fl, m):
     return out
 
 
-def lifetime_pressure(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, floor: np.ndarray) -> np.ndarray:
-    """Per buffer, the highest pressure over its lifetime, where the pressure at time ``t`` is the bytes
-    live at ``t`` plus the highest floor among the buffers live at ``t`` (with no floors: the max load
-    over its lifetime). Times are compressed to the starts and ends; a sparse table answers the range
-    maxima."""
-    n = len(sz)
-    if n == 0:
-        return np.zeros(0, np.int64)
+def step_pressure(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, floor: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """The pressure (``lifetime_pressure``) per segment ``[times[k], times[k + 1])`` between consecutive starts
+    and ends: (times, pressure), ``len(pressure) == len(times) - 1``."""
     times = np.unique(np.concatenate([lo, up]))
     a, b = np.searchsorted(times, lo), np.searchsorted(times, up)
     m = len(times) - 1
@@ -329,6 +324,19 @@ def lifetime_pressure(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, floor: np.
     table = np.cumsum(d)[:m]
     if (floor > 0).any():
         table = table + _top_floor(a, b, np.ascontiguousarray(floor, np.int64), m)
+    return times, table
+
+
+def lifetime_pressure(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, floor: np.ndarray) -> np.ndarray:
+    """Per buffer, the highest pressure over its lifetime, where the pressure at time ``t`` is the bytes
+    live at ``t`` plus the highest floor among the buffers live at ``t`` (with no floors: the max load
+    over its lifetime). Times are compressed to the starts and ends; a sparse table answers the range
+    maxima."""
+    n = len(sz)
+    if n == 0:
+        return np.zeros(0, np.int64)
+    times, table = step_pressure(lo, up, sz, floor)
+    a, b = np.searchsorted(times, lo), np.searchsorted(times, up)
     level = np.frexp((b - a).astype(np.float64))[1] - 1  # floor(log2(segments covered)), exact
     out = np.zeros(n, np.int64)
     for q in range(int(level.max()) + 1):  # table[k] = max of segments k .. k + 2**q - 1

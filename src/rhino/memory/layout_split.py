@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import numba
 import numpy as np
 
+from .layout_core import CoreOptions
 from .layout_eject import EjectOptions
 from .layout_improve import ImproveOptions
 from .layout_window import WindowOptions
@@ -77,6 +78,7 @@ class SplitOptions:
     revisit: bool = True  # time left after every leaf: a large leaf's search again on the highest leaf (bimodal-1)
     eject: EjectOptions = EjectOptions()  # leaves above max_leaf: ejection chains after the squeaky wheel
     window: WindowOptions = WindowOptions()  # leaves above max_leaf: window repair after both (layout_window)
+    core: CoreOptions = CoreOptions()  # large leaves and the revisit: the full steps' window exactly (layout_core)
 
 
 @dataclass
