@@ -88,6 +88,8 @@ def core_window(lo: np.ndarray, up: np.ndarray, sz: np.ndarray, al: np.ndarray, 
             break
         if len(core) < n and (not tries or len(core) > len(tries[-1][2])):
             tries.append((a, b, core))
+    if not tries:
+        return None, 0
     best, best_h = None, 0
     ix = time_index(lo, up, sz)
     for k, (a, b, core) in enumerate(tries):
