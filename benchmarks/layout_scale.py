@@ -83,6 +83,7 @@ import random
 import subprocess
 import sys
 import time
+from typing import Callable
 import warnings
 from pathlib import Path
 
@@ -394,20 +395,32 @@ def synthetic_randomhuge(seed: int, n: int = 1_000_000) -> list[tuple[int, int, 
     return rows
 
 
+def _growing(rng: random.Random, n: int, gap: int, unit: int, first: int, copies: tuple[int, int],
+             life: tuple[int, int], grow: Callable[[int], int], overlap: Callable[[random.Random], int] = lambda r: 1,
+             last: tuple[int, int] | None = None,
+             extra: Callable[[random.Random, int], list] | None = None) -> list[tuple[int, int, int]]:
+    """Arrays that grow by copying (``realloc``, ``grow15``, ``kvcopy``): one every 1-``gap`` steps, ``unit`` times
+    1-``first`` bytes, copied ``copies`` times into ``grow(size)`` bytes after ``life`` steps each, the copies
+    overlapping ``overlap`` steps; the last copy lives ``last`` steps (default: 1 to ``life``'s most);
+    ``extra(rng, t)``: rows beside each array."""
+    rows, t = [], 0
+    while len(rows) < n:
+        t += rng.randint(1, gap)
+        size, at = unit * rng.randint(1, first), t
+        for _ in range(rng.randint(*copies)):
+            nxt = at + rng.randint(*life)
+            rows.append((at, nxt + overlap(rng), size))
+            at, size = nxt, grow(size)
+        rows.append((at, at + rng.randint(*(last or (1, life[1]))), size))
+        if extra is not None:
+            rows += extra(rng, t)
+    return rows[:n]
+
+
 def synthetic_realloc(seed: int, n: int = 60_000) -> list[tuple[int, int, int]]:
     """Growing arrays (session 42): each starts at 64 B-4 KiB and is reallocated 1-12 times at twice its size,
     the new buffer allocated one step before the old one is freed, each copy living 5-400 steps."""
-    rng = random.Random(seed + 500)
-    rows, t = [], 0
-    while len(rows) < n:
-        t += rng.randint(1, 20)
-        size, at = 64 * rng.randint(1, 64), t
-        for _ in range(rng.randint(1, 12)):
-            nxt = at + rng.randint(5, 400)
-            rows.append((at, nxt + 1, size))
-            at, size = nxt, 2 * size
-        rows.append((at, at + rng.randint(1, 400), size))
-    return rows[:n]
+    return _growing(random.Random(seed + 500), n, 20, 64, 64, (1, 12), (5, 400), lambda s: 2 * s)
 
 
 def synthetic_clique(seed: int, n: int = 60_000) -> list[tuple[int, int, int]]:
@@ -492,17 +505,8 @@ def synthetic_moe(seed: int, layers: int = 96, experts: int = 64) -> list[tuple[
 def synthetic_grow15(seed: int, n: int = 60_000) -> list[tuple[int, int, int]]:
     """Lists growing by 1.5x (session 43): each starts at 64 B-16 KiB and is reallocated 1-15 times at 1.5 times
     its size (64-byte multiples), the copies overlapping for 1-3 steps, each living 20-600 steps."""
-    rng = random.Random(seed + 570)
-    rows, t = [], 0
-    while len(rows) < n:
-        t += rng.randint(1, 30)
-        size, at = 64 * rng.randint(1, 256), t
-        for _ in range(rng.randint(1, 15)):
-            nxt = at + rng.randint(20, 600)
-            rows.append((at, nxt + rng.randint(1, 3), size))
-            at, size = nxt, 64 * max(1, (3 * size) // 128)
-        rows.append((at, at + rng.randint(1, 600), size))
-    return rows[:n]
+    return _growing(random.Random(seed + 570), n, 30, 64, 256, (1, 15), (20, 600), lambda s: 64 * max(1, 3 * s // 128),
+                    overlap=lambda r: r.randint(1, 3))
 
 
 def synthetic_spikes(seed: int, n: int = 60_000, spikes: int = 30) -> list[tuple[int, int, int]]:
@@ -522,18 +526,8 @@ def synthetic_kvcopy(seed: int, n: int = 60_000) -> list[tuple[int, int, int]]:
     """Serving with contiguous KV caches (session 43): a request every 1-40 steps whose cache starts at 64 KiB-1 MiB
     and is copied into one twice its size 0-5 times, every 50-500 steps (the copies overlapping one step), beside
     four activations per request of 16 KiB-2 MiB living 1-3 steps."""
-    rng = random.Random(seed + 590)
-    rows, t = [], 0
-    while len(rows) < n:
-        t += rng.randint(1, 40)
-        size, at = 65536 * rng.randint(1, 16), t
-        for _ in range(rng.randint(0, 5)):
-            nxt = at + rng.randint(50, 500)
-            rows.append((at, nxt + 1, size))
-            at, size = nxt, 2 * size
-        rows.append((at, at + rng.randint(50, 500), size))
-        rows += [(t + k, t + k + rng.randint(1, 3), 16384 * rng.randint(1, 128)) for k in range(4)]
-    return rows[:n]
+    return _growing(random.Random(seed + 590), n, 40, 65536, 16, (0, 5), (50, 500), lambda s: 2 * s, last=(50, 500),
+                    extra=lambda r, t: [(t + k, t + k + r.randint(1, 3), 16384 * r.randint(1, 128)) for k in range(4)])
 
 
 _MORE = {"nested": synthetic_nested, "lifo": synthetic_lifo, "aligned": synthetic_aligned, "dense": synthetic_dense,
