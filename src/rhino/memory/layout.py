@@ -74,9 +74,9 @@ import numpy as np
 
 from .layout_alloc import allocator_pass
 from .layout_bound import aligned_bound, max_load
-from .layout_core import CoreSolver, core_window
 from .layout_check import buffer_arrays, layout_heights, validate_layout
 from .layout_bnb import LayoutOptions, SearchStatus, capacity_in_range, preorder_indices, search_layout
+from .layout_core import CoreSolver, core_window
 from .layout_eject import Follower, cores, eject_repair
 from .layout_greedy import greedy_order, lowest_firsts, lowest_fit_passes, place_in_order, slot_stack
 from .layout_improve import search_kind, squeaky_wheel
