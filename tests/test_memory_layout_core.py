@@ -73,10 +73,14 @@ def test_core_window_is_skipped_where_the_window_holds_too_many_buffers():
 
 
 def test_solve_layout_with_and_without_the_core_window_is_valid():
-    lo, up, sz = _realloc(5, 7000)
+    """One large leaf (``max_leaf`` lowered): its search runs the core window first where it is on (said in the
+    progress), and the layout is valid either way."""
+    lo, up, sz = _realloc(5, 2000)
     bufs = [Buffer(i, int(a), int(b), int(s)) for i, (a, b, s) in enumerate(zip(lo, up, sz))]
     for enabled in (True, False):
-        opts = LayoutOptions(split=SplitOptions(core=CoreOptions(enabled=enabled)))
-        res = solve_layout(bufs, time_limit=4, options=opts)
+        opts = LayoutOptions(split=SplitOptions(above=0, max_leaf=100, cuts=False, core=CoreOptions(enabled=enabled)))
+        said: list[str] = []
+        res = solve_layout(bufs, time_limit=3, options=opts, progress=said.append)
         assert res.valid and not validate_layout(bufs, res.offsets)
         assert res.height >= lower_bound(bufs)
+        assert any("core window of" in m for m in said) == enabled, said
